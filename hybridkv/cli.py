@@ -1,0 +1,84 @@
+"""The `hybridkv` command line: one entry point, one subcommand per job.
+
+    hybridkv plan MODEL...     KV cache layout and capacity from a config.json (no engine, no GPU)
+    hybridkv run               the reference engine on a chat workload (see cli_run.py)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.core.model_specs import KVCacheDType, SpecOptions
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hybrid KV cache planner, engine and server.")
+
+
+@app.command("plan")
+def plan_command(
+    models: Annotated[list[str] | None, typer.Argument(help="catalog name, config.json path or HF model dir")] = None,
+    memory_gib: Annotated[float, typer.Option("--memory-gib", help="KV cache memory budget in GiB")] = 16.0,
+    max_model_len: Annotated[
+        int | None, typer.Option("--max-model-len", help="default: the model's limit, at most 32768")
+    ] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
+    kv_cache_dtype: Annotated[KVCacheDType, typer.Option("--kv-cache-dtype")] = KVCacheDType.AUTO,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="model dtype (default: the config's)")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size")] = 1,
+    num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens")] = 0,
+    block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
+    mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
+    list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Show how a hybrid KV cache lays out memory for MODEL and how much it holds."""
+    from hybridkv import plan_report
+
+    console = Console()
+    if list_catalog:
+        if json_output:
+            entries = [{"hf_id": e.hf_id, "aliases": list(e.aliases), "model_type": e.config.get("model_type")}
+                       for e in plan_report.catalog()]
+            print(json.dumps(entries, indent=2))
+        else:
+            plan_report.render_catalog(console)
+        return
+    if not models:
+        raise _usage_error("give at least one MODEL (a catalog name, config.json or model dir), or --list")
+    try:
+        spec_options = SpecOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp_size=tp,
+                                   num_speculative_tokens=num_speculative_tokens)
+        plans = [
+            plan_report.make_plan(plan_report.PlanRequest(
+                model=m, memory_gib=memory_gib, max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                mamba_alignment=mamba_alignment, spec_options=spec_options))
+            for m in models
+        ]
+    except HybridKVError as exc:
+        raise _usage_error(str(exc)) from None
+    if json_output:
+        reports = [plan_report.plan_to_json(spec, result) for spec, result in plans]
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    elif len(plans) == 1:
+        plan_report.render_plan(console, *plans[0])
+    else:
+        plan_report.render_comparison(console, plans)
+
+
+def _usage_error(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code=2)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pure-Python core (no torch): specs, planner, hashing, block pool, managers, coordinator."""

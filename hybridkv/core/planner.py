@@ -1,0 +1,283 @@
+"""The KV cache planner: layer specs + memory budget -> groups, block size, tensors, capacity.
+
+It reproduces the vLLM hybrid KV cache layout exactly (design.md section 3) and, for
+comparison, the uniform layout an engine falls back to when the hybrid manager is off.
+
+    bucket layers by spec --> group_size (1.5x rule) --> strided split into groups
+        --> one block size per group so every page has the same size
+        --> group_size tensors, tensor i shared by layer i of every group
+        --> num_blocks = memory // page_size // group_size   (block 0 is the null block)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridkv.core.errors import CapacityError, ConfigError
+from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaSpec, ModelSpec, SpecKind
+
+GIB = 1024**3
+MIN_CHUNK_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerOptions:
+    """What the planner needs besides the model: the budget and the scheduler limits."""
+
+    memory_bytes: int
+    max_model_len: int
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    mamba_alignment: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheGroupSpec:
+    """One KV cache group: layers of one spec sharing a block table, and its block size.
+
+    `padding_layers` counts the slots this group leaves empty because it has fewer layers
+    than `group_size`: those slots' memory in the shared tensors is wasted.
+    """
+
+    group_id: int
+    spec: LayerSpec
+    layer_indices: tuple[int, ...]
+    block_size: int
+    padding_layers: int = 0
+
+    @property
+    def kind(self) -> SpecKind:
+        return self.spec.kind
+
+    @property
+    def window_tokens(self) -> int:
+        """Sliding window in tokens, 0 for other kinds."""
+        return self.spec.window_tokens if isinstance(self.spec, AttentionSpec) else 0
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Local-attention chunk in tokens, 0 for other kinds."""
+        return self.spec.chunk_tokens if isinstance(self.spec, AttentionSpec) else 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheTensor:
+    """One physical buffer of `num_blocks * page_size_bytes`, shared by the layers listed."""
+
+    size_bytes: int
+    shared_by: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheConfig:
+    """The layout both the KV cache manager and the runner read.
+
+    `num_blocks` includes the null block 0; `usable_blocks = num_blocks - 1`.
+    """
+
+    model: str
+    num_blocks: int
+    page_size_bytes: int
+    group_size: int
+    groups: tuple[KVCacheGroupSpec, ...]
+    tensors: tuple[KVCacheTensor, ...]
+    kv_shared_from: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.size_bytes for t in self.tensors)
+
+    @property
+    def attention_block_size(self) -> int:
+        """Block size of the attention groups (the smallest, if they differ)."""
+        sizes = [g.block_size for g in self.groups if g.kind is not SpecKind.MAMBA]
+        return min(sizes) if sizes else self.groups[0].block_size
+
+    def tensor_of_layer(self, layer: int) -> int:
+        """Index of the tensor holding `layer` (a KV-shared layer resolves to its target)."""
+        layer = self.kv_shared_from.get(layer, layer)
+        for i, tensor in enumerate(self.tensors):
+            if layer in tensor.shared_by:
+                return i
+        raise ConfigError(f"layer {layer} owns no KV cache tensor in model {self.model!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UniformLayout:
+    """The layout with the hybrid manager off: every attention layer cached as full attention."""
+
+    runnable: bool
+    reason: str
+    block_size: int
+    num_blocks: int
+    total_bytes: int
+    max_concurrency: float
+    kv_capacity_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """The planner's full answer: the hybrid layout, its capacity and the uniform comparison."""
+
+    config: KVCacheConfig
+    options: PlannerOptions
+    blocks_per_request: tuple[int, ...]  # per group, at max_model_len
+    max_concurrency: float
+    kv_capacity_tokens: int
+    padding_waste_bytes: int
+    recommended_chunk_size: int
+    uniform: UniformLayout
+
+    @property
+    def capacity_ratio(self) -> float:
+        """Hybrid over uniform capacity (inf when the uniform layout cannot run)."""
+        if not self.uniform.runnable or self.uniform.max_concurrency == 0:
+            return math.inf
+        return self.max_concurrency / self.uniform.max_concurrency
+
+
+def group_layers(buckets: list[list[int]]) -> tuple[int, list[list[int]]]:
+    """Split spec buckets (lists of layer indices) into groups; returns (group_size, groups).
+
+    group_size is the smallest bucket, or the largest when max < 1.5 * min; a bucket of n
+    layers becomes ceil(n / group_size) groups by stride, `layers[i::k]`.
+    """
+    sizes = [len(b) for b in buckets]
+    smallest, largest = min(sizes), max(sizes)
+    group_size = largest if largest < 1.5 * smallest else smallest
+    groups: list[list[int]] = []
+    for bucket in buckets:
+        k = math.ceil(len(bucket) / group_size)
+        groups.extend(bucket[i::k] for i in range(k))
+    return group_size, groups
+
+
+def mamba_block_size(*, state_bytes: int, attn_bytes_per_token: int, alignment: int) -> int:
+    """Attention block size that makes one attention page hold a whole Mamba state.
+
+    B = A * ceil(M / (A * P1)); M = state bytes, P1 = attention bytes per token per layer.
+    """
+    return alignment * math.ceil(state_bytes / (alignment * attn_bytes_per_token))
+
+
+def _block_sizes(specs: list[LayerSpec], options: PlannerOptions) -> tuple[list[int], int]:
+    """Block size per distinct spec and the common page size."""
+    attention = [s for s in specs if isinstance(s, AttentionSpec)]
+    mamba = [s for s in specs if isinstance(s, MambaSpec)]
+    base = options.block_size
+    if mamba and attention:
+        per_token = max(s.bytes_per_token for s in attention)
+        state = max(s.state_bytes for s in mamba)
+        base = max(base, mamba_block_size(state_bytes=state, attn_bytes_per_token=per_token,
+                                          alignment=options.mamba_alignment))
+    pages = [s.page_size_bytes(base) for s in specs]
+    page = max(pages)
+    sizes: list[int] = []
+    for spec in specs:
+        if isinstance(spec, MambaSpec):
+            sizes.append(base)  # the state page is padded up to `page`
+            continue
+        if page % spec.bytes_per_token:
+            raise ConfigError(
+                f"cannot unify page sizes: the largest page is {page} bytes but a {spec.kind.value} "
+                f"layer has {spec.bytes_per_token} bytes per token, which does not divide it"
+            )
+        sizes.append(page // spec.bytes_per_token)
+    return sizes, page
+
+
+def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheConfig:
+    """The vLLM-compatible hybrid layout of `model` within `options.memory_bytes`."""
+    owned = model.owned_layers()
+    if not owned:
+        raise ConfigError(f"model {model.name!r} has no layer that owns a KV cache")
+    distinct: list[LayerSpec] = []
+    buckets: list[list[int]] = []
+    for layer, spec in owned:
+        if spec not in distinct:
+            distinct.append(spec)
+            buckets.append([])
+        buckets[distinct.index(spec)].append(layer)
+    sizes, page = _block_sizes(distinct, options)
+    group_size, grouped = group_layers(buckets)
+    spec_of = {layer: spec for layer, spec in owned}
+    groups = []
+    for gid, layers in enumerate(grouped):
+        spec = spec_of[layers[0]]
+        groups.append(KVCacheGroupSpec(
+            group_id=gid, spec=spec, layer_indices=tuple(layers),
+            block_size=sizes[distinct.index(spec)], padding_layers=group_size - len(layers),
+        ))
+    num_blocks = options.memory_bytes // page // group_size
+    if num_blocks < 2:
+        need = 2 * page * group_size
+        raise CapacityError(
+            f"memory budget of {options.memory_bytes} bytes holds {num_blocks} blocks of {page} bytes "
+            f"x {group_size} tensors; at least {need} bytes are needed for one usable block"
+        )
+    tensors = tuple(
+        KVCacheTensor(size_bytes=num_blocks * page,
+                      shared_by=tuple(g.layer_indices[i] for g in groups if i < len(g.layer_indices)))
+        for i in range(group_size)
+    )
+    return KVCacheConfig(model=model.name, num_blocks=num_blocks, page_size_bytes=page,
+                         group_size=group_size, groups=tuple(groups), tensors=tensors,
+                         kv_shared_from=dict(model.kv_shared_from))
+
+
+def _uniform_layout(model: ModelSpec, options: PlannerOptions) -> UniformLayout:
+    owned = model.owned_layers()
+    block = options.block_size
+    if any(isinstance(s, MambaSpec) for _, s in owned):
+        return UniformLayout(
+            runnable=False, block_size=block, num_blocks=0, total_bytes=0, max_concurrency=0.0,
+            kv_capacity_tokens=0,
+            reason="Mamba-style state layers cannot be cached as full attention: "
+                   "without the hybrid KV cache manager this model does not run",
+        )
+    bytes_per_block = sum(s.page_size_bytes(block) for _, s in owned)
+    num_blocks = options.memory_bytes // bytes_per_block
+    need = math.ceil(options.max_model_len / block)
+    concurrency = max(num_blocks - 1, 0) / need
+    promoted = sum(1 for _, s in owned if s.kind in (SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL))
+    return UniformLayout(
+        runnable=num_blocks > 1, block_size=block, num_blocks=num_blocks,
+        total_bytes=num_blocks * bytes_per_block, max_concurrency=concurrency,
+        kv_capacity_tokens=int(concurrency * options.max_model_len),
+        reason=(f"{promoted} sliding/chunked layers cached as full attention" if promoted
+                else "single attention type: same as the hybrid layout"),
+    )
+
+
+def recommended_chunk_size(config: KVCacheConfig, minimum_tokens: int = MIN_CHUNK_TOKENS) -> int:
+    """Smallest multiple of every group's block size that is at least `minimum_tokens`."""
+    step = math.lcm(*(g.block_size for g in config.groups))
+    return step * max(1, math.ceil(minimum_tokens / step))
+
+
+def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
+    """Lay out `model` in the hybrid layout and compare it with the uniform one."""
+    config = build_kv_cache_config(model, options)
+    need = tuple(
+        g.spec.blocks_needed(block_size=g.block_size, max_model_len=options.max_model_len,
+                             max_num_batched_tokens=options.max_num_batched_tokens)
+        for g in config.groups
+    )
+    concurrency = config.usable_blocks / sum(need)
+    waste = sum(g.padding_layers for g in config.groups) * config.num_blocks * config.page_size_bytes
+    return Plan(
+        config=config, options=options, blocks_per_request=need, max_concurrency=concurrency,
+        kv_capacity_tokens=int(concurrency * options.max_model_len), padding_waste_bytes=waste,
+        recommended_chunk_size=recommended_chunk_size(config), uniform=_uniform_layout(model, options),
+    )
