@@ -18,6 +18,11 @@ from hybridkv.core.model_specs import KVCacheDType, SpecOptions
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hybrid KV cache planner, engine and server.")
 
 
+@app.callback()
+def _root() -> None:
+    """Hybrid KV cache planner, reference engine and KV cache server."""
+
+
 @app.command("plan")
 def plan_command(
     models: Annotated[list[str] | None, typer.Argument(help="catalog name, config.json path or HF model dir")] = None,

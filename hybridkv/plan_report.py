@@ -75,7 +75,9 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
     return {
         "model": spec.name,
         "model_type": spec.model_type,
-        "num_layers": spec.num_layers,
+        "num_layers": spec.num_decoder_layers,
+        "num_cache_slots": spec.num_layers,
+        "extra_state_slots": {str(slot): layer for slot, layer in sorted(spec.decoder_layer_of.items())},
         "memory_bytes": result.options.memory_bytes,
         "max_model_len": result.options.max_model_len,
         "max_num_batched_tokens": result.options.max_num_batched_tokens,
@@ -124,7 +126,7 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
     for layer_spec in spec.layers:
         key = "no cache" if layer_spec is None else layer_spec.kind.value
         kinds[key] = kinds.get(key, 0) + 1
-    layers = Table(title=f"{spec.name} ({spec.model_type}): {spec.num_layers} layers")
+    layers = Table(title=f"{spec.name} ({spec.model_type}): {spec.num_decoder_layers} layers")
     layers.add_column("layer type")
     layers.add_column("layers", justify="right")
     for key, count in kinds.items():
@@ -165,17 +167,19 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
 
 def render_comparison(console: Console, plans: list[tuple[ModelSpec, Plan]]) -> None:
     """One row per model: the hybrid layout against the uniform one."""
-    table = Table(title="Hybrid vs uniform KV cache layout")
-    cols = ("model", "layers", "groups", "attn block", "page", "hybrid conc.", "uniform conc.", "ratio",
-            "padding waste")
+    first = plans[0][1].options
+    table = Table(title=f"Max concurrency, hybrid vs uniform layout ({_gib(first.memory_bytes)}, "
+                        f"max_model_len <= {first.max_model_len})")
+    cols = ("model", "layers", "groups", "block", "hybrid", "uniform", "ratio", "waste GiB")
     for col in cols:
-        table.add_column(col, justify="left" if col == "model" else "right")
+        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=col == "model")
     for spec, result in plans:
         u = result.uniform
-        table.add_row(spec.name, str(spec.num_layers), str(len(result.config.groups)),
-                      str(result.config.attention_block_size), f"{result.config.page_size_bytes:,}",
-                      f"{result.max_concurrency:.2f}", f"{u.max_concurrency:.2f}" if u.runnable else "cannot run",
-                      _ratio(result), _gib(result.padding_waste_bytes))
+        table.add_row(spec.name.split("/")[-1][:24], str(spec.num_decoder_layers), str(len(result.config.groups)),
+                      str(result.config.attention_block_size), f"{result.max_concurrency:.2f}",
+                      f"{u.max_concurrency:.2f}" if u.runnable else "can't run",
+                      "-" if math.isinf(result.capacity_ratio) else f"{result.capacity_ratio:.2f}x",
+                      f"{result.padding_waste_bytes / GIB:.2f}")
     console.print(table)
 
 

@@ -135,7 +135,7 @@ class Plan:
     blocks_per_request: tuple[int, ...]  # per group, at max_model_len
     max_concurrency: float
     kv_capacity_tokens: int
-    padding_waste_bytes: int
+    padding_waste_bytes: int  # tensor bytes left empty by short groups at full load
     recommended_chunk_size: int
     uniform: UniformLayout
 
@@ -275,7 +275,10 @@ def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
         for g in config.groups
     )
     concurrency = config.usable_blocks / sum(need)
-    waste = sum(g.padding_layers for g in config.groups) * config.num_blocks * config.page_size_bytes
+    # At full load the pool's blocks split among groups in proportion to what a request needs of
+    # each; a block of a group with p padding slots leaves p pages of the shared tensors empty.
+    waste_pages = config.num_blocks * sum(g.padding_layers * n for g, n in zip(config.groups, need, strict=True))
+    waste = waste_pages * config.page_size_bytes // sum(need)
     return Plan(
         config=config, options=options, blocks_per_request=need, max_concurrency=concurrency,
         kv_capacity_tokens=int(concurrency * options.max_model_len), padding_waste_bytes=waste,

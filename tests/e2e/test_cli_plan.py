@@ -1,0 +1,104 @@
+"""`hybridkv plan` end to end: the CLI on the shipped catalog, checked against hand arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridkv.catalog import catalog
+from hybridkv.cli import app
+
+GIB = 1024**3
+runner = CliRunner()
+
+
+def plan_json(*args: str) -> Any:
+    result = runner.invoke(app, ["plan", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_gpt_oss_20b_by_hand() -> None:
+    report = plan_json("openai/gpt-oss-20b", "--memory-gib", "16", "--max-model-len", "32768")
+    # 24 layers alternating sliding (128) / full; 8 KV heads x 64, bf16 -> 2048 bytes per token per layer.
+    page = 16 * 2 * 8 * 64 * 2
+    assert report["attention_block_size"] == 16 and report["page_size_bytes"] == page
+    assert sorted(g["kind"] for g in report["groups"]) == ["full", "sliding_window"]
+    assert all(len(g["layers"]) == 12 and g["padding_layers"] == 0 for g in report["groups"])
+    num_blocks = 16 * GIB // page // 12
+    assert report["num_blocks"] == num_blocks and len(report["tensors"]) == 12
+    assert all(t["size_bytes"] == num_blocks * page and len(t["shared_by"]) == 2 for t in report["tensors"])
+    need = 32768 // 16 + math.ceil((127 + 2048) / 16) + 1
+    assert report["max_concurrency"] == pytest.approx((num_blocks - 1) / need, abs=1e-4)
+    uniform_blocks = 16 * GIB // (24 * page)
+    assert report["uniform"]["runnable"] is True
+    assert report["uniform"]["max_concurrency"] == pytest.approx((uniform_blocks - 1) / 2048, abs=1e-4)
+    assert report["recommended_chunk_size"] == 256
+
+
+def test_every_catalog_model_plans_consistently() -> None:
+    for entry in catalog():
+        report = plan_json(entry.hf_id, "--memory-gib", "8")
+        layers = [i for g in report["groups"] for i in g["layers"]]
+        assert len(layers) == len(set(layers)), entry.hf_id
+        covered = set(layers) | {int(k) for k in report["kv_shared_layers"]} | set(report["cacheless_layers"])
+        assert covered == set(range(report["num_layers"])) or _has_virtual_layers(report), entry.hf_id
+        page = report["page_size_bytes"]
+        assert all(t["size_bytes"] == report["num_blocks"] * page for t in report["tensors"]), entry.hf_id
+        assert report["total_bytes"] <= 8 * GIB
+        for g in report["groups"]:
+            assert g["page_bytes_used"] <= page, entry.hf_id
+            assert report["recommended_chunk_size"] % g["block_size"] == 0
+        has_mamba = any(g["kind"] == "mamba" for g in report["groups"])
+        assert report["uniform"]["runnable"] is not has_mamba, entry.hf_id
+
+
+def _has_virtual_layers(report: dict[str, Any]) -> bool:
+    """Models whose layers carry two caches (Falcon-H1) list extra indices past num_layers."""
+    return any(i >= report["num_layers"] for g in report["groups"] for i in g["layers"])
+
+
+def test_human_output_has_the_tables() -> None:
+    result = runner.invoke(app, ["plan", "gemma-3-27b"])
+    assert result.exit_code == 0, result.output
+    for title in ("KV cache groups", "KV cache tensors", "Capacity", "uniform"):
+        assert title in result.output
+
+
+def test_comparison_and_list() -> None:
+    result = runner.invoke(app, ["plan", "gpt-oss-20b", "gemma-3-27b"])
+    assert result.exit_code == 0 and "hybrid vs uniform" in result.output
+    listed = runner.invoke(app, ["plan", "--list", "--json"])
+    assert {e["hf_id"] for e in json.loads(listed.output)} == {e.hf_id for e in catalog()}
+
+
+def test_config_path_and_directory(tmp_path: Path) -> None:
+    config = {"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "hidden_size": 512, "max_position_embeddings": 4096, "torch_dtype": "float16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    by_dir = plan_json(str(tmp_path), "--memory-gib", "1")
+    by_file = plan_json(str(tmp_path / "config.json"), "--memory-gib", "1")
+    assert by_dir["num_blocks"] == by_file["num_blocks"] == GIB // (16 * 2 * 2 * 64 * 2) // 4
+
+
+def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
+    unknown = runner.invoke(app, ["plan", "no-such-model"])
+    assert unknown.exit_code == 2 and "catalog names" in unknown.output
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
+    bad_type = runner.invoke(app, ["plan", str(tmp_path)])
+    assert bad_type.exit_code == 2 and "llama" in bad_type.output
+    tiny = runner.invoke(app, ["plan", "gpt-oss-20b", "--memory-gib", "0.00001"])
+    assert tiny.exit_code == 2 and "memory budget" in tiny.output
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "plan", "gpt-oss-20b", "--json"],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["model"] == "openai/gpt-oss-20b"
