@@ -42,12 +42,13 @@ def plan_command(
 ) -> None:
     """Show how a hybrid KV cache lays out memory for MODEL and how much it holds."""
     from hybridkv import plan_report
+    from hybridkv.catalog import catalog
 
     console = Console()
     if list_catalog:
         if json_output:
             entries = [{"hf_id": e.hf_id, "aliases": list(e.aliases), "model_type": e.config.get("model_type")}
-                       for e in plan_report.catalog()]
+                       for e in catalog()]
             print(json.dumps(entries, indent=2))
         else:
             plan_report.render_catalog(console)

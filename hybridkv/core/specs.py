@@ -11,7 +11,7 @@ the block size of each KV cache group, and the page of a group follows from spec
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from hybridkv.core.errors import ConfigError
@@ -168,6 +168,11 @@ class ModelSpec:
     `layers[i]` is the spec of decoder layer i. `kv_shared_from[i] = j` says layer i reads the
     K/V of layer j and gets no memory of its own (Gemma 3n, Gemma 4). Layers without any cache
     (e.g. pure MLP layers of Nemotron-H) are listed in `cacheless_layers` and have no spec.
+
+    A decoder layer with both an attention K/V cache and a recurrent state (Falcon-H1, Zamba2's
+    hybrid layers) keeps its attention spec at its own index and its state in an extra cache
+    slot after the decoder layers: `decoder_layer_of[slot] = i` for each slot
+    `num_decoder_layers <= slot < len(layers)` (empty for every other model).
     """
 
     name: str
@@ -176,17 +181,31 @@ class ModelSpec:
     layers: tuple[LayerSpec | None, ...]
     kv_shared_from: dict[int, int]
     max_position_embeddings: int
+    decoder_layer_of: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ConfigError(f"model {self.name!r} has no layers")
+        first_slot = len(self.layers) - len(self.decoder_layer_of)
+        for slot, layer in self.decoder_layer_of.items():
+            in_range = first_slot <= slot < len(self.layers) and 0 <= layer < first_slot
+            if not in_range or self.layers[slot] is None:
+                raise ConfigError(
+                    f"extra cache slot {slot} of decoder layer {layer} is invalid: slots must be "
+                    f"{first_slot}..{len(self.layers) - 1}, after the {first_slot} decoder layers, and own a spec"
+                )
         for i, j in self.kv_shared_from.items():
             if not (0 <= j < len(self.layers)) or self.layers[j] is None or j in self.kv_shared_from:
                 raise ConfigError(f"layer {i} shares the KV of layer {j}, which owns no KV cache")
 
     @property
     def num_layers(self) -> int:
+        """Cache slots: the decoder layers plus any extra state slots (see `decoder_layer_of`)."""
         return len(self.layers)
+
+    @property
+    def num_decoder_layers(self) -> int:
+        return len(self.layers) - len(self.decoder_layer_of)
 
     @property
     def cacheless_layers(self) -> tuple[int, ...]:
