@@ -49,7 +49,8 @@ def test_every_catalog_model_plans_consistently() -> None:
         layers = [i for g in report["groups"] for i in g["layers"]]
         assert len(layers) == len(set(layers)), entry.hf_id
         covered = set(layers) | {int(k) for k in report["kv_shared_layers"]} | set(report["cacheless_layers"])
-        assert covered == set(range(report["num_layers"])) or _has_virtual_layers(report), entry.hf_id
+        assert covered == set(range(report["num_cache_slots"])), entry.hf_id
+        assert {int(k) for k in report["extra_state_slots"]} <= set(layers), entry.hf_id
         page = report["page_size_bytes"]
         assert all(t["size_bytes"] == report["num_blocks"] * page for t in report["tensors"]), entry.hf_id
         assert report["total_bytes"] <= 8 * GIB
@@ -58,11 +59,6 @@ def test_every_catalog_model_plans_consistently() -> None:
             assert report["recommended_chunk_size"] % g["block_size"] == 0
         has_mamba = any(g["kind"] == "mamba" for g in report["groups"])
         assert report["uniform"]["runnable"] is not has_mamba, entry.hf_id
-
-
-def _has_virtual_layers(report: dict[str, Any]) -> bool:
-    """Models whose layers carry two caches (Falcon-H1) list extra indices past num_layers."""
-    return any(i >= report["num_layers"] for g in report["groups"] for i in g["layers"])
 
 
 def test_human_output_has_the_tables() -> None:
