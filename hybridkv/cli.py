@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from hybridkv.cli_run import run
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.model_specs import KVCacheDType, SpecOptions
 
@@ -74,6 +75,9 @@ def plan_command(
         plan_report.render_plan(console, *plans[0])
     else:
         plan_report.render_comparison(console, plans)
+
+
+app.command("run")(run)
 
 
 def _usage_error(message: str) -> typer.Exit:

@@ -1,0 +1,198 @@
+"""The coordinator: one hit and one allocation across all KV cache groups.
+
+Lookup (`find_longest_cache_hit`): the hit is the longest prefix L that *every* group can serve
+under its own rule, aligned to the lcm of the group block sizes.
+
+    L = max_length aligned down
+    full attention classes: looked up once at L; L = min(L, their hit)     (downward closed)
+    repeat until no class shortens L:
+        every other class whose last answer is not exactly L: look up at L; L = min(L, answer)
+    full attention answers are cut to L
+
+Groups with the same hit rule (e.g. the five identical sliding-window groups of Gemma 3) form
+one class and are looked up together: a block index hits only if it hits in each of them.
+Each re-query returns the rightmost valid length <= L for its class, so the loop never skips a
+length every group can serve: the result is the largest one, and it is reached in at most one
+pass per distinct answer.
+
+Allocation runs in phases so that a refusal changes nothing:
+
+    1. count:   sum over groups of (new real blocks + free hit blocks - blocks released by skipping)
+                > free blocks  ->  return None
+    2. release: out-of-window / finished-chunk / old-state blocks, all groups interleaved tail first
+    3. touch:   hit blocks of every group (before any pop, so no group pops another's hit)
+    4. allocate new blocks per group
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import zip_longest
+
+from hybridkv.core.block_pool import Block, BlockPool
+from hybridkv.core.ids import BlockHash, RequestId
+from hybridkv.core.managers import SingleTypeManager
+from hybridkv.core.request import KVRequest
+
+GroupBlocks = list[list[Block]]
+
+
+def interleave_tail_first(tables: Sequence[list[Block]]) -> list[Block]:
+    """Blocks of several groups, each list already tail first, interleaved position by position.
+
+    Releasing position k of every group before position k-1 of any makes the global LRU evict a
+    position from all groups together, so identical groups do not lose hits one group at a time.
+    """
+    if len(tables) == 1:
+        return tables[0]
+    out: list[Block] = []
+    for row in zip_longest(*tables):
+        out.extend(b for b in row if b is not None)
+    return out
+
+
+class KVCacheCoordinator:
+    """Lookup and allocation over all groups; subclasses differ only in how they look up."""
+
+    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
+        self.managers = tuple(managers)
+        self.pool = pool
+        self.block_sizes = tuple(sorted({m.block_size for m in managers}))
+        self.lcm_block_size = math.lcm(*self.block_sizes)
+        self._allocated_tokens: dict[RequestId, int] = {}
+
+    def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
+                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        """(blocks per group, hit tokens, each group's answer when first asked, in tokens)."""
+        del hashes, max_length
+        return [[] for _ in self.managers], 0, [0] * len(self.managers)
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def is_running(self, request_id: RequestId) -> bool:
+        return request_id in self._allocated_tokens
+
+    def running_requests(self) -> list[RequestId]:
+        return list(self._allocated_tokens)
+
+    def allocated_tokens(self, request_id: RequestId) -> int:
+        return self._allocated_tokens.get(request_id, 0)
+
+    def allocate(self, request: KVRequest, hits: GroupBlocks | None, first_new: int,
+                 total_tokens: int) -> GroupBlocks | None:
+        """New entries per group for `total_tokens` slots, or None (nothing changed)."""
+        managers = self.managers
+        rid = request.request_id
+        need = 0
+        for g, manager in enumerate(managers):
+            need += manager.get_num_blocks_to_allocate(request, hits[g] if hits else None, first_new, total_tokens)
+        if need > self.pool.num_free:
+            return None
+        released = [m.remove_skipped_blocks(rid, first_new) for m in managers]
+        if any(released):
+            self.pool.free(interleave_tail_first(released))
+        for g, manager in enumerate(managers):
+            manager.save_hits(request, hits[g] if hits else None, first_new)
+        new = [m.allocate_new_blocks(request, first_new, total_tokens) for m in managers]
+        self._allocated_tokens[rid] = max(total_tokens, self._allocated_tokens.get(rid, 0))
+        return new
+
+    def cache_blocks(self, request: KVRequest, hashes: dict[int, list[BlockHash]], num_tokens: int) -> None:
+        for manager in self.managers:
+            manager.cache_blocks(request, hashes[manager.block_size], num_tokens)
+
+    def free(self, request_id: RequestId) -> None:
+        """Release every block of the request, all groups interleaved, tail first."""
+        if self._allocated_tokens.pop(request_id, None) is None:
+            return
+        self.pool.free(interleave_tail_first([m.free(request_id) for m in self.managers]))
+
+
+class NoPrefixCacheCoordinator(KVCacheCoordinator):
+    """Prefix caching off: never hits, never caches."""
+
+    def cache_blocks(self, request: KVRequest, hashes: dict[int, list[BlockHash]], num_tokens: int) -> None:
+        return
+
+
+class _HitClass:
+    """Groups that share one hit rule, looked up together."""
+
+    def __init__(self, managers: list[SingleTypeManager]) -> None:
+        self.managers = managers
+        self.lead = managers[0]
+        self.indices = [m.group_id for m in managers]
+        self.maps = [m.cached_map for m in managers]
+        self.block_size = self.lead.block_size
+
+    def find(self, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[Block]]:
+        return self.lead.find_hits(self.maps, hashes[self.block_size], max_length)
+
+
+class UnitaryCoordinator(KVCacheCoordinator):
+    """All groups share one hit rule (one type, one block size): a single class lookup."""
+
+    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
+        super().__init__(managers, pool)
+        self._class = _HitClass(list(managers))
+
+    def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
+                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        hits = self._class.find(hashes, max_length)
+        tokens = len(hits[0]) * self._class.block_size
+        return hits, tokens, [tokens] * len(hits)
+
+
+class HybridCoordinator(KVCacheCoordinator):
+    """Any number of hit rules; the fixed-point lookup of the module docstring."""
+
+    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
+        super().__init__(managers, pool)
+        by_rule: dict[tuple[object, ...], list[SingleTypeManager]] = {}
+        for manager in managers:
+            by_rule.setdefault(manager.hit_rule, []).append(manager)
+        classes = [_HitClass(ms) for ms in by_rule.values()]
+        self._closed = [c for c in classes if c.lead.downward_closed]
+        self._others = [c for c in classes if not c.lead.downward_closed]
+
+    def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
+                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        step = self.lcm_block_size
+        length = max_length // step * step
+        first = [0] * len(self.managers)
+        found: list[tuple[_HitClass, list[list[Block]]]] = []
+        for cls in self._closed:
+            hits = cls.find(hashes, length)
+            got = len(hits[0]) * cls.block_size
+            for g in cls.indices:
+                first[g] = got
+            length = min(length, got) // step * step
+            found.append((cls, hits))
+        answers: dict[int, tuple[int, list[list[Block]]]] = {}
+        settled = False
+        while not settled:
+            settled = True
+            for i, cls in enumerate(self._others):
+                if i in answers and answers[i][0] == length:
+                    continue
+                hits = cls.find(hashes, length)
+                got = len(hits[0]) * cls.block_size
+                if i not in answers:
+                    for g in cls.indices:
+                        first[g] = got
+                answers[i] = (got, hits)
+                assert got <= length, f"hit class answered {got} tokens when asked for {length}"
+                if got < length:
+                    length = got // step * step
+                    settled = False
+            if any(a[0] != length for a in answers.values()):
+                settled = False
+        blocks: GroupBlocks = [[] for _ in self.managers]
+        for cls, hits in found:
+            for g, group_hits in zip(cls.indices, hits, strict=True):
+                blocks[g] = group_hits[: length // cls.block_size]
+        for i, cls in enumerate(self._others):
+            for g, group_hits in zip(cls.indices, answers[i][1], strict=True):
+                blocks[g] = group_hits
+        return blocks, length, first

@@ -1,0 +1,333 @@
+"""The KV cache manager: the facade an engine's scheduler calls.
+
+    KVCacheManager  ->  coordinator (all groups)  ->  one manager per group  ->  block pool
+
+A step of one request, in tokens (`allocate` arguments in brackets):
+
+    | computed | new hits | external hits | new tokens | lookahead |
+    0          ^          ^               ^            ^            ^ total slots
+               |          hit.num_tokens  |            |            (num_lookahead_tokens)
+               request.num_computed_tokens|            end = first_new + num_new_tokens
+                                          first_new = computed + hits + num_external_tokens
+
+    blocks are allocated up to `total slots`; full blocks are cached up to
+    min(end, request.num_tokens) unless caching is DELAYED (then call `cache` later).
+
+The engine advances `request.num_computed_tokens` itself, after the step, to `end`.
+Verbs: lookup, allocate, cache, free, block_ids, reset_prefix_cache, usage, group_usage,
+stats, take_events, check_integrity. See docs/kv_cache_manager.md.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from operator import attrgetter
+
+from hybridkv.core.block_pool import BlockPool, IntegrityError, KVEvent, KVEvents
+from hybridkv.core.coordinator import (
+    GroupBlocks,
+    HybridCoordinator,
+    KVCacheCoordinator,
+    NoPrefixCacheCoordinator,
+    UnitaryCoordinator,
+)
+from hybridkv.core.errors import ConfigError, HybridKVError
+from hybridkv.core.eviction import POLICIES, EvictionPolicyName
+from hybridkv.core.hashing import BlockHasher, HashAlgo
+from hybridkv.core.ids import BlockHash, BlockId, RequestId
+from hybridkv.core.managers import MambaMode, make_manager
+from hybridkv.core.planner import KVCacheConfig
+from hybridkv.core.request import KVRequest
+
+_block_id = attrgetter("block_id")
+
+
+class PrefixCaching(Enum):
+    """Whether full blocks are cached and looked up (also selects the Mamba mode: ALIGN / NONE)."""
+
+    ON = "on"
+    OFF = "off"
+
+
+class CacheTiming(Enum):
+    """When `allocate` caches the newly full blocks: now, or later through `cache`
+    (external KV still loading asynchronously)."""
+
+    IMMEDIATE = "immediate"
+    DELAYED = "delayed"
+
+
+class AllocationError(HybridKVError, ValueError):
+    """`allocate` or `cache` was called with arguments that contradict the request's state."""
+
+
+class StaleHitError(AllocationError):
+    """A `CacheHit` refers to blocks that were evicted after the lookup."""
+
+
+class UnknownRequestError(HybridKVError, KeyError):
+    """The request holds no blocks in this manager."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheHit:
+    """The answer of `lookup`: `num_tokens` cached tokens and their block ids per group
+    (0 = the null block, where a group skips the block). Pass it to `allocate` unchanged."""
+
+    request_id: RequestId
+    num_tokens: int
+    blocks: tuple[tuple[BlockId, ...], ...]
+    pool_epoch: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise ConfigError(f"a cache hit cannot have {self.num_tokens} tokens")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManagerStats:
+    """Prefix-cache statistics since construction.
+
+    `query_tokens` sums the prompt lengths looked up, `hit_tokens` the hits returned;
+    `group_hit_tokens[g]` sums what group g alone could serve when the coordinator first asked
+    it (full attention: the whole prompt; other types: the candidate length at that point),
+    which shows which group limits the hit.
+    """
+
+    lookups: int
+    query_tokens: int
+    hit_tokens: int
+    group_hit_tokens: tuple[int, ...]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching) -> KVCacheCoordinator:
+    mode = MambaMode.ALIGN if caching is PrefixCaching.ON else MambaMode.NONE
+    managers = [make_manager(g, pool, mamba_mode=mode) for g in config.groups]
+    if caching is PrefixCaching.OFF:
+        return NoPrefixCacheCoordinator(managers, pool)
+    if len({m.hit_rule for m in managers}) == 1:
+        return UnitaryCoordinator(managers, pool)
+    return HybridCoordinator(managers, pool)
+
+
+class KVCacheManager:
+    """Hands out block ids per KV cache group and keeps the prefix cache of all groups."""
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        *,
+        max_model_len: int,
+        prefix_caching: PrefixCaching = PrefixCaching.ON,
+        hash_algo: HashAlgo = HashAlgo.XXH3_128,
+        hash_seed: int = 0,
+        eviction: EvictionPolicyName = EvictionPolicyName.LRU,
+        events: KVEvents = KVEvents.OFF,
+    ) -> None:
+        if max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
+        if not config.groups:
+            raise ConfigError(f"KV cache config of {config.model!r} has no groups")
+        for index, group in enumerate(config.groups):
+            if group.group_id != index:
+                raise ConfigError(f"group at position {index} has group_id {group.group_id}; expected {index}")
+        self.config = config
+        self.max_model_len = max_model_len
+        self._caching = prefix_caching is PrefixCaching.ON
+        self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
+                               policy_factory=POLICIES[eviction], events=events)
+        self._coordinator = _make_coordinator(config, self._pool, prefix_caching)
+        self._managers = self._coordinator.managers
+        self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
+        self._block_sizes = self._coordinator.block_sizes
+        self._empty_hit = tuple(() for _ in config.groups)
+        self._lookups = 0
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._group_hit_tokens = [0] * len(config.groups)
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def lookup(self, request: KVRequest) -> CacheHit:
+        """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last
+        token is always computed, for its logits). Counts toward `stats()`."""
+        self._lookups += 1
+        self._query_tokens += request.num_tokens
+        max_length = min(request.num_tokens - 1, self.max_model_len)
+        if not self._caching or max_length < self._coordinator.lcm_block_size:
+            return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
+                            pool_epoch=self._pool.evictions)
+        hits, num_tokens, first = self._coordinator.find_longest_cache_hit(self._hashes(request), max_length)
+        self._hit_tokens += num_tokens
+        group_hits = self._group_hit_tokens
+        for g, tokens in enumerate(first):
+            group_hits[g] += tokens
+        return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
+                        blocks=tuple(tuple(map(_block_id, g)) for g in hits), pool_epoch=self._pool.evictions)
+
+    # -- allocate / cache / free ----------------------------------------------------------------
+
+    def allocate(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        *,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_tokens: int = 0,
+        caching: CacheTiming = CacheTiming.IMMEDIATE,
+    ) -> tuple[tuple[BlockId, ...], ...] | None:
+        """Blocks for one step (token regions in the module docstring).
+
+        Returns the new table entries per group (block 0 where a group skips a position), to
+        append to the runner's block tables after `hit.blocks`; or None when the pool cannot
+        supply them, in which case nothing changed. Raises `AllocationError` on arguments that
+        contradict the request's state and `StaleHitError` if `hit` was evicted since lookup.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_tokens < 0:
+            raise AllocationError(
+                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
+                f"num_lookahead_tokens={num_lookahead_tokens}, num_external_tokens={num_external_tokens}"
+            )
+        coordinator = self._coordinator
+        computed = request.num_computed_tokens
+        running = coordinator.is_running(request.request_id)
+        hit_blocks: GroupBlocks | None = None
+        hit_tokens = 0
+        if hit is not None and hit.num_tokens:
+            hit_blocks = self._resolve_hit(request, hit, running)
+            hit_tokens = hit.num_tokens
+        elif computed and not running:
+            raise AllocationError(
+                f"request {request.request_id!r} has num_computed_tokens={computed} but holds no blocks; "
+                "expected 0 for a new or preempted request (pass loaded KV as num_external_tokens)"
+            )
+        first_new = computed + hit_tokens + num_external_tokens
+        end = first_new + num_new_tokens
+        total = end + num_lookahead_tokens
+        if total > self.max_model_len:
+            raise AllocationError(
+                f"request {request.request_id!r} would need {total} token slots; "
+                f"expected at most max_model_len={self.max_model_len}"
+            )
+        new = coordinator.allocate(request, hit_blocks, first_new, total)
+        if new is None:
+            return None
+        if self._caching and caching is CacheTiming.IMMEDIATE:
+            coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
+        return tuple(tuple(map(_block_id, g)) for g in new)
+
+    def cache(self, request: KVRequest, num_tokens: int) -> None:
+        """Cache the full blocks among the first `num_tokens` tokens (after a DELAYED allocate,
+        once the external KV has arrived). Raises `AllocationError` beyond the allocated slots."""
+        allocated = self._coordinator.allocated_tokens(request.request_id)
+        if not self._coordinator.is_running(request.request_id) or num_tokens > allocated:
+            raise AllocationError(
+                f"cannot cache {num_tokens} tokens of request {request.request_id!r}: "
+                f"it holds slots for {allocated} tokens"
+            )
+        if self._caching:
+            self._coordinator.cache_blocks(request, self._hashes(request), min(num_tokens, request.num_tokens))
+
+    def free(self, request: KVRequest) -> None:
+        """Release every block of the request, tail first (finish or preemption); no-op if it
+        holds none. A preempted request restarts with `num_computed_tokens = 0`."""
+        self._coordinator.free(request.request_id)
+
+    def block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:
+        """The request's block table per group (0 = null block where a position is not kept)."""
+        if not self._coordinator.is_running(request_id):
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
+        return tuple([b.block_id for b in m.block_table(request_id) or ()] for m in self._managers)
+
+    # -- cache-wide -----------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; False (and nothing done) while any request holds blocks."""
+        return self._pool.reset_prefix_cache()
+
+    def usage(self) -> float:
+        """Fraction of usable blocks (all but the null block) held by requests."""
+        return self._pool.usage()
+
+    def group_usage(self) -> tuple[int, ...]:
+        """Blocks held by requests, per group."""
+        return self._pool.group_usage()
+
+    def stats(self) -> ManagerStats:
+        return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
+                            group_hit_tokens=tuple(self._group_hit_tokens))
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (stored / removed / cleared) since the last call; empty unless events ON."""
+        return self._pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Raise `IntegrityError` with the actual numbers if any invariant is broken: ref counts
+        equal the number of tables holding a block, free queue == blocks with ref count 0, no
+        block twice in a table, every held block belongs to the group holding it, hash maps
+        consistent."""
+        expected: Counter[int] = Counter()
+        null = self._pool.null_block
+        running = set(self._coordinator.running_requests())
+        for g, manager in enumerate(self._managers):
+            if set(manager.tables()) != running:
+                raise IntegrityError(f"group {g} has tables for {sorted(manager.tables())} but the "
+                                     f"running requests are {sorted(running)}")
+            for rid, table in manager.tables().items():
+                real = [b for b in table if b is not null]
+                if len({id(b) for b in real}) != len(real):
+                    raise IntegrityError(f"request {rid!r} holds a block twice in group {g}")
+                for block in real:
+                    if block.group_id != g:
+                        raise IntegrityError(f"request {rid!r} holds block {block.block_id} in group {g} "
+                                             f"but the block belongs to group {block.group_id}")
+                    expected[block.block_id] += 1
+        self._pool.check_integrity(expected)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _hashes(self, request: KVRequest) -> dict[int, list[BlockHash]]:
+        hashes = request.block_hashes
+        num_tokens = request.num_tokens
+        for size in self._block_sizes:
+            known = hashes.get(size)
+            if known is None or len(known) < num_tokens // size:
+                self._hasher.update(request, size)
+        return hashes
+
+    def _resolve_hit(self, request: KVRequest, hit: CacheHit, running: bool) -> GroupBlocks:
+        if hit.request_id != request.request_id:
+            raise AllocationError(f"cache hit of request {hit.request_id!r} passed for {request.request_id!r}")
+        if running or request.num_computed_tokens:
+            raise AllocationError(
+                f"request {request.request_id!r} already holds blocks or computed tokens "
+                f"({request.num_computed_tokens}); a cache hit applies only to a new request"
+            )
+        pool_blocks = self._pool.blocks
+        groups: GroupBlocks = [[pool_blocks[i] for i in ids] for ids in hit.blocks]
+        if hit.pool_epoch != self._pool.evictions:
+            self._verify_hit(request, groups)
+        return groups
+
+    def _verify_hit(self, request: KVRequest, groups: GroupBlocks) -> None:
+        hashes = self._hashes(request)
+        null = self._pool.null_block
+        for g, blocks in enumerate(groups):
+            expected = hashes[self._managers[g].block_size]
+            for i, block in enumerate(blocks):
+                if block is not null and (block.block_hash != expected[i] or block.group_id != g):
+                    raise StaleHitError(
+                        f"cache hit of request {request.request_id!r}: block {block.block_id} (group {g}, "
+                        f"position {i}) was evicted after lookup; call lookup again right before allocate"
+                    )
+

@@ -1,0 +1,412 @@
+"""One manager per attention type: the block table of every request in one KV cache group.
+
+A manager knows its type's two rules and nothing about other groups:
+
+- the *hit rule*: which prefix of a new request it can serve from cached blocks
+  (`find_longest_cache_hit`), and
+- the *keep rule*: which leading blocks a request no longer needs once `p` tokens precede the
+  first token of a step (`first_needed_block(p)`); those positions hold the null block.
+
+    type            hit rule (scan)                              keep from block
+    full            left to right, stop at the first miss        0
+    sliding (W)     right to left, ceil((W-1)/B) contiguous      (p - W + 1) // B
+    chunked (C)     blocks before the chunk of L are null; scan  (p // C * C) // B
+                    the current chunk left to right
+    mamba, align    right to left, the last cached checkpoint    ceil(p / B) - 1
+    mamba, none     never hits; one block for the running state  0
+    cross           never hits, never cached                     0
+
+Tables are position-indexed: entry i covers tokens [i*B, (i+1)*B), null where not kept. The
+coordinator drives every method in phases (count, release, touch hits, allocate, cache) so
+that a refused allocation changes nothing; see `coordinator.py`.
+
+Mamba, align mode: the state is written only at the end of a step, into the last entry of
+the table; entry `ceil(p/B) - 1` holds the state after `p` tokens (read by the next step). A
+step that ends on a block boundary T leaves a checkpoint in entry T/B - 1, which is cached under
+the hash of that block. Only those two entries are real blocks; every other entry is null.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from enum import Enum
+
+from hybridkv.core.block_pool import Block, BlockPool
+from hybridkv.core.errors import ConfigError
+from hybridkv.core.ids import BlockHash, RequestId
+from hybridkv.core.planner import KVCacheGroupSpec
+from hybridkv.core.request import KVRequest
+from hybridkv.core.specs import SpecKind
+
+HashMap = Mapping[BlockHash, Block]
+
+
+class MambaMode(Enum):
+    """ALIGN: checkpoint states at block boundaries and prefix-cache them. NONE: one running state."""
+
+    ALIGN = "align"
+    NONE = "none"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeManager(ABC):
+    """Block tables of one group. Subclasses set the hit and keep rules."""
+
+    #: A hit of length L implies hits of every shorter aligned length (full attention only).
+    downward_closed = False
+
+    def __init__(self, group: KVCacheGroupSpec, pool: BlockPool) -> None:
+        self.group = group
+        self.group_id = group.group_id
+        self.block_size = group.block_size
+        self._pool = pool
+        self._null = pool.null_block
+        self._cached = pool.cached_map(group.group_id)
+        self._tables: dict[RequestId, list[Block]] = {}
+        self._num_cached: dict[RequestId, int] = {}
+        self._num_skipped: dict[RequestId, int] = {}
+
+    @property
+    def cached_map(self) -> HashMap:
+        """This group's hash -> block map in the pool (read only)."""
+        return self._cached
+
+    # -- rules ----------------------------------------------------------------------------------
+
+    @property
+    def hit_rule(self) -> tuple[object, ...]:
+        """Groups with equal `hit_rule` are looked up together (a block index hits only if it
+        hits in every one of them)."""
+        return (self.group.kind, self.block_size, self.group.window_tokens, self.group.chunk_tokens)
+
+    @abstractmethod
+    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[Block]]:
+        """Longest hit of at most `max_length` tokens that every map in `maps` can serve under
+        this type's rule; one block list per map, null where the rule skips a block."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[Block]:
+        """This group's longest hit of at most `max_length` tokens (block list, null = skipped)."""
+        return self.find_hits([self._cached], block_hashes, max_length)[0]
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """Index of the first table entry still needed when `num_tokens` precede the step."""
+        del num_tokens
+        return 0
+
+    def table_length(self, request: KVRequest, total_tokens: int) -> int:
+        """Entries the table must have to hold `total_tokens` slots."""
+        del request
+        return _cdiv(total_tokens, self.block_size)
+
+    def _num_real(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> int:
+        """How many of the new entries [old_len, new_len) are real blocks (not null)."""
+        del first_new
+        return max(0, new_len - max(old_len, keep_from))
+
+    def _new_entries(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> list[Block]:
+        if new_len <= old_len:
+            return []
+        real_from = max(old_len, keep_from)
+        entries = [self._null] * (real_from - old_len)
+        if new_len > real_from:
+            entries += self._pool.allocate(new_len - real_from, self.group_id)
+        return entries
+
+    # -- the phases the coordinator drives ------------------------------------------------------
+
+    def get_num_blocks_to_allocate(self, request: KVRequest, hits: Sequence[Block] | None,
+                                   first_new: int, total_tokens: int) -> int:
+        """Free-queue blocks this step takes (new blocks + free hit blocks) minus the blocks
+        that `remove_skipped_blocks` will release to it."""
+        keep_from = self.first_needed_block(first_new)
+        new_len = self.table_length(request, total_tokens)
+        table = self._tables.get(request.request_id)
+        if table is None:
+            need = self._num_real(len(hits) if hits else 0, new_len, keep_from, first_new)
+            if hits:
+                need += sum(1 for b in hits[keep_from:] if b.ref_cnt == 0)
+            return need
+        need = self._num_real(len(table), new_len, keep_from, first_new)
+        done = self._num_skipped[request.request_id]
+        if keep_from > done:
+            need -= sum(1 for b in table[done:keep_from] if b.ref_cnt == 1)
+        return need
+
+    def remove_skipped_blocks(self, request_id: RequestId, first_new: int) -> list[Block]:
+        """Replace entries the request no longer needs by null; return them tail first (the
+        caller frees them). Nothing to do for a request without a table yet."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return []
+        keep_from = min(self.first_needed_block(first_new), len(table))
+        done = self._num_skipped[request_id]
+        if keep_from <= done:
+            return []
+        null = self._null
+        released = [b for b in table[done:keep_from] if b is not null]
+        released.reverse()
+        table[done:keep_from] = [null] * (keep_from - done)
+        self._num_skipped[request_id] = keep_from
+        return released
+
+    def save_hits(self, request: KVRequest, hits: Sequence[Block] | None, first_new: int) -> None:
+        """Start the table of a new request with its hit blocks (touched); no-op if running."""
+        rid = request.request_id
+        if rid in self._tables:
+            assert not hits, "hits are only valid for a request without blocks"
+            return
+        table = list(hits) if hits else []
+        keep_from = min(self.first_needed_block(first_new), len(table))
+        if keep_from:
+            table[:keep_from] = [self._null] * keep_from
+        self._pool.touch(table, self.group_id)
+        self._tables[rid] = table
+        self._num_cached[rid] = len(table)
+        self._num_skipped[rid] = self._leading_nulls(table, 0)
+
+    def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> list[Block]:
+        """Extend the table to `total_tokens` slots; return the new entries (null included)."""
+        rid = request.request_id
+        table = self._tables[rid]
+        old_len = len(table)
+        new = self._new_entries(old_len, self.table_length(request, total_tokens),
+                                self.first_needed_block(first_new), first_new)
+        table += new
+        if new and self._num_skipped[rid] == old_len:
+            self._num_skipped[rid] = self._leading_nulls(table, old_len)
+        return new
+
+    def _leading_nulls(self, table: list[Block], start: int) -> int:
+        """Index of the first real entry at or after `start` (len(table) if none)."""
+        null = self._null
+        index = start
+        for block in table[start:]:
+            if block is not null:
+                break
+            index += 1
+        return index
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Cache the full, real blocks among the first `num_tokens` tokens not cached yet."""
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self._num_cached[rid]
+        if num_full <= start:
+            return
+        self._pool.cache_blocks(self.group_id, self._tables[rid], block_hashes, start, num_full,
+                                request.token_ids)
+        self._num_cached[rid] = num_full
+
+    def free(self, request_id: RequestId) -> list[Block]:
+        """Forget the request; return its table tail first (the caller frees the blocks)."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return []
+        del self._num_cached[request_id]
+        kept = table[self._num_skipped.pop(request_id):]
+        kept.reverse()
+        return kept
+
+    def block_table(self, request_id: RequestId) -> list[Block] | None:
+        """The request's table (read only), None if it holds none in this group."""
+        return self._tables.get(request_id)
+
+    def tables(self) -> Mapping[RequestId, list[Block]]:
+        """Every request's table (read only), for integrity checks."""
+        return self._tables
+
+    def num_skipped(self, request_id: RequestId) -> int:
+        """Leading entries of the request's table known to be null."""
+        return self._num_skipped[request_id]
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Full attention: every block is kept; hits are downward closed."""
+
+    downward_closed = True
+
+    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[Block]]:
+        limit = max_length // self.block_size
+        if len(maps) == 1:
+            get = maps[0].get
+            out: list[Block] = []
+            append = out.append
+            for block_hash in block_hashes[:limit]:
+                block = get(block_hash)
+                if block is None:
+                    break
+                append(block)
+            return [out]
+        outs: list[list[Block]] = [[] for _ in maps]
+        for block_hash in block_hashes[:limit]:
+            row = [m.get(block_hash) for m in maps]
+            if None in row:
+                break
+            for out, block in zip(outs, row, strict=True):
+                assert block is not None
+                out.append(block)
+        return outs
+
+
+def _all_hold(maps: Sequence[HashMap], block_hash: BlockHash) -> bool:
+    return all(block_hash in m for m in maps)
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """Sliding window W: the last W-1 tokens before a position must be cached."""
+
+    def __init__(self, group: KVCacheGroupSpec, pool: BlockPool) -> None:
+        super().__init__(group, pool)
+        self.window_tokens = group.window_tokens
+        self.contiguous_blocks = _cdiv(self.window_tokens - 1, self.block_size)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        return max(0, num_tokens - self.window_tokens + 1) // self.block_size
+
+    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[Block]]:
+        limit = max_length // self.block_size
+        need = self.contiguous_blocks
+        if need == 0:
+            return [[self._null] * limit for _ in maps]
+        run = 0
+        start = 0
+        single = maps[0] if len(maps) == 1 else None
+        for i in range(limit - 1, -1, -1):
+            block_hash = block_hashes[i]
+            if (block_hash in single) if single is not None else _all_hold(maps, block_hash):
+                run += 1
+                if run == need:
+                    start = i
+                    break
+            else:
+                run = 0
+        # Without a full window, `run` counts the cached blocks from block 0: a shorter hit.
+        window = block_hashes[start : start + run]
+        return [[self._null] * start + [m[h] for h in window] for m in maps]
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    """Chunked local attention C: a token attends to the tokens of its own chunk only."""
+
+    def __init__(self, group: KVCacheGroupSpec, pool: BlockPool) -> None:
+        super().__init__(group, pool)
+        self.chunk_tokens = group.chunk_tokens
+        if self.chunk_tokens % self.block_size:
+            raise ConfigError(
+                f"group {group.group_id}: local-attention chunk of {self.chunk_tokens} tokens must be "
+                f"a multiple of the block size {self.block_size}"
+            )
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        return num_tokens // self.chunk_tokens * self.chunk_tokens // self.block_size
+
+    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[Block]]:
+        limit = max_length // self.block_size
+        start = self.first_needed_block(max_length)
+        end = start
+        while end < limit and _all_hold(maps, block_hashes[end]):
+            end += 1
+        window = block_hashes[start:end]
+        return [[self._null] * start + [m[h] for h in window] for m in maps]
+
+
+class MambaManager(SingleTypeManager):
+    """Mamba-style recurrent state (Mamba1/2, Gated DeltaNet); see the module docstring."""
+
+    def __init__(self, group: KVCacheGroupSpec, pool: BlockPool, *, mode: MambaMode) -> None:
+        super().__init__(group, pool)
+        self.mode = mode
+
+    @property
+    def hit_rule(self) -> tuple[object, ...]:
+        return (*super().hit_rule, self.mode)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        if self.mode is MambaMode.NONE:
+            return 0
+        return max(0, _cdiv(num_tokens, self.block_size) - 1)
+
+    def table_length(self, request: KVRequest, total_tokens: int) -> int:
+        if self.mode is MambaMode.NONE:
+            return 1
+        return _cdiv(total_tokens, self.block_size)
+
+    def _read_entry(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> bool:
+        """Whether the entry holding the state to read is new and distinct from the write entry."""
+        return self.mode is MambaMode.ALIGN and first_new > 0 and old_len <= keep_from < new_len - 1
+
+    def _num_real(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> int:
+        if new_len <= old_len:
+            return 0
+        return 1 + self._read_entry(old_len, new_len, keep_from, first_new)
+
+    def _new_entries(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> list[Block]:
+        if new_len <= old_len:
+            return []
+        entries = [self._null] * (new_len - old_len)
+        real = [new_len - 1]
+        if self._read_entry(old_len, new_len, keep_from, first_new):
+            real.append(keep_from)
+        for index, block in zip(real, self._pool.allocate(len(real), self.group_id), strict=True):
+            entries[index - old_len] = block
+        return entries
+
+    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[Block]]:
+        if self.mode is MambaMode.NONE:
+            return [[] for _ in maps]
+        for i in range(max_length // self.block_size - 1, -1, -1):
+            if _all_hold(maps, block_hashes[i]):
+                return [[self._null] * i + [m[block_hashes[i]]] for m in maps]
+        return [[] for _ in maps]
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Cache the checkpoint of a step that ended on a block boundary (`num_tokens`)."""
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        if self.mode is MambaMode.NONE or num_full <= self._num_cached[rid]:
+            return
+        self._num_cached[rid] = num_full
+        if num_tokens % self.block_size == 0:
+            self._pool.cache_blocks(self.group_id, self._tables[rid], block_hashes, num_full - 1, num_full,
+                                    request.token_ids)
+
+
+class CrossAttentionManager(SingleTypeManager):
+    """Cross attention: `request.num_encoder_tokens` slots, allocated once, never cached."""
+
+    def table_length(self, request: KVRequest, total_tokens: int) -> int:
+        del total_tokens
+        return _cdiv(request.num_encoder_tokens, self.block_size)
+
+    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[Block]]:
+        return [[] for _ in maps]
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        return
+
+
+def make_manager(group: KVCacheGroupSpec, pool: BlockPool, *, mamba_mode: MambaMode) -> SingleTypeManager:
+    """The manager for `group`'s kind."""
+    kind = group.kind
+    if kind is SpecKind.FULL:
+        return FullAttentionManager(group, pool)
+    if kind is SpecKind.SLIDING_WINDOW:
+        return SlidingWindowManager(group, pool)
+    if kind is SpecKind.CHUNKED_LOCAL:
+        return ChunkedLocalManager(group, pool)
+    if kind is SpecKind.MAMBA:
+        return MambaManager(group, pool, mode=mamba_mode)
+    if kind is SpecKind.CROSS:
+        return CrossAttentionManager(group, pool)
+    raise ConfigError(f"group {group.group_id} has unknown kind {kind!r}; expected one of "
+                      f"{[k.value for k in SpecKind]}")

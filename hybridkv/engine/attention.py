@@ -1,0 +1,287 @@
+"""Paged attention over block tables: full, sliding window, chunked local, sinks, KV sharing.
+
+A step's scheduled tokens are flattened into one sequence of T tokens: first every request that
+schedules a single token (decodes), then each prefill chunk. For every KV cache group the runner
+builds one `GroupMetadata`; every attention layer of that group reuses it:
+
+    write:  cache[write_blocks[t], :, write_offsets[t]] = (k[t], v[t])      for t in 0..T-1
+    read:   calls, each = `rows` rows of `queries` consecutive tokens; row r attends to the key
+            slots read_blocks[r, j], read_offsets[r, j] (j < keys) under mask[r, 0, q, j]
+
+Both go through a flat view of the cache, [num_blocks * 2 * block_size, kv_heads * head_dim], with
+row indices from `flat_rows` (index_copy_ / index_select beat advanced indexing by ~3x on CPU).
+
+    tokens  | d0 | d1 | d2 | p0 p0 p0 p0 p0 p0 | p1 p1 p1 p1 |
+    calls   |  rows=3, q=1  | rows=2, q=3 (tiles)| rows=1, q=4 |
+
+Which keys a query at position p may see (the rule the mask encodes):
+full: k <= p; sliding window W: p - W < k <= p; chunked local C: k <= p and k // C == p // C.
+Long prefill chunks of sliding/chunked groups are cut into tiles of `tile_tokens` queries so each
+tile gathers only the keys its window can reach, not the whole prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.core.specs import SpecKind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionRule:
+    """Which earlier positions a query sees in one KV cache group."""
+
+    kind: SpecKind
+    window_tokens: int = 0
+    chunk_tokens: int = 0
+
+    def first_key(self, query_pos: int) -> int:
+        """Smallest key position a query at `query_pos` attends to."""
+        if self.kind is SpecKind.SLIDING_WINDOW:
+            return max(0, query_pos - self.window_tokens + 1)
+        if self.kind is SpecKind.CHUNKED_LOCAL:
+            return (query_pos // self.chunk_tokens) * self.chunk_tokens
+        return 0
+
+    @property
+    def tile_tokens(self) -> int:
+        """Query tile for long prefills (0: do not tile, every key is needed anyway)."""
+        if self.kind is SpecKind.SLIDING_WINDOW:
+            return max(self.window_tokens, 16)
+        if self.kind is SpecKind.CHUNKED_LOCAL:
+            return max(math.gcd(self.chunk_tokens, 256), 16)
+        return 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionCall:
+    """`rows` rows of `queries` consecutive flattened tokens starting at `token_start`."""
+
+    token_start: int
+    rows: int
+    queries: int
+    read_blocks: torch.Tensor  # [rows, keys] int64 block id per key slot
+    read_offsets: torch.Tensor  # [rows, keys] int64 offset in the block
+    read_rows: torch.Tensor  # [rows * keys] int64 K row in the flat cache view (V: + block_size)
+    mask: torch.Tensor  # [rows, 1, queries, keys] bool, True = attend
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupMetadata:
+    """Where one step's new tokens are written and what each query reads, for one group."""
+
+    write_blocks: torch.Tensor  # [T] int64
+    write_offsets: torch.Tensor  # [T] int64
+    write_rows: torch.Tensor  # [T] int64 K row in the flat cache view (V: + block_size)
+    calls: tuple[AttentionCall, ...]
+
+
+def flat_rows(blocks: torch.Tensor, offsets: torch.Tensor, block_size: int) -> torch.Tensor:
+    """K rows of (block, offset) pairs in a cache viewed as [num_blocks * 2 * block_size, kv_heads * D].
+
+        row(block, kv, offset) = (block * 2 + kv) * block_size + offset      (kv: 0 = K, 1 = V)
+    """
+    return blocks * (2 * block_size) + offsets
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduledChunk:
+    """One request's share of a step: positions [start_pos, end_pos) are computed now."""
+
+    start_pos: int
+    end_pos: int
+    block_ids: Sequence[int]  # this group's block table of the request
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    token_start: int
+    q_start: int  # absolute position of the row's first query
+    queries: int
+    k_start: int
+    table: int  # index into the step's chunks
+
+
+def _rows(spans: Sequence[tuple[int, int]], rule: AttentionRule) -> list[_Row]:
+    rows: list[_Row] = []
+    token = 0
+    tile = rule.tile_tokens
+    for i, (start, end) in enumerate(spans):
+        n = end - start
+        step = tile if tile and n > 2 * tile else n
+        for q_start in range(start, end, step):
+            queries = min(step, end - q_start)
+            rows.append(_Row(token + q_start - start, q_start, queries, rule.first_key(q_start), i))
+        token += n
+    return rows
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _CallPlan:
+    token_start: int
+    rows: int
+    queries: int
+    table_rows: torch.Tensor  # [R] which chunk's block table each row reads
+    key_blocks: torch.Tensor  # [R, L] index into the block table (key position // block size)
+    key_offsets: torch.Tensor  # [R, L] key position % block size
+    mask: torch.Tensor  # [R, 1, Q, L]
+    attended: torch.Tensor  # [R, L] keys at least one query of the row attends to
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadPlan:
+    """The block-id-free part of a step's metadata: positions, rows, masks.
+
+    Groups with the same rule and block size share one plan; `group_metadata` adds a group's
+    block tables. Build it with `plan_reads`.
+    """
+
+    rule: AttentionRule
+    block_size: int
+    owner: torch.Tensor  # [T] chunk index of each flattened token
+    table_index: torch.Tensor  # [T] position // block size
+    offsets: torch.Tensor  # [T] position % block size
+    calls: tuple[_CallPlan, ...]
+
+
+def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int) -> _CallPlan:
+    """Key positions and mask of rows that share a query count."""
+    queries = rows[0].queries
+    q_start = torch.tensor([r.q_start for r in rows])  # [R]
+    k_start = torch.tensor([r.k_start for r in rows])  # [R]
+    end = q_start + queries  # [R] one past the last query position
+    keys = int((end - k_start).max())
+    k_pos = k_start[:, None] + torch.arange(keys)  # [R, L]
+    valid = k_pos < end[:, None]  # [R, L] padding slots beyond the row's last query
+    k_pos = torch.minimum(k_pos, (end - 1)[:, None])  # [R, L] clamp padding onto a real slot
+    q_pos = q_start[:, None] + torch.arange(queries)  # [R, Q]
+    mask = valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [R, Q, L]
+    if rule.kind is SpecKind.SLIDING_WINDOW:
+        mask &= q_pos[:, :, None] - k_pos[:, None, :] < rule.window_tokens
+    elif rule.kind is SpecKind.CHUNKED_LOCAL:
+        mask &= (k_pos[:, None, :] // rule.chunk_tokens) == (q_pos[:, :, None] // rule.chunk_tokens)
+    return _CallPlan(token_start=rows[0].token_start, rows=len(rows), queries=queries,
+                     table_rows=torch.tensor([r.table for r in rows]), key_blocks=k_pos // block_size,
+                     key_offsets=k_pos % block_size, mask=mask[:, None], attended=mask.any(dim=1))
+
+
+def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_size: int) -> ReadPlan:
+    """The read plan of a step whose chunks compute positions [start, end) (flattened order)."""
+    positions = torch.cat([torch.arange(a, b) for a, b in spans])  # [T]
+    owner = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(spans)])  # [T]
+    rows = _rows(spans, rule)
+    calls: list[_CallPlan] = []
+    begin = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i].queries != rows[begin].queries:
+            calls.append(_call_plan(rows[begin:i], rule, block_size))
+            begin = i
+    return ReadPlan(rule=rule, block_size=block_size, owner=owner, table_index=positions // block_size,
+                    offsets=positions % block_size, calls=tuple(calls))
+
+
+def group_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[int]]) -> GroupMetadata:
+    """A group's metadata: the plan resolved through its block tables (one per chunk)."""
+    width = max(len(t) for t in block_tables)
+    tables = torch.zeros(len(block_tables), width, dtype=torch.int64)  # [N, max_blocks], 0 = null block
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    write_blocks = tables[plan.owner, plan.table_index]  # [T]
+    if bool((write_blocks == 0).any()):
+        raise RuntimeError("internal error: a new token maps to the null block 0; its block was not allocated")
+    calls = []
+    for call in plan.calls:
+        blocks = tables[call.table_rows].gather(1, call.key_blocks)  # [R, L]
+        if bool(((blocks == 0) & call.attended).any()):
+            raise RuntimeError(
+                f"internal error: a {plan.rule.kind.value} query would read the null block 0; the KV cache "
+                f"manager released a block that is still inside the attention range"
+            )
+        rows = flat_rows(blocks, call.key_offsets, plan.block_size).flatten()  # [R*L]
+        calls.append(AttentionCall(token_start=call.token_start, rows=call.rows, queries=call.queries,
+                                   read_blocks=blocks, read_offsets=call.key_offsets, read_rows=rows,
+                                   mask=call.mask))
+    return GroupMetadata(write_blocks=write_blocks, write_offsets=plan.offsets, calls=tuple(calls),
+                         write_rows=flat_rows(write_blocks, plan.offsets, plan.block_size))
+
+
+def build_group_metadata(
+    chunks: Sequence[ScheduledChunk], *, rule: AttentionRule, block_size: int
+) -> GroupMetadata:
+    """Slot mapping and read plan of one group for a step (chunks in flattened token order)."""
+    plan = plan_reads([(c.start_pos, c.end_pos) for c in chunks], rule=rule, block_size=block_size)
+    return group_metadata(plan, [c.block_ids for c in chunks])
+
+
+def write_kv(cache: torch.Tensor, meta: GroupMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the step's new keys/values ([T, kv_heads, head_dim]) in a layer's paged cache."""
+    flat = cache.view(-1, cache.shape[3] * cache.shape[4])  # [num_blocks * 2 * block_size, KVH*D]
+    flat.index_copy_(0, meta.write_rows, k.reshape(k.shape[0], -1))
+    flat.index_copy_(0, meta.write_rows + cache.shape[2], v.reshape(v.shape[0], -1))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: GroupMetadata,
+    *,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of the step's queries `q` [T, heads, head_dim] over a layer's paged K/V.
+
+    `sinks` [heads]: learned per-head logits that join the softmax and carry no value (gpt-oss).
+    `softcap`: tanh soft-capping of the scores (Gemma 2 style). Returns [T, heads, head_dim].
+    """
+    out = torch.empty_like(q)
+    for call in meta.calls:
+        n = call.rows * call.queries
+        rows_q = q[call.token_start : call.token_start + n]  # [R*Q, H, D]
+        result = _attend(rows_q, cache, call, scale=scale, sinks=sinks, softcap=softcap)
+        out[call.token_start : call.token_start + n] = result
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    call: AttentionCall,
+    *,
+    scale: float,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    rows, queries = call.rows, call.queries
+    heads, head_dim = q.shape[1], q.shape[2]
+    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    groups = heads // kv_heads
+    keys = call.mask.shape[-1]
+    flat = cache.view(-1, kv_heads * head_dim)  # [num_blocks * 2 * block_size, KVH*D]
+    k = flat.index_select(0, call.read_rows).view(rows, keys, kv_heads, head_dim).transpose(1, 2)  # [R, KVH, L, D]
+    v = flat.index_select(0, call.read_rows + block_size).view(rows, keys, kv_heads, head_dim)
+    v = v.transpose(1, 2)  # [R, KVH, L, D]
+    # Fold the query heads sharing a KV head into the query axis: no K/V repeat is needed.
+    q = q.view(rows, queries, kv_heads, groups, head_dim)  # [R, Q, KVH, G, D]
+    q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, groups * queries, head_dim)  # [R, KVH, G*Q, D]
+    mask = call.mask if groups == 1 else call.mask.repeat(1, 1, groups, 1)  # [R, 1, G*Q, L]
+    if sinks is None and softcap is None and queries > 1:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [R, KVH, G*Q, D]
+    else:  # sinks, soft-capping, and decodes (where two matmuls beat the fused kernel on CPU)
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [R, KVH, G*Q, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.view(kv_heads, groups, 1).expand(kv_heads, groups, queries)  # [KVH, G, Q]
+            sink = sink.reshape(1, kv_heads, groups * queries, 1).expand(rows, -1, -1, 1)  # [R, KVH, G*Q, 1]
+            probs = torch.softmax(torch.cat([scores, sink.to(scores.dtype)], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, v)  # [R, KVH, G*Q, D]
+    o = o.view(rows, kv_heads, groups, queries, head_dim).permute(0, 3, 1, 2, 4)  # [R, Q, KVH, G, D]
+    return o.reshape(rows * queries, heads, head_dim)  # [R*Q, H, D]

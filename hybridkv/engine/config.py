@@ -1,0 +1,72 @@
+"""`EngineConfig`: every engine option, defined once (LLM keywords and `hybridkv run` flags).
+
+Pure Python (no torch), so the CLI can build its options without loading the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.core.errors import ConfigError
+from hybridkv.core.kv_cache_manager import PrefixCaching
+
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_MODEL_NAME = "default-gemma3"  # the embedded tiny Gemma 3 (engine/default_model.py)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """Engine options; `LLM(model, **options)` accepts exactly these names.
+
+    `kv_cache_memory_gib` is the KV cache budget handed to the planner; `num_threads` 0 keeps
+    torch's default. `prefix_caching` also accepts "on" / "off". `max_model_len` None means the
+    model's `max_position_embeddings`, capped at `DEFAULT_MAX_MODEL_LEN`.
+    """
+
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 4096
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    kv_cache_memory_gib: float = 0.25
+    block_size: int = 16
+    prefix_caching: PrefixCaching = PrefixCaching.ON
+    seed: int = 0
+    dtype: str = "float32"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefix_caching, str):
+            values = [m.value for m in PrefixCaching]
+            if self.prefix_caching not in values:
+                raise ConfigError(f"prefix_caching must be one of {values}, got {self.prefix_caching!r}")
+            object.__setattr__(self, "prefix_caching", PrefixCaching(self.prefix_caching))
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if name == "max_model_len" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:
+            raise ConfigError(f"kv_cache_memory_gib must be a number > 0, got {self.kv_cache_memory_gib!r}")
+        if not isinstance(self.num_threads, int) or self.num_threads < 0:
+            raise ConfigError(f"num_threads must be an integer >= 0 (0 = torch default), got {self.num_threads!r}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ConfigError(f"dtype must be one of {list(ENGINE_DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> EngineConfig:
+        """Build from keyword options; raises ConfigError naming unknown ones and listing the valid."""
+        unknown = sorted(set(options) - set(cls.option_names()))
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; valid options: {', '.join(cls.option_names())}")
+        return cls(**options)

@@ -1,0 +1,212 @@
+"""`LLM`: the engine's public entry point, and `EngineConfig`, its options.
+
+    llm = LLM("path/to/hf_model_dir", max_num_batched_tokens=256)     # or LLM() for the default
+    outputs = llm.generate(["Hello", [2, 104, 105]], SamplingParams(max_tokens=16))
+
+Construction: config.json -> model (models/) + ModelSpec (core.model_specs) -> plan (core.planner)
+-> KVCacheManager (core) and ModelRunner (same KVCacheConfig) -> Scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.catalog import find as find_catalog_entry
+from hybridkv.core.errors import ConfigError
+from hybridkv.core.ids import RequestId
+from hybridkv.core.kv_cache_manager import KVCacheManager, ManagerStats
+from hybridkv.core.model_specs import SpecOptions, model_spec_from_config
+from hybridkv.core.planner import GIB, Plan, PlannerOptions, plan
+from hybridkv.core.request import KVRequest
+from hybridkv.core.specs import ModelSpec
+from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, EngineConfig
+from hybridkv.engine.default_model import ensure_default_model
+from hybridkv.engine.loader import load_model, torch_dtype
+from hybridkv.engine.request import FinishReason, Request
+from hybridkv.engine.runner import ModelRunner, StepItem
+from hybridkv.engine.sampler import SamplingParams, sample, top_logprobs
+from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
+from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestMetrics:
+    """Timing and cache use of one request (seconds from its arrival in `generate`)."""
+
+    ttft_s: float
+    latency_s: float
+    prefix_hit_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    metrics: RequestMetrics
+    logprobs: list[dict[int, float]]  # per generated token: top `SamplingParams.logprobs` ids -> logprob
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters over the engine's life; `peak_*_bytes` compare hybrid use with the uniform layout."""
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    preemptions: int = 0
+    peak_kv_bytes: int = 0
+    peak_uniform_kv_bytes: int = 0
+    peak_group_blocks: list[int] = field(default_factory=list)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """An HF-format directory for `model`: the default model's name, or a directory path."""
+    if model in (DEFAULT_MODEL_NAME, "default"):
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if find_catalog_entry(model) is not None:
+        raise ConfigError(
+            f"{model!r} is a catalog entry: the catalog ships configs without weights, so it can be planned "
+            f"(`hybridkv plan {model}`) but not run; give an HF-format directory (config.json + *.safetensors) "
+            f"or {DEFAULT_MODEL_NAME!r}"
+        )
+    raise ConfigError(f"model {model!r} is neither {DEFAULT_MODEL_NAME!r} nor a directory with config.json")
+
+
+class LLM:
+    """Offline generation over the hybrid KV cache (one process, CPU)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL_NAME, **options: Any) -> None:
+        self.config = EngineConfig.from_options(options)
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model_dir = resolve_model_dir(model)
+        self.model, hf_config = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
+        self.model_spec: ModelSpec = model_spec_from_config(hf_config, name=model, options=SpecOptions(dtype=cfg.dtype))
+        limit = self.model_spec.max_position_embeddings
+        self.max_model_len = cfg.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > limit:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        self.plan: Plan = plan(self.model_spec, PlannerOptions(
+            memory_bytes=int(cfg.kv_cache_memory_gib * GIB), max_model_len=self.max_model_len,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size))
+        self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
+                                      prefix_caching=cfg.prefix_caching)
+        self.runner = ModelRunner(self.model, self.plan.config)
+        self.scheduler = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs)
+        self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
+        self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
+        self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())
+        self._next_id = 0
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache tensors the runner allocated (== the plan's `total_bytes`)."""
+        return self.runner.kv_cache_bytes
+
+    def manager_stats(self) -> ManagerStats:
+        return self.manager.stats()
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        Raises ConfigError for an empty prompt, a token id outside the vocabulary or a prompt
+        longer than `max_model_len`; CapacityError if a request can never get KV cache blocks.
+        """
+        params = [sampling or SamplingParams()] * len(prompts) if not isinstance(sampling, Sequence) else sampling
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts; expected one or one each")
+        requests = [self._make_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        for request in requests:
+            self.scheduler.add(request)
+        outputs: dict[RequestId, RequestOutput] = {}
+        while self.scheduler.has_unfinished:
+            for request in self._step():
+                outputs[request.request_id] = self._output(request)
+                if on_finish is not None:
+                    on_finish(outputs[request.request_id])
+        return [outputs[r.request_id] for r in requests]
+
+    def _make_request(self, prompt: Prompt, sampling: SamplingParams) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = int(self.model.hf_config["vocab_size"])
+        if not ids:
+            raise ConfigError("prompt is empty; expected at least one token")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ConfigError(f"prompt token ids must lie in [0, {vocab}), got min {min(ids)} and max {max(ids)}")
+        if len(ids) > self.max_model_len:
+            raise ConfigError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        seq = self._next_id
+        self._next_id += 1
+        seed = sampling.seed if sampling.seed is not None else self.config.seed + seq
+        return Request(
+            kv=KVRequest(request_id=RequestId(f"req-{seq}"), token_ids=list(ids)), arrival_seq=seq,
+            prompt_len=len(ids), sampling=sampling, generator=torch.Generator().manual_seed(seed),
+            arrival_s=time.perf_counter(), eos_token_ids=self.model.eos_token_ids,
+        )
+
+    def _step(self) -> list[Request]:
+        out = self.scheduler.schedule()
+        self._track_memory(out)
+        items = [StepItem(token_ids=w.request.kv.token_ids[w.start_pos : w.start_pos + w.num_tokens],
+                          start_pos=w.start_pos, block_ids=self.manager.block_ids(w.request.request_id),
+                          sample=w.samples) for w in out.work]
+        logits = self.runner.execute(items)  # [sampling items, vocab]
+        sampled = [w.request for w in out.work if w.samples]
+        tokens = sample(logits, [r.sampling for r in sampled], [r.generator for r in sampled])
+        now = time.perf_counter()
+        for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
+            if request.sampling.logprobs:
+                request.logprobs.append(top_logprobs(logits[row], request.sampling.logprobs))
+            request.append_token(token, now_s=now, max_model_len=self.max_model_len)
+        self.stats.steps += 1
+        self.stats.scheduled_tokens += out.num_tokens
+        self.stats.preemptions += len(out.preempted)
+        return self.scheduler.finish_step(out.work)
+
+    def _track_memory(self, out: SchedulerOutput) -> None:
+        """Peak KV bytes held (hybrid) and what the uniform layout would hold for the same tokens."""
+        config = self.plan.config
+        blocks = self.manager.group_usage()
+        stats = self.stats
+        stats.peak_group_blocks = [max(a, b) for a, b in zip(stats.peak_group_blocks, blocks, strict=True)]
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, sum(blocks) * config.page_size_bytes * config.group_size)
+        block = self.plan.uniform.block_size
+        tokens = {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
+        tokens.update({w.request.request_id: w.start_pos + w.num_tokens for w in out.work})
+        uniform = sum(math.ceil(t / block) * block for t in tokens.values()) * self._uniform_bytes_per_token
+        stats.peak_uniform_kv_bytes = max(stats.peak_uniform_kv_bytes, uniform)
+
+    def _output(self, request: Request) -> RequestOutput:
+        assert request.finish_reason is not None and request.first_token_s is not None and request.finish_s
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.kv.token_ids[: request.prompt_len],
+            token_ids=list(request.output_ids), text=self.tokenizer.decode(list(request.output_ids)),
+            finish_reason=request.finish_reason, logprobs=list(request.logprobs),
+            metrics=RequestMetrics(ttft_s=request.first_token_s - request.arrival_s,
+                                   latency_s=request.finish_s - request.arrival_s,
+                                   prefix_hit_tokens=max(request.prefix_hit_tokens, 0),
+                                   num_preemptions=request.num_preemptions),
+        )

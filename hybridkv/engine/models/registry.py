@@ -1,0 +1,41 @@
+"""Which model class serves a checkpoint: by `architectures`, else by `model_type`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hybridkv.core.errors import UnsupportedModelError
+from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.gemma3 import Gemma3ForCausalLM
+from hybridkv.engine.models.gemma3n import Gemma3nForCausalLM
+from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
+from hybridkv.engine.models.llama4 import Llama4ForCausalLM
+from hybridkv.engine.models.llama_like import LlamaLikeForCausalLM
+
+MODEL_CLASSES: tuple[type[CausalLM], ...] = (
+    Gemma3ForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, LlamaLikeForCausalLM, Gemma3nForCausalLM,
+)
+_BY_ARCHITECTURE: dict[str, type[CausalLM]] = {arch: cls for cls in MODEL_CLASSES for arch in cls.architectures}
+_BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
+    "gemma3_text": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM, "llama4_text": Llama4ForCausalLM,
+    "llama": LlamaLikeForCausalLM, "mistral": LlamaLikeForCausalLM, "qwen2": LlamaLikeForCausalLM,
+    "gemma3n_text": Gemma3nForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BY_ARCHITECTURE)
+
+
+def model_class(config: Mapping[str, Any]) -> type[CausalLM]:
+    """The class for an HF config dict; raises UnsupportedModelError listing the supported ones."""
+    for arch in config.get("architectures") or ():
+        if arch in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[arch]
+    if not config.get("architectures") and config.get("model_type") in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[str(config["model_type"])]
+    raise UnsupportedModelError(
+        f"unsupported architecture {config.get('architectures')} (model_type {config.get('model_type')!r}); "
+        f"the engine supports: {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,144 @@
+"""The model runner: KV cache tensors laid out exactly as the planner says, and one forward per step.
+
+Memory layout (from `KVCacheConfig`): tensor i is one byte buffer of `num_blocks * page_size`
+bytes shared by layer i of every group. A layer sees its tensor as
+
+    [num_blocks, 2 (K, V), block_size of its group, kv_heads, head_dim]
+
+so block b of group g occupies the same bytes in every tensor; the manager hands block b to one
+group at a time. Block 0 is the null block (never written). KV-shared layers get their target
+layer's view and never write it.
+
+A step's items are reordered so single-token items (decodes) come first; tokens are flattened
+into one batch and the model runs once. Logits come back only for items that sample.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.core.errors import ConfigError
+from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.core.specs import AttentionSpec, SpecKind
+from hybridkv.engine.attention import AttentionRule, ReadPlan, group_metadata, plan_reads
+from hybridkv.engine.loader import torch_dtype
+from hybridkv.engine.models.base import CausalLM, ForwardContext
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepItem:
+    """One request's work in a step: tokens at positions [start_pos, start_pos + len(token_ids))."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_ids: Sequence[Sequence[int]]  # per KV cache group
+    sample: bool  # True when the last token's logits are needed
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def keep_freed_memory() -> None:
+    """Let glibc keep freed activation buffers for reuse instead of unmapping them.
+
+    Each step allocates and frees buffers of several MiB; by default glibc serves those with
+    mmap/munmap, and the page faults of re-mapping them cost about a quarter of the CPU time of
+    a prefill-heavy run. Process-wide, idempotent; a no-op where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)  # glibc's maximum
+        libc.mallopt(_M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
+    except (OSError, AttributeError):  # not glibc
+        return
+
+
+def _rule(group: KVCacheGroupSpec) -> AttentionRule:
+    return AttentionRule(kind=group.kind, window_tokens=group.window_tokens, chunk_tokens=group.chunk_tokens)
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and runs the model over a step's scheduled tokens."""
+
+    def __init__(self, model: CausalLM, kv_config: KVCacheConfig) -> None:
+        keep_freed_memory()
+        self.model = model
+        self.kv_config = kv_config
+        self.num_layers = len(model.layer_kinds())
+        self.buffers: list[torch.Tensor] = []
+        self.layer_group: list[int] = [-1] * self.num_layers
+        views: list[torch.Tensor | None] = [None] * self.num_layers
+        group_of = {layer: g for g in kv_config.groups for layer in g.layer_indices}
+        for tensor in kv_config.tensors:
+            buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8)
+            self.buffers.append(buffer)
+            for layer in tensor.shared_by:
+                views[layer] = self._layer_view(buffer, group_of[layer], layer)
+                self.layer_group[layer] = group_of[layer].group_id
+        for layer, target in kv_config.kv_shared_from.items():
+            views[layer], self.layer_group[layer] = views[target], self.layer_group[target]
+        missing = [i for i, v in enumerate(views) if v is None]
+        if missing:
+            raise ConfigError(f"decoder layers {missing} have no KV cache tensor in the layout of {kv_config.model!r}")
+        self.kv_caches: list[torch.Tensor] = [v for v in views if v is not None]
+        self._check_kinds()
+        self.rules = [_rule(g) for g in kv_config.groups]
+
+    def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor:
+        spec = group.spec
+        if not isinstance(spec, AttentionSpec) or spec.kind is SpecKind.CROSS:
+            raise ConfigError(f"layer {layer} is a {spec.kind.value} layer; the engine runs self-attention layers only")
+        dtype = torch_dtype(spec.dtype)
+        page = spec.page_size_bytes(group.block_size)
+        if page != self.kv_config.page_size_bytes:
+            raise ConfigError(f"layer {layer}: page of {page} bytes differs from the layout's "
+                              f"{self.kv_config.page_size_bytes} bytes")
+        typed = buffer.view(dtype)  # [num_blocks * page / itemsize]
+        return typed.view(self.kv_config.num_blocks, 2, group.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def _check_kinds(self) -> None:
+        kinds = self.model.layer_kinds()
+        for layer, kind in enumerate(kinds):
+            group = self.kv_config.groups[self.layer_group[layer]]
+            if group.kind is not kind:
+                raise ConfigError(
+                    f"layer {layer}: the model computes {kind.value} attention but the KV cache layout "
+                    f"caches it as {group.kind.value}; model_specs and the model file disagree"
+                )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of every KV cache tensor allocated."""
+        return sum(b.numel() for b in self.buffers)
+
+    def execute(self, items: Sequence[StepItem]) -> torch.Tensor:
+        """Run one step; returns logits [N, vocab] of the sampling items, in the given order."""
+        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1)  # decodes first, stable
+        ordered = [items[i] for i in order]
+        ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.int64)  # [T]
+        positions = torch.cat([
+            torch.arange(it.start_pos, it.start_pos + len(it.token_ids)) for it in ordered])  # [T]
+        spans = [(it.start_pos, it.start_pos + len(it.token_ids)) for it in ordered]
+        plans: dict[tuple[AttentionRule, int], ReadPlan] = {}  # groups of one rule share masks
+        groups = []
+        for g, rule in enumerate(self.rules):
+            block_size = self.kv_config.groups[g].block_size
+            plan = plans.get((rule, block_size))
+            if plan is None:
+                plan = plans[(rule, block_size)] = plan_reads(spans, rule=rule, block_size=block_size)
+            groups.append(group_metadata(plan, [it.block_ids[g] for it in ordered]))
+        ctx = ForwardContext(positions=positions, groups=groups, kv_caches=self.kv_caches,
+                             layer_group=self.layer_group, kv_shared_from=self.kv_config.kv_shared_from)
+        ends = torch.tensor([len(it.token_ids) for it in ordered]).cumsum(0) - 1  # [N] last token of each item
+        row_of = {original: int(ends[k]) for k, original in enumerate(order)}
+        rows = torch.tensor([row_of[i] for i, it in enumerate(items) if it.sample], dtype=torch.int64)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, ctx)  # [T, hidden]
+            return self.model.compute_logits(hidden[rows]).float()  # [N, vocab]

@@ -1,0 +1,143 @@
+"""Continuous batching: FCFS, decode first, a token budget per step, chunked prefill, preemption.
+
+Each `schedule()` call builds one step:
+
+    1. running requests get their next tokens: decodes first (1 token each), then requests
+       still prefilling (the rest of the prompt, capped by the budget), oldest first;
+       when the manager refuses blocks, the latest-arrived running request is preempted
+       (blocks freed, computed tokens reset, put at the front of the waiting queue) and the
+       allocation is retried; if the victim is the request itself it waits;
+    2. if nothing was preempted, waiting requests in FCFS order: prefix-cache lookup, then as
+       many prompt tokens as the budget allows, while `max_num_seqs` is not reached.
+
+`finish_step` advances computed tokens after the forward pass and releases finished requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridkv.core.errors import CapacityError
+from hybridkv.core.ids import RequestId
+from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager
+from hybridkv.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduledWork:
+    """Positions [start_pos, start_pos + num_tokens) of `request` are computed this step."""
+
+    request: Request
+    start_pos: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token (its logits pick the next)."""
+        return self.start_pos + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerOutput:
+    work: tuple[ScheduledWork, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.work)
+
+
+class Scheduler:
+    """Decides which tokens of which requests run in each step, within the KV cache manager's blocks."""
+
+    def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.manager = manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival: the last one is the preemption victim
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's work; raises CapacityError if a lone request cannot get blocks."""
+        budget = self.max_num_batched_tokens
+        work: dict[RequestId, ScheduledWork] = {}
+        preempted: list[Request] = []
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            start = request.num_computed_tokens
+            n = min(request.num_tokens - start, budget)
+            while self.manager.allocate(request.kv, n) is None:
+                victim = self.running.pop()  # the latest-arrived running request
+                if victim.request_id in work:
+                    budget += work.pop(victim.request_id).num_tokens
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                work[request.request_id] = ScheduledWork(request=request, start_pos=start, num_tokens=n)
+                budget -= n
+        scheduled = list(work.values())
+        if not preempted:
+            self._admit(scheduled, budget)
+        if not scheduled and self.waiting:
+            head = self.waiting[0]
+            raise CapacityError(
+                f"request {head.request_id!r} with {head.num_tokens} tokens cannot get KV cache blocks even "
+                f"with no other request running; raise kv_cache_memory_gib or shorten the prompt"
+            )
+        return SchedulerOutput(work=tuple(scheduled), preempted=tuple(preempted))
+
+    def _admit(self, work: list[ScheduledWork], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit: CacheHit = self.manager.lookup(request.kv)
+            n = min(request.num_tokens - hit.num_tokens, budget)
+            if self.manager.allocate(request.kv, n, hit=hit) is None:
+                break
+            self.waiting.popleft()
+            if request.prefix_hit_tokens < 0:
+                request.prefix_hit_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
+            work.append(ScheduledWork(request=request, start_pos=hit.num_tokens, num_tokens=n))
+            budget -= n
+
+    def _preempt(self, request: Request) -> None:
+        self.manager.free(request.kv)
+        request.kv.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish_step(self, work: Sequence[ScheduledWork]) -> list[Request]:
+        """Advance computed tokens of the step's work; free and return the requests that finished.
+
+        Call after the sampled tokens were appended (finished requests have status FINISHED).
+        """
+        done: list[Request] = []
+        for item in work:
+            request = item.request
+            request.kv.num_computed_tokens = item.start_pos + item.num_tokens
+            if request.status is RequestStatus.FINISHED:
+                self.manager.free(request.kv)
+                self.running.remove(request)
+                done.append(request)
+        return done

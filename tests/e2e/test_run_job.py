@@ -1,0 +1,57 @@
+"""`hybridkv run --json` end to end, in a subprocess, on the embedded default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
+    env = dict(os.environ, HYBRIDKV_CACHE_DIR=str(tmp_path / "cache"), COLUMNS="120")
+    proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", "run", "--json", *args],
+                          capture_output=True, text=True, env=env, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr
+    report: dict[str, Any] = json.loads(proc.stdout)
+    return report
+
+
+def test_builtin_chat_report(tmp_path: Path) -> None:
+    from hybridkv.engine.workload import builtin_chat
+
+    report = _run(tmp_path, "--max-tokens", "8")
+    assert report["requests"] == len(builtin_chat())
+    assert report["generated_tokens"] <= 8 * report["requests"]
+    assert report["prompt_tokens"] > 0 and report["generated_tok_per_s"] > 0 and report["mean_ttft_s"] > 0
+    cache, kv = report["prefix_cache"], report["kv_memory"]
+    assert cache["enabled"] and cache["hit_rate"] > 0.3  # later turns and the shared system prompt hit
+    assert {g["kind"] for g in cache["groups"]} == {"sliding_window", "full"}
+    assert all(g["hit_rate"] > 0 for g in cache["groups"])
+    assert kv["allocated_bytes"] == kv["planned_bytes"]
+    assert 0 < kv["peak_used_bytes"] < kv["uniform_layout_bytes_for_same_tokens"]
+    assert "meaningless" in report["note"]
+
+
+def test_jsonl_workload_and_prefix_caching_off(tmp_path: Path) -> None:
+    lines = [{"session": "a", "prompt": "Hello there"}, {"session": "a", "prompt": " and again"},
+             {"prompt_token_ids": [2, 70, 71, 72], "max_tokens": 3}]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(json.dumps(line) for line in lines))
+    report = _run(tmp_path, "--workload", str(workload), "--prefix-caching", "off", "--max-tokens", "4")
+    assert report["requests"] == 3 and report["rounds"] == 2
+    assert report["prefix_cache"]["hit_tokens"] == 0 and not report["prefix_cache"]["enabled"]
+
+
+def test_bad_option_exits_with_a_clear_error(tmp_path: Path) -> None:
+    env = dict(os.environ, HYBRIDKV_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", "run", "--max-num-seqs", "0"],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "max_num_seqs must be a positive integer" in proc.stderr

@@ -1,0 +1,108 @@
+"""Tiny random-weight HF checkpoints (fp32, init std 0.2) of every supported architecture.
+
+Each factory saves a model with `save_pretrained` to a session temp dir once; tests load it both
+through transformers (the reference) and through our engine. Windows are 8 tokens and chunks 16,
+so prompts of 20-60 tokens cross them several times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 160
+WINDOW = 8
+CHUNK = 16
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, initializer_range=0.2, max_position_embeddings=512,
+    eos_token_id=1, bos_token_id=2, pad_token_id=0,
+)
+
+
+def _config(kind: str) -> Any:
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            architectures=["Gemma3ForCausalLM"])
+    if kind == "gpt_oss":
+        return transformers.GptOssConfig(
+            **COMMON, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 1000.0},
+            architectures=["GptOssForCausalLM"])
+    if kind == "llama4":
+        return transformers.Llama4TextConfig(
+            **COMMON, attention_chunk_size=CHUNK, num_local_experts=4, num_experts_per_tok=1,
+            intermediate_size_mlp=80, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+            floor_scale=8, attn_scale=0.5, architectures=["Llama4ForCausalLM"])
+    if kind == "mistral":
+        return transformers.MistralConfig(**COMMON, sliding_window=WINDOW, architectures=["MistralForCausalLM"])
+    raise ValueError(kind)
+
+
+ARCHITECTURES = ("gemma3", "gpt_oss", "llama4", "mistral")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and on a shared 2-core machine spinning OpenMP
+    threads that lose their core slow every op down by an order of magnitude."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """kind -> directory of a saved tiny random model of that architecture (built once)."""
+    built: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in built:
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(_config(kind)).float().eval()
+            path = tmp_path_factory.mktemp(kind)
+            model.save_pretrained(path)
+            built[kind] = path
+        return built[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[Path], Any]:
+    loaded: dict[Path, Any] = {}
+
+    def load(path: Path) -> Any:
+        if path not in loaded:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 0
+            loaded[path] = model
+        return loaded[path]
+
+    return load
+
+
+def hf_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens (batch of one, no padding) and their log-softmax rows [n, vocab]."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    return tokens, logprobs
+
+
+def prompts(lengths: Sequence[int], *, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]

@@ -1,0 +1,105 @@
+"""Paged attention metadata and math on hand-computed vectors (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridkv.core.specs import SpecKind
+from hybridkv.engine.attention import (
+    AttentionRule,
+    ScheduledChunk,
+    build_group_metadata,
+    paged_attention,
+    write_kv,
+)
+
+FULL = AttentionRule(kind=SpecKind.FULL)
+
+
+def sliding(window: int) -> AttentionRule:
+    return AttentionRule(kind=SpecKind.SLIDING_WINDOW, window_tokens=window)
+
+
+def test_sliding_window_reads_only_the_window_and_skips_the_null_block() -> None:
+    # W = 3, block size 2: positions 0-1 were released (null block 0), 2-3 live in block 7, 4-5 in block 9.
+    meta = build_group_metadata([ScheduledChunk(start_pos=4, end_pos=6, block_ids=[0, 7, 9])],
+                                rule=sliding(3), block_size=2)
+    assert meta.write_blocks.tolist() == [9, 9]
+    assert meta.write_offsets.tolist() == [0, 1]
+    (call,) = meta.calls
+    assert (call.rows, call.queries) == (1, 2)
+    assert call.read_blocks.tolist() == [[7, 7, 9, 9]]  # key positions 2, 3, 4, 5
+    assert call.read_offsets.tolist() == [[0, 1, 0, 1]]
+    assert call.mask[0, 0].tolist() == [[True, True, True, False], [False, True, True, True]]
+
+
+def test_decodes_of_different_lengths_share_one_padded_call() -> None:
+    chunks = [ScheduledChunk(start_pos=2, end_pos=3, block_ids=[3, 4]),
+              ScheduledChunk(start_pos=4, end_pos=5, block_ids=[5, 6, 8])]
+    (call,) = build_group_metadata(chunks, rule=FULL, block_size=2).calls
+    assert (call.rows, call.queries) == (2, 1)
+    assert call.read_blocks.tolist() == [[3, 3, 4, 4, 4], [5, 5, 6, 6, 8]]
+    assert call.read_offsets.tolist() == [[0, 1, 0, 0, 0], [0, 1, 0, 1, 0]]  # padding clamped to the last key
+    assert call.mask[:, 0, 0].tolist() == [[True, True, True, False, False], [True] * 5]
+
+
+def test_chunked_local_attends_within_the_chunk() -> None:
+    rule = AttentionRule(kind=SpecKind.CHUNKED_LOCAL, chunk_tokens=4)
+    (call,) = build_group_metadata([ScheduledChunk(start_pos=5, end_pos=7, block_ids=[0, 0, 2, 3])],
+                                   rule=rule, block_size=2).calls
+    assert call.read_blocks.tolist() == [[2, 2, 3]]  # keys 4, 5, 6 of chunk [4, 8)
+    assert call.mask[0, 0].tolist() == [[True, True, False], [True, True, True]]
+
+
+def test_long_prefill_of_a_window_group_is_cut_into_tiles() -> None:
+    meta = build_group_metadata([ScheduledChunk(start_pos=0, end_pos=40, block_ids=list(range(1, 11)))],
+                                rule=sliding(8), block_size=4)
+    assert [(c.token_start, c.rows, c.queries) for c in meta.calls] == [(0, 2, 16), (32, 1, 8)]
+    tiles = meta.calls[0]
+    assert tiles.read_blocks.shape == (2, 16 + 7)  # a tile sees its queries plus W - 1 earlier keys
+    # tile 1 starts at key 0 (block 1, offset 0); tile 2 at key 16 - 7 = 9 (block 3, offset 1)
+    assert tiles.read_blocks[:, 0].tolist() == [1, 3]
+    assert tiles.read_offsets[:, 0].tolist() == [0, 1]
+
+
+def test_a_null_block_inside_the_window_is_an_internal_error() -> None:
+    with pytest.raises(RuntimeError, match="null block"):
+        build_group_metadata([ScheduledChunk(start_pos=4, end_pos=5, block_ids=[0, 0, 9])],
+                             rule=sliding(4), block_size=2)
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+           softcap: float | None) -> torch.Tensor:
+    """Causal attention of one sequence, GQA by repetition; q [T, H, D], k/v [T, KVH, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [T, H, D]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    t = q.shape[0]
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, t, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :t]
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@pytest.mark.parametrize(("sinks", "softcap"), [(False, None), (True, None), (False, 5.0)])
+def test_paged_attention_equals_dense_attention(sinks: bool, softcap: float | None) -> None:
+    torch.manual_seed(0)
+    t, heads, kv_heads, dim, block = 10, 4, 2, 8, 4
+    q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    sink = torch.randn(heads) if sinks else None
+    cache = torch.zeros(8, 2, block, kv_heads, dim)
+    table = [5, 2, 7]
+    expected = _dense(q, k, v, 0.3, sink, softcap)
+    # Prefill 6 tokens, then decode the remaining 4 one by one.
+    for start, end in [(0, 6), (6, 7), (7, 8), (8, 9), (9, 10)]:
+        meta = build_group_metadata([ScheduledChunk(start_pos=start, end_pos=end, block_ids=table)],
+                                    rule=FULL, block_size=block)
+        write_kv(cache, meta, k[start:end], v[start:end])
+        out = paged_attention(q[start:end], cache, meta, scale=0.3, sinks=sink, softcap=softcap)
+        torch.testing.assert_close(out, expected[start:end], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,295 @@
+"""Facade vectors computed by hand: hits across groups, refusal, freeing, errors, events."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvents
+from hybridkv.core.kv_cache_manager import (
+    AllocationError,
+    CacheHit,
+    CacheTiming,
+    KVCacheManager,
+    PrefixCaching,
+    StaleHitError,
+    UnknownRequestError,
+)
+from hybridkv.core.planner import KVCacheGroupSpec
+from hybridkv.core.request import KVRequest
+from hybridkv.core.specs import SpecKind
+from tests.factories import make_config, make_group, make_request
+
+FULL4 = make_group(kind="full", block_size=4)
+SLIDING4 = make_group(kind="sliding", block_size=4, window_tokens=8)
+
+
+def manager(groups: list[KVCacheGroupSpec], *, num_blocks: int = 64, caching: PrefixCaching = PrefixCaching.ON,
+            events: KVEvents = KVEvents.OFF, max_model_len: int = 1024) -> KVCacheManager:
+    return KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=max_model_len,
+                          prefix_caching=caching, events=events)
+
+
+def prefill(m: KVCacheManager, request: KVRequest) -> CacheHit:
+    """Lookup + allocate the whole prompt, then advance the request like an engine would."""
+    hit = m.lookup(request)
+    assert m.allocate(request, request.num_tokens - hit.num_tokens, hit=hit) is not None
+    request.num_computed_tokens = request.num_tokens
+    m.check_integrity()
+    return hit
+
+
+def decode(m: KVCacheManager, request: KVRequest, token: int) -> tuple[tuple[int, ...], ...] | None:
+    request.token_ids.append(token)
+    new = m.allocate(request, 1)
+    if new is not None:
+        request.num_computed_tokens += 1
+    m.check_integrity()
+    return new
+
+
+def test_lru_order_through_the_facade() -> None:
+    """A: 5 full blocks + 1 partial (87 tokens), B: 3 blocks; see test_block_pool for the why."""
+    m = manager([make_group(kind="full", block_size=16)], num_blocks=11)
+    a = make_request(request_id="a", token_ids=range(87))
+    b = make_request(request_id="b", token_ids=range(1000, 1048))
+    prefill(m, a)
+    prefill(m, b)
+    assert m.block_ids(a.request_id) == ([1, 2, 3, 4, 5, 6],)
+    m.free(a)
+    m.free(b)
+    m.check_integrity()
+    assert m.usage() == 0.0
+    c = make_request(request_id="c", token_ids=range(87))
+    hit = m.lookup(c)
+    assert hit.num_tokens == 80 and hit.blocks == ((1, 2, 3, 4, 5),)
+    assert m.allocate(c, 7, hit=hit) == ((6,),)  # the front of the queue: the old partial block
+
+
+def test_hit_leaves_at_least_one_token_to_compute() -> None:
+    m = manager([FULL4])
+    prefill(m, make_request(request_id="a", token_ids=range(8)))
+    assert m.lookup(make_request(request_id="b", token_ids=range(8))).num_tokens == 4
+    assert m.lookup(make_request(request_id="c", token_ids=range(9))).num_tokens == 8
+    assert m.lookup(make_request(request_id="d", token_ids=range(3))).num_tokens == 0
+
+
+def test_full_plus_sliding_window_hit_and_eviction_vector() -> None:
+    """Full + sliding (block 4, window 8: 2 contiguous blocks), 10 usable blocks.
+
+    A prefills 16 tokens (g0: blocks 1-4, g1: 5-8), decodes one token: the sliding window
+    releases g1 positions 0-1 (blocks 6, 5); new blocks 9 (g0) and 10 (g1). Freeing A, both
+    groups interleaved tail first, gives the queue [10, 9, 6, 5, 4, 8, 3, 7, 2, 1] (the
+    partial blocks 9, 10 up front). C then takes 10, 9, 6 (g0) and 5, 4, 8 (g1), evicting
+    g1's h1, h0, g0's h3 and g1's h3: full can still serve 3 blocks, the sliding window none.
+    """
+    m = manager([FULL4, SLIDING4], num_blocks=11)
+    a = make_request(request_id="a", token_ids=range(16))
+    prefill(m, a)
+    assert m.block_ids(a.request_id) == ([1, 2, 3, 4], [5, 6, 7, 8])
+    assert decode(m, a, 99) == ((9,), (10,))
+    assert m.block_ids(a.request_id) == ([1, 2, 3, 4, 9], [0, 0, 7, 8, 10])
+    assert m.group_usage() == (5, 3)
+    m.free(a)
+    e = make_request(request_id="e", token_ids=[*range(16), 5])
+    hit = m.lookup(e)
+    assert hit.num_tokens == 16 and hit.blocks == ((1, 2, 3, 4), (0, 0, 7, 8))
+    prefill(m, make_request(request_id="c", token_ids=range(500, 512)))
+    d = make_request(request_id="d", token_ids=[*range(16), 5])
+    assert m.lookup(d).num_tokens == 0
+    stats = m.stats()
+    assert stats.lookups == 4 and stats.hit_tokens == 16  # a, e, c, d
+    assert stats.group_hit_tokens == (16 + 12, 16 + 0)  # d: full alone 12, sliding at 12: nothing
+
+
+def test_full_plus_mamba_hit_is_the_last_checkpoint_both_can_serve() -> None:
+    m = manager([FULL4, make_group(kind="mamba", block_size=4)])
+    a = make_request(request_id="a", token_ids=range(40))
+    prefill(m, a)  # the step ends at 40 = a block boundary: checkpoint in mamba entry 9
+    assert m.block_ids(a.request_id)[1] == [0] * 9 + [m.block_ids(a.request_id)[1][9]]
+    m.free(a)
+    hit = m.lookup(make_request(request_id="b", token_ids=range(45)))
+    assert hit.num_tokens == 40 and hit.blocks[1][:9] == (0,) * 9 and hit.blocks[1][9] != 0
+    assert m.lookup(make_request(request_id="c", token_ids=[*range(30), 7, 7])).num_tokens == 0
+
+
+def test_mamba_state_of_an_unaligned_prefill_is_not_cached() -> None:
+    m = manager([FULL4, make_group(kind="mamba", block_size=4)])
+    prefill(m, make_request(request_id="a", token_ids=range(42)))
+    assert m.lookup(make_request(request_id="b", token_ids=range(45))).num_tokens == 0
+
+
+def test_chunked_local_hit_counts_finished_chunks_as_computed() -> None:
+    chunked = make_group(kind="chunked", block_size=4, chunk_tokens=8)
+    m = manager([FULL4, chunked])
+    a = make_request(request_id="a", token_ids=range(17))
+    prefill(m, a)
+    decode(m, a, 3)  # first token of the step is 17: chunk [16, 24) -> entries 0-3 released
+    assert m.block_ids(a.request_id)[1][:4] == [0, 0, 0, 0]
+    hit = m.lookup(make_request(request_id="b", token_ids=range(17)))
+    assert hit.num_tokens == 16 and hit.blocks[1] == (0, 0, 0, 0)
+
+
+def test_refused_allocation_changes_nothing_and_the_hit_can_be_retried() -> None:
+    """5 usable blocks. R1 (9 tokens) leaves h0, h1 cached in blocks 1, 2; A takes 3, 4, 5.
+    B (16 tokens) hits 8 tokens (blocks 1, 2) but needs 2 new + 2 touched > 2 free."""
+    m = manager([FULL4], num_blocks=6)
+    r1 = make_request(request_id="r1", token_ids=[*range(8), 100])
+    prefill(m, r1)
+    m.free(r1)
+    a = make_request(request_id="a", token_ids=range(200, 212))
+    prefill(m, a)
+    b = make_request(request_id="b", token_ids=[*range(8), *range(300, 308)])
+    hit = m.lookup(b)
+    assert hit.blocks == ((1, 2),)
+    before = (m.usage(), m.group_usage(), m.block_ids(a.request_id), m.stats())
+    assert m.allocate(b, 8, hit=hit) is None
+    assert (m.usage(), m.group_usage(), m.block_ids(a.request_id), m.stats()) == before
+    with pytest.raises(UnknownRequestError, match="request 'b' holds no blocks"):
+        m.block_ids(b.request_id)
+    m.check_integrity()
+    m.free(a)
+    assert m.allocate(b, 8, hit=hit) == ((5, 4),)
+    assert m.block_ids(b.request_id) == ([1, 2, 5, 4],)
+    m.check_integrity()
+
+
+def test_refused_decode_does_not_release_out_of_window_blocks() -> None:
+    """Window 12 keeps ceil(11/4) = 3 blocks: the decode after 16 tokens releases only entry 0
+    but needs 2 new blocks, with none free: refused, and entry 0 is still held."""
+    m = manager([FULL4, make_group(kind="sliding", block_size=4, window_tokens=12)], num_blocks=9)
+    a = make_request(request_id="a", token_ids=range(16))
+    prefill(m, a)
+    before = (m.block_ids(a.request_id), m.group_usage())
+    a.token_ids.append(1)
+    assert m.allocate(a, 1) is None
+    assert (m.block_ids(a.request_id), m.group_usage()) == before == (([1, 2, 3, 4], [5, 6, 7, 8]), (4, 4))
+    m.check_integrity()
+
+
+def test_decode_that_fits_only_thanks_to_released_blocks_is_granted() -> None:
+    m = manager([FULL4, SLIDING4], num_blocks=9)
+    a = make_request(request_id="a", token_ids=range(16))
+    prefill(m, a)
+    a.token_ids.append(1)
+    assert m.allocate(a, 1) is not None  # needs 2 new, the window releases 2
+    m.check_integrity()
+
+
+def test_stale_hit_is_rejected() -> None:
+    m = manager([FULL4], num_blocks=4)
+    prefill(m, r1 := make_request(request_id="r1", token_ids=range(9)))
+    m.free(r1)
+    b = make_request(request_id="b", token_ids=range(10))
+    hit = m.lookup(b)
+    assert hit.num_tokens == 8
+    prefill(m, make_request(request_id="x", token_ids=range(50, 62)))  # evicts everything
+    with pytest.raises(StaleHitError, match="was evicted after lookup"):
+        m.allocate(b, 2, hit=hit)
+
+
+def test_argument_errors_say_what_was_expected() -> None:
+    m = manager([FULL4], max_model_len=32)
+    a = make_request(request_id="a", token_ids=range(8))
+    with pytest.raises(AllocationError, match="token counts must be >= 0"):
+        m.allocate(a, -1)
+    with pytest.raises(AllocationError, match="at most max_model_len=32"):
+        m.allocate(a, 8, num_lookahead_tokens=30)
+    a.num_computed_tokens = 4
+    with pytest.raises(AllocationError, match="num_computed_tokens=4 but holds no blocks"):
+        m.allocate(a, 4)
+    a.num_computed_tokens = 0
+    prefill(m, a)
+    other = make_request(request_id="o", token_ids=range(8))
+    hit = m.lookup(other)
+    with pytest.raises(AllocationError, match="cache hit of request 'o' passed for 'a'"):
+        m.allocate(a, 1, hit=hit)
+    with pytest.raises(AllocationError, match="applies only to a new request"):
+        m.allocate(make_request(request_id="a", token_ids=range(9), num_computed_tokens=8), 1,
+                   hit=CacheHit(request_id=a.request_id, num_tokens=4, blocks=((1,),)))
+    with pytest.raises(AllocationError, match="it holds slots for 8 tokens"):
+        m.cache(a, 9)
+
+
+def test_delayed_caching_hides_blocks_until_cache_is_called() -> None:
+    m = manager([FULL4])
+    a = make_request(request_id="a", token_ids=range(13))
+    assert m.allocate(a, 5, num_external_tokens=8, caching=CacheTiming.DELAYED) == ((1, 2, 3, 4),)
+    probe = make_request(request_id="p", token_ids=range(13))
+    assert m.lookup(probe).num_tokens == 0
+    m.cache(a, 8)  # the external 8 tokens arrived
+    assert m.lookup(probe).num_tokens == 8
+    m.cache(a, 13)
+    assert m.lookup(probe).num_tokens == 12
+    m.check_integrity()
+
+
+def test_lookahead_slots_are_allocated_but_not_cached() -> None:
+    m = manager([FULL4])
+    a = make_request(request_id="a", token_ids=range(6))
+    assert m.allocate(a, 6, num_lookahead_tokens=3) == ((1, 2, 3),)
+    assert m.lookup(make_request(request_id="p", token_ids=range(12))).num_tokens == 4
+
+
+def test_events_carry_group_kind_and_window() -> None:
+    m = manager([FULL4, SLIDING4], num_blocks=5, events=KVEvents.ON)
+    a = make_request(request_id="a", token_ids=range(5))
+    prefill(m, a)
+    stored = m.take_events()
+    assert stored == [
+        BlockStored(group_id=0, kind=SpecKind.FULL, window_tokens=0, block_size=4, block_hashes=(a.block_hashes[4][0],),
+                    parent_hash=None, token_ids=(0, 1, 2, 3)),
+        BlockStored(group_id=1, kind=SpecKind.SLIDING_WINDOW, window_tokens=8, block_size=4,
+                    block_hashes=(a.block_hashes[4][0],), parent_hash=None, token_ids=(0, 1, 2, 3)),
+    ]
+    m.free(a)
+    prefill(m, make_request(request_id="b", token_ids=range(100, 108)))  # 4 blocks: evicts a's 2
+    removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
+    assert {(e.group_id, e.kind) for e in removed} == {(0, SpecKind.FULL), (1, SpecKind.SLIDING_WINDOW)}
+    m.free(make_request(request_id="b"))
+    assert m.reset_prefix_cache() is True
+    assert m.take_events() == [AllBlocksCleared()]
+
+
+def test_reset_prefix_cache_waits_for_running_requests() -> None:
+    m = manager([FULL4])
+    a = make_request(request_id="a", token_ids=range(9))
+    prefill(m, a)
+    assert m.reset_prefix_cache() is False
+    m.free(a)
+    assert m.reset_prefix_cache() is True
+    assert m.lookup(make_request(request_id="b", token_ids=range(9))).num_tokens == 0
+
+
+def test_prefix_caching_off_never_hits_and_mamba_holds_one_block() -> None:
+    m = manager([FULL4, make_group(kind="mamba", block_size=4)], caching=PrefixCaching.OFF)
+    a = make_request(request_id="a", token_ids=range(40))
+    prefill(m, a)
+    assert m.block_ids(a.request_id)[1] == [11]
+    decode(m, a, 1)
+    assert len(m.block_ids(a.request_id)[1]) == 1
+    m.free(a)
+    assert m.lookup(make_request(request_id="b", token_ids=range(40))).num_tokens == 0
+    assert m.usage() == 0.0
+
+
+def test_usage_is_the_fraction_of_usable_blocks_in_use() -> None:
+    m = manager([FULL4], num_blocks=11)
+    prefill(m, make_request(request_id="a", token_ids=range(10)))
+    assert m.usage() == pytest.approx(0.3)
+    assert m.group_usage() == (3,)
+
+
+def test_preemption_frees_everything_and_the_request_restarts_with_a_hit() -> None:
+    m = manager([FULL4, SLIDING4])
+    a = make_request(request_id="a", token_ids=range(20))
+    prefill(m, a)
+    for token in range(6):
+        decode(m, a, token)
+    m.free(a)  # preempted
+    a.num_computed_tokens = 0
+    hit = prefill(m, a)
+    assert hit.num_tokens == 24  # 26 tokens: 6 full blocks, capped at 25 tokens
+    m.free(a)
+    m.free(a)  # freeing a request that holds nothing is a no-op
+    m.check_integrity()
+    assert m.usage() == 0.0
