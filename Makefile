@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/hybridkv plan gpt-oss-20b gemma-3-27b gemma-3n-e4b gemma-4-31b llama-4-scout qwen3-next-80b qwen3.5-0.8b jamba-mini granite-4.0-h-tiny falcon-h1-7b
+	$(VENV)/bin/hybridkv run
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hybridkv tests benchmarks

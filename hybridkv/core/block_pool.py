@@ -111,7 +111,7 @@ class BlockPool:
         self._groups = tuple(groups)
         self._policy = policy_factory(self.blocks[1:])
         self._maps: list[dict[BlockHash, Block]] = [{} for _ in self._groups]
-        self._dups: dict[tuple[int, BlockHash], list[Block]] = {}
+        self._dups: list[dict[BlockHash, list[Block]]] = [{} for _ in self._groups]
         self._used = [0] * len(self._groups)
         self._events_on = events is KVEvents.ON
         self._events: list[KVEvent] = []
@@ -156,15 +156,17 @@ class BlockPool:
         """Pop `num_blocks` blocks for `group_id` (the caller checked `num_free`), ref count 1."""
         blocks = self._policy.pop(num_blocks)
         maps = self._maps
-        slow = self._events_on or bool(self._dups)
+        dups = self._dups
         evicted = 0
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
-                if slow:
-                    self._drop_hash(block)
-                else:
-                    del maps[block.group_id][block_hash]
+                old_group = block.group_id
+                primary = maps[old_group].pop(block_hash)
+                if primary is not block or block_hash in dups[old_group]:
+                    self._evict_duplicate(block, primary)
+                if self._events_on:
+                    self._record_removed(block)
                 block.block_hash = None
                 evicted += 1
             block.ref_cnt = 1
@@ -214,33 +216,33 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             if cached.setdefault(block_hash, block) is not block:
-                self._dups.setdefault((group_id, block_hash), []).append(block)
+                self._dups[group_id].setdefault(block_hash, []).append(block)
         if self._events_on:
             self._record_stored(group_id, table, hashes, start, end, token_ids)
 
     # -- slow path ----------------------------------------------------------------------------
 
-    def _drop_hash(self, block: Block) -> None:
+    def _evict_duplicate(self, block: Block, primary: Block) -> None:
+        """Finish evicting `block` when its hash has copies; `primary` was just popped from the
+        map. A waiting copy becomes the primary; an evicted copy leaves the waiting list."""
         block_hash = block.block_hash
         assert block_hash is not None
-        group_id = block.group_id
-        cached = self._maps[group_id]
-        key = (group_id, block_hash)
-        waiting = self._dups.get(key)
-        if cached.get(block_hash) is block:
-            if waiting:
-                cached[block_hash] = waiting.pop(0)
-            else:
-                del cached[block_hash]
+        cached = self._maps[block.group_id]
+        dups = self._dups[block.group_id]
+        waiting = dups[block_hash]
+        if primary is block:
+            cached[block_hash] = waiting.pop(0)
         else:
-            assert waiting is not None and block in waiting, "a hashed block is in neither table"
+            cached[block_hash] = primary
             waiting.remove(block)
-        if waiting is not None and not waiting:
-            del self._dups[key]
-        if self._events_on:
-            spec = self._groups[group_id]
-            self._events.append(BlockRemoved(group_id=GroupId(group_id), kind=spec.kind,
-                                             window_tokens=spec.window_tokens, block_hashes=(block_hash,)))
+        if not waiting:
+            del dups[block_hash]
+
+    def _record_removed(self, block: Block) -> None:
+        spec = self._groups[block.group_id]
+        assert block.block_hash is not None
+        self._events.append(BlockRemoved(group_id=GroupId(block.group_id), kind=spec.kind,
+                                         window_tokens=spec.window_tokens, block_hashes=(block.block_hash,)))
 
     def _record_stored(self, group_id: int, table: Sequence[Block], hashes: Sequence[BlockHash],
                        start: int, end: int, token_ids: Sequence[int]) -> None:
@@ -263,9 +265,9 @@ class BlockPool:
         """Forget every cached hash; only possible when no block but null is in use."""
         if self._policy.num_free != self.usable_blocks:
             return False
-        for cached in self._maps:
+        for cached, dups in zip(self._maps, self._dups, strict=True):
             cached.clear()
-        self._dups.clear()
+            dups.clear()
         for block in self.blocks:
             block.block_hash = None
         self.evictions += 1
@@ -317,13 +319,14 @@ class BlockPool:
                         f"{block.group_id} whose hash does not match its key"
                     )
             entries += len(cached)
-        for (group_id, block_hash), waiting in self._dups.items():
-            if block_hash not in self._maps[group_id]:
-                raise IntegrityError(f"duplicate table of group {group_id} has no primary block")
-            for block in waiting:
-                if block.block_hash != block_hash or block.group_id != group_id:
-                    raise IntegrityError(f"duplicate block {block.block_id} does not carry its key")
-            entries += len(waiting)
+        for group_id, dups in enumerate(self._dups):
+            for block_hash, waiting in dups.items():
+                if block_hash not in self._maps[group_id] or not waiting:
+                    raise IntegrityError(f"duplicate table of group {group_id} has no primary block or no copies")
+                for block in waiting:
+                    if block.block_hash != block_hash or block.group_id != group_id:
+                        raise IntegrityError(f"duplicate block {block.block_id} does not carry its key")
+                entries += len(waiting)
         hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         if hashed != entries:
             raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import zip_longest
+from itertools import chain, zip_longest
 
 from hybridkv.core.block_pool import Block, BlockPool
 from hybridkv.core.ids import BlockHash, RequestId
@@ -46,10 +46,7 @@ def interleave_tail_first(tables: Sequence[list[Block]]) -> list[Block]:
     """
     if len(tables) == 1:
         return tables[0]
-    out: list[Block] = []
-    for row in zip_longest(*tables):
-        out.extend(b for b in row if b is not None)
-    return out
+    return [b for b in chain.from_iterable(zip_longest(*tables)) if b is not None]
 
 
 class KVCacheCoordinator:

@@ -284,6 +284,9 @@ class KVCacheManager:
                 raise IntegrityError(f"group {g} has tables for {sorted(manager.tables())} but the "
                                      f"running requests are {sorted(running)}")
             for rid, table in manager.tables().items():
+                skipped = manager.num_skipped(rid)
+                if any(b is not null for b in table[:skipped]):
+                    raise IntegrityError(f"request {rid!r} group {g}: the first {skipped} entries should be null")
                 real = [b for b in table if b is not null]
                 if len({id(b) for b in real}) != len(real):
                     raise IntegrityError(f"request {rid!r} holds a block twice in group {g}")

@@ -255,7 +255,9 @@ class FullAttentionManager(SingleTypeManager):
 
 
 def _all_hold(maps: Sequence[HashMap], block_hash: BlockHash) -> bool:
-    return all(block_hash in m for m in maps)
+    """Whether every map caches `block_hash`; the first map is tested alone first because most
+    scanned positions miss there already (identical groups cache the same positions)."""
+    return block_hash in maps[0] and all(block_hash in m for m in maps[1:])
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -277,10 +279,10 @@ class SlidingWindowManager(SingleTypeManager):
             return [[self._null] * limit for _ in maps]
         run = 0
         start = 0
-        single = maps[0] if len(maps) == 1 else None
+        lead, rest = maps[0], maps[1:]
         for i in range(limit - 1, -1, -1):
             block_hash = block_hashes[i]
-            if (block_hash in single) if single is not None else _all_hold(maps, block_hash):
+            if block_hash in lead and (not rest or _all_hold(rest, block_hash)):
                 run += 1
                 if run == need:
                     start = i
@@ -363,8 +365,9 @@ class MambaManager(SingleTypeManager):
                   max_length: int) -> list[list[Block]]:
         if self.mode is MambaMode.NONE:
             return [[] for _ in maps]
+        lead = maps[0]
         for i in range(max_length // self.block_size - 1, -1, -1):
-            if _all_hold(maps, block_hashes[i]):
+            if block_hashes[i] in lead and _all_hold(maps, block_hashes[i]):
                 return [[self._null] * i + [m[block_hashes[i]]] for m in maps]
         return [[] for _ in maps]
 

@@ -29,6 +29,23 @@ from hybridkv.core.specs import SpecKind
 Prefix = tuple[str | None, tuple[int, ...]]
 
 
+def first_required_block(group: KVCacheGroupSpec, length: int) -> int | None:
+    """First block a group needs cached to serve a hit of `length` tokens (None: cannot hit).
+    Every block from there up to `length` is needed."""
+    size = group.block_size
+    if length == 0:
+        return 0
+    if group.kind is SpecKind.FULL:
+        return 0
+    if group.kind is SpecKind.SLIDING_WINDOW:
+        return max(0, length // size - math.ceil((group.window_tokens - 1) / size))
+    if group.kind is SpecKind.CHUNKED_LOCAL:
+        return length // group.chunk_tokens * group.chunk_tokens // size
+    if group.kind is SpecKind.MAMBA:
+        return length // size - 1
+    return None
+
+
 class NaiveManager:
     """Sets of cached prefixes per group; see the module docstring."""
 
@@ -55,21 +72,11 @@ class NaiveManager:
             cached.clear()
 
     def can_serve(self, g: int, tokens: Sequence[int], salt: str | None, length: int) -> bool:
-        group = self.groups[g]
-        size = group.block_size
-        cached = self.cached[g]
-        if length == 0:
-            return True
-        if group.kind is SpecKind.FULL:
-            first = 0
-        elif group.kind is SpecKind.SLIDING_WINDOW:
-            first = max(0, length // size - math.ceil((group.window_tokens - 1) / size))
-        elif group.kind is SpecKind.CHUNKED_LOCAL:
-            first = length // group.chunk_tokens * group.chunk_tokens // size
-        elif group.kind is SpecKind.MAMBA:
-            first = length // size - 1
-        else:
+        first = first_required_block(self.groups[g], length)
+        if first is None:
             return False
+        size = self.groups[g].block_size
+        cached = self.cached[g]
         return all((salt, tuple(tokens[: (i + 1) * size])) in cached for i in range(first, length // size))
 
     def longest_hit(self, tokens: Sequence[int], salt: str | None) -> int:
@@ -109,19 +116,30 @@ class ContentTracker:
             if self.groups[g].kind is SpecKind.MAMBA and table and table[-1]:
                 self.state[table[-1]] = (g, (salt, tuple(tokens[:end])))
 
-    def check_hit(self, tokens: Sequence[int], salt: str | None, blocks: Sequence[Sequence[int]]) -> None:
+    def check_hit(self, tokens: Sequence[int], salt: str | None, length: int,
+                  blocks: Sequence[Sequence[int]]) -> None:
+        """The hit is sound: each group has one entry per block of `length`, every entry its
+        rule needs is a real block, and every real block holds the request's own prefix."""
         for g, entries in enumerate(blocks):
-            size = self.groups[g].block_size
+            group = self.groups[g]
+            size = group.block_size
+            first = first_required_block(group, length)
+            assert first is not None, f"group {g} ({group.kind.value}) cannot serve a hit of {length}"
+            assert len(entries) == length // size, f"group {g}: {len(entries)} entries for a hit of {length}"
+            missing = [i for i in range(first, length // size) if not entries[i]]
+            assert not missing, f"group {g}: hit of {length} tokens lacks needed blocks at {missing}"
             for i, block_id in enumerate(entries):
-                if not block_id:
-                    continue
-                end = (i + 1) * size
-                if self.groups[g].kind is SpecKind.MAMBA:
-                    assert self.state.get(block_id) == (g, (salt, tuple(tokens[:end]))), (
-                        f"group {g} position {i}: block {block_id} holds a state of other tokens")
-                    continue
-                owner_group, position, owner, owner_salt = self.attention[block_id]
-                assert (owner_group, position, owner_salt) == (g, i, salt), (
-                    f"block {block_id} holds group {owner_group} position {position}, hit as group {g} position {i}")
-                assert len(owner) >= end and owner[:end] == list(tokens[:end]), (
-                    f"group {g} position {i}: block {block_id} holds other tokens")
+                if block_id:
+                    self._check_block(g, i, block_id, tokens, salt)
+
+    def _check_block(self, g: int, i: int, block_id: int, tokens: Sequence[int], salt: str | None) -> None:
+        end = (i + 1) * self.groups[g].block_size
+        if self.groups[g].kind is SpecKind.MAMBA:
+            assert self.state.get(block_id) == (g, (salt, tuple(tokens[:end]))), (
+                f"group {g} position {i}: block {block_id} holds a state of other tokens")
+            return
+        owner_group, position, owner, owner_salt = self.attention[block_id]
+        assert (owner_group, position, owner_salt) == (g, i, salt), (
+            f"block {block_id} holds group {owner_group} position {position}, hit as group {g} position {i}")
+        assert len(owner) >= end and owner[:end] == list(tokens[:end]), (
+            f"group {g} position {i}: block {block_id} holds other tokens")

@@ -14,6 +14,7 @@ from hybridkv.core.block_pool import (
     KVEvents,
 )
 from hybridkv.core.eviction import POLICIES, EvictionPolicyName
+from hybridkv.core.ids import GroupId
 from hybridkv.core.specs import SpecKind
 from tests.factories import make_group
 
@@ -70,14 +71,14 @@ def test_allocation_pops_the_front_and_drops_the_stale_hash() -> None:
     pool.free(blocks[::-1])  # free order: 3, 2, 1
     assert pool.cached_map(0)[b"z"].block_id == 3
     events = pool.take_events()
-    assert events == [BlockStored(group_id=0, kind=SpecKind.FULL, window_tokens=0, block_size=4,
+    assert events == [BlockStored(group_id=GroupId(0), kind=SpecKind.FULL, window_tokens=0, block_size=4,
                                   block_hashes=(b"x", b"y", b"z"), parent_hash=None, token_ids=tuple(range(12)))]
     evictions = pool.evictions
     (reused,) = pool.allocate(1, 0)
     assert reused.block_id == 3 and reused.block_hash is None and reused.ref_cnt == 1
     assert b"z" not in pool.cached_map(0) and b"x" in pool.cached_map(0)
     assert pool.evictions == evictions + 1
-    assert pool.take_events() == [BlockRemoved(group_id=0, kind=SpecKind.FULL, window_tokens=0,
+    assert pool.take_events() == [BlockRemoved(group_id=GroupId(0), kind=SpecKind.FULL, window_tokens=0,
                                                block_hashes=(b"z",))]
     assert pool.take_events() == []
     pool.check_integrity({3: 1})
@@ -168,3 +169,16 @@ def test_check_integrity_reports_the_actual_numbers() -> None:
         pool.check_integrity({})
     with pytest.raises(IntegrityError, match="block 2 has ref_cnt 1 but 3 request tables hold it"):
         pool.check_integrity({1: 1, 2: 3})
+
+
+def test_evicting_the_waiting_copy_keeps_the_primary() -> None:
+    pool = make_pool(num_blocks=3)
+    first = pool.allocate(1, 0)
+    second = pool.allocate(1, 0)
+    pool.cache_blocks(0, first, hashes("same"), 0, 1, [])
+    pool.cache_blocks(0, second, hashes("same"), 0, 1, [])
+    pool.free(second)
+    (reused,) = pool.allocate(1, 0)
+    assert reused is second[0] and reused.block_hash is None
+    assert pool.cached_map(0)[b"same"] is first[0]
+    pool.check_integrity({1: 1, 2: 1})

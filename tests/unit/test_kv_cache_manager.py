@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvents
+from hybridkv.core.ids import BlockId, GroupId
 from hybridkv.core.kv_cache_manager import (
     AllocationError,
     CacheHit,
@@ -205,7 +206,7 @@ def test_argument_errors_say_what_was_expected() -> None:
         m.allocate(a, 1, hit=hit)
     with pytest.raises(AllocationError, match="applies only to a new request"):
         m.allocate(make_request(request_id="a", token_ids=range(9), num_computed_tokens=8), 1,
-                   hit=CacheHit(request_id=a.request_id, num_tokens=4, blocks=((1,),)))
+                   hit=CacheHit(request_id=a.request_id, num_tokens=4, blocks=((BlockId(1),),)))
     with pytest.raises(AllocationError, match="it holds slots for 8 tokens"):
         m.cache(a, 9)
 
@@ -236,9 +237,9 @@ def test_events_carry_group_kind_and_window() -> None:
     prefill(m, a)
     stored = m.take_events()
     assert stored == [
-        BlockStored(group_id=0, kind=SpecKind.FULL, window_tokens=0, block_size=4, block_hashes=(a.block_hashes[4][0],),
-                    parent_hash=None, token_ids=(0, 1, 2, 3)),
-        BlockStored(group_id=1, kind=SpecKind.SLIDING_WINDOW, window_tokens=8, block_size=4,
+        BlockStored(group_id=GroupId(0), kind=SpecKind.FULL, window_tokens=0, block_size=4,
+                    block_hashes=(a.block_hashes[4][0],), parent_hash=None, token_ids=(0, 1, 2, 3)),
+        BlockStored(group_id=GroupId(1), kind=SpecKind.SLIDING_WINDOW, window_tokens=8, block_size=4,
                     block_hashes=(a.block_hashes[4][0],), parent_hash=None, token_ids=(0, 1, 2, 3)),
     ]
     m.free(a)

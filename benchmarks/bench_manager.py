@@ -1,0 +1,224 @@
+"""KV cache manager benchmark: manager time per scheduled token on a shared-prefix trace.
+
+    python benchmarks/bench_manager.py [--layout gemma3|mamba|both] [--n 10000] [--seed 0] [--quick]
+
+40,000 blocks of 16 tokens, max 32 running requests, max_model_len 8192, prefix caching on.
+Layouts: `gemma3` = 1 full-attention group + 5 sliding-window groups (window 1024); `mamba` =
+1 full-attention group + 3 Mamba groups in align mode (Qwen3-Next's 1:3).
+
+Each step: every running request either finishes (free) or appends one token and allocates one
+slot (a refused decode preempts it: freed and requeued); then waiting requests are admitted in
+order while fewer than 32 run: lookup, then allocate the whole remaining prompt; a refusal stops
+admission for this step. Only manager calls are timed; hashing a request's blocks is timed
+separately (`us_per_request_hash`, prompt + decode blocks per request). The last line is
+
+    ns_per_scheduled_token gemma3=<ns> mamba=<ns> us_per_request_hash=<us>
+
+with ns = manager time / (prefill tokens scheduled + decode tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from time import perf_counter_ns
+
+from tqdm import tqdm
+
+from hybridkv.core.hashing import BlockHasher
+from hybridkv.core.ids import RequestId
+from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.core.request import KVRequest
+from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
+
+try:
+    from benchmarks.traces import Trace, make_trace
+except ImportError:  # run as a script: benchmarks/ itself is on sys.path
+    from traces import Trace, make_trace  # type: ignore[no-redef,import-not-found]
+
+NUM_BLOCKS = 40_000
+BLOCK_SIZE = 16
+MAX_RUNNING = 32
+MAX_MODEL_LEN = 8192
+WINDOW_TOKENS = 1024
+QUICK_N = 300
+LAYOUTS = ("gemma3", "mamba")
+
+
+def build_config(layout: str) -> KVCacheConfig:
+    """The benchmark's KV cache config: every group has 16-token blocks."""
+    full = AttentionSpec(kind=SpecKind.FULL, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    other: LayerSpec
+    if layout == "gemma3":
+        other, count = AttentionSpec(kind=SpecKind.SLIDING_WINDOW, num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                                     window_tokens=WINDOW_TOKENS), 5
+    elif layout == "mamba":
+        other, count = MambaSpec(mamba_type=MambaType.GATED_DELTANET, shapes=((3, 8192), (32, 128, 128)),
+                                 dtypes=("bfloat16", "float32")), 3
+    else:
+        raise SystemExit(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    specs = [full] + [other] * count
+    groups = tuple(KVCacheGroupSpec(group_id=i, spec=s, layer_indices=(i,), block_size=BLOCK_SIZE)
+                   for i, s in enumerate(specs))
+    return KVCacheConfig(model=f"bench-{layout}", num_blocks=NUM_BLOCKS, page_size_bytes=BLOCK_SIZE * 4096,
+                         group_size=1, groups=groups, tensors=())
+
+
+@dataclass
+class Result:
+    layout: str
+    ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("lookup", "allocate", "decode", "free"), 0))
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("lookup", "allocate", "decode", "free"), 0))
+    hash_ns: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+    requests: int = 0
+
+    @property
+    def manager_ns(self) -> int:
+        return sum(self.ns.values())
+
+    @property
+    def ns_per_token(self) -> float:
+        return self.manager_ns / max(1, self.prefill_tokens + self.decode_tokens)
+
+    @property
+    def us_per_request_hash(self) -> float:
+        return self.hash_ns / 1000 / max(1, self.requests)
+
+    def op_us(self, op: str) -> float:
+        return self.ns[op] / 1000 / max(1, self.calls[op])
+
+
+@dataclass
+class _Job:
+    request: KVRequest
+    decode_left: int
+
+
+def run(layout: str, trace: Trace, *, seed: int, progress: bool) -> Result:
+    """Replay `trace` on a fresh manager; see the module docstring for the loop."""
+    manager = KVCacheManager(build_config(layout), max_model_len=MAX_MODEL_LEN)
+    hasher = BlockHasher()
+    rng = random.Random(seed + 1)
+    result = Result(layout=layout, requests=len(trace))
+    ns, calls = result.ns, result.calls
+    waiting: deque[_Job] = deque(
+        _Job(KVRequest(request_id=RequestId(f"r{i}"), token_ids=list(prompt)), steps)
+        for i, (prompt, steps) in enumerate(trace)
+    )
+    running: list[_Job] = []
+    bar = tqdm(total=len(trace), desc=layout, unit="req", disable=not progress, file=sys.stderr, leave=False)
+    while waiting or running:
+        kept: list[_Job] = []
+        for job in running:
+            request = job.request
+            if not job.decode_left:
+                t0 = perf_counter_ns()
+                manager.free(request)
+                ns["free"] += perf_counter_ns() - t0
+                calls["free"] += 1
+                bar.update(1)
+                continue
+            request.token_ids.append(rng.randrange(1, 150000))
+            t0 = perf_counter_ns()
+            hasher.update(request, BLOCK_SIZE)
+            t1 = perf_counter_ns()
+            new = manager.allocate(request, 1)
+            ns["decode"] += perf_counter_ns() - t1
+            result.hash_ns += t1 - t0
+            calls["decode"] += 1
+            if new is None:  # preempt by recompute: the request starts over
+                manager.free(request)
+                request.num_computed_tokens = 0
+                result.preemptions += 1
+                waiting.appendleft(job)
+                continue
+            request.num_computed_tokens += 1
+            job.decode_left -= 1
+            result.decode_tokens += 1
+            kept.append(job)
+        running = kept
+        while waiting and len(running) < MAX_RUNNING:
+            if not _admit(manager, hasher, waiting[0], result):
+                break
+            running.append(waiting.popleft())
+    bar.close()
+    manager.check_integrity()
+    return result
+
+
+def _admit(manager: KVCacheManager, hasher: BlockHasher, job: _Job, result: Result) -> bool:
+    request = job.request
+    ns, calls = result.ns, result.calls
+    t0 = perf_counter_ns()
+    hasher.update(request, BLOCK_SIZE)
+    t1 = perf_counter_ns()
+    hit = manager.lookup(request)
+    t2 = perf_counter_ns()
+    new = manager.allocate(request, request.num_tokens - hit.num_tokens, hit=hit)
+    t3 = perf_counter_ns()
+    result.hash_ns += t1 - t0
+    ns["lookup"] += t2 - t1
+    ns["allocate"] += t3 - t2
+    calls["lookup"] += 1
+    calls["allocate"] += 1
+    if new is None:
+        return False
+    scheduled = request.num_tokens - hit.num_tokens
+    result.prefill_tokens += scheduled
+    result.prompt_tokens += request.num_tokens
+    result.hit_tokens += hit.num_tokens
+    request.num_computed_tokens = request.num_tokens
+    return True
+
+
+def report(result: Result) -> None:
+    print(
+        f"{result.layout}: lookup_us={result.op_us('lookup'):.1f} allocate_us={result.op_us('allocate'):.1f} "
+        f"decode_allocate_us={result.op_us('decode'):.2f} free_us={result.op_us('free'):.1f} "
+        f"hit_rate={result.hit_tokens / max(1, result.prompt_tokens):.3f} "
+        f"prefill_tokens={result.prefill_tokens} decode_tokens={result.decode_tokens} "
+        f"preemptions={result.preemptions} manager_s={result.manager_ns / 1e9:.2f} "
+        f"ns_per_scheduled_token={result.ns_per_token:.0f} us_per_request_hash={result.us_per_request_hash:.1f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--layout", choices=(*LAYOUTS, "both"), default="both")
+    parser.add_argument("--n", type=int, default=10_000, help="requests in the trace")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help=f"CI smoke run: n={QUICK_N}")
+    parser.add_argument("--profile", action="store_true", help="print the top functions by cumulative time")
+    args = parser.parse_args(argv)
+    n = QUICK_N if args.quick else args.n
+    trace = make_trace(n, args.seed)
+    layouts = LAYOUTS if args.layout == "both" else (args.layout,)
+    results = []
+    for layout in layouts:
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler:
+            profiler.enable()
+        results.append(run(layout, trace, seed=args.seed, progress=not args.quick and sys.stderr.isatty()))
+        if profiler:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+        report(results[-1])
+    hash_us = sum(r.us_per_request_hash for r in results) / len(results)
+    per_layout = " ".join(f"{r.layout}={r.ns_per_token:.0f}" for r in results)
+    print(f"ns_per_scheduled_token {per_layout} us_per_request_hash={hash_us:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
