@@ -101,10 +101,12 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
         "padding_waste_bytes": result.padding_waste_bytes,
         "max_concurrency": round(result.max_concurrency, 4),
         "kv_capacity_tokens": result.kv_capacity_tokens,
+        "bytes_per_request": result.bytes_per_request,
         "uniform": {
             "runnable": uniform.runnable, "block_size": uniform.block_size, "num_blocks": uniform.num_blocks,
             "max_concurrency": round(uniform.max_concurrency, 4),
-            "kv_capacity_tokens": uniform.kv_capacity_tokens, "reason": uniform.reason,
+            "kv_capacity_tokens": uniform.kv_capacity_tokens, "bytes_per_request": uniform.bytes_per_request,
+            "reason": uniform.reason,
         },
         "capacity_ratio": None if math.isinf(result.capacity_ratio) else round(result.capacity_ratio, 4),
         "recommended_chunk_size": result.recommended_chunk_size,
@@ -116,7 +118,7 @@ def _gib(n: int) -> str:
 
 
 def _ratio(result: Plan) -> str:
-    return "uniform cannot run" if math.isinf(result.capacity_ratio) else f"{result.capacity_ratio:.2f}x"
+    return "-" if math.isinf(result.capacity_ratio) else f"{result.capacity_ratio:.2f}x"
 
 
 def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
@@ -152,16 +154,19 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
         tensors.add_row(str(i), _gib(t.size_bytes), _short(t.shared_by))
     console.print(tensors)
 
-    cap = Table(title=f"Capacity at {_gib(result.options.memory_bytes)}, max_model_len {result.options.max_model_len}")
-    for col in ("layout", "block size", "max concurrency", "KV capacity (tokens)", "note"):
-        cap.add_column(col, justify="left" if col in ("layout", "note") else "right")
-    waste = f"padding waste {_gib(result.padding_waste_bytes)}; server chunk {result.recommended_chunk_size}"
-    cap.add_row("hybrid", str(cfg.attention_block_size), f"{result.max_concurrency:.2f}",
-                f"{result.kv_capacity_tokens:,}", waste)
     u = result.uniform
-    cap.add_row("uniform", str(u.block_size), f"{u.max_concurrency:.2f}" if u.runnable else "-",
-                f"{u.kv_capacity_tokens:,}" if u.runnable else "-", u.reason)
-    cap.add_row("ratio", "", _ratio(result), "", "hybrid / uniform")
+    cap = Table(
+        title=f"Capacity at {_gib(result.options.memory_bytes)}, max_model_len {result.options.max_model_len}",
+        caption=f"uniform: {u.reason}. Padding waste {_gib(result.padding_waste_bytes)}; "
+                f"KV-server chunk size {result.recommended_chunk_size}.",
+    )
+    for col in ("layout", "block size", "max concurrency", "KV capacity (tokens)", "per request"):
+        cap.add_column(col, justify="left" if col == "layout" else "right")
+    cap.add_row("hybrid", str(cfg.attention_block_size), f"{result.max_concurrency:.2f}",
+                f"{result.kv_capacity_tokens:,}", _gib(result.bytes_per_request))
+    cap.add_row("uniform", str(u.block_size), f"{u.max_concurrency:.2f}" if u.runnable else "can't run",
+                f"{u.kv_capacity_tokens:,}" if u.runnable else "-", _gib(u.bytes_per_request) if u.runnable else "-")
+    cap.add_row("ratio", "", _ratio(result), "", "")
     console.print(cap)
 
 

@@ -124,6 +124,7 @@ class UniformLayout:
     total_bytes: int
     max_concurrency: float
     kv_capacity_tokens: int
+    bytes_per_request: int  # KV bytes one max_model_len request occupies
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,6 +137,7 @@ class Plan:
     max_concurrency: float
     kv_capacity_tokens: int
     padding_waste_bytes: int  # tensor bytes left empty by short groups at full load
+    bytes_per_request: int  # KV bytes one max_model_len request occupies (a block spans group_size pages)
     recommended_chunk_size: int
     uniform: UniformLayout
 
@@ -242,7 +244,7 @@ def _uniform_layout(model: ModelSpec, options: PlannerOptions) -> UniformLayout:
     if any(isinstance(s, MambaSpec) for _, s in owned):
         return UniformLayout(
             runnable=False, block_size=block, num_blocks=0, total_bytes=0, max_concurrency=0.0,
-            kv_capacity_tokens=0,
+            kv_capacity_tokens=0, bytes_per_request=0,
             reason="Mamba-style state layers cannot be cached as full attention: "
                    "without the hybrid KV cache manager this model does not run",
         )
@@ -254,7 +256,7 @@ def _uniform_layout(model: ModelSpec, options: PlannerOptions) -> UniformLayout:
     return UniformLayout(
         runnable=num_blocks > 1, block_size=block, num_blocks=num_blocks,
         total_bytes=num_blocks * bytes_per_block, max_concurrency=concurrency,
-        kv_capacity_tokens=int(concurrency * options.max_model_len),
+        kv_capacity_tokens=int(concurrency * options.max_model_len), bytes_per_request=need * bytes_per_block,
         reason=(f"{promoted} sliding/chunked layers cached as full attention" if promoted
                 else "single attention type: same as the hybrid layout"),
     )
@@ -282,5 +284,6 @@ def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
     return Plan(
         config=config, options=options, blocks_per_request=need, max_concurrency=concurrency,
         kv_capacity_tokens=int(concurrency * options.max_model_len), padding_waste_bytes=waste,
+        bytes_per_request=sum(need) * config.page_size_bytes * config.group_size,
         recommended_chunk_size=recommended_chunk_size(config), uniform=_uniform_layout(model, options),
     )

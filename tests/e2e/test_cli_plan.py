@@ -41,6 +41,8 @@ def test_gpt_oss_20b_by_hand() -> None:
     assert report["uniform"]["runnable"] is True
     assert report["uniform"]["max_concurrency"] == pytest.approx((uniform_blocks - 1) / 2048, abs=1e-4)
     assert report["recommended_chunk_size"] == 256
+    assert report["bytes_per_request"] == need * page * 12  # one block of a group spans 12 tensors
+    assert report["uniform"]["bytes_per_request"] == 2048 * 24 * page
 
 
 def test_every_catalog_model_plans_consistently() -> None:

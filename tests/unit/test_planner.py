@@ -122,6 +122,9 @@ def test_gemma3_like_capacity_by_hand() -> None:
     assert result.uniform.runnable and result.uniform.num_blocks == uniform_blocks
     assert result.uniform.max_concurrency == pytest.approx((uniform_blocks - 1) / 512)
     assert result.kv_capacity_tokens == int(result.max_concurrency * 8192)
+    # one 8192-token request: 512 full + 5 x 193 sliding blocks of one page each, vs 512 blocks of 6 pages
+    assert result.bytes_per_request == (512 + 5 * 193) * page
+    assert result.uniform.bytes_per_request == 512 * 6 * page
     assert result.recommended_chunk_size == 256
     assert result.padding_waste_bytes == 0
 
