@@ -71,6 +71,7 @@ class ModelRunner:
         keep_freed_memory()
         self.model = model
         self.kv_config = kv_config
+        self._check_sharing()
         self.num_layers = len(model.layer_kinds())
         self.buffers: list[torch.Tensor] = []
         self.layer_group: list[int] = [-1] * self.num_layers
@@ -102,6 +103,16 @@ class ModelRunner:
                               f"{self.kv_config.page_size_bytes} bytes")
         typed = buffer.view(dtype)  # [num_blocks * page / itemsize]
         return typed.view(self.kv_config.num_blocks, 2, group.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def _check_sharing(self) -> None:
+        """The model reads K/V across layers exactly where the layout shares tensors (Gemma 3n)."""
+        layout, model = dict(self.kv_config.kv_shared_from), self.model.kv_shared_from
+        if layout != model:
+            raise ConfigError(
+                f"KV sharing of {self.kv_config.model!r}: the KV cache layout shares {layout} (layer: layer whose "
+                f"K/V it reads) but {type(self.model).__name__} computes {model}; model_specs and the model "
+                f"file disagree"
+            )
 
     def _check_kinds(self) -> None:
         kinds = self.model.layer_kinds()

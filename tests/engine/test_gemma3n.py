@@ -15,7 +15,9 @@ per-layer embedding table (vocab_size_per_layer_input < vocab_size).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import model_spec_from_config
 from hybridkv.core.planner import KVCacheConfig, PlannerOptions, build_kv_cache_config
 from hybridkv.engine.attention import ScheduledChunk, build_group_metadata
@@ -139,6 +142,18 @@ def test_sharing_targets_match_transformers(gemma3n_dir: Path, hf_model: Callabl
     assert expected == SHARED_LAYERS
     assert kv.kv_shared_from == expected
     assert isinstance(model, Gemma3nForCausalLM) and model.kv_shared_from == expected
+
+
+@pytest.mark.parametrize("layout_sharing", [{}, {3: 1, 4: 2, 5: 0}])
+def test_runner_rejects_a_layout_whose_kv_sharing_differs_from_the_model(
+    gemma3n_dir: Path, layout_sharing: dict[int, int]
+) -> None:
+    """Checked when the runner is built, not at the first forward."""
+    model, kv = _layout(gemma3n_dir)
+    wrong = dataclasses.replace(kv, kv_shared_from=layout_sharing)
+    expected = re.escape(f"layout shares {layout_sharing}") + ".*" + re.escape(f"computes {SHARED_LAYERS}")
+    with pytest.raises(ConfigError, match=expected):
+        ModelRunner(model, wrong)
 
 
 def test_kv_shared_layers_own_no_memory(gemma3n_llm: LLM) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from hybridkv.engine.models.layers import inverse_frequencies, rope_parameters
+from hybridkv.engine.loader import load_model
+from hybridkv.engine.models.layers import RopeLayout, RotaryEmbedding, inverse_frequencies, rope_parameters
+from tests.engine.conftest import ARCHITECTURES
+from tests.engine.test_gemma3n import TINY_GEMMA3N
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -40,3 +45,41 @@ def test_legacy_gemma3_fields_give_local_and_scaled_global_rope() -> None:
         "rope_theta": 1e4, "rope_type": "default"}
     assert rope_parameters(legacy, layer_type="full_attention", default_theta=1e6) == {
         "rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+
+
+def test_rotary_embedding_cast_to_bf16_keeps_float32_frequencies() -> None:
+    """`inv_freq` is no buffer, so `.to(dtype)` of a module holding the rope does not round it."""
+    params = rope_parameters({}, layer_type=None, default_theta=10000.0)
+    holder = torch.nn.Module()
+    holder.rope = RotaryEmbedding(params, dim=64, max_positions=4096, layout=RopeLayout.HALVES)
+    expected = holder.rope.inv_freq.clone()
+    holder.to(torch.bfloat16)
+    assert holder.rope.inv_freq.dtype == torch.float32 and torch.equal(holder.rope.inv_freq, expected)
+
+
+def _bf16_model_dir(kind: str, model_dir: Callable[[str], Path], tmp_path: Path) -> Path:
+    if kind != "gemma3n":
+        return model_dir(kind)
+    transformers.Gemma3nForCausalLM(transformers.Gemma3nTextConfig(**TINY_GEMMA3N)).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", [*ARCHITECTURES, "gemma3n"])
+def test_bf16_models_keep_float32_frequencies(kind: str, model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """Casting a model to bf16 (as the loader does) leaves its rotary frequencies fp32 and unrounded:
+    angles at position 4000 stay exact to fp32 rounding (~2e-4 rad), where bf16 frequencies
+    (8 mantissa bits) would be off by radians."""
+    path = _bf16_model_dir(kind, model_dir, tmp_path)
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    reference, _ = load_model(path, dtype=torch.float32)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert model.ropes.keys() == reference.ropes.keys() != set()
+    position = 4000
+    for kind_, rope in model.ropes.items():
+        expected = reference.ropes[kind_].inv_freq
+        assert rope.inv_freq.dtype == torch.float32 and torch.equal(rope.inv_freq, expected)
+        angles = position * expected.double()  # [D/2]
+        cos, sin = rope.cos_sin(torch.tensor([position]))  # [1, 1, D/2] each
+        assert cos.dtype == sin.dtype == torch.float32
+        torch.testing.assert_close(cos[0, 0].double(), angles.cos() * rope.attention_scaling, rtol=0, atol=1e-3)
+        torch.testing.assert_close(sin[0, 0].double(), angles.sin() * rope.attention_scaling, rtol=0, atol=1e-3)

@@ -5,7 +5,7 @@ names equal to the HF weight names (so `load_weights` is a name-for-name copy). 
 
     model = ModelClass(hf_config).to(dtype)                   # placeholder weights
     model.load_weights(named_tensors)                          # HF names -> parameters
-    model.layer_kinds()                                        # checked against the KV cache layout
+    model.layer_kinds(), model.kv_shared_from                  # checked against the KV cache layout
     hidden = model(input_ids [T], positions [T], ctx)          # flattened tokens of one step
     logits = model.compute_logits(hidden[rows])                # [N, vocab]
 
@@ -96,6 +96,7 @@ class CausalLM(nn.Module, ABC):
 
     Subclasses set `architectures` (the HF `architectures` names they serve) and implement
     `forward`, `compute_logits` and `layer_kinds`. Parameter names must be the HF weight names.
+    Most models start from `decoder.DecoderForCausalLM`, which implements all three.
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
@@ -115,6 +116,11 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def layer_kinds(self) -> list[SpecKind]:
         """The attention kind of each decoder layer, as this model computes it."""
+
+    @property
+    def kv_shared_from(self) -> dict[int, int]:
+        """Layer -> the earlier layer whose K/V it reads (KV sharing, as this model computes it); empty by default."""
+        return {}
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

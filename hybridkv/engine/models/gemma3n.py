@@ -15,8 +15,9 @@ layer a small gated input. The first layers' MLPs keep only the gate activations
 quantile (`activation_sparsity_pattern`).
 
 KV sharing: the last `num_kv_shared_layers` layers have no K/V projections; each attends over the
-cache of the last non-shared layer of its attention type (`ModelSpec.kv_shared_from`; the runner
-hands such a layer its target's cache view and `attend` does not write it).
+cache of the last non-shared layer of its attention type (`kv_shared_from`). The runner checks at
+startup that this map equals the layout's (`ModelSpec.kv_shared_from`), hands such a layer its
+target's cache view, and `attend` does not write it.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from hybridkv.core.errors import ConfigError
 from hybridkv.core.specs import SpecKind
 from hybridkv.engine.attention import paged_attention
 from hybridkv.engine.models.base import CausalLM, ForwardContext, attend, config_value
-from hybridkv.engine.models.gemma3 import FULL, SLIDING
+from hybridkv.engine.models.decoder import FULL, SLIDING, layer_kinds_of, soft_cap
+from hybridkv.engine.models.gemma3 import gemma_ropes
 from hybridkv.engine.models.gemma3n_layers import Gemma3nAltUp, Gemma3nLaurelBlock, Gemma3nMLP, match_magnitude
-from hybridkv.engine.models.layers import RMSNorm, RopeLayout, RotaryEmbedding, activation, rope_parameters
+from hybridkv.engine.models.layers import CosSin, RMSNorm, RotaryEmbedding, activation
 
 # The parts of a multimodal `Gemma3nForConditionalGeneration` checkpoint that the text model does not use.
 _WRAPPER_PREFIX = "model.language_model."
@@ -178,8 +180,7 @@ class Gemma3nAttention(nn.Module):
             self.v_norm = RMSNorm(s.head_dim, eps=s.eps, with_weight=False)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.bias)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] (already normed) -> [T, hidden]."""
         t = x.shape[0]
         q = rope.rotate(self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim)), *cos_sin)  # [T, H, D]
@@ -213,8 +214,8 @@ class Gemma3nDecoderLayer(nn.Module):
         self.post_per_layer_input_norm = RMSNorm(s.hidden, eps=s.eps)
         self.act = activation(s.act)
 
-    def forward(self, h: torch.Tensor, per_layer_input: torch.Tensor, rope: RotaryEmbedding,
-                cos_sin: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, per_layer_input: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin,
+                ctx: ForwardContext) -> torch.Tensor:
         """h [n, T, hidden], per_layer_input [T, per_layer_hidden] -> [n, T, hidden]."""
         predictions = self.altup.predict(h)  # [n, T, hidden]
         active = predictions[self.active]  # [T, hidden]
@@ -292,20 +293,19 @@ class Gemma3nForCausalLM(CausalLM):
         super().__init__(text)
         self.settings = s = read_settings(text)
         self.wrapped = "text_config" in config
-        self.kv_shared_from = kv_sharing_targets(s.layer_types, s.num_kv_shared)
-        self.model = Gemma3nTextModel(s, self.kv_shared_from)
+        self._kv_shared_from = kv_sharing_targets(s.layer_types, s.num_kv_shared)
+        self.model = Gemma3nTextModel(s, self._kv_shared_from)
         if not s.tied:
             self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
-        max_pos = int(text.get("max_position_embeddings", 32768))
-        self.ropes = nn.ModuleDict({
-            kind: RotaryEmbedding(
-                rope_parameters(text, layer_type=kind, default_theta=1e4 if kind == SLIDING else 1e6),
-                dim=s.head_dim, max_positions=max_pos, layout=RopeLayout.HALVES)
-            for kind in sorted(set(s.layer_types))
-        })
+        self.ropes = gemma_ropes(text, s.layer_types, head_dim=s.head_dim, default_max_positions=32768)
 
     def layer_kinds(self) -> list[SpecKind]:
-        return [SpecKind.SLIDING_WINDOW if t == SLIDING else SpecKind.FULL for t in self.settings.layer_types]
+        return layer_kinds_of(self.settings.layer_types)
+
+    @property
+    def kv_shared_from(self) -> dict[int, int]:
+        """Shared layer -> the layer whose K/V it reads (transformers' rule, `kv_sharing_targets`)."""
+        return dict(self._kv_shared_from)
 
     def ignores_weight(self, name: str) -> bool:
         """The tied lm head, and K/V weights of shared layers (real checkpoints ship them unused)."""
@@ -313,7 +313,7 @@ class Gemma3nForCausalLM(CausalLM):
             return self.settings.tied
         parts = name.split(".")  # model.layers.<i>.self_attn.<k_proj|...>.weight
         return (len(parts) >= 5 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn"
-                and parts[4] in _KV_WEIGHTS and int(parts[2]) in self.kv_shared_from)
+                and parts[4] in _KV_WEIGHTS and int(parts[2]) in self._kv_shared_from)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Text-only names as is; a multimodal checkpoint's `model.language_model.*` renamed, towers skipped."""
@@ -328,35 +328,16 @@ class Gemma3nForCausalLM(CausalLM):
 
         super().load_weights(text_weights())
 
-    def rope(self, kind: str) -> RotaryEmbedding:
-        """The rotary embedding of a layer type (sliding_attention / full_attention)."""
-        rope = self.ropes[kind]
-        assert isinstance(rope, RotaryEmbedding)
-        return rope
-
-    def _check_sharing(self, ctx: ForwardContext) -> None:
-        if dict(ctx.kv_shared_from) != self.kv_shared_from:
-            raise ConfigError(
-                f"gemma3n: the KV cache layout shares layers {dict(ctx.kv_shared_from)} (target of each), but "
-                f"the model shares {self.kv_shared_from} (transformers' rule); model_specs and the model disagree"
-            )
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        self._check_sharing(ctx)
         m = self.model
         x = m.embed(input_ids)  # [T, hidden]
         per_layer = m.per_layer_inputs(input_ids, x)  # [T, L, P]
         h = m.altup_stack(x)  # [n, T, hidden]
-        ropes = {kind: self.rope(kind) for kind in self.ropes}
-        cos_sin = {kind: rope.cos_sin(positions) for kind, rope in ropes.items()}
+        cos_sin = {kind: rope.cos_sin(positions) for kind, rope in self.ropes.items()}
         for i, (layer, kind) in enumerate(zip(m.layers, self.settings.layer_types, strict=True)):
-            h = layer(h, per_layer[:, i], ropes[kind], cos_sin[kind], ctx)
+            h = layer(h, per_layer[:, i], self.ropes[kind], cos_sin[kind], ctx)
         return m.norm(m.altup_unstack(h))  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.settings.tied else self.lm_head.weight
-        logits = hidden @ weight.t()  # [N, vocab]
-        cap = self.settings.final_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(hidden @ weight.t(), self.settings.final_softcap)  # [N, vocab]

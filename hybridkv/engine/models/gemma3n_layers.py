@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.engine.models.layers import RMSNorm, activation
+from hybridkv.engine.models.layers import GatedMLP, RMSNorm
 
 
 def match_magnitude(x: torch.Tensor, target_rms: torch.Tensor) -> torch.Tensor:
@@ -80,19 +80,16 @@ class Gemma3nLaurelBlock(nn.Module):
         return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))  # type: ignore[no-any-return]
 
 
-class Gemma3nMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); with sparsity s > 0 the gate keeps only values above its s-quantile.
+class Gemma3nMLP(GatedMLP):
+    """The gated MLP down(act(gate(x)) * up(x)); with sparsity s > 0 the gate keeps only values above
+    its s-quantile.
 
     The quantile assumes each token's gate values are Gaussian: cutoff = mean + std * Phi^-1(s),
     and the gate becomes relu(gate - cutoff) (transformers' `_gaussian_topk`).
     """
 
     def __init__(self, hidden: int, intermediate: int, *, act: str, sparsity: float) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = activation(act)
+        super().__init__(hidden, intermediate, act=act)
         self.sparsity = sparsity
         # Phi^-1(s) in float32, as torch.distributions.Normal(0, 1).icdf computes it.
         level = torch.tensor(sparsity, dtype=torch.float32)

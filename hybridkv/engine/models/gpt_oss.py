@@ -19,36 +19,21 @@ import torch
 from torch import nn
 
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.specs import SpecKind
-from hybridkv.engine.models.base import CausalLM, ForwardContext, attend, config_value, head_dim_of
-from hybridkv.engine.models.layers import RMSNorm, RopeLayout, RotaryEmbedding, rope_parameters
-
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+from hybridkv.engine.models.base import ForwardContext, attend, config_value
+from hybridkv.engine.models.decoder import FULL, SLIDING, DecoderForCausalLM, DecoderModel
+from hybridkv.engine.models.layers import CosSin, PreNormDecoderLayer, QKVAttention, RMSNorm, RotaryEmbedding
 
 
-class GptOssAttention(nn.Module):
+class GptOssAttention(QKVAttention):
+    """Biased projections, halves rope on q and k, per-head sink logits in the softmax."""
+
     def __init__(self, config: Mapping[str, Any], layer: int) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        self.layer = layer
-        self.num_heads = int(config["num_attention_heads"])
-        self.num_kv_heads = int(config_value(config, "num_key_value_heads", self.num_heads))
-        self.head_dim = head_dim_of(config)
         bias = bool(config.get("attention_bias", True))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        super().__init__(config, layer, qkv_bias=bias, o_bias=bias)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
-        self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.project(x)  # [T, H, D], [T, KVH, D], [T, KVH, D]
         q, k = rope.rotate(q, *cos_sin), rope.rotate(k, *cos_sin)
         out = attend(ctx, self.layer, q, k, v, scale=self.scale, sinks=self.sinks)  # [T, H*D]
         return self.o_proj(out)  # type: ignore[no-any-return]
@@ -106,70 +91,25 @@ class GptOssMLP(nn.Module):
         return self.experts(x, index, weight)  # type: ignore[no-any-return]
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config: Mapping[str, Any], layer: int) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        eps = float(config.get("rms_norm_eps", 1e-5))
-        self.self_attn = GptOssAttention(config, layer)
-        self.mlp = GptOssMLP(config)
-        self.input_layernorm = RMSNorm(hidden, eps=eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
-
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        layers = int(config["num_hidden_layers"])
-        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(config, i) for i in range(layers))
-        self.norm = RMSNorm(hidden, eps=float(config.get("rms_norm_eps", 1e-5)))
-
-
-class GptOssForCausalLM(CausalLM):
+class GptOssForCausalLM(DecoderForCausalLM):
     """gpt-oss decoder with sinks, alternating sliding/full attention and a top-k MoE."""
 
     architectures = ("GptOssForCausalLM",)
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config)
         if config.get("quantization_config"):
             raise ConfigError(
                 "gpt-oss checkpoint is quantized (quantization_config present); the reference engine "
                 "loads unquantized float weights only"
             )
-        layers = int(config_value(config, "num_hidden_layers", required=True))
-        types = config.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
-        self.layer_types = [str(t) for t in types]
-        self.model = GptOssModel(config)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if not self.tied:
-            self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
-        self.rope = RotaryEmbedding(
-            rope_parameters(config, layer_type=None, default_theta=150000.0),
-            dim=head_dim_of(config),
-            max_positions=int(config.get("max_position_embeddings", 131072)), layout=RopeLayout.HALVES)
-
-    def layer_kinds(self) -> list[SpecKind]:
-        return [SpecKind.SLIDING_WINDOW if t == SLIDING else SpecKind.FULL for t in self.layer_types]
-
-    def ignores_weight(self, name: str) -> bool:
-        return self.tied and name == "lm_head.weight"
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rope.cos_sin(positions)
-        for layer in self.model.layers:
-            x = layer(x, self.rope, cos_sin, ctx)
-        return self.model.norm(x)  # type: ignore[no-any-return]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return hidden @ weight.t()  # [N, vocab]
+        num_layers = int(config_value(config, "num_hidden_layers", required=True))
+        types = config.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+        layer_types = [str(t) for t in types]
+        hidden = int(config_value(config, "hidden_size", required=True))
+        eps = float(config.get("rms_norm_eps", 1e-5))
+        layers = [PreNormDecoderLayer(GptOssAttention(config, i), GptOssMLP(config), hidden=hidden, eps=eps)
+                  for i in range(num_layers)]
+        rope = RotaryEmbedding.from_config(config, default_theta=150000.0, default_max_positions=131072)
+        super().__init__(config, model=DecoderModel(config, layers, norm=RMSNorm(hidden, eps=eps)),
+                         layer_types=layer_types, ropes=dict.fromkeys(layer_types, rope),
+                         tied=bool(config.get("tie_word_embeddings", False)))

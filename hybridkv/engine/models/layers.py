@@ -1,4 +1,5 @@
-"""Building blocks shared by the model files: RMSNorm, rotary embeddings and their parameters.
+"""Building blocks shared by the model files: RMSNorm, the gated MLP, rotary embeddings and their
+parameters, the q/k/v/o projections of attention and the pre-norm decoder layer.
 
 Rotary embeddings come in two layouts that rotate different pairs of a head's dimensions:
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.core.errors import ConfigError
+from hybridkv.engine.models.base import ForwardContext, config_value, head_dim_of
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")
@@ -158,6 +160,9 @@ def inverse_frequencies(params: Mapping[str, Any], *, dim: int, max_positions: i
     raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
 
 
+CosSin = tuple[torch.Tensor, torch.Tensor]  # cos and sin [T, 1, D/2] of a step's positions
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates query/key heads [T, heads, D] by their absolute positions.
 
@@ -170,7 +175,21 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq, self.attention_scaling = inverse_frequencies(params, dim=dim, max_positions=max_positions)
         self.layout = layout
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, layer_type: str | None = None, default_theta: float,
+                    default_max_positions: int, layout: RopeLayout = RopeLayout.HALVES,
+                    dim: int | None = None) -> RotaryEmbedding:
+        """The rope of `layer_type` (None: the model's only one) from an HF config dict.
+
+        `dim` defaults to the config's head dim; `default_theta` / `default_max_positions` apply
+        when the config names no rope base / no `max_position_embeddings`.
+        """
+        params = rope_parameters(config, layer_type=layer_type, default_theta=default_theta)
+        max_positions = int(config_value(config, "max_position_embeddings", default_max_positions))
+        dim = head_dim_of(config) if dim is None else dim
+        return cls(params, dim=dim, max_positions=max_positions, layout=layout)
+
+    def cos_sin(self, positions: torch.Tensor) -> CosSin:
         """cos and sin [T, 1, D/2] of the positions [T], scaled by the attention factor."""
         angles = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         cos = (angles.cos() * self.attention_scaling)[:, None, :]  # [T, 1, D/2]
@@ -187,3 +206,51 @@ class RotaryEmbedding(nn.Module):
             a, b = pairs[..., 0], pairs[..., 1]  # [T, H, D/2] each
             out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)  # [T, H, D]
         return out.to(x.dtype)
+
+
+class QKVAttention(nn.Module):
+    """The q/k/v/o projections (HF names) an attention layer starts from; subclasses add rope and attend.
+
+    Reads hidden_size, num_attention_heads, num_key_value_heads (default: one per query head) and
+    head_dim (default hidden_size / heads). `scale` is head_dim ** -0.5 unless a subclass resets it.
+    """
+
+    def __init__(self, config: Mapping[str, Any], layer: int, *, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        hidden = int(config_value(config, "hidden_size", required=True))
+        self.layer = layer
+        self.num_heads = int(config_value(config, "num_attention_heads", required=True))
+        self.num_kv_heads = int(config_value(config, "num_key_value_heads", self.num_heads))
+        self.head_dim = head_dim_of(config)
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.scale = self.head_dim**-0.5
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k [T, KVH, D], v [T, KVH, D], before any norm or rope."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        return q, k, v
+
+
+class PreNormDecoderLayer(nn.Module):
+    """x + self_attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)) (Llama, gpt-oss).
+
+    `self_attn` maps (x [T, hidden], rope, cos_sin, ctx) and `mlp` maps x [T, hidden] to [T, hidden].
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, *, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out

@@ -21,12 +21,17 @@ import torch
 from torch import nn
 
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.specs import SpecKind
-from hybridkv.engine.models.base import CausalLM, ForwardContext, attend, config_value, head_dim_of
-from hybridkv.engine.models.layers import GatedMLP, RMSNorm, RopeLayout, RotaryEmbedding, activation, rope_parameters
-
-CHUNKED = "chunked_attention"
-FULL = "full_attention"
+from hybridkv.engine.models.base import ForwardContext, attend, config_value
+from hybridkv.engine.models.decoder import CHUNKED, FULL, DecoderForCausalLM, DecoderModel
+from hybridkv.engine.models.layers import (
+    CosSin,
+    GatedMLP,
+    QKVAttention,
+    RMSNorm,
+    RopeLayout,
+    RotaryEmbedding,
+    activation,
+)
 
 
 def _rope_flags(config: Mapping[str, Any], layers: int) -> list[bool]:
@@ -47,19 +52,13 @@ def _moe_layers(config: Mapping[str, Any], layers: int) -> set[int]:
     return {int(i) for i in moe}
 
 
-class Llama4Attention(nn.Module):
+class Llama4Attention(QKVAttention):
+    """RoPE layers: interleaved rope, then (use_qk_norm) weightless RMS norm of q and k.
+    NoPE layers: no rope; with attn_temperature_tuning, queries scaled by their position."""
+
     def __init__(self, config: Mapping[str, Any], layer: int, *, use_rope: bool) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        self.layer = layer
-        self.num_heads = int(config["num_attention_heads"])
-        self.num_kv_heads = int(config_value(config, "num_key_value_heads", self.num_heads))
-        self.head_dim = head_dim_of(config)
         bias = bool(config.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        super().__init__(config, layer, qkv_bias=bias, o_bias=bias)
         self.use_rope = use_rope
         eps = float(config.get("rms_norm_eps", 1e-5))
         self.qk_norm = RMSNorm(self.head_dim, eps=eps, with_weight=False) if (
@@ -67,14 +66,9 @@ class Llama4Attention(nn.Module):
         self.temperature_tuning = not use_rope and bool(config.get("attn_temperature_tuning", True))
         self.floor_scale = float(config.get("floor_scale", 8192))
         self.attn_scale = float(config.get("attn_scale", 0.1))
-        self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.project(x)  # [T, H, D], [T, KVH, D], [T, KVH, D]
         if self.use_rope:
             q, k = rope.rotate(q, *cos_sin), rope.rotate(k, *cos_sin)
         if self.qk_norm is not None:
@@ -145,58 +139,28 @@ class Llama4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
         return x + self.feed_forward(self.post_attention_layernorm(x))  # type: ignore[no-any-return]
 
 
-class Llama4TextModel(nn.Module):
-    def __init__(self, config: Mapping[str, Any], rope_flags: list[bool], moe: set[int]) -> None:
-        super().__init__()
-        hidden = int(config["hidden_size"])
-        self.embed_tokens = nn.Embedding(int(config["vocab_size"]), hidden)
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(config, i, use_rope=flag, moe=i in moe) for i, flag in enumerate(rope_flags)
-        )
-        self.norm = RMSNorm(hidden, eps=float(config.get("rms_norm_eps", 1e-5)))
-
-
-class Llama4ForCausalLM(CausalLM):
+class Llama4ForCausalLM(DecoderForCausalLM):
     """Llama 4 text decoder: chunked local RoPE layers, global NoPE layers, MoE."""
 
     architectures = ("Llama4ForCausalLM",)
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config)
-        layers = int(config_value(config, "num_hidden_layers", required=True))
-        self.rope_flags = _rope_flags(config, layers)
-        self.chunk = int(config.get("attention_chunk_size") or 0)
-        types = config.get("layer_types") or [
-            CHUNKED if flag and self.chunk else FULL for flag in self.rope_flags]
-        self.layer_types = [str(t) for t in types]
-        self.model = Llama4TextModel(config, self.rope_flags, _moe_layers(config, layers))
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if not self.tied:
-            self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]), bias=False)
-        self.rope = RotaryEmbedding(
-            rope_parameters(config, layer_type=None, default_theta=500000.0),
-            dim=head_dim_of(config),
-            max_positions=int(config.get("max_position_embeddings", 131072)), layout=RopeLayout.INTERLEAVED)
-
-    def layer_kinds(self) -> list[SpecKind]:
-        return [SpecKind.CHUNKED_LOCAL if t == CHUNKED else SpecKind.FULL for t in self.layer_types]
-
-    def ignores_weight(self, name: str) -> bool:
-        return self.tied and name == "lm_head.weight"
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos_sin = self.rope.cos_sin(positions)
-        for layer in self.model.layers:
-            x = layer(x, self.rope, cos_sin, ctx)
-        return self.model.norm(x)  # type: ignore[no-any-return]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return hidden @ weight.t()  # [N, vocab]
+        num_layers = int(config_value(config, "num_hidden_layers", required=True))
+        rope_flags = _rope_flags(config, num_layers)
+        chunk = int(config.get("attention_chunk_size") or 0)
+        types = config.get("layer_types") or [CHUNKED if flag and chunk else FULL for flag in rope_flags]
+        layer_types = [str(t) for t in types]
+        hidden = int(config_value(config, "hidden_size", required=True))
+        eps = float(config.get("rms_norm_eps", 1e-5))
+        moe = _moe_layers(config, num_layers)
+        layers = [Llama4DecoderLayer(config, i, use_rope=flag, moe=i in moe) for i, flag in enumerate(rope_flags)]
+        rope = RotaryEmbedding.from_config(  # NoPE layers get it too and ignore it
+            config, default_theta=500000.0, default_max_positions=131072, layout=RopeLayout.INTERLEAVED)
+        super().__init__(config, model=DecoderModel(config, layers, norm=RMSNorm(hidden, eps=eps)),
+                         layer_types=layer_types, ropes=dict.fromkeys(layer_types, rope),
+                         tied=bool(config.get("tie_word_embeddings", False)))
