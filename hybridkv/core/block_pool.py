@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from hybridkv.core.errors import HybridKVError
+from hybridkv.core.errors import ConfigError, IntegrityError
 from hybridkv.core.ids import BlockHash, BlockId, GroupId
 from hybridkv.core.planner import KVCacheGroupSpec
 from hybridkv.core.specs import SpecKind
@@ -36,11 +36,12 @@ from hybridkv.core.specs import SpecKind
 if TYPE_CHECKING:
     from hybridkv.core.eviction import EvictionPolicy
 
+__all__ = [
+    "NULL_REF_CNT", "AllBlocksCleared", "Block", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
+    "KVEvent", "KVEvents",
+]
+
 NULL_REF_CNT = 1 << 62
-
-
-class IntegrityError(HybridKVError, RuntimeError):
-    """An internal invariant of the pool or the managers is broken (a bug, not bad input)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -104,7 +105,9 @@ class BlockPool:
         policy_factory: Callable[[Sequence[Block]], EvictionPolicy],
         events: KVEvents = KVEvents.OFF,
     ) -> None:
-        assert num_blocks >= 2, "the planner guarantees one usable block besides the null block"
+        if num_blocks < 2:
+            raise ConfigError(f"a block pool needs the null block and at least one usable block, "
+                              f"got num_blocks={num_blocks}; expected >= 2")
         self.blocks = [Block(block_id=BlockId(i)) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = NULL_REF_CNT
@@ -160,7 +163,7 @@ class BlockPool:
         evicted = 0
         for block in blocks:
             block_hash = block.block_hash
-            if block_hash is not None:
+            if block_hash is not None:  # evict: inlined `_drop_hash`, this is the hot loop
                 old_group = block.group_id
                 primary = maps[old_group].pop(block_hash)
                 if primary is not block or block_hash in dups[old_group]:
@@ -220,7 +223,28 @@ class BlockPool:
         if self._events_on:
             self._record_stored(group_id, table, hashes, start, end, token_ids)
 
+    def uncache(self, blocks: Sequence[Block]) -> None:
+        """Drop the cached hash of `blocks` (held blocks whose KV was never written, e.g. a step
+        that was allocated and then preempted): no later lookup can hit them, a `BlockRemoved`
+        event is recorded, and hits taken before are re-verified (`evictions` grows)."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._drop_hash(block)
+
     # -- slow path ----------------------------------------------------------------------------
+
+    def _drop_hash(self, block: Block) -> None:
+        """Remove `block` (which carries a hash) from its group's cache tables."""
+        block_hash = block.block_hash
+        assert block_hash is not None
+        group_id = block.group_id
+        primary = self._maps[group_id].pop(block_hash)
+        if primary is not block or block_hash in self._dups[group_id]:
+            self._evict_duplicate(block, primary)
+        if self._events_on:
+            self._record_removed(block)
+        block.block_hash = None
+        self.evictions += 1
 
     def _evict_duplicate(self, block: Block, primary: Block) -> None:
         """Finish evicting `block` when its hash has copies; `primary` was just popped from the

@@ -99,11 +99,23 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.cache_blocks(request, hashes[manager.block_size], num_tokens)
 
-    def free(self, request_id: RequestId) -> None:
-        """Release every block of the request, all groups interleaved, tail first."""
-        if self._allocated_tokens.pop(request_id, None) is None:
+    def free(self, request: KVRequest) -> None:
+        """Release every block of the request, all groups interleaved, tail first.
+
+        Blocks the request cached for tokens it has not computed (`num_computed_tokens` did not
+        reach them: the step was allocated, then the request was preempted before it ran) hold
+        no valid KV: their hashes are dropped first, so no later lookup can hit them.
+        """
+        rid = request.request_id
+        allocated = self._allocated_tokens.pop(rid, None)
+        if allocated is None:
             return
-        self.pool.free(interleave_tail_first([m.free(request_id) for m in self.managers]))
+        managers = self.managers
+        if request.num_computed_tokens < allocated:
+            computed = request.num_computed_tokens
+            for manager in managers:
+                self.pool.uncache(manager.uncomputed_cached_blocks(rid, computed))
+        self.pool.free(interleave_tail_first([m.free(rid) for m in managers]))
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

@@ -25,3 +25,25 @@ class UnsupportedModelError(HybridKVError, KeyError):
 
 class CapacityError(HybridKVError, ValueError):
     """A memory budget is too small to hold even one request, or a request can never fit."""
+
+
+class AllocationError(HybridKVError, ValueError):
+    """A KV cache manager call contradicts the request's state (negative counts, slots beyond
+    `max_model_len`, a cache hit for a request that already holds blocks, ...)."""
+
+
+class StaleHitError(AllocationError):
+    """A `CacheHit` refers to blocks that were evicted (or reset) after the lookup."""
+
+
+class UnknownRequestError(HybridKVError, KeyError):
+    """The request holds no blocks in the KV cache manager."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class IntegrityError(HybridKVError, RuntimeError):
+    """An internal invariant of the block pool or the managers is broken (a bug, not bad input).
+
+    Raised by `check_integrity()` with the actual numbers."""

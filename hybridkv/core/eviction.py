@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Protocol
 
-from hybridkv.core.block_pool import Block, IntegrityError
+from hybridkv.core.block_pool import Block
+from hybridkv.core.errors import IntegrityError
 from hybridkv.core.ids import BlockId
 
 

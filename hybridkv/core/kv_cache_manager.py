@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from operator import attrgetter
 
-from hybridkv.core.block_pool import BlockPool, IntegrityError, KVEvent, KVEvents
+from hybridkv.core.block_pool import BlockPool, KVEvent, KVEvents
 from hybridkv.core.coordinator import (
     GroupBlocks,
     HybridCoordinator,
@@ -33,13 +33,24 @@ from hybridkv.core.coordinator import (
     NoPrefixCacheCoordinator,
     UnitaryCoordinator,
 )
-from hybridkv.core.errors import ConfigError, HybridKVError
+from hybridkv.core.errors import (
+    AllocationError,
+    ConfigError,
+    IntegrityError,
+    StaleHitError,
+    UnknownRequestError,
+)
 from hybridkv.core.eviction import POLICIES, EvictionPolicyName
 from hybridkv.core.hashing import BlockHasher, HashAlgo
 from hybridkv.core.ids import BlockHash, BlockId, RequestId
 from hybridkv.core.managers import MambaMode, make_manager
 from hybridkv.core.planner import KVCacheConfig
 from hybridkv.core.request import KVRequest
+
+__all__ = [
+    "AllocationError", "CacheHit", "CacheTiming", "IntegrityError", "KVCacheManager", "ManagerStats", "PrefixCaching",
+    "StaleHitError", "UnknownRequestError",
+]
 
 _block_id = attrgetter("block_id")
 
@@ -59,21 +70,6 @@ class CacheTiming(Enum):
     DELAYED = "delayed"
 
 
-class AllocationError(HybridKVError, ValueError):
-    """`allocate` or `cache` was called with arguments that contradict the request's state."""
-
-
-class StaleHitError(AllocationError):
-    """A `CacheHit` refers to blocks that were evicted after the lookup."""
-
-
-class UnknownRequestError(HybridKVError, KeyError):
-    """The request holds no blocks in this manager."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheHit:
     """The answer of `lookup`: `num_tokens` cached tokens and their block ids per group
@@ -86,7 +82,7 @@ class CacheHit:
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
-            raise ConfigError(f"a cache hit cannot have {self.num_tokens} tokens")
+            raise AllocationError(f"a cache hit cannot have {self.num_tokens} tokens; expected >= 0")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,6 +136,8 @@ class KVCacheManager:
         for index, group in enumerate(config.groups):
             if group.group_id != index:
                 raise ConfigError(f"group at position {index} has group_id {group.group_id}; expected {index}")
+            if isinstance(group.block_size, bool) or not isinstance(group.block_size, int) or group.block_size <= 0:
+                raise ConfigError(f"group {index} has block_size {group.block_size!r}; expected a positive integer")
         self.config = config
         self.max_model_len = max_model_len
         self._caching = prefix_caching is PrefixCaching.ON
@@ -211,6 +209,12 @@ class KVCacheManager:
                 f"request {request.request_id!r} has num_computed_tokens={computed} but holds no blocks; "
                 "expected 0 for a new or preempted request (pass loaded KV as num_external_tokens)"
             )
+        elif computed > coordinator.allocated_tokens(request.request_id):
+            raise AllocationError(
+                f"request {request.request_id!r} has num_computed_tokens={computed} but holds slots for only "
+                f"{coordinator.allocated_tokens(request.request_id)} tokens; expected at most that many "
+                "(advance num_computed_tokens to the end of the step that ran, not further)"
+            )
         first_new = computed + hit_tokens + num_external_tokens
         end = first_new + num_new_tokens
         total = end + num_lookahead_tokens
@@ -240,8 +244,12 @@ class KVCacheManager:
 
     def free(self, request: KVRequest) -> None:
         """Release every block of the request, tail first (finish or preemption); no-op if it
-        holds none. A preempted request restarts with `num_computed_tokens = 0`."""
-        self._coordinator.free(request.request_id)
+        holds none. A preempted request restarts with `num_computed_tokens = 0`.
+
+        Call it with `request.num_computed_tokens` as the engine last advanced it: blocks the
+        request cached beyond it (a step allocated, then preempted before it ran) are uncached,
+        since their KV was never written."""
+        self._coordinator.free(request)
 
     def block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:
         """The request's block table per group (0 = null block where a position is not kept)."""
@@ -316,8 +324,23 @@ class KVCacheManager:
                 f"request {request.request_id!r} already holds blocks or computed tokens "
                 f"({request.num_computed_tokens}); a cache hit applies only to a new request"
             )
+        managers = self._managers
+        if len(hit.blocks) != len(managers) or any(
+            len(ids) != hit.num_tokens // m.block_size for ids, m in zip(hit.blocks, managers, strict=False)
+        ):
+            raise AllocationError(
+                f"cache hit of request {request.request_id!r} for {hit.num_tokens} tokens has "
+                f"{[len(ids) for ids in hit.blocks]} blocks per group; expected "
+                f"{[hit.num_tokens // m.block_size for m in managers]} (pass the CacheHit of this manager unchanged)"
+            )
         pool_blocks = self._pool.blocks
-        groups: GroupBlocks = [[pool_blocks[i] for i in ids] for ids in hit.blocks]
+        try:
+            groups: GroupBlocks = [[pool_blocks[i] for i in ids] for ids in hit.blocks]
+        except IndexError:
+            raise AllocationError(
+                f"cache hit of request {request.request_id!r} names a block id outside this manager's "
+                f"{len(pool_blocks)} blocks (pass the CacheHit of this manager unchanged)"
+            ) from None
         if hit.pool_epoch != self._pool.evictions:
             self._verify_hit(request, groups)
         return groups

@@ -69,6 +69,7 @@ class SingleTypeManager(ABC):
         self._tables: dict[RequestId, list[Block]] = {}
         self._num_cached: dict[RequestId, int] = {}
         self._num_skipped: dict[RequestId, int] = {}
+        self._num_hit_blocks: dict[RequestId, int] = {}
 
     @property
     def cached_map(self) -> HashMap:
@@ -167,6 +168,7 @@ class SingleTypeManager(ABC):
         self._pool.touch(table, self.group_id)
         self._tables[rid] = table
         self._num_cached[rid] = len(table)
+        self._num_hit_blocks[rid] = len(table)
         self._num_skipped[rid] = self._leading_nulls(table, 0)
 
     def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> list[Block]:
@@ -202,12 +204,22 @@ class SingleTypeManager(ABC):
                                 request.token_ids)
         self._num_cached[rid] = num_full
 
+    def uncomputed_cached_blocks(self, request_id: RequestId, num_computed_tokens: int) -> list[Block]:
+        """Blocks this request cached (not its hits) that cover tokens at or beyond
+        `num_computed_tokens`: allocated and cached for a step that has not run."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return []
+        start = max(self._num_hit_blocks[request_id], num_computed_tokens // self.block_size)
+        return [b for b in table[start : self._num_cached[request_id]] if b.block_hash is not None]
+
     def free(self, request_id: RequestId) -> list[Block]:
         """Forget the request; return its table tail first (the caller frees the blocks)."""
         table = self._tables.pop(request_id, None)
         if table is None:
             return []
         del self._num_cached[request_id]
+        del self._num_hit_blocks[request_id]
         kept = table[self._num_skipped.pop(request_id):]
         kept.reverse()
         return kept

@@ -167,7 +167,8 @@ class RotaryEmbedding(nn.Module):
     """Rotates query/key heads [T, heads, D] by their absolute positions.
 
     `inv_freq` is a plain attribute, not a buffer, on purpose: the frequencies stay float32
-    whatever dtype the model is cast to (as in the reference implementations).
+    whatever dtype the model is cast to (as in the reference implementations); `cos_sin` moves
+    them to the positions' device, so a model moved to another device keeps working.
     """
 
     def __init__(self, params: Mapping[str, Any], *, dim: int, max_positions: int, layout: RopeLayout) -> None:
@@ -191,7 +192,7 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> CosSin:
         """cos and sin [T, 1, D/2] of the positions [T], scaled by the attention factor."""
-        angles = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        angles = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
         cos = (angles.cos() * self.attention_scaling)[:, None, :]  # [T, 1, D/2]
         sin = (angles.sin() * self.attention_scaling)[:, None, :]  # [T, 1, D/2]
         return cos, sin
