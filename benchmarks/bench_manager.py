@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         report(results[-1])
     hash_us = sum(r.us_per_request_hash for r in results) / len(results)
     per_layout = " ".join(f"{r.layout}={r.ns_per_token:.0f}" for r in results)
-    print(f"ns_per_scheduled_token {per_layout} us_per_request_hash={hash_us:.1f}")
+    # headline: the first layout (gemma3 by default); every layout's figure follows by name
+    print(f"ns_per_scheduled_token={results[0].ns_per_token:.0f} {per_layout} us_per_request_hash={hash_us:.1f}")
     return 0
 
 

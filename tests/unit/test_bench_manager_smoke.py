@@ -20,5 +20,6 @@ def test_benchmark_prints_ns_per_scheduled_token_last(capsys: pytest.CaptureFixt
     assert main(["--n", "24", "--seed", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("ns_per_scheduled_token")
-    assert re.fullmatch(r"ns_per_scheduled_token gemma3=\d+ mamba=\d+ us_per_request_hash=[\d.]+", lines[-1])
+    match = re.fullmatch(r"ns_per_scheduled_token=(\d+) gemma3=(\d+) mamba=\d+ us_per_request_hash=[\d.]+", lines[-1])
+    assert match is not None and match.group(1) == match.group(2)
     assert any(line.startswith("gemma3: lookup_us=") for line in lines)
