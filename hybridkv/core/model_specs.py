@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from hybridkv.core.errors import ConfigError, UnsupportedModelError
@@ -51,6 +52,15 @@ FamilyReader = Callable[[SpecContext], FamilyLayers]
 HeadDimRule = Callable[[SpecContext], int]
 _FULL, _SLIDING, _CHUNKED = LayerRole.FULL, LayerRole.SLIDING, LayerRole.CHUNKED
 _DEFAULT_OPTIONS = SpecOptions()
+
+# transformers' Gemma3nTextConfig defaults for the fields the reader uses: a config.json that
+# omits one (or sets it to null) means this value to transformers and to the engine's model.
+_GEMMA3N_DEFAULTS: Mapping[str, Any] = MappingProxyType({
+    "num_hidden_layers": 35, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+    "sliding_window": 512, "num_kv_shared_layers": 15, "max_position_embeddings": 32_768,
+})
+# Families whose missing fields take their transformers config class default instead of being an error.
+_FIELD_DEFAULTS: dict[str, Mapping[str, Any]] = {"gemma3n": _GEMMA3N_DEFAULTS, "gemma3n_text": _GEMMA3N_DEFAULTS}
 
 
 def _declared_head_dim(ctx: SpecContext) -> int:
@@ -145,7 +155,9 @@ def _kv_sharing(ctx: SpecContext, roles: list[LayerRole]) -> dict[int, int]:
 
 
 def _read_gemma3n(ctx: SpecContext) -> FamilyLayers:
-    """Gemma 3n: full attention every 5th layer; the last `num_kv_shared_layers` reuse earlier KV."""
+    """Gemma 3n: full attention every 5th layer; the last `num_kv_shared_layers` reuse earlier KV.
+
+    Missing fields take Gemma3nTextConfig's defaults (`_GEMMA3N_DEFAULTS`), as in transformers."""
     cfg, n = ctx.cfg, ctx.num_layers
     roles = layer_roles(cfg, "layer_types", allowed={_FULL, _SLIDING}, num_layers=n)
     roles = roles or pattern_roles(n, period=5, sparse=_FULL, dense=_SLIDING)
@@ -244,10 +256,11 @@ def _context(config: Mapping[str, Any], model_type: str, options: SpecOptions) -
     text = config.get("text_config")
     if text is not None and not isinstance(text, Mapping):
         raise ConfigError(f"{model_type} config: field 'text_config' must be an object, got {text!r}")
-    if text:
-        cfg = ConfigReader(text, model_type=model_type, parent=config)
-    else:
-        cfg = ConfigReader(config, model_type=model_type)
+    data: Mapping[str, Any] = text or config
+    defaults = _FIELD_DEFAULTS.get(model_type)
+    if defaults:
+        data = {**defaults, **{key: value for key, value in data.items() if value is not None}}
+    cfg = ConfigReader(data, model_type=model_type, parent=config if text else None)
     if options.dtype is not None:
         dtype = normalize_dtype(options.dtype, what="SpecOptions.dtype")
     else:

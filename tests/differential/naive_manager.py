@@ -87,59 +87,122 @@ class NaiveManager:
         return 0
 
 
-class ContentTracker:
-    """Which tokens each block id holds, from the ids the real manager hands out.
+def required_entries(group: KVCacheGroupSpec, first_new: int, total: int) -> set[int] | None:
+    """Table entries that must be real blocks for a step computing from token `first_new` with
+    slots up to `total`, from the attention definitions (design.md section 4), not the manager's
+    keep rule; every other entry must be the null block. None: every entry is required (full).
 
-    Attention blocks: entry i of group g holds the KV of tokens [i*B, (i+1)*B) of the request
-    that received it. Mamba blocks: the last entry of a table holds the state after the step's
-    last token. A hit is correct only if every non-null block holds exactly the request's
-    prefix at that position.
+        sliding W: the step's first token attends to tokens first_new - W + 1 .. first_new
+        chunked C: a token attends to its own chunk, which starts at first_new // C * C
+        mamba:     the state after first_new tokens (read) and the state being written (last entry)
+    """
+    size = group.block_size
+    num_entries = -(-total // size)
+    if group.kind is SpecKind.FULL:
+        return None
+    if group.kind is SpecKind.SLIDING_WINDOW:
+        first_token = max(0, first_new - group.window_tokens + 1)
+        return {i for i in range(num_entries) if (i + 1) * size > first_token}
+    if group.kind is SpecKind.CHUNKED_LOCAL:
+        chunk_start = first_new // group.chunk_tokens * group.chunk_tokens
+        return {i for i in range(num_entries) if (i + 1) * size > chunk_start}
+    if group.kind is SpecKind.MAMBA:
+        real = {num_entries - 1}
+        if first_new:
+            real.add(-(-first_new // size) - 1)
+        return real
+    raise AssertionError(f"no table rule for {group.kind}")
+
+
+class ContentTracker:
+    """What each block id physically holds: what the last *completed* step wrote into it.
+
+    Attention: entry i of group g receives the KV of the step's tokens in [i*B, (i+1)*B); the
+    tracker keeps, per block, the group, the position and the token prefix written so far (with
+    the salt). Mamba: the last entry of a table receives the state after the step's last token.
+    A step that was allocated but never ran writes nothing. A hit (or a running table) is sound
+    only if every real block it uses holds exactly the request's own prefix at that position.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroupSpec]) -> None:
         self.groups = list(groups)
-        self.attention: dict[int, tuple[int, int, list[int], str | None]] = {}
+        self.attention: dict[int, tuple[int, int, tuple[int, ...], str | None]] = {}
         self.state: dict[int, tuple[int, Prefix]] = {}
 
-    def record_new(self, tokens: list[int], salt: str | None, old_lengths: Sequence[int],
-                   new: Sequence[Sequence[int]]) -> None:
-        for g, (old_len, entries) in enumerate(zip(old_lengths, new, strict=True)):
-            if self.groups[g].kind is SpecKind.MAMBA:
-                continue
-            for offset, block_id in enumerate(entries):
-                if block_id:
-                    self.attention[block_id] = (g, old_len + offset, tokens, salt)
-
-    def record_state(self, tokens: Sequence[int], salt: str | None, tables: Sequence[Sequence[int]],
-                     end: int) -> None:
+    def record_step(self, tokens: Sequence[int], salt: str | None, tables: Sequence[Sequence[int]],
+                    start: int, end: int) -> None:
+        """A step computed tokens [start, end) into `tables` (the request's tables after allocate)."""
         for g, table in enumerate(tables):
-            if self.groups[g].kind is SpecKind.MAMBA and table and table[-1]:
-                self.state[table[-1]] = (g, (salt, tuple(tokens[:end])))
+            group = self.groups[g]
+            size = group.block_size
+            if group.kind is SpecKind.MAMBA:
+                if table and table[-1] and end > start:
+                    self.state[table[-1]] = (g, (salt, tuple(tokens[:end])))
+                continue
+            for i in range(start // size, -(-end // size)):
+                if table[i]:
+                    self.attention[table[i]] = (g, i, tuple(tokens[: min(end, (i + 1) * size)]), salt)
 
-    def check_hit(self, tokens: Sequence[int], salt: str | None, length: int,
-                  blocks: Sequence[Sequence[int]]) -> None:
-        """The hit is sound: each group has one entry per block of `length`, every entry its
-        rule needs is a real block, and every real block holds the request's own prefix."""
+    def hit_problems(self, tokens: Sequence[int], salt: str | None, length: int,
+                     blocks: Sequence[Sequence[int]]) -> list[str]:
+        """Why a hit of `length` tokens on `blocks` is unsound (empty: sound)."""
+        problems = []
         for g, entries in enumerate(blocks):
             group = self.groups[g]
             size = group.block_size
-            first = first_required_block(group, length)
-            assert first is not None, f"group {g} ({group.kind.value}) cannot serve a hit of {length}"
-            assert len(entries) == length // size, f"group {g}: {len(entries)} entries for a hit of {length}"
-            missing = [i for i in range(first, length // size) if not entries[i]]
-            assert not missing, f"group {g}: hit of {length} tokens lacks needed blocks at {missing}"
-            for i, block_id in enumerate(entries):
-                if block_id:
-                    self._check_block(g, i, block_id, tokens, salt)
+            if len(entries) != length // size:
+                problems.append(f"group {g}: {len(entries)} entries for a hit of {length}")
+                continue
+            needed = required_entries(group, length, length)
+            if group.kind is SpecKind.MAMBA:
+                needed = {length // size - 1} if length else set()
+            for i in range(len(entries)):
+                if (needed is None or i in needed) and not entries[i]:
+                    problems.append(f"group {g} ({group.kind.value}): hit of {length} lacks a block at {i}")
+                elif entries[i]:
+                    problems += self._block_problems(g, i, entries[i], tokens, salt, (i + 1) * size)
+        return problems
 
-    def _check_block(self, g: int, i: int, block_id: int, tokens: Sequence[int], salt: str | None) -> None:
-        end = (i + 1) * self.groups[g].block_size
+    def check_hit(self, tokens: Sequence[int], salt: str | None, length: int, blocks: Sequence[Sequence[int]]) -> None:
+        problems = self.hit_problems(tokens, salt, length, blocks)
+        assert not problems, problems
+
+    def check_table(self, tokens: Sequence[int], salt: str | None, tables: Sequence[Sequence[int]],
+                    first_new: int, total: int) -> None:
+        """Right after `allocate`: the entries the step needs are real and hold the request's
+        own earlier tokens; the entries it does not need are null (released early)."""
+        for g, table in enumerate(tables):
+            group = self.groups[g]
+            size = group.block_size
+            assert len(table) == -(-total // size), f"group {g}: {len(table)} entries for {total} slots"
+            needed = required_entries(group, first_new, total)
+            for i, block_id in enumerate(table):
+                if needed is not None and i not in needed:
+                    assert not block_id, f"group {g} ({group.kind.value}): entry {i} should be released at {first_new}"
+                    continue
+                assert block_id, f"group {g} ({group.kind.value}): entry {i} is needed at {first_new} but null"
+                if group.kind is SpecKind.MAMBA:
+                    if first_new and i == -(-first_new // size) - 1:
+                        problems = self._block_problems(g, i, block_id, tokens, salt, first_new)
+                        assert not problems, problems
+                elif i * size < first_new:
+                    problems = self._block_problems(g, i, block_id, tokens, salt, min(first_new, (i + 1) * size))
+                    assert not problems, problems
+
+    def _block_problems(self, g: int, i: int, block_id: int, tokens: Sequence[int], salt: str | None,
+                        end: int) -> list[str]:
+        """Whether block `block_id` at entry i of group g holds the request's first `end` tokens."""
         if self.groups[g].kind is SpecKind.MAMBA:
-            assert self.state.get(block_id) == (g, (salt, tuple(tokens[:end]))), (
-                f"group {g} position {i}: block {block_id} holds a state of other tokens")
-            return
-        owner_group, position, owner, owner_salt = self.attention[block_id]
-        assert (owner_group, position, owner_salt) == (g, i, salt), (
-            f"block {block_id} holds group {owner_group} position {position}, hit as group {g} position {i}")
-        assert len(owner) >= end and owner[:end] == list(tokens[:end]), (
-            f"group {g} position {i}: block {block_id} holds other tokens")
+            if self.state.get(block_id) != (g, (salt, tuple(tokens[:end]))):
+                return [f"group {g} entry {i}: block {block_id} does not hold the state after {end} tokens"]
+            return []
+        held = self.attention.get(block_id)
+        if held is None:
+            return [f"group {g} entry {i}: block {block_id} was never written"]
+        owner_group, position, written, owner_salt = held
+        if (owner_group, position, owner_salt) != (g, i, salt):
+            return [f"block {block_id} holds group {owner_group} position {position}, used as group {g} position {i}"]
+        if len(written) < end or list(written[:end]) != list(tokens[:end]):
+            return [f"group {g} entry {i}: block {block_id} holds {len(written)} written tokens, "
+                    f"not the request's first {end}"]
+        return []

@@ -100,9 +100,8 @@ class Harness:
         end = start + chunk
         self.naive.record_step(request.token_ids, request.cache_salt, start, end)
         tables = self.manager.block_ids(request.request_id)
-        self.tracker.record_new(request.token_ids, request.cache_salt,
-                                [len(t) - len(n) for t, n in zip(tables, new, strict=True)], new)
-        self.tracker.record_state(request.token_ids, request.cache_salt, tables, end)
+        self.tracker.check_table(request.token_ids, request.cache_salt, tables, start, end)
+        self.tracker.record_step(request.token_ids, request.cache_salt, tables, start, end)
         request.num_computed_tokens = end
         if start >= job.prompt_tokens:
             job.decoded += 1

@@ -181,3 +181,30 @@ def test_gemma4_hub_form_matches_transformers_per_layer_config() -> None:
     fields = ARCHITECTURES["gemma4_text"]
     hub |= {"global_head_dim": fields["global_head_dim"], "num_global_key_value_heads": 1}
     assert model_spec_from_config(hub, name="m").layers == model_spec_from_config(saved, name="m").layers
+
+
+_GEMMA3N_DEFAULTED = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "sliding_window", "num_kv_shared_layers", "max_position_embeddings", "layer_types")
+
+
+@pytest.mark.parametrize("missing", ["all", *_GEMMA3N_DEFAULTED])
+def test_gemma3n_missing_fields_mean_transformers_defaults(missing: str) -> None:
+    """A gemma3n config.json that omits a field means Gemma3nTextConfig's default for it."""
+    full = {"model_type": "gemma3n_text", "num_hidden_layers": 20, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 64, "sliding_window": 128, "num_kv_shared_layers": 5, "max_position_embeddings": 4096,
+            "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 4}
+    dropped = {"all": _GEMMA3N_DEFAULTED, "num_hidden_layers": ("num_hidden_layers", "layer_types")}.get(
+        missing, (missing,))
+    config = {key: value for key, value in full.items() if key not in dropped}
+    reference = transformers.Gemma3nTextConfig(**{key: value for key, value in config.items() if key != "model_type"})
+    spec = model_spec_from_config(config, name="g3n")
+    assert spec.num_decoder_layers == reference.num_hidden_layers
+    assert spec.max_position_embeddings == reference.max_position_embeddings
+    first_shared = reference.num_hidden_layers - reference.num_kv_shared_layers
+    assert sorted(spec.kv_shared_from) == list(range(first_shared, reference.num_hidden_layers))
+    for i, (layer, layer_type) in enumerate(zip(spec.layers, reference.layer_types, strict=True)):
+        assert isinstance(layer, AttentionSpec), i
+        assert layer.kind is (SpecKind.SLIDING_WINDOW if layer_type == "sliding_attention" else SpecKind.FULL), i
+        assert (layer.num_kv_heads, layer.head_dim) == (reference.num_key_value_heads, reference.head_dim), i
+        if layer.kind is SpecKind.SLIDING_WINDOW:
+            assert layer.window_tokens == reference.sliding_window, i

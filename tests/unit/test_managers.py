@@ -147,3 +147,23 @@ def test_mamba_none_mode_holds_one_block() -> None:
     assert need == 1 and len(new) == 1
     need, _, new = allocate(pool, manager, 21, 20, 21)
     assert need == 0 and new == []
+
+
+def test_identical_sliding_groups_hit_only_where_every_group_holds_the_window() -> None:
+    """Two groups with one rule are scanned together (window 4, block 2: 2 contiguous blocks).
+    Group A caches blocks 0-5, group B lacks block 4: from the right, blocks 5 and 4 fail in B,
+    blocks 3, 2 hold in both: the hit is 4 blocks, with A's and B's own blocks at 2 and 3."""
+    groups = [make_group(kind="sliding", block_size=2, window_tokens=4, group_id=g) for g in (0, 1)]
+    pool = BlockPool(num_blocks=32, groups=groups, policy_factory=POLICIES[EvictionPolicyName.LRU])
+    lead = make_manager(groups[0], pool, mamba_mode=MambaMode.ALIGN)
+    block_hashes = [f"h{i}".encode() for i in range(6)]
+    held: dict[tuple[int, int], Block] = {}
+    for g, positions in ((0, range(6)), (1, (0, 1, 2, 3, 5))):
+        for i in positions:
+            (block,) = pool.allocate(1, g)
+            pool.cache_blocks(g, [block], [block_hashes[i]], 0, 1, [])
+            held[(g, i)] = block
+    hits = lead.find_hits([pool.cached_map(0), pool.cached_map(1)], block_hashes, 12)
+    null = pool.null_block
+    assert hits == [[null, null, held[(0, 2)], held[(0, 3)]], [null, null, held[(1, 2)], held[(1, 3)]]]
+    assert len(lead.find_longest_cache_hit(block_hashes, 12)) == 6  # group A alone: the whole prompt

@@ -175,6 +175,26 @@ def test_gemma3n_kv_sharing_reads_last_earlier_layer_of_same_type() -> None:
     assert [i for i, _ in spec.owned_layers()] == [0, 1, 2, 3, 4, 5]
 
 
+def test_gemma3n_missing_fields_take_the_transformers_defaults() -> None:
+    """Gemma3nTextConfig defaults: 35 layers, full every 5th, 2 KV heads of 256, window 512, the
+    last 15 layers share KV, 32768 positions. Layers 20..34 read layer 18 (sliding) or 19 (full)."""
+    spec = model_spec_from_config({"model_type": "gemma3n_text"}, name="g3n")
+    assert spec.num_decoder_layers == 35 and spec.max_position_embeddings == 32768
+    assert [i for i, kind in enumerate(kinds(spec)) if kind is F] == [4, 9, 14, 19, 24, 29, 34]
+    assert spec.kv_shared_from == {i: 19 if i % 5 == 4 else 18 for i in range(20, 35)}
+    sliding, full = attention(spec, 0), attention(spec, 4)
+    assert (sliding.num_kv_heads, sliding.head_dim, sliding.window_tokens) == (2, 256, 512)
+    assert (full.num_kv_heads, full.head_dim) == (2, 256)
+    # Explicit values win; an explicit null means the default too.
+    spec = model_spec_from_config({"model_type": "gemma3n_text", "num_hidden_layers": 10, "head_dim": 128,
+                                   "num_key_value_heads": 4, "sliding_window": None, "num_kv_shared_layers": 0},
+                                  name="g3n")
+    assert spec.kv_shared_from == {} and attention(spec, 0).window_tokens == 512
+    assert (attention(spec, 0).num_kv_heads, attention(spec, 0).head_dim) == (4, 128)
+    with pytest.raises(ConfigError, match="num_kv_shared_layers = 15 must be smaller than num_hidden_layers = 10"):
+        model_spec_from_config({"model_type": "gemma3n_text", "num_hidden_layers": 10}, name="g3n")
+
+
 def test_gemma4_hub_form_full_layers_use_global_geometry() -> None:
     spec = read(model_type="gemma4_text")
     assert kinds(spec) == [S, S, S, S, S, F]

@@ -121,7 +121,7 @@ def test_gemma3_like_capacity_by_hand() -> None:
     uniform_blocks = GIB // (6 * page)
     assert result.uniform.runnable and result.uniform.num_blocks == uniform_blocks
     assert result.uniform.max_concurrency == pytest.approx((uniform_blocks - 1) / 512)
-    assert result.kv_capacity_tokens == int(result.max_concurrency * 8192)
+    assert result.kv_capacity_tokens == 45430  # 8191 * 8192 / 1477 = 45430.4 tokens
     # one 8192-token request: 512 full + 5 x 193 sliding blocks of one page each, vs 512 blocks of 6 pages
     assert result.bytes_per_request == (512 + 5 * 193) * page
     assert result.uniform.bytes_per_request == 512 * 6 * page
@@ -138,7 +138,9 @@ def test_padding_waste_counts_empty_slots() -> None:
     # them short by one layer: at full load 2 * 193 of every 256 + 3 * 193 blocks leave one page empty.
     full_need, sliding_need = 256, 193
     share = 2 * sliding_need / (full_need + 3 * sliding_need)
-    assert result.padding_waste_bytes == pytest.approx(share * cfg.num_blocks * cfg.page_size_bytes, rel=1e-6)
+    page = 16 * 2 * 16 * 128 * 2
+    assert (cfg.page_size_bytes, cfg.num_blocks) == (page, GIB // page // 3) == (131072, 2730)
+    assert result.padding_waste_bytes == pytest.approx(share * 2730 * page, rel=1e-6)
     # tensor 2 is shared by the third layer of each group; the two short sliding groups leave it.
     assert len(cfg.tensors[2].shared_by) == 2
 
