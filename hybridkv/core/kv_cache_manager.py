@@ -136,8 +136,6 @@ class KVCacheManager:
         for index, group in enumerate(config.groups):
             if group.group_id != index:
                 raise ConfigError(f"group at position {index} has group_id {group.group_id}; expected {index}")
-            if isinstance(group.block_size, bool) or not isinstance(group.block_size, int) or group.block_size <= 0:
-                raise ConfigError(f"group {index} has block_size {group.block_size!r}; expected a positive integer")
         self.config = config
         self.max_model_len = max_model_len
         self._caching = prefix_caching is PrefixCaching.ON

@@ -52,6 +52,14 @@ class KVCacheGroupSpec:
     block_size: int
     padding_layers: int = 0
 
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"group {self.group_id}: block_size must be a positive integer, got {self.block_size}")
+        if not self.layer_indices:
+            raise ConfigError(f"group {self.group_id}: a KV cache group needs at least one layer, got none")
+        if self.padding_layers < 0:
+            raise ConfigError(f"group {self.group_id}: padding_layers must be >= 0, got {self.padding_layers}")
+
     @property
     def kind(self) -> SpecKind:
         return self.spec.kind

@@ -9,6 +9,7 @@ import pytest
 from hybridkv.core.errors import CapacityError, ConfigError
 from hybridkv.core.planner import (
     GIB,
+    KVCacheGroupSpec,
     PlannerOptions,
     build_kv_cache_config,
     group_layers,
@@ -180,3 +181,11 @@ def test_bad_options_and_specs_are_clear_errors() -> None:
         make_attention(kind="sliding_window")
     with pytest.raises(ConfigError, match="unknown dtype 'float12'"):
         make_attention(dtype="float12")
+
+
+def test_group_spec_validates_its_fields() -> None:
+    spec = make_attention()
+    with pytest.raises(ConfigError, match="group 3: block_size must be a positive integer, got 0"):
+        KVCacheGroupSpec(group_id=3, spec=spec, layer_indices=(0,), block_size=0)
+    with pytest.raises(ConfigError, match="at least one layer"):
+        KVCacheGroupSpec(group_id=0, spec=spec, layer_indices=(), block_size=16)
