@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -15,6 +16,9 @@ from rich.console import Console
 from hybridkv.cli_run import run
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.model_specs import KVCacheDType, SpecOptions
+
+if TYPE_CHECKING:
+    from hybridkv.plan_report import PlanRequest
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hybrid KV cache planner, engine and server.")
 
@@ -40,6 +44,7 @@ def plan_command(
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG of capacity vs context length")] = None,
 ) -> None:
     """Show how a hybrid KV cache lays out memory for MODEL and how much it holds."""
     from hybridkv import plan_report
@@ -59,13 +64,14 @@ def plan_command(
     try:
         spec_options = SpecOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp_size=tp,
                                    num_speculative_tokens=num_speculative_tokens)
-        plans = [
-            plan_report.make_plan(plan_report.PlanRequest(
+        requests = [
+            plan_report.PlanRequest(
                 model=m, memory_gib=memory_gib, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                mamba_alignment=mamba_alignment, spec_options=spec_options))
+                mamba_alignment=mamba_alignment, spec_options=spec_options)
             for m in models
         ]
+        plans = [plan_report.make_plan(r) for r in requests]
     except HybridKVError as exc:
         raise _usage_error(str(exc)) from None
     if json_output:
@@ -75,9 +81,28 @@ def plan_command(
         plan_report.render_plan(console, *plans[0])
     else:
         plan_report.render_comparison(console, plans)
+    if plot is not None:
+        _write_plot(requests, plot, memory_gib=memory_gib, json_output=json_output)
 
 
 app.command("run")(run)
+
+
+def _write_plot(requests: list[PlanRequest], path: Path, *, memory_gib: float, json_output: bool) -> None:
+    """`plan --plot`: the PNG, then one `wrote PATH` line (on stderr under --json, so stdout stays JSON)."""
+    from hybridkv import plan_plot
+
+    try:
+        curves = plan_plot.capacity_curves(requests)
+    except HybridKVError as exc:
+        raise _usage_error(str(exc)) from None
+    try:
+        plan_plot.write_capacity_plot(curves, path, memory_gib=memory_gib)
+    except ModuleNotFoundError as exc:
+        raise _usage_error(f"--plot needs matplotlib ({exc}); install it: pip install 'hybridkv[engine]'") from None
+    except OSError as exc:
+        raise _usage_error(f"cannot write plot {path}: {exc.strerror or exc}") from None
+    typer.echo(f"wrote {path}", err=json_output)
 
 
 def _usage_error(message: str) -> typer.Exit:
