@@ -10,6 +10,8 @@ Construction: config.json -> model (models/) + ModelSpec (core.model_specs) -> p
 from __future__ import annotations
 
 import math
+import operator
+import reprlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -132,32 +134,61 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order.
 
-        Raises ConfigError for an empty prompt, a token id outside the vocabulary or a prompt
-        longer than `max_model_len`; CapacityError if a request can never get KV cache blocks.
+        Raises ConfigError (naming the prompt's index) for a bare str instead of a list, an empty
+        prompt, a non-integer or out-of-vocabulary token id, a prompt longer than `max_model_len`
+        or more logprobs than the vocabulary; CapacityError if a request can never get KV cache
+        blocks. On any error the call's requests are dropped, so the engine stays usable.
         """
+        if isinstance(prompts, str):
+            raise ConfigError(f"prompts must be a list of prompts, got a single str {reprlib.repr(prompts)}; "
+                              "expected e.g. [prompt]")
         params = [sampling or SamplingParams()] * len(prompts) if not isinstance(sampling, Sequence) else sampling
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts; expected one or one each")
-        requests = [self._make_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        requests = [self._make_request(p, s, index=i) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
         for request in requests:
             self.scheduler.add(request)
         outputs: dict[RequestId, RequestOutput] = {}
-        while self.scheduler.has_unfinished:
-            for request in self._step():
-                outputs[request.request_id] = self._output(request)
-                if on_finish is not None:
-                    on_finish(outputs[request.request_id])
+        try:
+            while self.scheduler.has_unfinished:
+                for request in self._step():
+                    outputs[request.request_id] = self._output(request)
+                    if on_finish is not None:
+                        on_finish(outputs[request.request_id])
+        except BaseException:  # CapacityError, Ctrl-C: drop this call's requests so the next call starts clean
+            self.scheduler.abort(requests)
+            raise
         return [outputs[r.request_id] for r in requests]
 
-    def _make_request(self, prompt: Prompt, sampling: SamplingParams) -> Request:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    def _prompt_ids(self, prompt: Prompt, index: int) -> list[int]:
+        """The validated token ids of one prompt (ConfigError naming the prompt otherwise)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = [operator.index(t) for t in prompt]
+            except TypeError:
+                raise ConfigError(f"prompt {index} must be a str or a sequence of int token ids, "
+                                  f"got {reprlib.repr(prompt)}") from None
         vocab = int(self.model.hf_config["vocab_size"])
         if not ids:
-            raise ConfigError("prompt is empty; expected at least one token")
+            raise ConfigError(f"prompt {index} is empty; expected at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ConfigError(f"prompt token ids must lie in [0, {vocab}), got min {min(ids)} and max {max(ids)}")
+            raise ConfigError(f"prompt {index}: token ids must lie in [0, {vocab}), "
+                              f"got min {min(ids)} and max {max(ids)}")
         if len(ids) > self.max_model_len:
-            raise ConfigError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            raise ConfigError(f"prompt {index} has {len(ids)} tokens; expected at most max_model_len="
+                              f"{self.max_model_len}")
+        return ids
+
+    def _make_request(self, prompt: Prompt, sampling: SamplingParams, *, index: int) -> Request:
+        ids = self._prompt_ids(prompt, index)
+        vocab = int(self.model.hf_config["vocab_size"])
+        if not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling params {index} must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.logprobs > vocab:
+            raise ConfigError(f"prompt {index} asks for {sampling.logprobs} logprobs; expected at most the "
+                              f"vocabulary size {vocab}")
         seq = self._next_id
         self._next_id += 1
         seed = sampling.seed if sampling.seed is not None else self.config.seed + seq

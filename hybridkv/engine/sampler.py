@@ -43,6 +43,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("top_k", "logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
         if not self.temperature >= 0.0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -59,7 +69,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits [V] with everything outside top-k / top-p set to -inf."""
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.numel():
@@ -82,7 +92,7 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = torch.softmax(_filtered(logits[i], p), dim=-1)  # [V]
+        probs = torch.softmax(filtered_logits(logits[i], p), dim=-1)  # [V]
         tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
     return [int(t) for t in tokens]
 

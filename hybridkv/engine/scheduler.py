@@ -6,9 +6,11 @@ Each `schedule()` call builds one step:
        still prefilling (the rest of the prompt, capped by the budget), oldest first;
        when the manager refuses blocks, the latest-arrived running request is preempted
        (blocks freed, computed tokens reset, put at the front of the waiting queue) and the
-       allocation is retried; if the victim is the request itself it waits;
+       allocation is retried; once no later request is left, the request tries smaller chunks
+       (halving) and, if not even one token fits, is itself preempted and waits;
     2. if nothing was preempted, waiting requests in FCFS order: prefix-cache lookup, then as
-       many prompt tokens as the budget allows, while `max_num_seqs` is not reached.
+       many prompt tokens as the budget allows (a smaller chunk when nothing else runs), while
+       `max_num_seqs` is not reached.
 
 `finish_step` advances computed tokens after the forward pass and releases finished requests.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridkv.core.errors import CapacityError
@@ -83,13 +85,19 @@ class Scheduler:
             start = request.num_computed_tokens
             n = min(request.num_tokens - start, budget)
             while self.manager.allocate(request.kv, n) is None:
+                if self.running[-1] is request:  # nobody later left to preempt: try a smaller chunk
+                    n = self._largest_chunk(request, n // 2)
+                    if n == 0:
+                        self.running.pop()
+                        self._preempt(request)
+                        preempted.append(request)
+                    break
                 victim = self.running.pop()  # the latest-arrived running request
                 if victim.request_id in work:
                     budget += work.pop(victim.request_id).num_tokens
+                    n = min(request.num_tokens - start, budget)
                 self._preempt(victim)
                 preempted.append(victim)
-                if victim is request:
-                    break
             if request.status is RequestStatus.RUNNING:
                 work[request.request_id] = ScheduledWork(request=request, start_pos=start, num_tokens=n)
                 budget -= n
@@ -110,7 +118,11 @@ class Scheduler:
             hit: CacheHit = self.manager.lookup(request.kv)
             n = min(request.num_tokens - hit.num_tokens, budget)
             if self.manager.allocate(request.kv, n, hit=hit) is None:
-                break
+                if self.running:  # blocks come back as running requests finish
+                    break
+                n = self._largest_chunk(request, n // 2, hit=hit)  # alone: a smaller chunk may fit
+                if n == 0:
+                    break
             self.waiting.popleft()
             if request.prefix_hit_tokens < 0:
                 request.prefix_hit_tokens = hit.num_tokens
@@ -118,6 +130,27 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             work.append(ScheduledWork(request=request, start_pos=hit.num_tokens, num_tokens=n))
             budget -= n
+
+    def abort(self, requests: Iterable[Request]) -> None:
+        """Forget `requests` (a failed `generate`): free their blocks and drop them from the queues."""
+        ids = {r.request_id for r in requests}
+        for request in [r for r in self.running if r.request_id in ids]:
+            self.manager.free(request.kv)
+            self.running.remove(request)
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+
+    def _largest_chunk(self, request: Request, n: int, *, hit: CacheHit | None = None) -> int:
+        """Allocate the first of n, n/2, n/4, ..., 1 tokens that fits; returns it, or 0 if none does.
+
+        A sliding-window or chunked-local group needs blocks for the whole chunk but only a
+        window of them afterwards, so a prompt whose budget-sized chunk does not fit may still
+        run in smaller chunks; only when one token does not fit is the request impossible.
+        """
+        while n > 0:
+            if self.manager.allocate(request.kv, n, hit=hit) is not None:
+                return n
+            n //= 2
+        return 0
 
     def _preempt(self, request: Request) -> None:
         self.manager.free(request.kv)

@@ -103,3 +103,40 @@ def test_paged_attention_equals_dense_attention(sinks: bool, softcap: float | No
         write_kv(cache, meta, k[start:end], v[start:end])
         out = paged_attention(q[start:end], cache, meta, scale=0.3, sinks=sink, softcap=softcap)
         torch.testing.assert_close(out, expected[start:end], atol=1e-5, rtol=1e-5)
+
+
+def _dense_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: AttentionRule) -> torch.Tensor:
+    """Reference: every query attends to keys [rule.first_key(p), p], GQA by repetition."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [T, H, D]
+    out = torch.empty_like(q)
+    for p in range(q.shape[0]):
+        first = rule.first_key(p)
+        probs = torch.softmax(torch.einsum("hd,khd->hk", q[p], k[first : p + 1]) * 0.3, dim=-1)  # [H, K]
+        out[p] = torch.einsum("hk,khd->hd", probs, v[first : p + 1])
+    return out
+
+
+@pytest.mark.parametrize("block", [2, 4, 8])
+@pytest.mark.parametrize("rule", [sliding(5), AttentionRule(kind=SpecKind.CHUNKED_LOCAL, chunk_tokens=8)],
+                         ids=["sliding5", "chunked8"])
+def test_window_groups_equal_dense_attention_with_released_blocks_never_read(
+    rule: AttentionRule, block: int
+) -> None:
+    torch.manual_seed(0)
+    t, heads, kv_heads, dim = 40, 4, 2, 8
+    q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
+    num_blocks = t // block + 2
+    cache = torch.full((num_blocks, 2, block, kv_heads, dim), float("nan"))  # a read of any unwritten slot
+    table = list(range(1, t // block + 1))  # (the null block 0 included) turns the output into NaN
+    expected = _dense_local(q, k, v, rule)
+    steps = [(0, 3), (3, 17), (17, 18), (18, 19), (19, 36), (36, 37), (37, 38), (38, 39), (39, 40)]
+    for start, end in steps:
+        # release (null out) every block wholly before the first key of this step's first query
+        released = rule.first_key(start) // block
+        live = [0] * released + table[released : -(-end // block)]
+        meta = build_group_metadata([ScheduledChunk(start_pos=start, end_pos=end, block_ids=live)],
+                                    rule=rule, block_size=block)
+        write_kv(cache, meta, k[start:end], v[start:end])
+        out = paged_attention(q[start:end], cache, meta, scale=0.3)
+        torch.testing.assert_close(out, expected[start:end], atol=1e-5, rtol=1e-5)

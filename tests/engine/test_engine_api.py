@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridkv.core.errors import ConfigError, UnsupportedModelError
+from hybridkv.core.errors import CapacityError, ConfigError, UnsupportedModelError
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.llm import LLM, resolve_model_dir
 from hybridkv.engine.models.registry import model_class
-from hybridkv.engine.sampler import EosMode, SamplingParams, sample
+from hybridkv.engine.sampler import EosMode, SamplingParams, filtered_logits, sample
 from hybridkv.engine.tokenizer import ByteTokenizer
 from hybridkv.engine.workload import Conversation, load_jsonl, rounds
 
@@ -60,7 +60,8 @@ def test_top_p_keeps_only_the_nucleus() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2),
-                                 dict(logprobs=-1)])
+                                 dict(logprobs=-1), dict(top_k=1.5), dict(logprobs=True), dict(temperature="hot"),
+                                 dict(top_p=None), dict(seed=1.5)])
 def test_invalid_sampling_params_raise(bad: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         SamplingParams(**bad)  # type: ignore[arg-type]
@@ -110,3 +111,63 @@ def test_default_model_is_built_once_and_generates_text(tmp_path: Path, monkeypa
         out.token_ids
     with pytest.raises(ConfigError, match="token ids must lie in"):
         llm.generate([[5, 100000]])
+
+
+def test_bad_prompts_name_the_prompt_and_a_failed_call_leaves_the_engine_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
+    llm = LLM(max_model_len=256, kv_cache_memory_gib=0.0001, max_num_batched_tokens=64)  # 13 blocks
+    few = SamplingParams(max_tokens=2, eos=EosMode.IGNORE)
+    with pytest.raises(ConfigError, match="single str"):
+        llm.generate("Hello", few)
+    with pytest.raises(ConfigError, match="prompt 1 is empty"):
+        llm.generate(["ok", []], few)
+    with pytest.raises(ConfigError, match="prompt 0 is empty"):
+        llm.generate([[]], few)
+    with pytest.raises(ConfigError, match=r"prompt 0 must be a str or a sequence of int token ids, got 5"):
+        llm.generate([5], few)  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"prompt 0 must be a str or a sequence of int token ids"):
+        llm.generate([[5, 1.5]], few)  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"token ids must lie in \[0, 259\), got min -1"):
+        llm.generate([[5, -1]], few)
+    with pytest.raises(ConfigError, match="at most max_model_len=256"):
+        llm.generate([[5] * 257], few)
+    with pytest.raises(ConfigError, match="at most the vocabulary size 259"):
+        llm.generate([[5]], SamplingParams(max_tokens=1, logprobs=1000))
+    with pytest.raises(CapacityError):  # 256 tokens do not fit this tiny cache
+        llm.generate([[5] * 256], few)
+    assert not llm.scheduler.has_unfinished  # the failed request was dropped with its blocks
+    assert llm.manager.usage() == 0.0
+    out = llm.generate([[5, 6, 7]], few)[0]
+    assert len(out.token_ids) == 2
+
+
+def test_temperature_top_k_top_p_keep_the_same_tokens_as_transformers() -> None:
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        vocab = int(torch.randint(2, 40, (1,), generator=gen))
+        logits = torch.randn(vocab, generator=gen) * 3
+        if trial % 3 == 0:
+            logits = torch.round(logits)  # ties at the top-k / top-p boundary
+        temperature = float(torch.rand(1, generator=gen)) * 2 + 0.1
+        top_k = int(torch.randint(0, vocab + 2, (1,), generator=gen))
+        top_p = float(torch.rand(1, generator=gen)) * 0.99 + 0.01 if trial % 4 else 1.0
+        ours = filtered_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+        ref = warpers.TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+        if top_k:
+            ref = warpers.TopKLogitsWarper(top_k)(None, ref)
+        if top_p < 1.0:
+            ref = warpers.TopPLogitsWarper(top_p)(None, ref)
+        kept, ref_kept = ours[ours > float("-inf")], ref[0][ref[0] > float("-inf")]
+        # the same multiset of kept logits (which of two equal logits survives a cut may differ)
+        assert torch.equal(torch.sort(kept).values, torch.sort(ref_kept).values), (trial, top_k, top_p)
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_or_in_a_batch() -> None:
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.3, top_p=0.9, top_k=20)] * 6
+    batch = sample(logits, params, [torch.Generator().manual_seed(100 + i) for i in range(6)])
+    alone = [sample(logits[i : i + 1], params[:1], [torch.Generator().manual_seed(100 + i)])[0] for i in range(6)]
+    assert batch == alone
