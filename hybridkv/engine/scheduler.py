@@ -30,16 +30,21 @@ from hybridkv.engine.request import Request, RequestStatus
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScheduledWork:
-    """Positions [start_pos, start_pos + num_tokens) of `request` are computed this step."""
+    """Positions [start_pos, start_pos + num_tokens) of `request` are computed this step.
+
+    `samples` is fixed when the work is built: True when the step reaches the request's last
+    known token, so its logits pick the next one (it must not change once that token is appended).
+    """
 
     request: Request
     start_pos: int
     num_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token (its logits pick the next)."""
-        return self.start_pos + self.num_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, *, start_pos: int, num_tokens: int) -> ScheduledWork:
+        return cls(request=request, start_pos=start_pos, num_tokens=num_tokens,
+                   samples=start_pos + num_tokens == request.num_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,7 +104,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
             if request.status is RequestStatus.RUNNING:
-                work[request.request_id] = ScheduledWork(request=request, start_pos=start, num_tokens=n)
+                work[request.request_id] = ScheduledWork.of(request, start_pos=start, num_tokens=n)
                 budget -= n
         scheduled = list(work.values())
         if not preempted:
@@ -128,7 +133,7 @@ class Scheduler:
                 request.prefix_hit_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
-            work.append(ScheduledWork(request=request, start_pos=hit.num_tokens, num_tokens=n))
+            work.append(ScheduledWork.of(request, start_pos=hit.num_tokens, num_tokens=n))
             budget -= n
 
     def abort(self, requests: Iterable[Request]) -> None:
