@@ -100,12 +100,18 @@ def test_touch_takes_a_free_block_back_and_raises_its_ref_count() -> None:
     assert pool.free_order()[-1] == hit.block_id  # cached: back of the queue
 
 
-def test_identical_content_cached_twice_survives_eviction_of_the_first() -> None:
-    pool = make_pool(num_blocks=4)
+def cache_same_content_twice(pool: BlockPool) -> tuple[list[Block], list[Block]]:
+    """Two requests compute the same block concurrently: both blocks carry the hash "same"."""
     first = pool.allocate(1, 0)
     second = pool.allocate(1, 0)
     pool.cache_blocks(0, first, hashes("same"), 0, 1, [])
     pool.cache_blocks(0, second, hashes("same"), 0, 1, [])
+    return first, second
+
+
+def test_identical_content_cached_twice_survives_eviction_of_the_first() -> None:
+    pool = make_pool(num_blocks=4)
+    first, second = cache_same_content_twice(pool)
     assert pool.cached_map(0)[b"same"] is first[0]
     assert second[0].block_hash == b"same"
     pool.check_integrity({first[0].block_id: 1, second[0].block_id: 1})
@@ -173,10 +179,7 @@ def test_check_integrity_reports_the_actual_numbers() -> None:
 
 def test_evicting_the_waiting_copy_keeps_the_primary() -> None:
     pool = make_pool(num_blocks=3)
-    first = pool.allocate(1, 0)
-    second = pool.allocate(1, 0)
-    pool.cache_blocks(0, first, hashes("same"), 0, 1, [])
-    pool.cache_blocks(0, second, hashes("same"), 0, 1, [])
+    first, second = cache_same_content_twice(pool)
     pool.free(second)
     (reused,) = pool.allocate(1, 0)
     assert reused is second[0] and reused.block_hash is None
