@@ -107,6 +107,11 @@ class KVCacheConfig:
         return sum(t.size_bytes for t in self.tensors)
 
     @property
+    def bytes_per_block(self) -> int:
+        """Memory one block id occupies: a page in each of the `group_size` tensors (padding included)."""
+        return self.page_size_bytes * self.group_size
+
+    @property
     def attention_block_size(self) -> int:
         """Block size of the attention groups (the smallest, if they differ)."""
         sizes = [g.block_size for g in self.groups if g.kind is not SpecKind.MAMBA]
@@ -292,6 +297,6 @@ def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
     return Plan(
         config=config, options=options, blocks_per_request=need, max_concurrency=concurrency,
         kv_capacity_tokens=int(concurrency * options.max_model_len), padding_waste_bytes=waste,
-        bytes_per_request=sum(need) * config.page_size_bytes * config.group_size,
+        bytes_per_request=sum(need) * config.bytes_per_block,
         recommended_chunk_size=recommended_chunk_size(config), uniform=_uniform_layout(model, options),
     )

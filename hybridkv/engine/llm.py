@@ -223,7 +223,7 @@ class LLM:
         blocks = self.manager.group_usage()
         stats = self.stats
         stats.peak_group_blocks = [max(a, b) for a, b in zip(stats.peak_group_blocks, blocks, strict=True)]
-        stats.peak_kv_bytes = max(stats.peak_kv_bytes, sum(blocks) * config.page_size_bytes * config.group_size)
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, sum(blocks) * config.bytes_per_block)
         block = self.plan.uniform.block_size
         tokens = {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
         tokens.update({w.request.request_id: w.start_pos + w.num_tokens for w in out.work})
