@@ -100,3 +100,14 @@ def test_console_script_runs() -> None:
     out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "plan", "gpt-oss-20b", "--json"],
                          capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["model"] == "openai/gpt-oss-20b"
+
+
+def test_version_and_python_dash_m() -> None:
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    expected = f"hybridkv {tomllib.loads(pyproject.read_text())['project']['version']}"
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == expected
+    out = subprocess.run([sys.executable, "-m", "hybridkv", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

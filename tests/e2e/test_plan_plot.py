@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridkv.cli import app
-from hybridkv.plan_plot import DEFAULT_LENGTHS_TOKENS, capacity_curves
-from hybridkv.plan_report import PlanRequest
+from hybridkv.cli.plan_plot import DEFAULT_LENGTHS_TOKENS, capacity_curves
+from hybridkv.cli.plan_report import PlanRequest
 
 GIB = 1024**3
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

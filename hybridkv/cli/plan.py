@@ -1,7 +1,6 @@
-"""The `hybridkv` command line: one entry point, one subcommand per job.
+"""`hybridkv plan MODEL...`: KV cache layout and capacity from a config.json (no engine, no GPU).
 
-    hybridkv plan MODEL...     KV cache layout and capacity from a config.json (no engine, no GPU)
-    hybridkv run               the reference engine on a chat workload (see cli_run.py)
+Options and dispatch only; the tables and JSON are in `plan_report.py`, the picture in `plan_plot.py`.
 """
 
 from __future__ import annotations
@@ -13,22 +12,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from hybridkv.cli_run import run
+from hybridkv.cli.errors import usage_error
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.model_specs import KVCacheDType, SpecOptions
 
 if TYPE_CHECKING:
-    from hybridkv.plan_report import PlanRequest
+    from hybridkv.cli.plan_report import PlanRequest
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hybrid KV cache planner, engine and server.")
-
-
-@app.callback()
-def _root() -> None:
-    """Hybrid KV cache planner, reference engine and KV cache server."""
-
-
-@app.command("plan")
 def plan_command(
     models: Annotated[list[str] | None, typer.Argument(help="catalog name, config.json path or HF model dir")] = None,
     memory_gib: Annotated[float, typer.Option("--memory-gib", help="KV cache memory budget in GiB")] = 16.0,
@@ -47,8 +37,8 @@ def plan_command(
     plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG of capacity vs context length")] = None,
 ) -> None:
     """Show how a hybrid KV cache lays out memory for MODEL and how much it holds."""
-    from hybridkv import plan_report
     from hybridkv.catalog import catalog
+    from hybridkv.cli import plan_report
 
     console = Console()
     if list_catalog:
@@ -60,7 +50,7 @@ def plan_command(
             plan_report.render_catalog(console)
         return
     if not models:
-        raise _usage_error("give at least one MODEL (a catalog name, config.json or model dir), or --list")
+        raise usage_error("give at least one MODEL (a catalog name, config.json or model dir), or --list")
     try:
         spec_options = SpecOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp_size=tp,
                                    num_speculative_tokens=num_speculative_tokens)
@@ -73,7 +63,7 @@ def plan_command(
         ]
         plans = [plan_report.make_plan(r) for r in requests]
     except HybridKVError as exc:
-        raise _usage_error(str(exc)) from None
+        raise usage_error(str(exc)) from None
     if json_output:
         reports = [plan_report.plan_to_json(spec, result) for spec, result in plans]
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
@@ -85,35 +75,18 @@ def plan_command(
         _write_plot(requests, plot, memory_gib=memory_gib, json_output=json_output)
 
 
-app.command("run")(run)
-
-
 def _write_plot(requests: list[PlanRequest], path: Path, *, memory_gib: float, json_output: bool) -> None:
     """`plan --plot`: the PNG, then one `wrote PATH` line (on stderr under --json, so stdout stays JSON)."""
-    from hybridkv import plan_plot
+    from hybridkv.cli import plan_plot
 
     try:
         curves = plan_plot.capacity_curves(requests)
     except HybridKVError as exc:
-        raise _usage_error(str(exc)) from None
+        raise usage_error(str(exc)) from None
     try:
         plan_plot.write_capacity_plot(curves, path, memory_gib=memory_gib)
     except ModuleNotFoundError as exc:
-        raise _usage_error(f"--plot needs matplotlib ({exc}); install it: pip install 'hybridkv[engine]'") from None
+        raise usage_error(f"--plot needs matplotlib ({exc}); install it: pip install 'hybridkv[engine]'") from None
     except OSError as exc:
-        raise _usage_error(f"cannot write plot {path}: {exc.strerror or exc}") from None
+        raise usage_error(f"cannot write plot {path}: {exc.strerror or exc}") from None
     typer.echo(f"wrote {path}", err=json_output)
-
-
-def _usage_error(message: str) -> typer.Exit:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(code=2)
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
-
-
-if __name__ == "__main__":
-    main()

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridkv.cli.plan_report import PlanRequest, make_plan
 from hybridkv.core.errors import ConfigError
-from hybridkv.plan_report import PlanRequest, make_plan
 
 DEFAULT_LENGTHS_TOKENS: tuple[int, ...] = tuple(1024 * 2**i for i in range(8))  # 1K .. 128K
 

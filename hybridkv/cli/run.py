@@ -1,9 +1,10 @@
 """`hybridkv run`: the reference engine on a chat workload, with a report of its KV cache use.
 
-Registered by `cli.py` as `app.command("run")(run)`. torch is imported only when the command
-runs, so `hybridkv plan` stays light. Without `--workload` it runs the built-in multi-turn chat
-(six sessions sharing a system prompt, three turns each, every turn extending the previous one);
-`--workload FILE.jsonl` runs a file in the format documented in `hybridkv/engine/workload.py`.
+Registered in `hybridkv/cli/__init__.py` as `app.command("run")(run.run_command)`. torch is
+imported only when the command runs, so `hybridkv plan` stays light. Without `--workload` it
+runs the built-in multi-turn chat (six sessions sharing a system prompt, three turns each, every
+turn extending the previous one); `--workload FILE.jsonl` runs a file in the format documented
+in `hybridkv/engine/workload.py`.
 
 The report: requests, prompt/generated tokens, throughput, mean TTFT, prefix-cache hit rate per
 KV cache group, and the KV memory the hybrid layout used against what the uniform layout (every
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from hybridkv.cli.errors import usage_error
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.kv_cache_manager import PrefixCaching
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
@@ -36,7 +38,7 @@ _D = EngineConfig.defaults()
 MIB = 1024**2
 
 
-def run(
+def run_command(
     model: Annotated[str, typer.Option("--model", "-m", help="HF-format model directory, or the embedded default")]
     = DEFAULT_MODEL_NAME,
     workload: Annotated[Path | None, typer.Option(
@@ -75,8 +77,7 @@ def run(
         base = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         report = _run_rounds(llm, turns, base, err)
     except HybridKVError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(code=2) from None
+        raise usage_error(str(exc)) from None
     report.update(_memory_report(llm))
     report["model"] = model
     report["load_s"] = round(load_s, 3)

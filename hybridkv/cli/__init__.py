@@ -1,0 +1,60 @@
+"""The `hybridkv` command line: one entry point, one module per subcommand.
+
+    hybridkv plan MODEL...     KV cache layout and capacity from a config.json (no engine, no GPU)
+    hybridkv run               the reference engine on a chat workload
+    hybridkv --version         the installed version
+
+Layout of this package (a newcomer finds each command's code beside its siblings):
+
+    __init__.py      `app` (the typer application), `main` (the console-script entry point) and
+                     the one registration line per subcommand below
+    errors.py        how a command reports bad input: one red `error:` line on stderr, exit code 2
+    plan.py          `hybridkv plan` (options and dispatch)
+    plan_report.py   plan tables and the documented JSON report
+    plan_plot.py     `plan --plot`: capacity vs context length
+    run.py           `hybridkv run`
+
+Adding a subcommand: write `hybridkv/cli/NAME.py` with one typer command function (keep heavy
+imports such as torch inside the function, so `hybridkv plan` stays light), import the module
+below and register it with ONE line, e.g.
+
+    app.command("server")(server.server_command)
+
+or, for a subcommand with its own subcommands, `app.add_typer(NAME.app, name="NAME")`.
+The entry point stays `hybridkv.cli:main`; `python -m hybridkv` runs the same `main`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from hybridkv import __version__
+from hybridkv.cli import plan, run
+
+app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"hybridkv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="print the version and exit")] = False,
+) -> None:
+    """Hybrid KV cache planner and reference engine."""
+
+
+# One line per subcommand (see the module docstring).
+app.command("plan")(plan.plan_command)
+app.command("run")(run.run_command)
+
+
+def main() -> None:
+    """Console-script entry point (`hybridkv`, `python -m hybridkv`)."""
+    app()
