@@ -17,6 +17,7 @@ pass per distinct answer.
 
 Allocation runs in phases so that a refusal changes nothing:
 
+    0. defer:   a hit on a state checkpoint cached in this step  ->  return None (next step)
     1. count:   sum over groups of (new real blocks + free hit blocks - blocks released by skipping)
                 > free blocks  ->  return None
     2. release: out-of-window / finished-chunk / old-state blocks, all groups interleaved tail first
@@ -58,6 +59,8 @@ class KVCacheCoordinator:
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
         self._allocated_tokens: dict[RequestId, int] = {}
+        # Groups whose hits wait a step when cached in this one (state groups in a caching mode).
+        self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -81,6 +84,8 @@ class KVCacheCoordinator:
         """New entries per group for `total_tokens` slots, or None (nothing changed)."""
         managers = self.managers
         rid = request.request_id
+        if hits and self.defers(hits):
+            return None
         need = 0
         for g, manager in enumerate(managers):
             need += manager.get_num_blocks_to_allocate(request, hits[g] if hits else None, first_new, total_tokens)
@@ -94,6 +99,14 @@ class KVCacheCoordinator:
         new = [m.allocate_new_blocks(request, first_new, total_tokens) for m in managers]
         self._allocated_tokens[rid] = max(total_tokens, self._allocated_tokens.get(rid, 0))
         return new
+
+    def new_step(self) -> None:
+        for manager in self._deferring:
+            manager.new_step()
+
+    def defers(self, hits: GroupBlocks) -> bool:
+        """Whether a hit uses a state checkpoint cached in this step (usable from the next one)."""
+        return any(m.refuses_hit(hits[m.group_id]) for m in self._deferring)
 
     def cache_blocks(self, request: KVRequest, hashes: dict[int, list[BlockHash]], num_tokens: int) -> None:
         for manager in self.managers:

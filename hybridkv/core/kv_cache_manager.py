@@ -14,8 +14,14 @@ A step of one request, in tokens (`allocate` arguments in brackets):
     min(end, request.num_tokens) unless caching is DELAYED (then call `cache` later).
 
 The engine advances `request.num_computed_tokens` itself, after the step, to `end`.
-Verbs: lookup, allocate, cache, free, block_ids, reset_prefix_cache, usage, group_usage,
-stats, take_events, check_integrity. See docs/kv_cache_manager.md.
+Verbs: begin_step, lookup, allocate, cache, free, block_ids, state_steps, reset_prefix_cache,
+usage, group_usage, stats, take_events, check_integrity. See docs/kv_cache_manager.md.
+
+State groups (Mamba, Gated DeltaNet): `mamba_cache_mode=MambaCacheMode.ALIGN | ALL` selects
+where checkpoints are kept; `state_steps` tells the runner which block each state is read from
+and written to. A checkpoint cached in a step is hit only from the next step on: the scheduler
+calls `begin_step()` at the start of every step, and `allocate` refuses (returns None) a hit on
+a checkpoint cached since then (`CacheHit.deferred`).
 """
 
 from __future__ import annotations
@@ -42,21 +48,22 @@ from hybridkv.core.errors import (
 )
 from hybridkv.core.eviction import POLICIES, EvictionPolicyName
 from hybridkv.core.hashing import BlockHasher, HashAlgo
-from hybridkv.core.ids import BlockHash, BlockId, RequestId
+from hybridkv.core.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.core.managers import MambaMode, make_manager
 from hybridkv.core.planner import KVCacheConfig
 from hybridkv.core.request import KVRequest
+from hybridkv.core.specs import MambaCacheMode
 
 __all__ = [
-    "AllocationError", "CacheHit", "CacheTiming", "IntegrityError", "KVCacheManager", "ManagerStats", "PrefixCaching",
-    "StaleHitError", "UnknownRequestError",
+    "AllocationError", "CacheHit", "CacheTiming", "IntegrityError", "KVCacheManager", "MambaCacheMode", "ManagerStats",
+    "PrefixCaching", "StaleHitError", "StateCheckpoint", "StateStep", "UnknownRequestError",
 ]
 
 _block_id = attrgetter("block_id")
 
 
 class PrefixCaching(Enum):
-    """Whether full blocks are cached and looked up (also selects the Mamba mode: ALIGN / NONE)."""
+    """Whether full blocks are cached and looked up (OFF: state groups keep one running state)."""
 
     ON = "on"
     OFF = "off"
@@ -78,11 +85,40 @@ class CacheHit:
     request_id: RequestId
     num_tokens: int
     blocks: tuple[tuple[BlockId, ...], ...]
+    #: The hit uses a state checkpoint cached in the current step (its state is written only when
+    #: the step runs): `allocate` refuses it (returns None) until the next `begin_step`. Keep the
+    #: request waiting (no preemption helps) and look it up again in the next step.
+    deferred: bool = False
     pool_epoch: int = field(default=-1, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
             raise AllocationError(f"a cache hit cannot have {self.num_tokens} tokens; expected >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateCheckpoint:
+    """The state of a state group after the request's first `num_tokens` tokens, in `block_id`."""
+
+    num_tokens: int
+    block_id: BlockId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateStep:
+    """What the layers of one state group read and write in one step of one request.
+
+    `read`: the state the step starts from (None: the step starts at token 0, from a zero
+    state); after a cache hit it is the hit's checkpoint block, to restore from. `writes`:
+    every state the step must store, ascending by `num_tokens`; the last one is the state after
+    the step's last token (the running state). ALIGN mode writes one state; ALL mode also one
+    per block boundary the step crosses. A write may name the read block (the state is then
+    updated in place); it never names a block another request can read.
+    """
+
+    group_id: GroupId
+    read: StateCheckpoint | None
+    writes: tuple[StateCheckpoint, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,8 +141,11 @@ class ManagerStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching) -> KVCacheCoordinator:
-    mode = MambaMode.ALIGN if caching is PrefixCaching.ON else MambaMode.NONE
+def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
+                      mamba_cache_mode: MambaCacheMode) -> KVCacheCoordinator:
+    mode = MambaMode.NONE
+    if caching is PrefixCaching.ON:
+        mode = MambaMode.ALL if mamba_cache_mode is MambaCacheMode.ALL else MambaMode.ALIGN
     managers = [make_manager(g, pool, mamba_mode=mode) for g in config.groups]
     if caching is PrefixCaching.OFF:
         return NoPrefixCacheCoordinator(managers, pool)
@@ -128,6 +167,7 @@ class KVCacheManager:
         hash_seed: int = 0,
         eviction: EvictionPolicyName = EvictionPolicyName.LRU,
         events: KVEvents = KVEvents.OFF,
+        mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -136,12 +176,16 @@ class KVCacheManager:
         for index, group in enumerate(config.groups):
             if group.group_id != index:
                 raise ConfigError(f"group at position {index} has group_id {group.group_id}; expected {index}")
+        if not isinstance(mamba_cache_mode, MambaCacheMode):
+            raise ConfigError(f"mamba_cache_mode must be one of {[m.value for m in MambaCacheMode]}, "
+                              f"got {mamba_cache_mode!r}")
         self.config = config
         self.max_model_len = max_model_len
+        self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
                                policy_factory=POLICIES[eviction], events=events)
-        self._coordinator = _make_coordinator(config, self._pool, prefix_caching)
+        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode)
         self._managers = self._coordinator.managers
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
         self._block_sizes = self._coordinator.block_sizes
@@ -151,7 +195,13 @@ class KVCacheManager:
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * len(config.groups)
 
-    # -- lookup ---------------------------------------------------------------------------------
+    # -- step / lookup --------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A new scheduling step starts: state checkpoints cached before now become hittable.
+        Call it once per step, before the step's first `lookup` / `allocate` (vLLM's
+        `new_step_starts`). Without it, hits on checkpoints cached since the last call wait."""
+        self._coordinator.new_step()
 
     def lookup(self, request: KVRequest) -> CacheHit:
         """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last
@@ -168,7 +218,8 @@ class KVCacheManager:
         for g, tokens in enumerate(first):
             group_hits[g] += tokens
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
-                        blocks=tuple(tuple(map(_block_id, g)) for g in hits), pool_epoch=self._pool.evictions)
+                        blocks=tuple(tuple(map(_block_id, g)) for g in hits),
+                        deferred=bool(num_tokens) and self._coordinator.defers(hits), pool_epoch=self._pool.evictions)
 
     # -- allocate / cache / free ----------------------------------------------------------------
 
@@ -254,6 +305,38 @@ class KVCacheManager:
         if not self._coordinator.is_running(request_id):
             raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
         return tuple([b.block_id for b in m.block_table(request_id) or ()] for m in self._managers)
+
+    def state_steps(self, request_id: RequestId, *, start_tokens: int, end_tokens: int) -> tuple[StateStep, ...]:
+        """Per state group (ascending group id; empty without state groups), where the step that
+        computes tokens `[start_tokens, end_tokens)` of a running request reads its state from and
+        writes its states to. Call it after that step's `allocate`: `start_tokens` is the
+        `first_new` of the module docstring (computed + hit + external tokens)."""
+        allocated = self._coordinator.allocated_tokens(request_id)
+        if not self._coordinator.is_running(request_id):
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
+        if not 0 <= start_tokens < end_tokens <= allocated:
+            raise AllocationError(
+                f"state step [{start_tokens}, {end_tokens}) of request {request_id!r} is not a step it holds "
+                f"slots for; expected 0 <= start < end <= {allocated}"
+            )
+        steps = []
+        null = self._pool.null_block
+        for manager in self._managers:
+            entries = manager.state_entries(request_id, start_tokens, end_tokens)
+            if entries is None:
+                continue
+            read, writes = entries
+            if read is not None and read[1] is null:
+                raise AllocationError(
+                    f"request {request_id!r} no longer holds its state after {start_tokens} tokens in group "
+                    f"{manager.group_id}; start_tokens must be the first token of the step just allocated"
+                )
+            steps.append(StateStep(
+                group_id=GroupId(manager.group_id),
+                read=None if read is None else StateCheckpoint(num_tokens=read[0], block_id=read[1].block_id),
+                writes=tuple(StateCheckpoint(num_tokens=t, block_id=b.block_id) for t, b in writes),
+            ))
+        return tuple(steps)
 
     # -- cache-wide -----------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ A manager knows its type's two rules and nothing about other groups:
     chunked (C)     blocks before the chunk of L are null; scan  (p // C * C) // B
                     the current chunk left to right
     mamba, align    right to left, the last cached checkpoint    ceil(p / B) - 1
+    mamba, all      right to left, the last cached checkpoint    ceil(p / B) - 1
     mamba, none     never hits; one block for the running state  0
     cross           never hits, never cached                     0
 
@@ -40,12 +41,16 @@ from hybridkv.core.request import KVRequest
 from hybridkv.core.specs import SpecKind
 
 HashMap = Mapping[BlockHash, Block]
+#: (tokens, block) of the state a step reads (None: from token 0), and of each state it writes.
+StateEntries = tuple[tuple[int, Block] | None, list[tuple[int, Block]]]
 
 
 class MambaMode(Enum):
-    """ALIGN: checkpoint states at block boundaries and prefix-cache them. NONE: one running state."""
+    """ALIGN: a checkpoint where a step ends on a block boundary. ALL: a checkpoint at every
+    block boundary a step crosses. NONE (prefix caching off): one running state."""
 
     ALIGN = "align"
+    ALL = "all"
     NONE = "none"
 
 
@@ -58,6 +63,8 @@ class SingleTypeManager(ABC):
 
     #: A hit of length L implies hits of every shorter aligned length (full attention only).
     downward_closed = False
+    #: A block cached in a step is hit only from the next step on (`refuses_hit`, `new_step`).
+    defers_same_step_hits = False
 
     def __init__(self, group: KVCacheGroupSpec, pool: BlockPool) -> None:
         self.group = group
@@ -98,6 +105,22 @@ class SingleTypeManager(ABC):
         """Index of the first table entry still needed when `num_tokens` precede the step."""
         del num_tokens
         return 0
+
+    def new_step(self) -> None:
+        """A new scheduling step starts (state groups forget what was cached in the last one)."""
+        return
+
+    def state_entries(self, request_id: RequestId, start: int, end: int) -> StateEntries | None:
+        """Where a step computing tokens [start, end) reads and writes its state; None: this
+        group keeps no state (attention)."""
+        del request_id, start, end
+        return None
+
+    def refuses_hit(self, hits: Sequence[Block]) -> bool:
+        """Whether a new request may not use `hits` in this step (a state checkpoint cached in
+        this step: its state is written only when the step runs)."""
+        del hits
+        return False
 
     def table_length(self, request: KVRequest, total_tokens: int) -> int:
         """Entries the table must have to hold `total_tokens` slots."""
@@ -335,13 +358,24 @@ class ChunkedLocalManager(SingleTypeManager):
 class MambaManager(SingleTypeManager):
     """Mamba-style recurrent state (Mamba1/2, Gated DeltaNet); see the module docstring."""
 
+    defers_same_step_hits = True
+
     def __init__(self, group: KVCacheGroupSpec, pool: BlockPool, *, mode: MambaMode) -> None:
         super().__init__(group, pool)
         self.mode = mode
+        # Hashes of checkpoints cached since the last `new_step`: their state is written by a
+        # step that has not run yet, so a hit on one is refused until the next step.
+        self._cached_this_step: set[BlockHash] = set()
 
     @property
     def hit_rule(self) -> tuple[object, ...]:
         return (*super().hit_rule, self.mode)
+
+    def new_step(self) -> None:
+        self._cached_this_step.clear()
+
+    def refuses_hit(self, hits: Sequence[Block]) -> bool:
+        return bool(hits) and hits[-1].block_hash in self._cached_this_step
 
     def first_needed_block(self, num_tokens: int) -> int:
         if self.mode is MambaMode.NONE:
@@ -358,11 +392,15 @@ class MambaManager(SingleTypeManager):
         return self.mode is MambaMode.ALIGN and first_new > 0 and old_len <= keep_from < new_len - 1
 
     def _num_real(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> int:
+        if self.mode is MambaMode.ALL:
+            return super()._num_real(old_len, new_len, keep_from, first_new)
         if new_len <= old_len:
             return 0
         return 1 + self._read_entry(old_len, new_len, keep_from, first_new)
 
     def _new_entries(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> list[Block]:
+        if self.mode is MambaMode.ALL:
+            return super()._new_entries(old_len, new_len, keep_from, first_new)
         if new_len <= old_len:
             return []
         entries = [self._null] * (new_len - old_len)
@@ -384,15 +422,39 @@ class MambaManager(SingleTypeManager):
         return [[] for _ in maps]
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """Cache the checkpoint of a step that ended on a block boundary (`num_tokens`)."""
+        """Cache the checkpoints among the first `num_tokens` tokens not cached yet: ALIGN, the
+        one of a step that ended on a block boundary (`num_tokens`); ALL, every full block."""
         rid = request.request_id
         num_full = num_tokens // self.block_size
-        if self.mode is MambaMode.NONE or num_full <= self._num_cached[rid]:
+        start = self._num_cached[rid]
+        if self.mode is MambaMode.NONE or num_full <= start:
             return
         self._num_cached[rid] = num_full
-        if num_tokens % self.block_size == 0:
-            self._pool.cache_blocks(self.group_id, self._tables[rid], block_hashes, num_full - 1, num_full,
-                                    request.token_ids)
+        if self.mode is MambaMode.ALIGN:
+            if num_tokens % self.block_size:
+                return
+            start = num_full - 1
+        table = self._tables[rid]
+        self._pool.cache_blocks(self.group_id, table, block_hashes, start, num_full, request.token_ids)
+        null = self._null
+        self._cached_this_step.update(b.block_hash for b in table[start:num_full]
+                                      if b is not null and b.block_hash is not None)
+
+    def state_entries(self, request_id: RequestId, start: int, end: int) -> StateEntries | None:
+        """For a step computing tokens [start, end): (tokens, block) of the state it reads (None
+        from token 0) and of every state it writes, ascending. Entry ceil(t/B) - 1 holds the
+        state after t tokens; NONE mode keeps it in entry 0."""
+        table = self._tables[request_id]
+        size = self.block_size
+        if self.mode is MambaMode.NONE:
+            return ((start, table[0]) if start else None), [(end, table[0])]
+        read = (start, table[_cdiv(start, size) - 1]) if start else None
+        points = [end]
+        if self.mode is MambaMode.ALL:
+            points = list(range((start // size + 1) * size, end + 1, size))
+            if end % size:
+                points.append(end)
+        return read, [(t, table[_cdiv(t, size) - 1]) for t in points]
 
 
 class CrossAttentionManager(SingleTypeManager):

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from hybridkv.core.errors import CapacityError, ConfigError
-from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaSpec, ModelSpec, SpecKind
+from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaCacheMode, MambaSpec, ModelSpec, SpecKind
 
 GIB = 1024**3
 MIN_CHUNK_TOKENS = 256
@@ -30,12 +30,17 @@ class PlannerOptions:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     mamba_alignment: int = 16
+    #: How state groups are prefix-cached; sizes their per-request need (see `MambaSpec.blocks_needed`).
+    mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.mamba_cache_mode, MambaCacheMode):
+            raise ConfigError(f"mamba_cache_mode must be one of {[m.value for m in MambaCacheMode]}, "
+                              f"got {self.mamba_cache_mode!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -286,7 +291,8 @@ def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
     config = build_kv_cache_config(model, options)
     need = tuple(
         g.spec.blocks_needed(block_size=g.block_size, max_model_len=options.max_model_len,
-                             max_num_batched_tokens=options.max_num_batched_tokens)
+                             max_num_batched_tokens=options.max_num_batched_tokens,
+                             mamba_cache_mode=options.mamba_cache_mode)
         for g in config.groups
     )
     concurrency = config.usable_blocks / sum(need)

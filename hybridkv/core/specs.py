@@ -46,6 +46,18 @@ class SpecKind(Enum):
     CROSS = "cross"
 
 
+class MambaCacheMode(Enum):
+    """How state groups (Mamba, Gated DeltaNet) are prefix-cached (vLLM's `mamba_cache_mode`).
+
+    ALIGN: a checkpoint only where a step ends on a block boundary (the engine cuts prefill
+    chunks there). ALL: a checkpoint at every block boundary a step crosses. With prefix caching
+    off, state groups keep one running state (vLLM's `none`); no member is needed for that.
+    """
+
+    ALIGN = "align"
+    ALL = "all"
+
+
 class MambaType(Enum):
     """Which recurrent layer a Mamba-style state belongs to (their state shapes differ)."""
 
@@ -103,8 +115,10 @@ class AttentionSpec:
         """Bytes of one block of this layer."""
         return block_size * self.bytes_per_token
 
-    def blocks_needed(self, *, block_size: int, max_model_len: int, max_num_batched_tokens: int) -> int:
+    def blocks_needed(self, *, block_size: int, max_model_len: int, max_num_batched_tokens: int,
+                      mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> int:
         """Most blocks one request of `max_model_len` tokens holds at once in this layer."""
+        del mamba_cache_mode
         if self.kind is SpecKind.SLIDING_WINDOW:
             live = min(self.window_tokens - 1 + max_num_batched_tokens, max_model_len)
             return math.ceil(live / block_size) + 1
@@ -152,10 +166,18 @@ class MambaSpec:
         del block_size
         return self.state_bytes
 
-    def blocks_needed(self, *, block_size: int, max_model_len: int, max_num_batched_tokens: int) -> int:
-        """Align mode keeps the running state plus the last checkpoint: 2 blocks."""
-        del block_size, max_model_len, max_num_batched_tokens
-        return 2
+    def blocks_needed(self, *, block_size: int, max_model_len: int, max_num_batched_tokens: int,
+                      mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> int:
+        """Most state blocks one request holds at once (what the KV cache manager really holds).
+
+        ALIGN: the state the step reads plus the one it writes: 2 blocks. ALL: the state the
+        step reads plus one block per boundary a step of `max_num_batched_tokens` crosses (and
+        the running state after it): `ceil(max_num_batched_tokens / B) + 1`, at most the
+        `ceil(max_model_len / B)` entries of a table.
+        """
+        if mamba_cache_mode is MambaCacheMode.ALIGN:
+            return 2
+        return min(math.ceil(max_num_batched_tokens / block_size) + 1, math.ceil(max_model_len / block_size))
 
 
 LayerSpec = AttentionSpec | MambaSpec

@@ -115,6 +115,7 @@ class Harness:
         for _ in range(200 * num_requests):
             if not (waiting or running):
                 break
+            self.manager.begin_step()  # one operation per step: no hit waits for a step
             if waiting and len(running) < max_running and rng.random() < 0.5:
                 job = waiting.pop(0)
                 self.lookup(job, exact)
