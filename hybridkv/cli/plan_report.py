@@ -17,8 +17,8 @@ from rich.table import Table
 from hybridkv.catalog import catalog, find
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import SpecOptions, load_config, model_spec_from_config
-from hybridkv.core.planner import GIB, Plan, PlannerOptions, plan
-from hybridkv.core.specs import ModelSpec
+from hybridkv.core.planner import GIB, KVCacheGroupSpec, Plan, PlannerOptions, plan
+from hybridkv.core.specs import AttentionSpec, IndexerSpec, LayerSpec, MLASpec, ModelSpec
 
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -68,6 +68,33 @@ def make_plan(request: PlanRequest) -> tuple[ModelSpec, Plan]:
     return spec, plan(spec, options)
 
 
+def cache_name(spec: LayerSpec) -> str:
+    """What one cache slot holds: `kv` (K and V), `mla` (latent), `indexer` (keys only) or `state`."""
+    if isinstance(spec, AttentionSpec):
+        return "kv"
+    if isinstance(spec, MLASpec):
+        return "mla" if spec.cache_format.value == "native" else f"mla ({spec.cache_format.value})"
+    return "indexer" if isinstance(spec, IndexerSpec) else "state"
+
+
+def layer_pages(spec: ModelSpec, group: KVCacheGroupSpec) -> list[dict[str, Any]]:
+    """Per cache slot of `group`: its decoder layer, what it caches and its (unpadded) page bytes."""
+    return [
+        {"layer": layer, "decoder_layer": spec.decoder_layer_of.get(layer, layer),
+         "cache": cache_name(group.spec_of(layer)), "page_bytes": page}
+        for layer, page in zip(group.layer_indices, group.layer_page_bytes(), strict=True)
+    ]
+
+
+def _page_summary(spec: ModelSpec, group: KVCacheGroupSpec) -> str:
+    """`61 x mla 73,728 + 61 x indexer 8,448` for a group's pages."""
+    counts: dict[tuple[str, int], int] = {}
+    for entry in layer_pages(spec, group):
+        key = (entry["cache"], entry["page_bytes"])
+        counts[key] = counts.get(key, 0) + 1
+    return " + ".join(f"{n} x {name} {page:,}" for (name, page), n in counts.items())
+
+
 def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
     """The documented JSON report of one plan."""
     cfg = result.config
@@ -90,7 +117,8 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
                 "group_id": g.group_id, "kind": g.kind.value, "layers": list(g.layer_indices),
                 "block_size": g.block_size, "window_tokens": g.window_tokens or None,
                 "chunk_tokens": g.chunk_tokens or None, "padding_layers": g.padding_layers,
-                "page_bytes_used": g.spec.page_size_bytes(g.block_size), "blocks_per_request": need,
+                "page_bytes_used": sum(g.layer_page_bytes()) if g.mixed_pages else g.spec.page_size_bytes(g.block_size),
+                "blocks_per_request": need, "mixed_pages": g.mixed_pages, "layer_pages": layer_pages(spec, g),
             }
             for g, need in zip(cfg.groups, result.blocks_per_request, strict=True)
         ],
@@ -110,6 +138,7 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
         },
         "capacity_ratio": None if math.isinf(result.capacity_ratio) else round(result.capacity_ratio, 4),
         "recommended_chunk_size": result.recommended_chunk_size,
+        "block_size_note": cfg.block_size_note or None,
     }
 
 
@@ -126,7 +155,12 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
     cfg = result.config
     kinds: dict[str, int] = {}
     for layer_spec in spec.layers:
-        key = "no cache" if layer_spec is None else layer_spec.kind.value
+        if layer_spec is None:
+            key = "no cache"
+        elif isinstance(layer_spec, MLASpec | IndexerSpec):
+            key = f"{layer_spec.kind.value} ({cache_name(layer_spec)})"
+        else:
+            key = layer_spec.kind.value
         kinds[key] = kinds.get(key, 0) + 1
     layers = Table(title=f"{spec.name} ({spec.model_type}): {spec.num_decoder_layers} layers")
     layers.add_column("layer type")
@@ -137,7 +171,11 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
         layers.add_row("KV shared (no memory)", str(len(cfg.kv_shared_from)))
     console.print(layers)
 
-    groups = Table(title=f"KV cache groups (page {cfg.page_size_bytes:,} bytes, {cfg.num_blocks:,} blocks)")
+    mixed = [g for g in cfg.groups if g.mixed_pages]
+    caption = "; ".join([*(f"group {g.group_id} block = {_page_summary(spec, g)} bytes" for g in mixed),
+                         *([cfg.block_size_note] if cfg.block_size_note else [])])
+    groups = Table(title=f"KV cache groups (page {cfg.page_size_bytes:,} bytes, {cfg.num_blocks:,} blocks)",
+                   caption=caption or None)
     for col in ("group", "kind", "layers", "block size", "window/chunk", "padding", "blocks/request"):
         groups.add_column(col, justify="right" if col not in ("kind", "layers") else "left")
     for g, need in zip(cfg.groups, result.blocks_per_request, strict=True):
@@ -146,7 +184,8 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
                        str(extent) if extent else "-", str(g.padding_layers), str(need))
     console.print(groups)
 
-    tensors = Table(title=f"KV cache tensors ({len(cfg.tensors)} x {_gib(cfg.tensors[0].size_bytes)})")
+    sizes = sorted({t.size_bytes for t in cfg.tensors})
+    tensors = Table(title=f"KV cache tensors ({len(cfg.tensors)} x {' / '.join(_gib(n) for n in sizes)})")
     tensors.add_column("tensor", justify="right")
     tensors.add_column("size", justify="right")
     tensors.add_column("shared by layers")

@@ -44,6 +44,7 @@ from hybridkv.core.model_specs_mamba import (
     read_nemotron_h,
     read_zamba2,
 )
+from hybridkv.core.model_specs_mla import SPARSE_MLA_BACKEND, check_kv_cache_dtype, read_deepseek_mla, read_minimax_m3
 from hybridkv.core.specs import LayerSpec, ModelSpec
 
 __all__ = ["KVCacheDType", "SpecOptions", "load_config", "model_spec_from_config", "supported_model_types"]
@@ -244,6 +245,15 @@ _REGISTRY: dict[str, FamilyReader] = {
     "falcon_h1": read_falcon_h1,
     "nemotron_h": read_nemotron_h,
     "zamba2": read_zamba2,
+    "deepseek_v2": read_deepseek_mla,
+    "deepseek_v3": read_deepseek_mla,
+    "kimi_k2": read_deepseek_mla,
+    "deepseek_v32": read_deepseek_mla,
+    "glm_moe_dsa": read_deepseek_mla,
+    "minimax_m3": read_minimax_m3,
+    "minimax_m3_text": read_minimax_m3,
+    "minimax_m3_vl": read_minimax_m3,
+    "minimax_m3_vl_text": read_minimax_m3,
 }
 
 
@@ -290,6 +300,7 @@ def model_spec_from_config(
     assert isinstance(model_type, str)
     ctx = _context(config, model_type, options)
     family = reader(ctx)
+    check_kv_cache_dtype(model_type, options.kv_cache_dtype, sparse_mla=family.kernel_backend == SPARSE_MLA_BACKEND)
     num_decoder_layers = len(family.layers)
     return ModelSpec(
         name=name,
@@ -299,6 +310,8 @@ def model_spec_from_config(
         kv_shared_from=dict(family.kv_shared_from),
         max_position_embeddings=ctx.cfg.require_inherited_int("max_position_embeddings"),
         decoder_layer_of={num_decoder_layers + k: layer for k, (layer, _) in enumerate(family.second_caches)},
+        kernel_block_size=family.kernel_block_size,
+        kernel_backend=family.kernel_backend,
     )
 
 

@@ -24,10 +24,16 @@ _DTYPE_ALIASES: dict[str, str] = {
 
 
 class KVCacheDType(Enum):
-    """Element type of attention K/V: the model dtype, or fp8 (1 byte). Mamba state never changes."""
+    """Element type of attention K/V: the model dtype, or fp8 (1 byte). Mamba state never changes.
+
+    The `*_ds_mla` values are the sparse-MLA backends' packed latent formats (DeepSeek-V3.2,
+    GLM-5; 656 and 352 bytes per token); `fp8` already means `fp8_ds_mla` on those models.
+    """
 
     AUTO = "auto"
     FP8 = "fp8"
+    FP8_DS_MLA = "fp8_ds_mla"
+    NVFP4_DS_MLA = "nvfp4_ds_mla"
 
 
 def normalize_dtype(value: object, *, what: str) -> str:
@@ -210,12 +216,16 @@ def pattern_roles(num_layers: int, *, period: int, sparse: LayerRole, dense: Lay
 class FamilyLayers:
     """A family reader's answer: one spec (or None) per decoder layer, plus sharing and second caches.
 
-    `second_caches` lists (decoder layer, state spec) for layers that hold attention and a state.
+    `second_caches` lists (decoder layer, state spec) for layers that hold attention and a state,
+    or (decoder layer, indexer spec) for sparse-attention layers. `kernel_block_size` is the block
+    size the model's kernels force (`kernel_backend` names them), None when any size works.
     """
 
     layers: tuple[LayerSpec | None, ...]
     kv_shared_from: dict[int, int] = field(default_factory=dict)
     second_caches: tuple[tuple[int, LayerSpec], ...] = ()
+    kernel_block_size: int | None = None
+    kernel_backend: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,16 @@ import math
 from dataclasses import dataclass, field
 
 from hybridkv.core.errors import CapacityError, ConfigError
-from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaCacheMode, MambaSpec, ModelSpec, SpecKind
+from hybridkv.core.specs import (
+    AttentionSpec,
+    IndexerSpec,
+    LayerSpec,
+    MambaCacheMode,
+    MambaSpec,
+    MLASpec,
+    ModelSpec,
+    SpecKind,
+)
 
 GIB = 1024**3
 MIN_CHUNK_TOKENS = 256
@@ -49,6 +58,11 @@ class KVCacheGroupSpec:
 
     `padding_layers` counts the slots this group leaves empty because it has fewer layers
     than `group_size`: those slots' memory in the shared tensors is wasted.
+
+    `layer_specs` is set only for a group of mixed pages (vLLM's `UniformTypeKVCacheSpecs`):
+    layers of one attention type and block size but different specs (MLA latents and indexer
+    keys) share one block table; `layer_specs[i]` is the spec of `layer_indices[i]`, `spec` the
+    first of them, and a block spans one page of each layer, nothing padded.
     """
 
     group_id: int
@@ -56,6 +70,7 @@ class KVCacheGroupSpec:
     layer_indices: tuple[int, ...]
     block_size: int
     padding_layers: int = 0
+    layer_specs: tuple[LayerSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -64,10 +79,31 @@ class KVCacheGroupSpec:
             raise ConfigError(f"group {self.group_id}: a KV cache group needs at least one layer, got none")
         if self.padding_layers < 0:
             raise ConfigError(f"group {self.group_id}: padding_layers must be >= 0, got {self.padding_layers}")
+        if self.layer_specs and len(self.layer_specs) != len(self.layer_indices):
+            raise ConfigError(f"group {self.group_id}: {len(self.layer_specs)} layer specs for "
+                              f"{len(self.layer_indices)} layers; expected one spec per layer")
+        if self.layer_specs and self.layer_specs[0] != self.spec:
+            raise ConfigError(f"group {self.group_id}: spec must be the first of layer_specs")
 
     @property
     def kind(self) -> SpecKind:
         return self.spec.kind
+
+    @property
+    def mixed_pages(self) -> bool:
+        """True for a group whose layers have different page sizes (one block spans all of them)."""
+        return bool(self.layer_specs)
+
+    def spec_of(self, layer: int) -> LayerSpec:
+        """The spec of `layer`, one of this group's layers."""
+        if layer not in self.layer_indices:
+            raise ConfigError(f"layer {layer} is not in group {self.group_id} (layers {list(self.layer_indices)})")
+        return self.layer_specs[self.layer_indices.index(layer)] if self.layer_specs else self.spec
+
+    def layer_page_bytes(self) -> tuple[int, ...]:
+        """Unpadded page bytes of each layer of this group, in `layer_indices` order."""
+        specs = self.layer_specs or (self.spec,) * len(self.layer_indices)
+        return tuple(s.page_size_bytes(self.block_size) for s in specs)
 
     @property
     def window_tokens(self) -> int:
@@ -92,7 +128,10 @@ class KVCacheTensor:
 class KVCacheConfig:
     """The layout both the KV cache manager and the runner read.
 
-    `num_blocks` includes the null block 0; `usable_blocks = num_blocks - 1`.
+    `num_blocks` includes the null block 0; `usable_blocks = num_blocks - 1`. For a layout of
+    one group of mixed pages, `page_size_bytes` is the block's total over every layer,
+    `group_size` is 1 and each layer has a tensor of its own (`num_blocks * its page`).
+    `block_size_note` says when the model's kernels forced the block size.
     """
 
     model: str
@@ -102,6 +141,7 @@ class KVCacheConfig:
     groups: tuple[KVCacheGroupSpec, ...]
     tensors: tuple[KVCacheTensor, ...]
     kv_shared_from: dict[int, int] = field(default_factory=dict)
+    block_size_note: str = ""
 
     @property
     def usable_blocks(self) -> int:
@@ -191,11 +231,11 @@ def mamba_block_size(*, state_bytes: int, attn_bytes_per_token: int, alignment: 
     return alignment * math.ceil(state_bytes / (alignment * attn_bytes_per_token))
 
 
-def _block_sizes(specs: list[LayerSpec], options: PlannerOptions) -> tuple[list[int], int]:
+def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerOptions) -> tuple[list[int], int]:
     """Block size per distinct spec and the common page size."""
-    attention = [s for s in specs if isinstance(s, AttentionSpec)]
+    attention = [s for s in specs if not isinstance(s, MambaSpec)]
     mamba = [s for s in specs if isinstance(s, MambaSpec)]
-    base = options.block_size
+    base = base_block_size
     if mamba and attention:
         per_token = max(s.bytes_per_token for s in attention)
         state = max(s.state_bytes for s in mamba)
@@ -209,16 +249,74 @@ def _block_sizes(specs: list[LayerSpec], options: PlannerOptions) -> tuple[list[
             sizes.append(base)  # the state page is padded up to `page`
             continue
         if page % spec.bytes_per_token:
+            what = "an MLA" if isinstance(spec, MLASpec | IndexerSpec) else f"a {spec.kind.value}"
             raise ConfigError(
-                f"cannot unify page sizes: the largest page is {page} bytes but a {spec.kind.value} "
-                f"layer has {spec.bytes_per_token} bytes per token, which does not divide it"
+                f"cannot unify page sizes: the largest page is {page} bytes but {what} layer has "
+                f"{spec.bytes_per_token} bytes per token, which does not divide it (vLLM raises here too; "
+                f"MLA pages are never padded)"
             )
         sizes.append(page // spec.bytes_per_token)
     return sizes, page
 
 
+def _type_key(spec: LayerSpec) -> tuple[SpecKind, int, int]:
+    """What makes two layers 'the same type' for vLLM's UniformTypeKVCacheSpecs."""
+    if isinstance(spec, AttentionSpec):
+        return spec.kind, spec.window_tokens, spec.chunk_tokens
+    if isinstance(spec, MLASpec):
+        return spec.kind, spec.window_tokens, 0
+    return spec.kind, 0, 0
+
+
+def _is_uniform_type(specs: list[LayerSpec]) -> bool:
+    """Several specs of one attention type (same window or chunk): vLLM makes one group of them."""
+    if len(specs) < 2 or any(isinstance(s, MambaSpec) for s in specs):
+        return False
+    return len({_type_key(s) for s in specs}) == 1
+
+
+def _base_block_size(model: ModelSpec, options: PlannerOptions) -> tuple[int, str]:
+    """The block size every group starts from, and a note when the model's kernels force it."""
+    forced = model.kernel_block_size
+    if forced is None or forced == options.block_size:
+        return options.block_size, ("" if forced is None else
+                                    f"block size {forced} is the one the {model.kernel_backend} backend requires")
+    return forced, (f"Setting kv cache block size to {forced} for the {model.kernel_backend} backend "
+                    f"(asked for {options.block_size}; as vLLM does)")
+
+
+def _num_blocks(memory_bytes: int, page: int, group_size: int) -> int:
+    num_blocks = memory_bytes // page // group_size
+    if num_blocks < 2:
+        need = 2 * page * group_size
+        raise CapacityError(
+            f"memory budget of {memory_bytes} bytes holds {num_blocks} blocks of {page} bytes "
+            f"x {group_size} tensors; at least {need} bytes are needed for one usable block"
+        )
+    return num_blocks
+
+
+def _mixed_page_config(model: ModelSpec, options: PlannerOptions, block: int, note: str) -> KVCacheConfig:
+    """One group holding every layer, each with its own page (vLLM's UniformTypeKVCacheSpecs)."""
+    owned = model.owned_layers()
+    specs = tuple(spec for _, spec in owned)
+    group = KVCacheGroupSpec(group_id=0, spec=specs[0], layer_indices=tuple(i for i, _ in owned),
+                             block_size=block, layer_specs=specs)
+    page = sum(group.layer_page_bytes())
+    num_blocks = _num_blocks(options.memory_bytes, page, 1)
+    tensors = tuple(KVCacheTensor(size_bytes=num_blocks * layer_page, shared_by=(layer,))
+                    for layer, layer_page in zip(group.layer_indices, group.layer_page_bytes(), strict=True))
+    return KVCacheConfig(model=model.name, num_blocks=num_blocks, page_size_bytes=page, group_size=1,
+                         groups=(group,), tensors=tensors, kv_shared_from=dict(model.kv_shared_from),
+                         block_size_note=note)
+
+
 def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheConfig:
-    """The vLLM-compatible hybrid layout of `model` within `options.memory_bytes`."""
+    """The vLLM-compatible hybrid layout of `model` within `options.memory_bytes`.
+
+    Layers of one attention type whose specs differ (MLA latents + indexer keys) form one group
+    of mixed pages; otherwise layers are bucketed by spec and every group gets one page size.
+    """
     owned = model.owned_layers()
     if not owned:
         raise ConfigError(f"model {model.name!r} has no layer that owns a KV cache")
@@ -229,7 +327,10 @@ def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheC
             distinct.append(spec)
             buckets.append([])
         buckets[distinct.index(spec)].append(layer)
-    sizes, page = _block_sizes(distinct, options)
+    base, note = _base_block_size(model, options)
+    if _is_uniform_type(distinct):
+        return _mixed_page_config(model, options, base, note)
+    sizes, page = _block_sizes(distinct, base, options)
     group_size, grouped = group_layers(buckets)
     spec_of = {layer: spec for layer, spec in owned}
     groups = []
@@ -239,13 +340,7 @@ def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheC
             group_id=gid, spec=spec, layer_indices=tuple(layers),
             block_size=sizes[distinct.index(spec)], padding_layers=group_size - len(layers),
         ))
-    num_blocks = options.memory_bytes // page // group_size
-    if num_blocks < 2:
-        need = 2 * page * group_size
-        raise CapacityError(
-            f"memory budget of {options.memory_bytes} bytes holds {num_blocks} blocks of {page} bytes "
-            f"x {group_size} tensors; at least {need} bytes are needed for one usable block"
-        )
+    num_blocks = _num_blocks(options.memory_bytes, page, group_size)
     tensors = tuple(
         KVCacheTensor(size_bytes=num_blocks * page,
                       shared_by=tuple(g.layer_indices[i] for g in groups if i < len(g.layer_indices)))
@@ -253,12 +348,12 @@ def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheC
     )
     return KVCacheConfig(model=model.name, num_blocks=num_blocks, page_size_bytes=page,
                          group_size=group_size, groups=tuple(groups), tensors=tensors,
-                         kv_shared_from=dict(model.kv_shared_from))
+                         kv_shared_from=dict(model.kv_shared_from), block_size_note=note)
 
 
 def _uniform_layout(model: ModelSpec, options: PlannerOptions) -> UniformLayout:
     owned = model.owned_layers()
-    block = options.block_size
+    block, _ = _base_block_size(model, options)
     if any(isinstance(s, MambaSpec) for _, s in owned):
         return UniformLayout(
             runnable=False, block_size=block, num_blocks=0, total_bytes=0, max_concurrency=0.0,

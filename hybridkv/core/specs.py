@@ -23,6 +23,7 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "uint8": 1,  # opaque packed bytes (the DSA indexer cache: fp8 values, then fp32 scales)
 }
 
 
@@ -180,7 +181,119 @@ class MambaSpec:
         return min(math.ceil(max_num_batched_tokens / block_size) + 1, math.ceil(max_model_len / block_size))
 
 
-LayerSpec = AttentionSpec | MambaSpec
+class MLAFormat(Enum):
+    """How an MLA latent is stored: in the cache dtype, or one of the sparse backends' packed formats.
+
+    `fp8_ds_mla` (FlashMLA sparse): 512 fp8 latent values + 4 fp32 scales + 64 bf16 rope values = 656 B;
+    `nvfp4_ds_mla`: 352 B. Both exist only for kv_lora_rank 512 + qk_rope_head_dim 64 (vLLM
+    `MLAAttentionSpec.real_page_size_bytes`, `vllm/v1/attention/backends/mla/flashmla_sparse.py`).
+    """
+
+    NATIVE = "native"
+    FP8_DS_MLA = "fp8_ds_mla"
+    NVFP4_DS_MLA = "nvfp4_ds_mla"
+
+
+_PACKED_MLA_BYTES = {MLAFormat.FP8_DS_MLA: 656, MLAFormat.NVFP4_DS_MLA: 352}
+
+
+def _blocks_for(kind: SpecKind, window_tokens: int, *, block_size: int, max_model_len: int,
+                max_num_batched_tokens: int) -> int:
+    if kind is SpecKind.SLIDING_WINDOW:
+        live = min(window_tokens - 1 + max_num_batched_tokens, max_model_len)
+        return math.ceil(live / block_size) + 1
+    return math.ceil(max_model_len / block_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLASpec:
+    """Multi-head latent attention cache of one layer: one latent per token, no K/V split.
+
+    A token stores `kv_lora_rank + qk_rope_head_dim` values (576 for DeepSeek-V3) in `dtype`, or a
+    packed sparse-backend format. There is one KV head, replicated on every TP rank. `kind` is
+    full (DeepSeek-V3/V3.2, GLM-5) or sliding window (DeepSeek-V4's window cache).
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str
+    cache_format: MLAFormat = MLAFormat.NATIVE
+    kind: SpecKind = SpecKind.FULL
+    window_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("kv_lora_rank", self.kv_lora_rank)
+        _positive("qk_rope_head_dim", self.qk_rope_head_dim)
+        dtype_bytes(self.dtype)
+        if self.kind not in (SpecKind.FULL, SpecKind.SLIDING_WINDOW):
+            raise ConfigError(f"an MLA cache is full or sliding_window attention, got {self.kind.value}")
+        if self.kind is SpecKind.SLIDING_WINDOW:
+            _positive("window_tokens of a sliding-window MLA layer", self.window_tokens)
+        elif self.window_tokens:
+            raise ConfigError(f"window_tokens={self.window_tokens} is only valid for a sliding_window MLA layer")
+        if self.cache_format is not MLAFormat.NATIVE and (self.kv_lora_rank, self.qk_rope_head_dim) != (512, 64):
+            raise ConfigError(
+                f"the {self.cache_format.value} MLA format stores kv_lora_rank 512 + qk_rope_head_dim 64, "
+                f"got {self.kv_lora_rank} + {self.qk_rope_head_dim}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Values of one latent: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's latent in this layer."""
+        packed = _PACKED_MLA_BYTES.get(self.cache_format)
+        return packed if packed is not None else self.head_dim * dtype_bytes(self.dtype)
+
+    def page_size_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+    def blocks_needed(self, *, block_size: int, max_model_len: int, max_num_batched_tokens: int,
+                      mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> int:
+        del mamba_cache_mode
+        return _blocks_for(self.kind, self.window_tokens, block_size=block_size, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_num_batched_tokens)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IndexerSpec:
+    """Key-only cache of a sparse-attention indexer (DeepSeek-V3.2 / GLM-5 DSA, MiniMax-M3).
+
+    A token stores `entry_size` elements of `dtype`: DSA packs `index_head_dim` fp8 values then
+    one fp32 scale per 128 values into uint8 (`index_head_dim + index_head_dim // 128 * 4` =
+    132 bytes for head dim 128); MiniMax-M3 stores `sparse_index_dim` bf16 values. It is laid out
+    like full attention (one vector per token, one head, never split by TP).
+    """
+
+    entry_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _positive("indexer entry_size", self.entry_size)
+        dtype_bytes(self.dtype)
+
+    @property
+    def kind(self) -> SpecKind:
+        return SpecKind.FULL
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.entry_size * dtype_bytes(self.dtype)
+
+    def page_size_bytes(self, block_size: int) -> int:
+        return block_size * self.bytes_per_token
+
+    def blocks_needed(self, *, block_size: int, max_model_len: int, max_num_batched_tokens: int,
+                      mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> int:
+        del max_num_batched_tokens, mamba_cache_mode
+        return math.ceil(max_model_len / block_size)
+
+
+TokenSpec = AttentionSpec | MLASpec | IndexerSpec  # specs whose page grows with the block size
+LayerSpec = AttentionSpec | MambaSpec | MLASpec | IndexerSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -194,7 +307,11 @@ class ModelSpec:
     A decoder layer with both an attention K/V cache and a recurrent state (Falcon-H1, Zamba2's
     hybrid layers) keeps its attention spec at its own index and its state in an extra cache
     slot after the decoder layers: `decoder_layer_of[slot] = i` for each slot
-    `num_decoder_layers <= slot < len(layers)` (empty for every other model).
+    `num_decoder_layers <= slot < len(layers)` (empty for every other model). The same slots
+    hold the key-only indexer caches of sparse-attention layers (DeepSeek-V3.2, GLM-5, MiniMax-M3).
+
+    `kernel_block_size` is the block size the model's attention kernels require, whatever the
+    user asks (sparse MLA: 64, MiniMax-M3's sparse attention: 128); `kernel_backend` names them.
     """
 
     name: str
@@ -204,8 +321,14 @@ class ModelSpec:
     kv_shared_from: dict[int, int]
     max_position_embeddings: int
     decoder_layer_of: dict[int, int] = field(default_factory=dict)
+    kernel_block_size: int | None = None
+    kernel_backend: str = ""
 
     def __post_init__(self) -> None:
+        if self.kernel_block_size is not None:
+            _positive("kernel_block_size", self.kernel_block_size)
+            if not self.kernel_backend:
+                raise ConfigError(f"model {self.name!r}: a kernel_block_size needs the kernel_backend that forces it")
         if not self.layers:
             raise ConfigError(f"model {self.name!r} has no layers")
         first_slot = len(self.layers) - len(self.decoder_layer_of)

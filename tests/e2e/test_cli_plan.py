@@ -54,13 +54,35 @@ def test_every_catalog_model_plans_consistently() -> None:
         assert covered == set(range(report["num_cache_slots"])), entry.hf_id
         assert {int(k) for k in report["extra_state_slots"]} <= set(layers), entry.hf_id
         page = report["page_size_bytes"]
-        assert all(t["size_bytes"] == report["num_blocks"] * page for t in report["tensors"]), entry.hf_id
+        if any(g["mixed_pages"] for g in report["groups"]):  # one tensor per layer, of its own page
+            (group,) = report["groups"]
+            assert sum(p["page_bytes"] for p in group["layer_pages"]) == page, entry.hf_id
+            sizes = [report["num_blocks"] * p["page_bytes"] for p in group["layer_pages"]]
+            assert [t["size_bytes"] for t in report["tensors"]] == sizes, entry.hf_id
+        else:
+            assert all(t["size_bytes"] == report["num_blocks"] * page for t in report["tensors"]), entry.hf_id
         assert report["total_bytes"] <= 8 * GIB
         for g in report["groups"]:
             assert g["page_bytes_used"] <= page, entry.hf_id
             assert report["recommended_chunk_size"] % g["block_size"] == 0
         has_mamba = any(g["kind"] == "mamba" for g in report["groups"])
         assert report["uniform"]["runnable"] is not has_mamba, entry.hf_id
+
+
+def test_sparse_mla_json_lists_per_layer_pages() -> None:
+    report = plan_json("zai-org/GLM-5", "--memory-gib", "16", "--max-model-len", "32768", "--kv-cache-dtype", "fp8")
+    (group,) = report["groups"]
+    pages = group["layer_pages"]
+    assert [p["cache"] for p in pages] == ["mla (fp8_ds_mla)"] * 78 + ["indexer"] * 78
+    assert [p["decoder_layer"] for p in pages] == list(range(78)) * 2
+    assert {p["page_bytes"] for p in pages[:78]} == {64 * 656} and {p["page_bytes"] for p in pages[78:]} == {64 * 132}
+    block = 78 * 64 * (656 + 132)
+    assert report["page_size_bytes"] == group["page_bytes_used"] == block and group["mixed_pages"] is True
+    assert report["group_size"] == 1 and report["num_blocks"] == 16 * GIB // block and group["block_size"] == 64
+    assert report["bytes_per_request"] == 512 * block and report["recommended_chunk_size"] == 256
+    assert "FLASHMLA_SPARSE" in report["block_size_note"]
+    human = runner.invoke(app, ["plan", "glm-5"])
+    assert human.exit_code == 0 and "Setting kv cache block size to 64" in " ".join(human.output.split())
 
 
 def test_human_output_has_the_tables() -> None:
