@@ -250,8 +250,6 @@ _REGISTRY: dict[str, FamilyReader] = {
     "kimi_k2": read_deepseek_mla,
     "deepseek_v32": read_deepseek_mla,
     "glm_moe_dsa": read_deepseek_mla,
-    "minimax_m3": read_minimax_m3,
-    "minimax_m3_text": read_minimax_m3,
     "minimax_m3_vl": read_minimax_m3,
     "minimax_m3_vl_text": read_minimax_m3,
 }

@@ -125,7 +125,10 @@ def _state_of(spec: ModelSpec, layer: int) -> LayerSpec | None:
 
 
 def test_every_supported_type_is_covered() -> None:
-    assert sorted([*ARCHITECTURES, *WRAPPERS]) == supported_model_types()
+    from tests.differential.test_mla_specs_vs_transformers import MLA_ARCHITECTURES, MLA_WRAPPERS, NOT_IN_TRANSFORMERS
+
+    covered = [*ARCHITECTURES, *WRAPPERS, *MLA_ARCHITECTURES, *MLA_WRAPPERS, *NOT_IN_TRANSFORMERS]
+    assert sorted(covered) == supported_model_types()
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
