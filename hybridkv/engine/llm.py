@@ -23,11 +23,11 @@ import torch
 from hybridkv.catalog import find as find_catalog_entry
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.ids import RequestId
-from hybridkv.core.kv_cache_manager import KVCacheManager, ManagerStats
+from hybridkv.core.kv_cache_manager import KVCacheManager, ManagerStats, PrefixCaching
 from hybridkv.core.model_specs import SpecOptions, model_spec_from_config
 from hybridkv.core.planner import GIB, Plan, PlannerOptions, plan
 from hybridkv.core.request import KVRequest
-from hybridkv.core.specs import ModelSpec
+from hybridkv.core.specs import ModelSpec, SpecKind
 from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.default_model import ensure_default_model
 from hybridkv.engine.loader import load_model, torch_dtype
@@ -111,11 +111,18 @@ class LLM:
                                       prefix_caching=cfg.prefix_caching)
         self.runner = ModelRunner(self.model, self.plan.config)
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_num_seqs=cfg.max_num_seqs)
+                                   max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens())
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())
         self._next_id = 0
+
+    def _align_tokens(self) -> int:
+        """Block size prefill chunks end on: the state groups' in align mode with prefix caching, else 0."""
+        state_blocks = {g.block_size for g in self.plan.config.groups if g.kind is SpecKind.MAMBA}
+        if not state_blocks or self.config.prefix_caching is PrefixCaching.OFF:
+            return 0
+        return max(state_blocks)
 
     @property
     def kv_cache_bytes(self) -> int:

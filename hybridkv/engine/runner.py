@@ -7,7 +7,9 @@ bytes shared by layer i of every group. A layer sees its tensor as
 
 so block b of group g occupies the same bytes in every tensor; the manager hands block b to one
 group at a time. Block 0 is the null block (never written). KV-shared layers get their target
-layer's view and never write it.
+layer's view and never write it. State layers (Mamba, Gated DeltaNet) view their page as their
+state tensors instead (`state_layers.py`); before each forward the runner restores, zeroes and
+describes their states there (`StateLayers.prepare`).
 
 A step's items are reordered so single-token items (decodes) come first; tokens are flattened
 into one batch and the model runs once. Logits come back only for items that sample.
@@ -17,17 +19,18 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.specs import AttentionSpec, SpecKind
-from hybridkv.engine.attention import AttentionRule, ReadPlan, group_metadata, plan_reads
+from hybridkv.engine.attention import AttentionRule, GroupMetadata, ReadPlan, group_metadata, plan_reads
 from hybridkv.engine.loader import torch_dtype
 from hybridkv.engine.models.base import CausalLM, ForwardContext
+from hybridkv.engine.state_layers import StateCache, StateIO, StateLayers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +41,7 @@ class StepItem:
     start_pos: int
     block_ids: Sequence[Sequence[int]]  # per KV cache group
     sample: bool  # True when the last token's logits are needed
+    state_io: Mapping[int, StateIO] = field(default_factory=dict)  # per state group; derived from block_ids if absent
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -72,28 +76,39 @@ class ModelRunner:
         self.model = model
         self.kv_config = kv_config
         self._check_sharing()
-        self.num_layers = len(model.layer_kinds())
+        kinds = list(model.layer_kinds())
+        self.num_layers = len(kinds)
         self.buffers: list[torch.Tensor] = []
         self.layer_group: list[int] = [-1] * self.num_layers
-        views: list[torch.Tensor | None] = [None] * self.num_layers
+        views: list[torch.Tensor | StateCache | None] = [None] * self.num_layers
         group_of = {layer: g for g in kv_config.groups for layer in g.layer_indices}
+        beyond = sorted(layer for layer in group_of if layer >= self.num_layers)
+        if beyond:
+            raise ConfigError(f"the KV cache layout of {kv_config.model!r} caches layers {beyond} but "
+                              f"{type(model).__name__} declares {self.num_layers} cache slots")
         for tensor in kv_config.tensors:
             buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8)
             self.buffers.append(buffer)
+        self.states = StateLayers(kv_config, self.buffers)
+        for tensor, buffer in zip(kv_config.tensors, self.buffers, strict=True):
             for layer in tensor.shared_by:
                 views[layer] = self._layer_view(buffer, group_of[layer], layer)
                 self.layer_group[layer] = group_of[layer].group_id
         for layer, target in kv_config.kv_shared_from.items():
             views[layer], self.layer_group[layer] = views[target], self.layer_group[target]
-        missing = [i for i, v in enumerate(views) if v is None]
+        missing = [i for i, v in enumerate(views) if v is None and kinds[i] is not None]
         if missing:
             raise ConfigError(f"decoder layers {missing} have no KV cache tensor in the layout of {kv_config.model!r}")
-        self.kv_caches: list[torch.Tensor] = [v for v in views if v is not None]
+        no_kv = torch.empty(0)  # placeholder for layers without K/V (state layers, cacheless layers)
+        self.kv_caches: list[torch.Tensor] = [v if isinstance(v, torch.Tensor) else no_kv for v in views]
+        self.state_caches: list[StateCache | None] = [v if isinstance(v, StateCache) else None for v in views]
         self._check_kinds()
         self.rules = [_rule(g) for g in kv_config.groups]
 
-    def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor:
+    def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
         spec = group.spec
+        if spec.kind is SpecKind.MAMBA:
+            return self.states.view(buffer, group, layer)
         if not isinstance(spec, AttentionSpec) or spec.kind is SpecKind.CROSS:
             raise ConfigError(f"layer {layer} is a {spec.kind.value} layer; the engine runs self-attention layers only")
         dtype = torch_dtype(spec.dtype)
@@ -117,10 +132,16 @@ class ModelRunner:
     def _check_kinds(self) -> None:
         kinds = self.model.layer_kinds()
         for layer, kind in enumerate(kinds):
+            if self.layer_group[layer] < 0:
+                if kind is None:
+                    continue
+                raise ConfigError(f"layer {layer}: the model computes {kind.value} attention but the KV cache "
+                                  f"layout gives it no cache; model_specs and the model file disagree")
             group = self.kv_config.groups[self.layer_group[layer]]
             if group.kind is not kind:
+                shown = "no" if kind is None else kind.value
                 raise ConfigError(
-                    f"layer {layer}: the model computes {kind.value} attention but the KV cache layout "
+                    f"layer {layer}: the model computes {shown} attention but the KV cache layout "
                     f"caches it as {group.kind.value}; model_specs and the model file disagree"
                 )
 
@@ -138,15 +159,22 @@ class ModelRunner:
             torch.arange(it.start_pos, it.start_pos + len(it.token_ids)) for it in ordered])  # [T]
         spans = [(it.start_pos, it.start_pos + len(it.token_ids)) for it in ordered]
         plans: dict[tuple[AttentionRule, int], ReadPlan] = {}  # groups of one rule share masks
-        groups = []
+        groups: list[GroupMetadata | None] = []
         for g, rule in enumerate(self.rules):
             block_size = self.kv_config.groups[g].block_size
+            if rule.kind is SpecKind.MAMBA:
+                groups.append(None)
+                continue
             plan = plans.get((rule, block_size))
             if plan is None:
                 plan = plans[(rule, block_size)] = plan_reads(spans, rule=rule, block_size=block_size)
             groups.append(group_metadata(plan, [it.block_ids[g] for it in ordered]))
+        states = {}
+        if self.states.groups:
+            states = self.states.prepare(spans, [it.state_io for it in ordered], [it.block_ids for it in ordered])
         ctx = ForwardContext(positions=positions, groups=groups, kv_caches=self.kv_caches,
-                             layer_group=self.layer_group, kv_shared_from=self.kv_config.kv_shared_from)
+                             layer_group=self.layer_group, kv_shared_from=self.kv_config.kv_shared_from,
+                             state_caches=self.state_caches, state_groups=states)
         ends = torch.tensor([len(it.token_ids) for it in ordered]).cumsum(0) - 1  # [N] last token of each item
         row_of = {original: int(ends[k]) for k, original in enumerate(order)}
         rows = torch.tensor([row_of[i] for i, it in enumerate(items) if it.sample], dtype=torch.int64)

@@ -12,6 +12,12 @@ Each `schedule()` call builds one step:
        many prompt tokens as the budget allows (a smaller chunk when nothing else runs), while
        `max_num_seqs` is not reached.
 
+Recurrent-state models in align mode (`align_tokens` = the state groups' block size): a
+prefill chunk that would cross a block boundary without ending on one is cut back to end on
+the last boundary it reaches (and one that crosses the prompt's last boundary ends there), so
+every step's end state is a checkpoint the manager can cache. Any budget works: a chunk too
+small to reach the next boundary runs as it is.
+
 `finish_step` advances computed tokens after the forward pass and releases finished requests.
 """
 
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from hybridkv.core.errors import CapacityError
 from hybridkv.core.ids import RequestId
 from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager
+from hybridkv.core.specs import SpecKind
 from hybridkv.engine.request import Request, RequestStatus
 
 
@@ -60,10 +67,13 @@ class SchedulerOutput:
 class Scheduler:
     """Decides which tokens of which requests run in each step, within the KV cache manager's blocks."""
 
-    def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 align_tokens: int = 0) -> None:
         self.manager = manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.align_tokens = align_tokens  # block size prefill chunks end on (0: no alignment)
+        self._state_groups = {g.group_id: g.block_size for g in manager.config.groups if g.kind is SpecKind.MAMBA}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: the last one is the preemption victim
         self.num_preemptions = 0
@@ -88,7 +98,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             start = request.num_computed_tokens
-            n = min(request.num_tokens - start, budget)
+            n = self._aligned(request, start, min(request.num_tokens - start, budget))
             while self.manager.allocate(request.kv, n) is None:
                 if self.running[-1] is request:  # nobody later left to preempt: try a smaller chunk
                     n = self._largest_chunk(request, n // 2)
@@ -100,7 +110,7 @@ class Scheduler:
                 victim = self.running.pop()  # the latest-arrived running request
                 if victim.request_id in work:
                     budget += work.pop(victim.request_id).num_tokens
-                    n = min(request.num_tokens - start, budget)
+                    n = self._aligned(request, start, min(request.num_tokens - start, budget))
                 self._preempt(victim)
                 preempted.append(victim)
             if request.status is RequestStatus.RUNNING:
@@ -121,7 +131,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit: CacheHit = self.manager.lookup(request.kv)
-            n = min(request.num_tokens - hit.num_tokens, budget)
+            if self._restores_unwritten_state(hit, work):
+                break  # the checkpoint is written by this step: look it up again in the next one
+            n = self._aligned(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, budget))
             if self.manager.allocate(request.kv, n, hit=hit) is None:
                 if self.running:  # blocks come back as running requests finish
                     break
@@ -135,6 +147,33 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             work.append(ScheduledWork.of(request, start_pos=hit.num_tokens, num_tokens=n))
             budget -= n
+
+    def _restores_unwritten_state(self, hit: CacheHit, work: Sequence[ScheduledWork]) -> bool:
+        """Whether `hit` restores a state checkpoint that a request of this step writes (it holds its
+        state only once the step ran): a hit on a checkpoint cached in a step waits for the next."""
+        if not hit.num_tokens or not self._state_groups:
+            return False
+        hit_blocks = {hit.blocks[g][-1] for g in self._state_groups if hit.blocks[g]}
+        for item in work:
+            tables = self.manager.block_ids(item.request.request_id)
+            end = item.start_pos + item.num_tokens
+            for g, size in self._state_groups.items():
+                written = tables[g][item.start_pos // size : end // size]  # entries of boundaries in (start, end]
+                if hit_blocks.intersection(written):
+                    return True
+        return False
+
+    def _aligned(self, request: Request, start: int, n: int) -> int:
+        """`n` tokens from `start`, cut to end on a block boundary in align mode (module docstring)."""
+        size = self.align_tokens
+        end = start + n
+        if not size or n <= 1:
+            return n
+        last = request.num_tokens - request.num_tokens % size  # the last boundary of the known tokens
+        if end < last:
+            boundary = end - end % size
+            return boundary - start if boundary > start else n
+        return last - start if start < last < end else n
 
     def abort(self, requests: Iterable[Request]) -> None:
         """Forget `requests` (a failed `generate`): free their blocks and drop them from the queues."""

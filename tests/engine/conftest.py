@@ -2,7 +2,8 @@
 
 Each factory saves a model with `save_pretrained` to a session temp dir once; tests load it both
 through transformers (the reference) and through our engine. Windows are 8 tokens and chunks 16,
-so prompts of 20-60 tokens cross them several times.
+so prompts of 20-60 tokens cross them several times. The Gated DeltaNet hybrids (Qwen3.5 dense,
+MoE and multimodal, Qwen3-Next) have a state that makes their blocks 16 tokens.
 """
 
 from __future__ import annotations
@@ -45,10 +46,44 @@ def _config(kind: str) -> Any:
             floor_scale=8, attn_scale=0.5, architectures=["Llama4ForCausalLM"])
     if kind == "mistral":
         return transformers.MistralConfig(**COMMON, sliding_window=WINDOW, architectures=["MistralForCausalLM"])
+    return _state_config(kind)
+
+
+GATED_DELTANET: dict[str, Any] = dict(
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48)
+TINY_VISION: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                   patch_size=4, num_position_embeddings=16)
+
+
+def _state_config(kind: str) -> Any:
+    if kind == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**COMMON, **GATED_DELTANET, architectures=["Qwen3_5ForCausalLM"])
+    if kind == "qwen3_5_moe":
+        dense = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+        return transformers.Qwen3_5MoeTextConfig(**dense, **GATED_DELTANET, **MOE,
+                                                 architectures=["Qwen3_5MoeForCausalLM"])
+    if kind == "qwen3_next":
+        return transformers.Qwen3NextConfig(**COMMON, **GATED_DELTANET, **MOE, mlp_only_layers=[1],
+                                            architectures=["Qwen3NextForCausalLM"])
+    if kind == "qwen3_5_vl":
+        return transformers.Qwen3_5Config(text_config={**COMMON, **GATED_DELTANET}, vision_config=TINY_VISION,
+                                          architectures=["Qwen3_5ForConditionalGeneration"])
     raise ValueError(kind)
 
 
 ARCHITECTURES = ("gemma3", "gpt_oss", "llama4", "mistral")
+STATE_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl")
+
+
+def _hf_class(config: Any) -> Any:
+    """The transformers class of a config: the multimodal wrapper for Qwen3.5-VL, else the causal LM."""
+    if isinstance(config, transformers.Qwen3_5Config):
+        return transformers.Qwen3_5ForConditionalGeneration
+    return transformers.AutoModelForCausalLM
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +104,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
     def make(kind: str) -> Path:
         if kind not in built:
             torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(_config(kind)).float().eval()
+            config = _config(kind)
+            cls = _hf_class(config)
+            model = (cls(config) if cls is not transformers.AutoModelForCausalLM
+                     else cls.from_config(config)).float().eval()
             path = tmp_path_factory.mktemp(kind)
             model.save_pretrained(path)
             built[kind] = path
@@ -84,7 +122,8 @@ def hf_model() -> Callable[[Path], Any]:
 
     def load(path: Path) -> Any:
         if path not in loaded:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            config = transformers.AutoConfig.from_pretrained(path)
+            model = _hf_class(config).from_pretrained(path, dtype=torch.float32).eval()
             model.generation_config.eos_token_id = None
             model.generation_config.pad_token_id = 0
             loaded[path] = model

@@ -2,7 +2,9 @@
 
 Prompts are longer than the window (8) and the chunk (16), of different lengths, run in one
 batch with chunked prefill (a 40-token budget splits the longer prompts and exercises query
-tiles), and the log-probabilities of the top tokens agree within 2e-3.
+tiles), and the log-probabilities of the top tokens agree within 2e-3. The Gated DeltaNet
+hybrids (16-token state blocks) run the same batch: prefill chunks cross several blocks, end on
+block boundaries (align mode), and decodes share steps with prefills.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import pytest
 
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from tests.engine.conftest import ARCHITECTURES, hf_greedy, prompts
+from tests.engine.conftest import ARCHITECTURES, STATE_ARCHITECTURES, hf_greedy, prompts
 
 NEW_TOKENS = 12
 TOLERANCE = 2e-3
 
 
-@pytest.mark.parametrize("kind", ARCHITECTURES)
+@pytest.mark.parametrize("kind", [*ARCHITECTURES, *STATE_ARCHITECTURES])
 def test_greedy_batch_with_chunked_prefill_matches_transformers(
     kind: str, model_dir: Callable[[str], Path], hf_model: Callable[[Path], Any]
 ) -> None:

@@ -11,14 +11,16 @@ names equal to the HF weight names (so `load_weights` is a name-for-name copy). 
 
 Attention layers read and write the paged KV cache only through `ForwardContext`: the cache view
 of their layer (`kv_cache(layer)`), the metadata of their KV cache group (`metadata(layer)`) and
-whether they own their K/V or read another layer's (`writes_kv(layer)`, KV sharing).
+whether they own their K/V or read another layer's (`writes_kv(layer)`, KV sharing). State
+layers (Mamba, Gated DeltaNet) use `state_cache(layer)` and `state_metadata(layer)` instead; the
+contract is in `engine/state_layers.py`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -27,6 +29,7 @@ from torch import nn
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.specs import SpecKind
 from hybridkv.engine.attention import GroupMetadata, paged_attention, write_kv
+from hybridkv.engine.state_layers import StateCache, StateMetadata
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,19 +38,35 @@ class ForwardContext:
 
     `kv_caches[i]` is layer i's view `[num_blocks, 2, block_size, kv_heads, head_dim]` (a KV-shared
     layer gets its target's view); `layer_group[i]` the KV cache group whose metadata layer i uses.
+    State layers: `state_caches[i]` their state views, `state_groups[g]` the step's state metadata
+    of group g (`groups[g]` is None for a state group).
     """
 
     positions: torch.Tensor  # [T] int64 absolute positions
-    groups: Sequence[GroupMetadata]
+    groups: Sequence[GroupMetadata | None]
     kv_caches: Sequence[torch.Tensor]
     layer_group: Sequence[int]
     kv_shared_from: Mapping[int, int]
+    state_caches: Sequence[StateCache | None] = ()
+    state_groups: Mapping[int, StateMetadata] = field(default_factory=dict)
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         return self.kv_caches[layer]
 
     def metadata(self, layer: int) -> GroupMetadata:
-        return self.groups[self.layer_group[layer]]
+        meta = self.groups[self.layer_group[layer]]
+        if meta is None:
+            raise RuntimeError(f"internal error: layer {layer} is a state layer and has no attention metadata")
+        return meta
+
+    def state_cache(self, layer: int) -> StateCache:
+        cache = self.state_caches[layer] if layer < len(self.state_caches) else None
+        if cache is None:
+            raise RuntimeError(f"internal error: layer {layer} has no state cache (not a state layer in the layout)")
+        return cache
+
+    def state_metadata(self, layer: int) -> StateMetadata:
+        return self.state_groups[self.layer_group[layer]]
 
     def writes_kv(self, layer: int) -> bool:
         return layer not in self.kv_shared_from
@@ -114,8 +133,10 @@ class CausalLM(nn.Module, ABC):
         """Logits [N, vocab] of the given hidden states [N, hidden] (lm head, soft-capping)."""
 
     @abstractmethod
-    def layer_kinds(self) -> list[SpecKind]:
-        """The attention kind of each decoder layer, as this model computes it."""
+    def layer_kinds(self) -> Sequence[SpecKind | None]:
+        """The cache kind of each cache slot, as this model computes it: one per decoder layer
+        (None: a layer without any cache), then the extra state slots of layers holding
+        attention and a state (`ModelSpec.decoder_layer_of`, Falcon-H1)."""
 
     @property
     def kv_shared_from(self) -> dict[int, int]:

@@ -10,7 +10,8 @@ which owns the rest under the HF weight names `model.embed_tokens`, `model.layer
 
 Layer i gets the rotary embedding of its layer type (one rope may serve several types; NoPE
 layers ignore theirs); cos/sin are computed once per distinct rope and step.
-Used by Gemma 3, gpt-oss, Llama 4 and Llama/Mistral/Qwen2; Gemma 3n has its own loop (AltUp).
+Used by Gemma 3, gpt-oss, Llama 4, Llama/Mistral/Qwen2, Qwen3-Next and Qwen3.5 (whose Gated
+DeltaNet layers ignore their rope); Gemma 3n has its own loop (AltUp).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from hybridkv.engine.models.layers import CosSin, RotaryEmbedding
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 CHUNKED = "chunked_attention"
+LINEAR = "linear_attention"  # Gated DeltaNet: a recurrent state, cached like a Mamba layer
 LAYER_TYPE_KINDS: dict[str, SpecKind] = {
-    FULL: SpecKind.FULL, SLIDING: SpecKind.SLIDING_WINDOW, CHUNKED: SpecKind.CHUNKED_LOCAL,
+    FULL: SpecKind.FULL, SLIDING: SpecKind.SLIDING_WINDOW, CHUNKED: SpecKind.CHUNKED_LOCAL, LINEAR: SpecKind.MAMBA,
 }
 
 

@@ -12,15 +12,20 @@ from hybridkv.engine.models.gemma3n import Gemma3nForCausalLM
 from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
 from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.llama_like import LlamaLikeForCausalLM
+from hybridkv.engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from hybridkv.engine.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Gemma3ForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, LlamaLikeForCausalLM, Gemma3nForCausalLM,
+    Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
 )
 _BY_ARCHITECTURE: dict[str, type[CausalLM]] = {arch: cls for cls in MODEL_CLASSES for arch in cls.architectures}
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM, "llama4_text": Llama4ForCausalLM,
     "llama": LlamaLikeForCausalLM, "mistral": LlamaLikeForCausalLM, "qwen2": LlamaLikeForCausalLM,
-    "gemma3n_text": Gemma3nForCausalLM,
+    "gemma3n_text": Gemma3nForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
 }
 
 

@@ -1,0 +1,188 @@
+"""Gated DeltaNet (the linear-attention layers of Qwen3-Next and Qwen3.5), in plain torch, float32.
+
+Per value head h with key/query k_t, q_t [Dk] (L2-normalised, q scaled by Dk^-0.5), value v_t [Dv],
+decay a_t = exp(g_t) and write strength beta_t, the state S [Dv, Dk] evolves as
+
+    S_t = a_t S_{t-1} + beta_t (v_t - a_t S_{t-1} k_t) k_t^T        o_t = S_t q_t
+
+Decode uses this recurrence directly; prefill uses the chunked form (64-token chunks, the
+intra-chunk dependency solved as a unit lower-triangular system, one state update per chunk).
+The layer around it:
+
+    x [T, hidden] -> q, k, v (one conv channel block), z [T, Hv, Dv], b, a [T, Hv]   (projections)
+    q, k, v --causal depthwise conv (kernel K) + SiLU--> split; beta = sigmoid(b),
+    g = -exp(A_log) * softplus(a + dt_bias); k heads repeated to the Hv value heads
+    o [T, Hv, Dv] --RMSNorm(o) * weight * silu(z)--> out_proj -> [T, hidden]
+
+The conv state (K-1 inputs) and S live in the layer's state pages (`engine/state_layers.py`).
+Qwen3.5 projects with separate `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next
+with fused `in_proj_qkvz` and `in_proj_ba` grouped per key head (`FusedProjections`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.core.errors import ConfigError
+from hybridkv.engine.models.base import ForwardContext, config_value
+from hybridkv.engine.models.layers import activation
+from hybridkv.engine.state_layers import causal_conv, scan_states
+
+CHUNK_TOKENS = 64
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def recurrent_step(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of D sequences: q, k [D, H, Dk], v [D, H, Dv], g, beta [D, H]; state [D, H, Dv, Dk]."""
+    q, k, v, g, beta = inputs
+    state = state * g.exp()[..., None, None]
+    recalled = (state @ k[..., None])[..., 0]  # [D, H, Dv]
+    delta = (v - recalled) * beta[..., None]  # [D, H, Dv]
+    state = state + delta[..., None] * k[..., None, :]  # [D, H, Dv, Dk]
+    return (state @ q[..., None])[..., 0], state  # [D, H, Dv], [D, H, Dv, Dk]
+
+
+def chunked_scan(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """n tokens of one sequence: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]; state [H, Dv, Dk].
+
+    Returns outputs [n, H, Dv] and the state after the n tokens.
+    """
+    q, k, v, g, beta = (t.transpose(0, 1) for t in inputs)  # head first: [H, n, ...]
+    heads, n = q.shape[0], q.shape[1]
+    pad = -n % CHUNK_TOKENS
+    chunks = (n + pad) // CHUNK_TOKENS
+
+    def split(t: torch.Tensor) -> torch.Tensor:  # [H, n, D] -> [H, N, C, D]; pads with zeros (no-op tokens)
+        return F.pad(t, (0, 0, 0, pad)).view(heads, chunks, CHUNK_TOKENS, t.shape[-1])
+
+    q, k, v = split(q), split(k), split(v)
+    g, beta = (F.pad(t, (0, pad)).view(heads, chunks, CHUNK_TOKENS) for t in (g, beta))  # [H, N, C]
+    decay = g.cumsum(dim=-1)  # [H, N, C] log decay from the chunk start through token i
+    causal = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool).tril()
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, N, C, C]
+    k_beta = k * beta[..., None]  # [H, N, C, Dk]
+    system = (k_beta @ k.transpose(-1, -2)) * pair  # [H, N, C, C]; unit diagonal implied by the solve
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    keys = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pair  # [H, N, C, C]
+    q_decayed = q * decay.exp()[..., None]  # [H, N, C, Dk]
+    last = decay[..., -1:]  # [H, N, 1]
+    k_to_end = k * (last - decay).exp()[..., None]  # [H, N, C, Dk]
+    s = state.transpose(-1, -2)  # [H, Dk, Dv]
+    out = torch.empty(heads, chunks, CHUNK_TOKENS, v.shape[-1], dtype=v.dtype)
+    for c in range(chunks):
+        fresh = values[:, c] - keys[:, c] @ s  # [H, C, Dv] new values after what S already recalls
+        out[:, c] = q_decayed[:, c] @ s + intra[:, c] @ fresh
+        s = s * last[:, c].exp()[..., None] + k_to_end[:, c].transpose(-1, -2) @ fresh
+    out = out.view(heads, chunks * CHUNK_TOKENS, -1)[:, :n].transpose(0, 1)  # [n, H, Dv]
+    return out, s.transpose(-1, -2).contiguous()
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's Dv channels times `weight`, gated by silu(z) (HF `norm`, weight init 1)."""
+
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(x.dtype)
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet layer over the paged state (HF names `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj`).
+
+    Subclasses add the input projections and implement `project`.
+    """
+
+    def __init__(self, config: Mapping[str, Any], layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        hidden = int(config_value(config, "hidden_size", required=True))
+        self.k_heads = int(config_value(config, "linear_num_key_heads", required=True))
+        self.v_heads = int(config_value(config, "linear_num_value_heads", required=True))
+        self.k_dim = int(config_value(config, "linear_key_head_dim", required=True))
+        self.v_dim = int(config_value(config, "linear_value_head_dim", required=True))
+        if self.v_heads % self.k_heads:
+            raise ConfigError(f"linear_num_value_heads = {self.v_heads} must be a multiple of "
+                              f"linear_num_key_heads = {self.k_heads}")
+        self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        conv_channels = 2 * self.key_size + self.value_size
+        kernel = int(config_value(config, "linear_conv_kernel_dim", 4))
+        self.conv1d = nn.Conv1d(conv_channels, conv_channels, kernel, groups=conv_channels, bias=False)
+        self.act = activation(str(config_value(config, "hidden_act", "silu")))
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, eps=float(config_value(config, "rms_norm_eps", 1e-6)))
+        self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> conv input [T, 2*Hk*Dk + Hv*Dv] (q, k, v), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = self.project(x)
+        cache, meta = ctx.state_cache(self.layer), ctx.state_metadata(self.layer)
+        conv = self.act(causal_conv(mixed, cache.conv, meta, self.conv1d.weight[:, 0, :], None))  # [T, C]
+        q, k, v = torch.split(conv.float(), [self.key_size, self.key_size, self.value_size], dim=-1)
+        repeat = self.v_heads // self.k_heads
+        q = l2_normalize(q.reshape(t, self.k_heads, self.k_dim)).repeat_interleave(repeat, dim=1) * self.k_dim**-0.5
+        k = l2_normalize(k.reshape(t, self.k_heads, self.k_dim)).repeat_interleave(repeat, dim=1)  # [T, Hv, Dk]
+        v = v.reshape(t, self.v_heads, self.v_dim)  # [T, Hv, Dv]
+        beta = b.float().sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
+        o = scan_states(meta, cache.recurrent, (q, k, v, g, beta), step=recurrent_step, scan=chunked_scan)
+        o = self.norm(o.to(x.dtype), z)  # [T, Hv, Dv]
+        return self.out_proj(o.reshape(t, self.value_size))  # type: ignore[no-any-return]
+
+
+class SplitProjections(GatedDeltaNet):
+    """Qwen3.5: `in_proj_qkv` (q, k, v channel blocks), `in_proj_z`, `in_proj_b`, `in_proj_a`."""
+
+    def __init__(self, config: Mapping[str, Any], layer: int) -> None:
+        super().__init__(config, layer)
+        hidden = self.out_proj.out_features
+        self.in_proj_qkv = nn.Linear(hidden, 2 * self.key_size + self.value_size, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_size, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        z = self.in_proj_z(x).view(x.shape[0], self.v_heads, self.v_dim)  # [T, Hv, Dv]
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+class FusedProjections(GatedDeltaNet):
+    """Qwen3-Next: `in_proj_qkvz` and `in_proj_ba`, each grouped per key head.
+
+        in_proj_qkvz -> [T, Hk, (q Dk | k Dk | v r*Dv | z r*Dv)]      in_proj_ba -> [T, Hk, (b r | a r)]
+        (r = Hv / Hk value heads per key head)
+    """
+
+    def __init__(self, config: Mapping[str, Any], layer: int) -> None:
+        super().__init__(config, layer)
+        hidden = self.out_proj.out_features
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_size + 2 * self.value_size, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.v_heads, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, r = x.shape[0], self.v_heads // self.k_heads
+        grouped = self.in_proj_qkvz(x).view(t, self.k_heads, -1)  # [T, Hk, 2*Dk + 2*r*Dv]
+        q, k, v, z = grouped.split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * r).split([r, r], dim=-1)  # [T, Hk, r] each
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # [T, conv channels]
+        return (mixed, z.reshape(t, self.v_heads, self.v_dim), b.reshape(t, self.v_heads),
+                a.reshape(t, self.v_heads))

@@ -1,0 +1,305 @@
+"""State layers on the paged KV cache: recurrent state of Mamba1 / Mamba2 / Gated DeltaNet mixers.
+
+A state layer keeps, per request, a fixed-size state instead of K/V per token. The planner gives
+every state group the same page size as the attention groups (the state padded up to it); a
+state block is one page in each of the group's tensors, and a layer views its page as its state
+tensors, in `MambaSpec.shapes` order, each at the byte offset where the previous one ends:
+
+    page b of the layer's tensor:  | conv (K-1, C), model dtype | recurrent (...), mamba_ssm_dtype | padding |
+    StateCache.conv       [num_blocks, K-1, C]       (strided over the pages, so writes land in the pool)
+    StateCache.recurrent  [num_blocks, *shape]       (Gated DeltaNet: [Hv, Dv, Dk]; Mamba2: [H, P, N])
+
+Which block holds which state (the manager's block-table rule, both caching modes): the state
+after t tokens of a request lives in table entry ceil(t / B) - 1 (B = the group's block size).
+For a step that computes positions [p, e) of a request the runner (`StateLayers.prepare`):
+
+    running block  w = table[ceil(e / B) - 1]          the step's final state is written here
+    read block     r = table[ceil(p / B) - 1] (p > 0)  copied into w before the step when r != w
+                                                       (a prefix hit restores its checkpoint this way)
+    p == 0                                             w is zeroed (a fresh request starts from zeros)
+    (prefix caching off: the table has one entry, r = w = that block)
+    checkpoints    for each block boundary k*B in (p, e) whose entry table[k - 1] is a real block:
+                   the state after k*B tokens is written there too (ALL mode keeps every
+                   boundary; in ALIGN mode those entries are null and the scheduler ends prefill
+                   chunks on block boundaries instead, so the running block is the checkpoint)
+
+so a mixer always reads and writes one block per sequence, plus the checkpoint blocks it is
+told about. `StateLayers.restore_hook` (tests only) sees every restored block after the copy.
+
+The mixer interface. A state mixer is an `nn.Module` of the model; in its forward it gets
+
+    cache = ctx.state_cache(layer)     # StateCache: .conv, .recurrent views over the pages
+    meta  = ctx.state_metadata(layer)  # StateMetadata of the layer's group for this step
+
+The step's T flattened tokens are: first `meta.num_decodes` single-token sequences (decodes,
+their running blocks in `meta.decode_blocks`), then one `StateSequence` per multi-token chunk
+(`token_start`, `num_tokens`, running `block`, `checkpoints` = (tokens into the chunk, block)).
+A mixer computes its outputs [T, ...] and stores, for every sequence, the state after its last
+token in its running block and the state after each checkpoint offset in that checkpoint's
+block. Two helpers do the bookkeeping, so a mixer only writes its math:
+
+    out = causal_conv(x [T, C], cache.conv, meta, weight [C, K], bias)     # depthwise causal conv,
+                                                                            # conv states stored
+    out = scan_states(meta, cache.recurrent, inputs=(a [T, ...], b [T, ...], ...),
+                      step=fn(inputs [D, ...], state [D, *S]) -> (out [D, ...], state [D, *S]),
+                      scan=fn(inputs [n, ...], state [*S]) -> (out [n, ...], state [*S]))
+
+`step` advances all decodes by one token at once; `scan` runs one segment of one chunk (a
+chunked scan) from its initial state; `scan_states` splits each chunk at its checkpoints, so
+every checkpoint state comes from the same forward, and writes the states into the pages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.core.errors import ConfigError
+from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.core.specs import MambaSpec, SpecKind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateCache:
+    """One state layer's views over the page bytes of its tensor (block b = page b)."""
+
+    conv: torch.Tensor  # [num_blocks, K-1, C]
+    recurrent: torch.Tensor  # [num_blocks, *shape]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateSequence:
+    """One multi-token chunk of a step in one state group.
+
+    Its tokens are the flattened tokens [token_start, token_start + num_tokens). `checkpoints`
+    lists (offset, block): the state after the chunk's first `offset` tokens (0 < offset <
+    num_tokens, increasing) is also stored in `block`.
+    """
+
+    token_start: int
+    num_tokens: int
+    block: int
+    checkpoints: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateMetadata:
+    """A state group's part of one step: decodes first, then the multi-token chunks."""
+
+    num_decodes: int
+    decode_blocks: torch.Tensor  # [num_decodes] int64 running block of each decode
+    sequences: tuple[StateSequence, ...]
+
+
+def _torch_dtype(name: str, layer: int) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"layer {layer}: state dtype {name!r} is not a torch dtype; expected e.g. float32")
+    return dtype
+
+
+def state_view(buffer: torch.Tensor, *, spec: MambaSpec, num_blocks: int, page_bytes: int,
+               layer: int) -> StateCache:
+    """The state tensors of `spec` over `buffer` (one KV cache tensor: num_blocks pages of page_bytes)."""
+    if len(spec.shapes) != 2:
+        raise ConfigError(f"layer {layer}: a state layer needs a conv and a recurrent state, got "
+                          f"{len(spec.shapes)} state tensors")
+    if spec.state_bytes > page_bytes:
+        raise ConfigError(f"layer {layer}: state of {spec.state_bytes} bytes exceeds the page of {page_bytes} bytes")
+    views: list[torch.Tensor] = []
+    offset = 0
+    for shape, name in zip(spec.shapes, spec.dtypes, strict=True):
+        dtype = _torch_dtype(name, layer)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize or page_bytes % itemsize:
+            raise ConfigError(f"layer {layer}: state tensor {shape} of {name} starts at byte {offset} of a "
+                              f"{page_bytes}-byte page; expected a multiple of {itemsize}")
+        typed = buffer.view(dtype)  # [num_blocks * page / itemsize]
+        inner = torch.empty(shape).stride()
+        views.append(typed.as_strided((num_blocks, *shape), (page_bytes // itemsize, *inner), offset // itemsize))
+        offset += math.prod(shape) * itemsize
+    return StateCache(conv=views[0], recurrent=views[1])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateIO:
+    """Where one request's step [start, end) reads and writes one state group's state.
+
+    `read`: the block holding the state after `start` tokens (None: start == 0, a zero state).
+    `writes`: (tokens, block) of every state the step stores, ascending; the last is the state
+    after `end` tokens (the running block). The manager's `state_steps` says this; without it
+    `state_io_from_table` derives it from the block table.
+    """
+
+    read: int | None
+    writes: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        if not self.writes:
+            raise RuntimeError("internal error: a state step must write at least its final state")
+
+
+def _entry(table: Sequence[int], tokens: int, block_size: int) -> int:
+    """Block of the table entry that holds the state after `tokens` tokens (a one-entry table:
+    prefix caching off, one running state for the whole request)."""
+    index = 0 if len(table) == 1 else -(-tokens // block_size) - 1
+    if index >= len(table) or table[index] == 0:
+        raise RuntimeError(f"internal error: no state block for the state after {tokens} tokens (entry {index} of "
+                           f"a {len(table)}-entry table is null); the KV cache manager did not allocate it")
+    return int(table[index])
+
+
+def state_io_from_table(table: Sequence[int], *, start: int, end: int, block_size: int) -> StateIO:
+    """The rule of the module docstring: read entry ceil(start/B) - 1, write entry ceil(end/B) - 1,
+    plus a checkpoint at each boundary inside (start, end) whose entry is a real block."""
+    write = _entry(table, end, block_size)
+    writes = []
+    if len(table) > 1:
+        for k in range(start // block_size + 1, -(-end // block_size)):
+            block = int(table[k - 1]) if k - 1 < len(table) else 0
+            if block and block != write:
+                writes.append((k * block_size, block))
+    writes.append((end, write))
+    return StateIO(read=_entry(table, start, block_size) if start else None, writes=tuple(writes))
+
+
+class StateLayers:
+    """Views of every state layer and, per step, each state group's metadata and restore copies."""
+
+    def __init__(self, kv_config: KVCacheConfig, buffers: Sequence[torch.Tensor]) -> None:
+        self.kv_config = kv_config
+        self.groups = [g for g in kv_config.groups if g.kind is SpecKind.MAMBA]
+        self._pages = [b.view(kv_config.num_blocks, kv_config.page_size_bytes) for b in buffers]  # [blocks, page]
+        self.restore_hook: Callable[[KVCacheGroupSpec, list[int]], None] | None = None  # tests only
+
+    def view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> StateCache:
+        assert isinstance(group.spec, MambaSpec)
+        return state_view(buffer, spec=group.spec, num_blocks=self.kv_config.num_blocks,
+                          page_bytes=self.kv_config.page_size_bytes, layer=layer)
+
+    def prepare(self, spans: Sequence[tuple[int, int]], io: Sequence[Mapping[int, StateIO]],
+                tables: Sequence[Sequence[Sequence[int]]]) -> dict[int, StateMetadata]:
+        """Restore copies, zeroing, and the metadata of every state group for one step.
+
+        `spans[i]` = (start_pos, end_pos) of item i in flattened order (decodes first); `io[i][g]`
+        where it reads and writes group g's state (derived from `tables[i][g]`, its block table,
+        when absent).
+        """
+        out: dict[int, StateMetadata] = {}
+        for group in self.groups:
+            g = group.group_id
+            steps = [known[g] if g in known else
+                     state_io_from_table(table[g], start=a, end=b, block_size=group.block_size)
+                     for (a, b), known, table in zip(spans, io, tables, strict=True)]
+            out[g] = self._prepare_group(group, spans, steps)
+        return out
+
+    def _prepare_group(self, group: KVCacheGroupSpec, spans: Sequence[tuple[int, int]],
+                       steps: Sequence[StateIO]) -> StateMetadata:
+        sources: list[int] = []
+        targets: list[int] = []
+        fresh: list[int] = []
+        decodes: list[int] = []
+        sequences: list[StateSequence] = []
+        writer: dict[int, int] = {}  # block -> the request that writes a state into it this step
+        reader: dict[int, int] = {}  # block -> the request that restores from it
+        token = 0
+        for i, ((start, end), step) in enumerate(zip(spans, steps, strict=True)):
+            final_tokens, running = step.writes[-1]
+            if final_tokens != end or any(t <= start for t, _ in step.writes):
+                raise RuntimeError(f"internal error: state writes {step.writes} do not fit the step [{start}, {end})")
+            writer.update((b, i) for _, b in step.writes)
+            if step.read is None:
+                fresh.append(running)
+            elif step.read != running:
+                sources.append(step.read)
+                targets.append(running)
+                reader[step.read] = i
+            n = end - start
+            if n == 1:
+                decodes.append(running)
+            else:
+                points = tuple((t - start, b) for t, b in step.writes[:-1])
+                sequences.append(StateSequence(token_start=token, num_tokens=n, block=running, checkpoints=points))
+            token += n
+        clash = sorted(b for b, i in reader.items() if writer.get(b, i) != i)
+        if clash:
+            raise RuntimeError(f"internal error: state blocks {clash} are restored from by one request and written by "
+                               f"another in the same step; a checkpoint cached in a step must not be hit in that step")
+        self._copy(group, sources, targets, fresh)
+        return StateMetadata(num_decodes=len(decodes), decode_blocks=torch.tensor(decodes, dtype=torch.int64),
+                             sequences=tuple(sequences))
+
+    def _copy(self, group: KVCacheGroupSpec, sources: list[int], targets: list[int], fresh: list[int]) -> None:
+        pages = self._pages[: len(group.layer_indices)]  # tensor i holds layer i of every group
+        if sources:
+            src, dst = torch.tensor(sources), torch.tensor(targets)
+            for page in pages:
+                page.index_copy_(0, dst, page.index_select(0, src))
+        if fresh:
+            index = torch.tensor(fresh)
+            for page in pages:
+                page.index_fill_(0, index, 0)
+        if self.restore_hook is not None and targets:
+            self.restore_hook(group, targets)
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv1d of the step's inputs x [T, C] (kernel weight [C, K]), before activation.
+
+    Each sequence continues from the K-1 inputs stored in its running block (zeros for a fresh
+    one); the last K-1 inputs after the chunk (and after each checkpoint offset) are stored back.
+    """
+    kernel = weight.shape[1]
+    out = torch.empty_like(x)
+    d = meta.num_decodes
+    if d:
+        blocks = meta.decode_blocks
+        window = torch.cat([conv_state[blocks].to(x.dtype), x[:d, None, :]], dim=1)  # [D, K, C]
+        out[:d] = (window * weight.t()[None]).sum(dim=1) + (0 if bias is None else bias)
+        conv_state[blocks] = window[:, 1:].to(conv_state.dtype)
+    for seq in meta.sequences:
+        a, n = seq.token_start, seq.num_tokens
+        window = torch.cat([conv_state[seq.block].to(x.dtype), x[a : a + n]], dim=0)  # [K-1+n, C]
+        y = F.conv1d(window.t()[None], weight[:, None, :], bias, groups=weight.shape[0])  # [1, C, n]
+        out[a : a + n] = y[0].t()
+        for offset, block in seq.checkpoints:
+            conv_state[block] = window[offset : offset + kernel - 1].to(conv_state.dtype)
+        conv_state[seq.block] = window[n : n + kernel - 1].to(conv_state.dtype)
+    return out
+
+
+StepFn = Callable[[Sequence[torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def scan_states(meta: StateMetadata, states: torch.Tensor, inputs: Sequence[torch.Tensor], *,
+                step: StepFn, scan: StepFn) -> torch.Tensor:
+    """Run a recurrence over the step's sequences, reading and writing `states` [num_blocks, *S].
+
+    inputs: per-token tensors [T, ...]. `step(inputs [D, ...], states [D, *S])` advances every
+    decode by one token; `scan(inputs [n, ...], state [*S])` runs one segment of a chunk. Both
+    return (outputs, new states); the outputs are assembled into one tensor [T, ...].
+    """
+    pieces: list[torch.Tensor] = []
+    d = meta.num_decodes
+    if d:
+        blocks = meta.decode_blocks
+        out, new = step([t[:d] for t in inputs], states[blocks].float())
+        states[blocks] = new.to(states.dtype)
+        pieces.append(out)
+    for seq in meta.sequences:
+        state = states[seq.block].float()
+        begin = seq.token_start
+        ends = [(seq.token_start + offset, block) for offset, block in seq.checkpoints]
+        ends.append((seq.token_start + seq.num_tokens, seq.block))
+        for end, block in ends:
+            out, state = scan([t[begin:end] for t in inputs], state)
+            states[block] = state.to(states.dtype)
+            pieces.append(out)
+            begin = end
+    return torch.cat(pieces, dim=0)
