@@ -27,7 +27,7 @@ from rich.table import Table
 
 from hybridkv.cli.errors import usage_error
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.kv_cache_manager import PrefixCaching
+from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.workload import Conversation, Turn, builtin_chat, load_jsonl, rounds
 
@@ -51,6 +51,9 @@ def run_command(
         help="longest prompt + output (default: the model's limit, at most 4096)")] = _D["max_model_len"],
     block_size: Annotated[int, typer.Option(help="attention block size in tokens")] = _D["block_size"],
     prefix_caching: Annotated[PrefixCaching, typer.Option(help="prefix caching")] = _D["prefix_caching"],
+    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
+        help="state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, "
+             "all = at every block boundary")] = _D["mamba_cache_mode"],
     seed: Annotated[int, typer.Option(help="sampling seed")] = _D["seed"],
     num_threads: Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
     = _D["num_threads"],
@@ -65,7 +68,8 @@ def run_command(
     try:
         options = dict(kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
                        max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-                       prefix_caching=prefix_caching, seed=seed, num_threads=num_threads)
+                       prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed,
+                       num_threads=num_threads)
         config = EngineConfig.from_options(options)
         turns = load_jsonl(workload) if workload is not None else builtin_chat()
         from hybridkv.engine.llm import LLM
@@ -81,7 +85,8 @@ def run_command(
     report.update(_memory_report(llm))
     report["model"] = model
     report["load_s"] = round(load_s, 3)
-    report["config"] = {k: (v.value if isinstance(v, PrefixCaching) else v) for k, v in _asdict(config).items()}
+    report["config"] = {k: (v.value if isinstance(v, PrefixCaching | MambaCacheMode) else v)
+                        for k, v in _asdict(config).items()}
     report["config"]["max_model_len"] = llm.max_model_len
     if model == DEFAULT_MODEL_NAME:
         from hybridkv.engine.default_model import MEANINGLESS_NOTE

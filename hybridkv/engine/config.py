@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.kv_cache_manager import PrefixCaching
+from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -23,7 +23,8 @@ class EngineConfig:
 
     `kv_cache_memory_gib` is the KV cache budget handed to the planner; `num_threads` 0 keeps
     torch's default. `prefix_caching` also accepts "on" / "off". `max_model_len` None means the
-    model's `max_position_embeddings`, capped at `DEFAULT_MAX_MODEL_LEN`.
+    model's `max_position_embeddings`, capped at `DEFAULT_MAX_MODEL_LEN`. `mamba_cache_mode`
+    ("align" / "all") says where state groups keep checkpoints when prefix caching is on.
     """
 
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 4096
@@ -32,6 +33,7 @@ class EngineConfig:
     kv_cache_memory_gib: float = 0.25
     block_size: int = 16
     prefix_caching: PrefixCaching = PrefixCaching.ON
+    mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -42,6 +44,11 @@ class EngineConfig:
             if self.prefix_caching not in values:
                 raise ConfigError(f"prefix_caching must be one of {values}, got {self.prefix_caching!r}")
             object.__setattr__(self, "prefix_caching", PrefixCaching(self.prefix_caching))
+        if not isinstance(self.mamba_cache_mode, MambaCacheMode):
+            values = [m.value for m in MambaCacheMode]
+            if self.mamba_cache_mode not in values:
+                raise ConfigError(f"mamba_cache_mode must be one of {values}, got {self.mamba_cache_mode!r}")
+            object.__setattr__(self, "mamba_cache_mode", MambaCacheMode(self.mamba_cache_mode))
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if name == "max_model_len" and value is None:

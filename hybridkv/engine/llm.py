@@ -23,7 +23,7 @@ import torch
 from hybridkv.catalog import find as find_catalog_entry
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.ids import RequestId
-from hybridkv.core.kv_cache_manager import KVCacheManager, ManagerStats, PrefixCaching
+from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
 from hybridkv.core.model_specs import SpecOptions, model_spec_from_config
 from hybridkv.core.planner import GIB, Plan, PlannerOptions, plan
 from hybridkv.core.request import KVRequest
@@ -34,7 +34,8 @@ from hybridkv.engine.loader import load_model, torch_dtype
 from hybridkv.engine.request import FinishReason, Request
 from hybridkv.engine.runner import ModelRunner, StepItem
 from hybridkv.engine.sampler import SamplingParams, sample, top_logprobs
-from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
+from hybridkv.engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
+from hybridkv.engine.state_layers import StateIO
 from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | Sequence[int]
@@ -106,9 +107,10 @@ class LLM:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         self.plan: Plan = plan(self.model_spec, PlannerOptions(
             memory_bytes=int(cfg.kv_cache_memory_gib * GIB), max_model_len=self.max_model_len,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size))
+            max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
+            mamba_cache_mode=cfg.mamba_cache_mode))
         self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
-                                      prefix_caching=cfg.prefix_caching)
+                                      prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode)
         self.runner = ModelRunner(self.model, self.plan.config)
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens())
@@ -118,9 +120,11 @@ class LLM:
         self._next_id = 0
 
     def _align_tokens(self) -> int:
-        """Block size prefill chunks end on: the state groups' in align mode with prefix caching, else 0."""
+        """Block size prefill chunks end on: the state groups' in align mode with prefix caching, else 0
+        (ALL mode checkpoints every boundary a step crosses, so chunks need no cut)."""
         state_blocks = {g.block_size for g in self.plan.config.groups if g.kind is SpecKind.MAMBA}
-        if not state_blocks or self.config.prefix_caching is PrefixCaching.OFF:
+        cfg = self.config
+        if not state_blocks or cfg.prefix_caching is PrefixCaching.OFF or cfg.mamba_cache_mode is MambaCacheMode.ALL:
             return 0
         return max(state_blocks)
 
@@ -210,7 +214,7 @@ class LLM:
         self._track_memory(out)
         items = [StepItem(token_ids=w.request.kv.token_ids[w.start_pos : w.start_pos + w.num_tokens],
                           start_pos=w.start_pos, block_ids=self.manager.block_ids(w.request.request_id),
-                          sample=w.samples) for w in out.work]
+                          sample=w.samples, state_io=self._state_io(w)) for w in out.work]
         logits = self.runner.execute(items)  # [sampling items, vocab]
         sampled = [w.request for w in out.work if w.samples]
         tokens = sample(logits, [r.sampling for r in sampled], [r.generator for r in sampled])
@@ -223,6 +227,16 @@ class LLM:
         self.stats.scheduled_tokens += out.num_tokens
         self.stats.preemptions += len(out.preempted)
         return self.scheduler.finish_step(out.work)
+
+    def _state_io(self, work: ScheduledWork) -> dict[int, StateIO]:
+        """Per state group, the blocks the manager says this step restores from and writes to."""
+        if not self.runner.states.groups:
+            return {}
+        steps = self.manager.state_steps(work.request.request_id, start_tokens=work.start_pos,
+                                         end_tokens=work.start_pos + work.num_tokens)
+        return {int(s.group_id): StateIO(read=None if s.read is None else int(s.read.block_id),
+                                         writes=tuple((c.num_tokens, int(c.block_id)) for c in s.writes))
+                for s in steps}
 
     def _track_memory(self, out: SchedulerOutput) -> None:
         """Peak KV bytes held (hybrid) and what the uniform layout would hold for the same tokens."""

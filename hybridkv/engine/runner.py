@@ -41,7 +41,7 @@ class StepItem:
     start_pos: int
     block_ids: Sequence[Sequence[int]]  # per KV cache group
     sample: bool  # True when the last token's logits are needed
-    state_io: Mapping[int, StateIO] = field(default_factory=dict)  # per state group; derived from block_ids if absent
+    state_io: Mapping[int, StateIO] = field(default_factory=dict)  # per state group (KVCacheManager.state_steps)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -171,7 +171,7 @@ class ModelRunner:
             groups.append(group_metadata(plan, [it.block_ids[g] for it in ordered]))
         states = {}
         if self.states.groups:
-            states = self.states.prepare(spans, [it.state_io for it in ordered], [it.block_ids for it in ordered])
+            states = self.states.prepare(spans, [it.state_io for it in ordered])
         ctx = ForwardContext(positions=positions, groups=groups, kv_caches=self.kv_caches,
                              layer_group=self.layer_group, kv_shared_from=self.kv_config.kv_shared_from,
                              state_caches=self.state_caches, state_groups=states)

@@ -10,7 +10,8 @@ Each `schedule()` call builds one step:
        (halving) and, if not even one token fits, is itself preempted and waits;
     2. if nothing was preempted, waiting requests in FCFS order: prefix-cache lookup, then as
        many prompt tokens as the budget allows (a smaller chunk when nothing else runs), while
-       `max_num_seqs` is not reached.
+       `max_num_seqs` is not reached. A hit on a state checkpoint cached in this very step
+       (`CacheHit.deferred`: its state is written only when the step runs) waits for the next.
 
 Recurrent-state models in align mode (`align_tokens` = the state groups' block size): a
 prefill chunk that would cross a block boundary without ending on one is cut back to end on
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 from hybridkv.core.errors import CapacityError
 from hybridkv.core.ids import RequestId
 from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.request import Request, RequestStatus
 
 
@@ -73,7 +73,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.align_tokens = align_tokens  # block size prefill chunks end on (0: no alignment)
-        self._state_groups = {g.group_id: g.block_size for g in manager.config.groups if g.kind is SpecKind.MAMBA}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: the last one is the preemption victim
         self.num_preemptions = 0
@@ -87,6 +86,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """The next step's work; raises CapacityError if a lone request cannot get blocks."""
+        self.manager.begin_step()
         budget = self.max_num_batched_tokens
         work: dict[RequestId, ScheduledWork] = {}
         preempted: list[Request] = []
@@ -131,8 +131,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit: CacheHit = self.manager.lookup(request.kv)
-            if self._restores_unwritten_state(hit, work):
-                break  # the checkpoint is written by this step: look it up again in the next one
+            if hit.deferred:
+                break  # its state checkpoint is written by this step: look it up again in the next one
             n = self._aligned(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, budget))
             if self.manager.allocate(request.kv, n, hit=hit) is None:
                 if self.running:  # blocks come back as running requests finish
@@ -147,21 +147,6 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             work.append(ScheduledWork.of(request, start_pos=hit.num_tokens, num_tokens=n))
             budget -= n
-
-    def _restores_unwritten_state(self, hit: CacheHit, work: Sequence[ScheduledWork]) -> bool:
-        """Whether `hit` restores a state checkpoint that a request of this step writes (it holds its
-        state only once the step ran): a hit on a checkpoint cached in a step waits for the next."""
-        if not hit.num_tokens or not self._state_groups:
-            return False
-        hit_blocks = {hit.blocks[g][-1] for g in self._state_groups if hit.blocks[g]}
-        for item in work:
-            tables = self.manager.block_ids(item.request.request_id)
-            end = item.start_pos + item.num_tokens
-            for g, size in self._state_groups.items():
-                written = tables[g][item.start_pos // size : end // size]  # entries of boundaries in (start, end]
-                if hit_blocks.intersection(written):
-                    return True
-        return False
 
     def _aligned(self, request: Request, start: int, n: int) -> int:
         """`n` tokens from `start`, cut to end on a block boundary in align mode (module docstring)."""

@@ -9,20 +9,21 @@ tensors, in `MambaSpec.shapes` order, each at the byte offset where the previous
     StateCache.conv       [num_blocks, K-1, C]       (strided over the pages, so writes land in the pool)
     StateCache.recurrent  [num_blocks, *shape]       (Gated DeltaNet: [Hv, Dv, Dk]; Mamba2: [H, P, N])
 
-Which block holds which state (the manager's block-table rule, both caching modes): the state
-after t tokens of a request lives in table entry ceil(t / B) - 1 (B = the group's block size).
-For a step that computes positions [p, e) of a request the runner (`StateLayers.prepare`):
+Which block holds which state comes from the KV cache manager (`KVCacheManager.state_steps`,
+carried to the runner as one `StateIO` per request and state group): the block the step reads
+its state from and the (tokens, block) of every state it writes, the last being the running
+state after the step. Before the forward, for each request (`StateLayers.prepare`):
 
-    running block  w = table[ceil(e / B) - 1]          the step's final state is written here
-    read block     r = table[ceil(p / B) - 1] (p > 0)  copied into w before the step when r != w
-                                                       (a prefix hit restores its checkpoint this way)
-    p == 0                                             w is zeroed (a fresh request starts from zeros)
-    (prefix caching off: the table has one entry, r = w = that block)
-    checkpoints    for each block boundary k*B in (p, e) whose entry table[k - 1] is a real block:
-                   the state after k*B tokens is written there too (ALL mode keeps every
-                   boundary; in ALIGN mode those entries are null and the scheduler ends prefill
-                   chunks on block boundaries instead, so the running block is the checkpoint)
+    read is None (position 0)        the running block is zeroed (a fresh state)
+    read != running block            the read block is copied into the running block (a prefix
+                                     hit restores its checkpoint this way; so does a decode that
+                                     moves to a new block)
+    read == running block            the state is advanced in place
 
+ALIGN mode writes one state per step (the scheduler ends prefill chunks on block boundaries so
+it is a checkpoint); ALL mode also one per block boundary the step crosses, all from the same
+forward (the chunk's `checkpoints`). A block restored from by one request and written by another
+in the same step is an internal error (the manager defers such hits to the next step).
 so a mixer always reads and writes one block per sequence, plus the checkpoint blocks it is
 told about. `StateLayers.restore_hook` (tests only) sees every restored block after the copy.
 
@@ -131,8 +132,7 @@ class StateIO:
 
     `read`: the block holding the state after `start` tokens (None: start == 0, a zero state).
     `writes`: (tokens, block) of every state the step stores, ascending; the last is the state
-    after `end` tokens (the running block). The manager's `state_steps` says this; without it
-    `state_io_from_table` derives it from the block table.
+    after `end` tokens (the running block). The KV cache manager's `state_steps` says this.
     """
 
     read: int | None
@@ -141,30 +141,6 @@ class StateIO:
     def __post_init__(self) -> None:
         if not self.writes:
             raise RuntimeError("internal error: a state step must write at least its final state")
-
-
-def _entry(table: Sequence[int], tokens: int, block_size: int) -> int:
-    """Block of the table entry that holds the state after `tokens` tokens (a one-entry table:
-    prefix caching off, one running state for the whole request)."""
-    index = 0 if len(table) == 1 else -(-tokens // block_size) - 1
-    if index >= len(table) or table[index] == 0:
-        raise RuntimeError(f"internal error: no state block for the state after {tokens} tokens (entry {index} of "
-                           f"a {len(table)}-entry table is null); the KV cache manager did not allocate it")
-    return int(table[index])
-
-
-def state_io_from_table(table: Sequence[int], *, start: int, end: int, block_size: int) -> StateIO:
-    """The rule of the module docstring: read entry ceil(start/B) - 1, write entry ceil(end/B) - 1,
-    plus a checkpoint at each boundary inside (start, end) whose entry is a real block."""
-    write = _entry(table, end, block_size)
-    writes = []
-    if len(table) > 1:
-        for k in range(start // block_size + 1, -(-end // block_size)):
-            block = int(table[k - 1]) if k - 1 < len(table) else 0
-            if block and block != write:
-                writes.append((k * block_size, block))
-    writes.append((end, write))
-    return StateIO(read=_entry(table, start, block_size) if start else None, writes=tuple(writes))
 
 
 class StateLayers:
@@ -181,21 +157,21 @@ class StateLayers:
         return state_view(buffer, spec=group.spec, num_blocks=self.kv_config.num_blocks,
                           page_bytes=self.kv_config.page_size_bytes, layer=layer)
 
-    def prepare(self, spans: Sequence[tuple[int, int]], io: Sequence[Mapping[int, StateIO]],
-                tables: Sequence[Sequence[Sequence[int]]]) -> dict[int, StateMetadata]:
+    def prepare(self, spans: Sequence[tuple[int, int]], io: Sequence[Mapping[int, StateIO]]
+                ) -> dict[int, StateMetadata]:
         """Restore copies, zeroing, and the metadata of every state group for one step.
 
         `spans[i]` = (start_pos, end_pos) of item i in flattened order (decodes first); `io[i][g]`
-        where it reads and writes group g's state (derived from `tables[i][g]`, its block table,
-        when absent).
+        where it reads and writes group g's state.
         """
         out: dict[int, StateMetadata] = {}
         for group in self.groups:
             g = group.group_id
-            steps = [known[g] if g in known else
-                     state_io_from_table(table[g], start=a, end=b, block_size=group.block_size)
-                     for (a, b), known, table in zip(spans, io, tables, strict=True)]
-            out[g] = self._prepare_group(group, spans, steps)
+            missing = [i for i, known in enumerate(io) if g not in known]
+            if missing:
+                raise RuntimeError(f"internal error: step items {missing} do not say where state group {g} is "
+                                   f"read and written (StepItem.state_io, from KVCacheManager.state_steps)")
+            out[g] = self._prepare_group(group, spans, [known[g] for known in io])
         return out
 
     def _prepare_group(self, group: KVCacheGroupSpec, spans: Sequence[tuple[int, int]],

@@ -55,3 +55,27 @@ def test_bad_option_exits_with_a_clear_error(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 2
     assert "max_num_seqs must be a positive integer" in proc.stderr
+
+
+def test_gated_deltanet_model_in_both_mamba_cache_modes(tmp_path: Path) -> None:
+    """`--model` runs a Qwen3.5 checkpoint; later turns of a session hit in every group, state included."""
+    import torch
+    import transformers
+
+    from tests.engine.conftest import COMMON, GATED_DELTANET
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(**COMMON, **GATED_DELTANET, architectures=["Qwen3_5ForCausalLM"])
+    model_dir = tmp_path / "qwen3_5"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    lines = [{"session": "a", "prompt_token_ids": list(range(3, 60))}, {"session": "a", "prompt_token_ids": [7, 8, 9]}]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(json.dumps(line) for line in lines))
+    for mode in ("align", "all"):
+        report = _run(tmp_path, "--model", str(model_dir), "--workload", str(workload), "--mamba-cache-mode", mode,
+                      "--max-tokens", "4", "--max-model-len", "256", "--kv-cache-memory-gib", "0.01")
+        assert report["config"]["mamba_cache_mode"] == mode
+        groups = report["prefix_cache"]["groups"]
+        assert {g["kind"] for g in groups} == {"mamba", "full"}
+        assert all(g["hit_rate"] > 0 for g in groups), groups
+        assert report["kv_memory"]["allocated_bytes"] == report["kv_memory"]["planned_bytes"]

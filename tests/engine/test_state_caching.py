@@ -3,7 +3,9 @@ states, the same-step rule, a negative control, preemption, and the planned memo
 
 The tiny Qwen3.5 has 16-token state blocks (the planner raises the block size so one attention
 page holds a state). With a 40-token budget the scheduler cuts prefill chunks on block
-boundaries (align mode), so a 70-token prompt leaves checkpoints after 32 and 64 tokens.
+boundaries in align mode, so a 70-token prompt leaves checkpoints after 32 and 64 tokens; in
+all mode the chunks stay [0, 40) and [40, 70) and the same forward leaves a checkpoint at every
+boundary (16, 32, 48, 64).
 """
 
 from __future__ import annotations
@@ -35,17 +37,20 @@ def _cold(path: Path, prompt: list[int]) -> Any:
     return LLM(str(path), prefix_caching=PrefixCaching.OFF, **OPTIONS).generate([prompt], GREEDY)[0]
 
 
-@pytest.mark.parametrize(("kind", "prefix", "expected_hit"), [
-    ("qwen3_5", 40, 32),  # the shared prefix ends mid-block: the hit is the checkpoint before it
-    ("qwen3_5", 56, 32),  # boundary 48 was crossed inside a step (no checkpoint): still 32
-    ("qwen3_next", 64, 64),  # ends on a checkpoint
+@pytest.mark.parametrize(("kind", "mode", "prefix", "expected_hit"), [
+    ("qwen3_5", "align", 40, 32),  # the shared prefix ends mid-block: the hit is the checkpoint before it
+    ("qwen3_5", "align", 56, 32),  # boundary 48 was crossed inside a step (no checkpoint): still 32
+    ("qwen3_next", "align", 64, 64),  # ends on a checkpoint
+    ("qwen3_5", "all", 56, 48),  # all mode: any block boundary, also inside a step
+    ("qwen3_5_moe", "all", 20, 16),
 ])
 def test_prefix_hit_restores_the_state_checkpoint(
-    kind: str, prefix: int, expected_hit: int, model_dir: Callable[[str], Path], hf_model: Callable[[Path], Any]
+    kind: str, mode: str, prefix: int, expected_hit: int, model_dir: Callable[[str], Path],
+    hf_model: Callable[[Path], Any],
 ) -> None:
     path = model_dir(kind)
     first, second = _shared_prefix(prefix)
-    cached = LLM(str(path), **OPTIONS)
+    cached = LLM(str(path), mamba_cache_mode=mode, **OPTIONS)
     cached.generate([first], GREEDY)
     hit = cached.generate([second], GREEDY)[0]
     assert hit.metrics.prefix_hit_tokens == expected_hit
@@ -80,8 +85,9 @@ def test_corrupting_the_restored_state_changes_the_outputs(model_dir: Callable[[
     assert corrupted.token_ids != cold.token_ids or token != cold_token or abs(logprob - cold_logprob) > 0.1
 
 
+@pytest.mark.parametrize("mode", ["align", "all"])
 def test_requests_of_one_step_never_restore_a_checkpoint_written_in_that_step(
-    model_dir: Callable[[str], Path],
+    mode: str, model_dir: Callable[[str], Path],
 ) -> None:
     """Two prompts sharing 35 tokens arrive together: the second may hit the first's checkpoint
     after 32 tokens only from the next step on, once it has been written."""
@@ -89,8 +95,10 @@ def test_requests_of_one_step_never_restore_a_checkpoint_written_in_that_step(
     first = prompts([40], seed=11)[0]
     second = [*first[:35], 5, 6, 7]
     options = {**OPTIONS, "max_num_batched_tokens": 64}
-    outputs = LLM(str(path), **options).generate([first, second], GREEDY)
+    llm = LLM(str(path), mamba_cache_mode=mode, **options)
+    outputs = llm.generate([first, second], GREEDY)
     assert outputs[1].metrics.prefix_hit_tokens == 32
+    assert llm.stats.steps == 2 + GREEDY.max_tokens - 1  # the second request waited one step
     cold = LLM(str(path), prefix_caching=PrefixCaching.OFF, **options).generate([first, second], GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in cold]
 
