@@ -3,6 +3,7 @@ fed by a `WriteBehind` thread."""
 
 from hybridkv.server.tiers.base import L2Tier, TierError, TierStats
 from hybridkv.server.tiers.disk import DiskTier
+from hybridkv.server.tiers.valkey import ValkeyTier
 from hybridkv.server.tiers.write_behind import WriteBehind, WriteBehindStats
 
-__all__ = ["DiskTier", "L2Tier", "TierError", "TierStats", "WriteBehind", "WriteBehindStats"]
+__all__ = ["DiskTier", "L2Tier", "TierError", "TierStats", "ValkeyTier", "WriteBehind", "WriteBehindStats"]
