@@ -37,11 +37,13 @@ log = logging.getLogger(__name__)
 _SUFFIX = ".kvo"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Entry:
+    """One indexed file. Compared by identity: a newer put of the key makes a new entry, which
+    tells a reader whether the file it found damaged is still the indexed one."""
+
     path: Path
     size_bytes: int
-    inode: int  # tells a file apart from a newer one under the same name
 
 
 class DiskTier:
@@ -94,7 +96,7 @@ class DiskTier:
                 path.parent.mkdir(exist_ok=True)
                 os.replace(tmp, path)
                 self._forget(key)
-                self._index[key] = _Entry(path=path, size_bytes=size, inode=os.stat(path).st_ino)
+                self._index[key] = _Entry(path=path, size_bytes=size)
                 self._bytes_used += size
                 self._touch(path)
         except OSError as e:
@@ -111,13 +113,12 @@ class DiskTier:
             path = entry.path
         try:
             with open(path, "rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
                 value = self._read_frame(f, key)
         except FileNotFoundError:
-            self._drop_if_same(key, entry.inode, "file vanished")
+            self._drop_if_same(key, entry, "file vanished")
             return None
         except framing.FrameError as e:
-            self._drop_if_same(key, inode, str(e))
+            self._drop_if_same(key, entry, str(e))
             return None
         except OSError as e:
             raise self._error(f"disk tier get from {path} failed: {e}") from e
@@ -184,7 +185,7 @@ class DiskTier:
                 self._unlink(path)
                 self._corrupt_dropped += 1
                 continue
-            found.append((stat.st_mtime_ns, key, _Entry(path=path, size_bytes=stat.st_size, inode=stat.st_ino)))
+            found.append((stat.st_mtime_ns, key, _Entry(path=path, size_bytes=stat.st_size)))
         for mtime_ns, key, entry in sorted(found, key=lambda t: t[0]):
             self._index[key] = entry
             self._bytes_used += entry.size_bytes
@@ -236,11 +237,11 @@ class DiskTier:
             self._bytes_used -= entry.size_bytes
         return entry
 
-    def _drop_if_same(self, key: bytes, inode: int, reason: str) -> None:
-        """Drop a file found corrupt, unless a newer put replaced it meanwhile."""
+    def _drop_if_same(self, key: bytes, entry: _Entry, reason: str) -> None:
+        """Drop a file found corrupt or missing, unless it was evicted, deleted or replaced by a
+        newer put meanwhile (then the index no longer holds `entry`)."""
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None or entry.inode != inode:
+            if self._index.get(key) is not entry:
                 return
             log.warning("disk tier: dropping corrupt object %s: %s", entry.path, reason)
             self._forget(key)
