@@ -12,12 +12,20 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from hybridkv.cli.errors import usage_error
+from hybridkv.cli.errors import flags_of, in_flag_words, usage_error
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.model_specs import KVCacheDType, SpecOptions
+from hybridkv.core.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
     from hybridkv.cli.plan_report import PlanRequest
+
+
+# Option names as the planner's errors spell them -> the flags a user typed.
+PLAN_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment", "dtype",
+                       "kv_cache_dtype", "num_speculative_tokens"])
+PLOT_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib's Agg canvas writes without extra packages
+
 
 def plan_command(
     models: Annotated[list[str] | None, typer.Argument(help="catalog name, config.json path or HF model dir")] = None,
@@ -25,7 +33,9 @@ def plan_command(
     max_model_len: Annotated[
         int | None, typer.Option("--max-model-len", help="default: the model's limit, at most 32768")
     ] = None,
-    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", help="tokens one scheduler step may process (sizes sliding-window needs)")
+    ] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     kv_cache_dtype: Annotated[KVCacheDType, typer.Option("--kv-cache-dtype")] = KVCacheDType.AUTO,
     dtype: Annotated[str | None, typer.Option("--dtype", help="model dtype (default: the config's)")] = None,
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size")] = 1,
@@ -34,7 +44,8 @@ def plan_command(
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
-    plot: Annotated[Path | None, typer.Option("--plot", help="write a PNG of capacity vs context length")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="write a picture (.png, .svg, .pdf) of capacity vs context length")] = None,
 ) -> None:
     """Show how a hybrid KV cache lays out memory for MODEL and how much it holds."""
     from hybridkv.catalog import catalog
@@ -42,6 +53,9 @@ def plan_command(
 
     console = Console()
     if list_catalog:
+        if models:
+            raise usage_error(f"--list shows the whole catalog and takes no MODEL, got {' '.join(models)}; "
+                              f"to plan a model: hybridkv plan {models[0]}")
         if json_output:
             entries = [{"hf_id": e.hf_id, "aliases": list(e.aliases), "model_type": e.config.get("model_type")}
                        for e in catalog()]
@@ -51,6 +65,9 @@ def plan_command(
         return
     if not models:
         raise usage_error("give at least one MODEL (a catalog name, config.json or model dir), or --list")
+    if plot is not None and plot.suffix.lower() not in PLOT_FORMATS:
+        raise usage_error(f"--plot {plot}: unsupported picture format {plot.suffix or '(no suffix)'!r}; "
+                          f"expected a file name ending in one of {', '.join(PLOT_FORMATS)}")
     try:
         spec_options = SpecOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp_size=tp,
                                    num_speculative_tokens=num_speculative_tokens)
@@ -61,9 +78,15 @@ def plan_command(
                 mamba_alignment=mamba_alignment, spec_options=spec_options)
             for m in models
         ]
-        plans = [plan_report.make_plan(r) for r in requests]
     except HybridKVError as exc:
-        raise usage_error(str(exc)) from None
+        raise usage_error(str(exc), PLAN_FLAGS) from None
+    plans = []
+    for request in requests:
+        try:
+            plans.append(plan_report.make_plan(request))
+        except HybridKVError as exc:
+            message = in_flag_words(str(exc), PLAN_FLAGS)
+            raise usage_error(f"{request.model}: {message}" if len(requests) > 1 else message) from None
     if json_output:
         reports = [plan_report.plan_to_json(spec, result) for spec, result in plans]
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
@@ -76,7 +99,7 @@ def plan_command(
 
 
 def _write_plot(requests: list[PlanRequest], path: Path, *, memory_gib: float, json_output: bool) -> None:
-    """`plan --plot`: the PNG, then one `wrote PATH` line (on stderr under --json, so stdout stays JSON)."""
+    """`plan --plot`: the picture, then one `wrote PATH` line (on stderr under --json, so stdout stays JSON)."""
     from hybridkv.cli import plan_plot
 
     try:

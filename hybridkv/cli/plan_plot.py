@@ -75,7 +75,9 @@ def capacity_curves(
 
 
 def write_capacity_plot(curves: Sequence[Curve], path: Path, *, memory_gib: float) -> None:
-    """Write a PNG of `curves` to `path`: solid = hybrid, dashed = uniform, one colour per model."""
+    """Write a picture of `curves` to `path` (PNG, SVG or PDF by its suffix).
+
+    Solid = hybrid, dashed = uniform, one colour per model."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -110,7 +112,7 @@ def write_capacity_plot(curves: Sequence[Curve], path: Path, *, memory_gib: floa
     ax.grid(True, which="both", linewidth=0.4, alpha=0.5)
     # Below the axes, so the legend never hides a curve however many models are drawn.
     fig.legend(fontsize="small", loc="outside lower center", ncols=2)
-    fig.savefig(path, format="png")
+    fig.savefig(path, format=path.suffix.lower().removeprefix(".") or "png")
 
 
 def _tokens_label(n: int) -> str:

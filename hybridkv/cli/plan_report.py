@@ -17,7 +17,16 @@ from rich.table import Table
 from hybridkv.catalog import catalog, find
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import SpecOptions, load_config, model_spec_from_config
-from hybridkv.core.planner import GIB, KVCacheGroupSpec, Plan, PlannerOptions, plan
+from hybridkv.core.planner import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    GIB,
+    KVCacheGroupSpec,
+    Plan,
+    PlannerOptions,
+    memory_gib_to_bytes,
+    plan,
+    resolve_max_model_len,
+)
 from hybridkv.core.specs import AttentionSpec, IndexerSpec, LayerSpec, MLASpec, ModelSpec
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -30,14 +39,13 @@ class PlanRequest:
     model: str
     memory_gib: float = 16.0
     max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     mamba_alignment: int = 16
     spec_options: SpecOptions = field(default_factory=SpecOptions)
 
     def __post_init__(self) -> None:
-        if not self.memory_gib > 0:
-            raise ConfigError(f"--memory-gib must be positive, got {self.memory_gib}")
+        memory_gib_to_bytes(self.memory_gib, option="--memory-gib")
 
 
 def resolve_model(name: str) -> tuple[str, dict[str, Any]]:
@@ -59,9 +67,10 @@ def make_plan(request: PlanRequest) -> tuple[ModelSpec, Plan]:
     """Read the model's specs and plan it under the requested budget."""
     name, config = resolve_model(request.model)
     spec = model_spec_from_config(config, name=name, options=request.spec_options)
-    max_len = request.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    max_len = resolve_max_model_len(request.max_model_len, model=spec.name, model_limit=spec.max_position_embeddings,
+                                    default_cap=DEFAULT_MAX_MODEL_LEN)
     options = PlannerOptions(
-        memory_bytes=int(request.memory_gib * GIB), max_model_len=max_len,
+        memory_bytes=memory_gib_to_bytes(request.memory_gib, option="--memory-gib"), max_model_len=max_len,
         max_num_batched_tokens=request.max_num_batched_tokens, block_size=request.block_size,
         mamba_alignment=request.mamba_alignment,
     )

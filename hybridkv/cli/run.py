@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hybridkv.cli.errors import usage_error
+from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 _D = EngineConfig.defaults()
 MIB = 1024**2
+# Option names as the engine's errors spell them -> the flags a user typed.
+RUN_FLAGS = flags_of([*EngineConfig.option_names(), "max_tokens", "temperature"], num_threads="--threads")
 
 
 def run_command(
@@ -75,13 +77,14 @@ def run_command(
         from hybridkv.engine.llm import LLM
         from hybridkv.engine.sampler import SamplingParams
 
+        base = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         load_start = time.perf_counter()
         llm = LLM(model, **options)
         load_s = time.perf_counter() - load_start
-        base = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        _note_tokenizer(llm, model, err)
         report = _run_rounds(llm, turns, base, err)
     except HybridKVError as exc:
-        raise usage_error(str(exc)) from None
+        raise usage_error(str(exc), RUN_FLAGS) from None
     report.update(_memory_report(llm))
     report["model"] = model
     report["load_s"] = round(load_s, 3)
@@ -110,12 +113,16 @@ def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console) -> dict[st
     prompt_tokens = generated = 0
     ttfts: list[float] = []
     columns = (TextColumn("[bold]requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    capped: list[str] = []
     start = time.perf_counter()
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("requests", total=len(turns))
         for batch in rounds(turns):
-            prompts = [conversation.prompt(turn) for turn in batch]
+            prompts = [llm.check_prompt(conversation.prompt(turn), label=turn.label, length_option="--max-model-len")
+                       for turn in batch]
             params = [dataclasses.replace(base, max_tokens=t.max_tokens or base.max_tokens) for t in batch]
+            capped += [f"{t.label}: {len(p)} prompt + {s.max_tokens} max_tokens" for t, p, s
+                       in zip(batch, prompts, params, strict=True) if len(p) + s.max_tokens > llm.max_model_len]
             outputs = llm.generate(prompts, params, on_finish=lambda _: progress.advance(task))
             for turn, prompt, output in zip(batch, prompts, outputs, strict=True):
                 conversation.record(turn, prompt, output.token_ids)
@@ -123,6 +130,10 @@ def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console) -> dict[st
                 generated += len(output.token_ids)
                 ttfts.append(output.metrics.ttft_s)
     elapsed = time.perf_counter() - start
+    if capped:
+        err.print(f"[yellow]note:[/] {len(capped)} request(s) asked for more tokens than --max-model-len "
+                  f"{llm.max_model_len} holds, so generation stopped at that length (first: {capped[0]})",
+                  highlight=False, soft_wrap=True)
     return {
         "requests": len(turns), "rounds": len(rounds(turns)), "prompt_tokens": prompt_tokens,
         "generated_tokens": generated, "elapsed_s": round(elapsed, 3),
@@ -130,7 +141,17 @@ def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console) -> dict[st
         "total_tok_per_s": round((prompt_tokens + generated) / elapsed, 1),
         "mean_ttft_s": round(sum(ttfts) / len(ttfts), 4), "max_ttft_s": round(max(ttfts), 4),
         "steps": llm.stats.steps, "preemptions": llm.stats.preemptions,
+        "max_tokens_capped_requests": len(capped),
     }
+
+
+def _note_tokenizer(llm: LLM, model: str, err: Console) -> None:
+    """Say once on stderr when a real model's directory has no tokenizer.json (text -> UTF-8 bytes)."""
+    from hybridkv.engine.tokenizer import ByteTokenizer
+
+    if model != DEFAULT_MODEL_NAME and isinstance(llm.tokenizer, ByteTokenizer):
+        err.print(f"[yellow]note:[/] {llm.model_dir} has no tokenizer.json: text prompts use the byte-level "
+                  "tokenizer (id = UTF-8 byte + 3), which is not the model's own", highlight=False, soft_wrap=True)
 
 
 def _memory_report(llm: LLM) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from hybridkv.core.model_specs_config import (
     LayerRole,
     SpecContext,
     SpecOptions,
+    derived_head_dim,
     layer_roles,
     normalize_dtype,
     pattern_roles,
@@ -71,7 +72,7 @@ def _declared_head_dim(ctx: SpecContext) -> int:
 
 def _derived_head_dim(ctx: SpecContext) -> int:
     """Cohere2 always uses hidden_size // num_attention_heads, whatever head_dim says."""
-    return ctx.cfg.require_int("hidden_size") // ctx.cfg.require_int("num_attention_heads")
+    return derived_head_dim(ctx.cfg)
 
 
 def _uniform(ctx: SpecContext, role: LayerRole, head_dim: int) -> FamilyLayers:

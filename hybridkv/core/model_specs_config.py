@@ -61,11 +61,11 @@ class SpecOptions:
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
-            normalize_dtype(self.dtype, what="SpecOptions.dtype")
+            normalize_dtype(self.dtype, what="dtype")
         if not isinstance(self.kv_cache_dtype, KVCacheDType):
             raise ConfigError(f"kv_cache_dtype must be a KVCacheDType, got {self.kv_cache_dtype!r}")
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ConfigError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+            raise ConfigError(f"tensor-parallel size must be a positive integer, got {self.tp_size!r}")
         spec = self.num_speculative_tokens
         if isinstance(spec, bool) or not isinstance(spec, int) or spec < 0:
             raise ConfigError(f"num_speculative_tokens must be a non-negative integer, got {spec!r}")
@@ -212,6 +212,15 @@ def pattern_roles(num_layers: int, *, period: int, sparse: LayerRole, dense: Lay
     return [sparse if (i + 1) % period == 0 else dense for i in range(num_layers)]
 
 
+def derived_head_dim(cfg: ConfigReader) -> int:
+    """`hidden_size // num_attention_heads`, which must divide exactly (transformers' default head_dim)."""
+    hidden, heads = cfg.require_int("hidden_size"), cfg.require_int("num_attention_heads")
+    if hidden % heads:
+        raise cfg.error(f"hidden_size = {hidden} is not divisible by num_attention_heads = {heads} and no "
+                        "head_dim is set; expected head_dim in the config, or a hidden size that divides")
+    return hidden // heads
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FamilyLayers:
     """A family reader's answer: one spec (or None) per decoder layer, plus sharing and second caches.
@@ -248,7 +257,7 @@ class SpecContext:
         """`head_dim` when set, else `hidden_size // num_attention_heads`."""
         if self.cfg.has("head_dim"):
             return self.cfg.require_int("head_dim")
-        return self.cfg.require_int("hidden_size") // self.cfg.require_int("num_attention_heads")
+        return derived_head_dim(self.cfg)
 
     def ssm_dtype(self, *, default: str | None = None) -> str:
         """Recurrent-state dtype: `mamba_ssm_dtype` / `mamba_ssm_cache_dtype` when set, else the default."""
@@ -261,15 +270,22 @@ class SpecContext:
         """`value / tp_size`, which must divide exactly (a Mamba channel or head count)."""
         tp = self.options.tp_size
         if value % tp:
-            raise self.cfg.error(f"{what} = {value} is not divisible by tp_size = {tp}")
+            raise self.cfg.error(f"{what} = {value} is not divisible by the tensor-parallel size {tp}")
         return value // tp
 
     def attention(self, role: LayerRole, *, kv_heads: int, head_dim: int, window_tokens: int | None = None,
                   chunk_tokens: int | None = None) -> AttentionSpec:
         """The attention spec of one layer under the options (TP head split, fp8 KV)."""
         tp = self.options.tp_size
+        heads = self.cfg.optional_int("num_attention_heads")
+        if heads is not None and heads % tp:
+            raise self.cfg.error(f"num_attention_heads = {heads} is not divisible by the tensor-parallel size {tp}; "
+                                 f"expected a size that divides {heads}")
         if kv_heads > tp and kv_heads % tp:
-            raise self.cfg.error(f"num_key_value_heads = {kv_heads} is not divisible by tp_size = {tp}")
+            raise self.cfg.error(f"num_key_value_heads = {kv_heads} is not divisible by the tensor-parallel size {tp}")
+        if kv_heads < tp and tp % kv_heads:
+            raise self.cfg.error(f"the tensor-parallel size {tp} is not a multiple of num_key_value_heads = "
+                                 f"{kv_heads}; each KV head must be replicated on a whole number of ranks")
         dtype = "fp8" if self.options.kv_cache_dtype is KVCacheDType.FP8 else self.dtype
         per_rank = max(1, kv_heads // tp)
         if role is LayerRole.FULL:

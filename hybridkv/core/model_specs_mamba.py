@@ -45,7 +45,8 @@ def mamba2_state(ctx: SpecContext, *, intermediate: int, n_groups: int, num_head
     tp = ctx.options.tp_size
     if n_groups % tp:
         if n_groups > tp:
-            raise ctx.cfg.error(f"mamba n_groups = {n_groups} is neither a divisor nor a multiple of tp_size = {tp}")
+            raise ctx.cfg.error(f"mamba n_groups = {n_groups} is neither a divisor nor a multiple of "
+                                f"the tensor-parallel size {tp}")
         n_groups = tp  # every rank keeps a copy of the groups its heads read
     conv_dim = ctx.split("mamba intermediate size", intermediate) + 2 * (n_groups // tp) * state_size
     return MambaSpec(

@@ -28,6 +28,36 @@ from hybridkv.core.specs import (
 
 GIB = 1024**3
 MIN_CHUNK_TOKENS = 256
+# One default for `hybridkv plan`, `hybridkv run` and `LLM` (vLLM's chunked-prefill default), so
+# the same model and budget give the same capacity everywhere.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def memory_gib_to_bytes(gib: float, *, option: str) -> int:
+    """Bytes of a budget given in GiB; ConfigError naming `option` unless it is a finite number > 0."""
+    if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or gib <= 0:
+        raise ConfigError(f"{option} must be a finite number of GiB > 0, got {gib!r}")
+    memory_bytes = gib * GIB
+    if not math.isfinite(memory_bytes) or memory_bytes < 1:
+        raise ConfigError(f"{option} must be a finite number of GiB > 0, got {gib!r}")
+    return int(memory_bytes)
+
+
+def resolve_max_model_len(requested: int | None, *, model: str, model_limit: int, default_cap: int) -> int:
+    """The `max_model_len` to plan for: the request, or the model's limit capped at `default_cap`.
+
+    Like vLLM, a request above the model's `max_position_embeddings` is an error, not a silent plan.
+    """
+    if requested is None:
+        return min(model_limit, default_cap)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested <= 0:
+        raise ConfigError(f"max_model_len must be a positive integer, got {requested!r}")
+    if requested > model_limit:
+        raise ConfigError(
+            f"max_model_len {requested} exceeds {model}'s limit of {model_limit} tokens "
+            f"(max_position_embeddings in its config.json); expected at most {model_limit}"
+        )
+    return requested
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,7 +66,7 @@ class PlannerOptions:
 
     memory_bytes: int
     max_model_len: int
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     mamba_alignment: int = 16
     #: How state groups are prefix-cached; sizes their per-request need (see `MambaSpec.blocks_needed`).
@@ -45,7 +75,7 @@ class PlannerOptions:
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.mamba_cache_mode, MambaCacheMode):
             raise ConfigError(f"mamba_cache_mode must be one of {[m.value for m in MambaCacheMode]}, "
@@ -289,9 +319,11 @@ def _num_blocks(memory_bytes: int, page: int, group_size: int) -> int:
     num_blocks = memory_bytes // page // group_size
     if num_blocks < 2:
         need = 2 * page * group_size
+        blocks = "1 block" if num_blocks == 1 else f"{num_blocks} blocks"
         raise CapacityError(
-            f"memory budget of {memory_bytes} bytes holds {num_blocks} blocks of {page} bytes "
-            f"x {group_size} tensors; at least {need} bytes are needed for one usable block"
+            f"a memory budget of {memory_bytes / GIB:.3g} GiB holds {blocks} of {page:,} bytes "
+            f"x {group_size} tensors; expected at least {need / GIB:.3g} GiB ({need:,} bytes): "
+            f"the null block plus one usable block"
         )
     return num_blocks
 

@@ -9,7 +9,8 @@
                  Sampler --> tokens appended to the requests
 
 Modules: config (EngineConfig, torch-free), llm (LLM, outputs), scheduler, request, runner,
-attention (metadata + paged attention), sampler, loader (HF dirs), tokenizer, default_model (the
-embedded tiny Gemma 3), workload (`hybridkv run` workloads, torch-free), models/ (one file per
-architecture; base.py holds the model contract). Importing this package pulls in no torch.
+attention (metadata + paged attention), sampler, loader (HF dirs), tokenizer, host_memory
+(free-memory check), default_model (the embedded tiny Gemma 3), workload (`hybridkv run`
+workloads, torch-free), models/ (one file per architecture; base.py holds the model contract).
+Importing this package pulls in no torch.
 """

@@ -11,6 +11,7 @@ from typing import Any
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
+from hybridkv.core.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -28,7 +29,7 @@ class EngineConfig:
     """
 
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 4096
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = 64
     kv_cache_memory_gib: float = 0.25
     block_size: int = 16
@@ -55,8 +56,7 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.kv_cache_memory_gib, int | float) or not self.kv_cache_memory_gib > 0:
-            raise ConfigError(f"kv_cache_memory_gib must be a number > 0, got {self.kv_cache_memory_gib!r}")
+        memory_gib_to_bytes(self.kv_cache_memory_gib, option="kv_cache_memory_gib")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ConfigError(f"num_threads must be an integer >= 0 (0 = torch default), got {self.num_threads!r}")
         if self.dtype not in ENGINE_DTYPES:

@@ -24,13 +24,14 @@ from hybridkv.catalog import find as find_catalog_entry
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.ids import RequestId
 from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
-from hybridkv.core.model_specs import SpecOptions, model_spec_from_config
-from hybridkv.core.planner import GIB, Plan, PlannerOptions, plan
+from hybridkv.core.model_specs import SpecOptions, load_config, model_spec_from_config
+from hybridkv.core.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
 from hybridkv.core.request import KVRequest
 from hybridkv.core.specs import ModelSpec, SpecKind
 from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.default_model import ensure_default_model
-from hybridkv.engine.loader import load_model, torch_dtype
+from hybridkv.engine.host_memory import check_fits
+from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
 from hybridkv.engine.request import FinishReason, Request
 from hybridkv.engine.runner import ModelRunner, StepItem
 from hybridkv.engine.sampler import SamplingParams, sample, top_logprobs
@@ -99,16 +100,20 @@ class LLM:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.model_dir = resolve_model_dir(model)
-        self.model, hf_config = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
-        self.model_spec: ModelSpec = model_spec_from_config(hf_config, name=model, options=SpecOptions(dtype=cfg.dtype))
-        limit = self.model_spec.max_position_embeddings
-        self.max_model_len = cfg.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
-        if self.max_model_len > limit:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        # Everything config.json and the options decide is checked before the weights load.
+        self.model_spec: ModelSpec = model_spec_from_config(load_config(self.model_dir), name=model,
+                                                            options=SpecOptions(dtype=cfg.dtype))
+        self.max_model_len = resolve_max_model_len(
+            cfg.max_model_len, model=model, model_limit=self.model_spec.max_position_embeddings,
+            default_cap=DEFAULT_MAX_MODEL_LEN)
         self.plan: Plan = plan(self.model_spec, PlannerOptions(
-            memory_bytes=int(cfg.kv_cache_memory_gib * GIB), max_model_len=self.max_model_len,
+            memory_bytes=memory_gib_to_bytes(cfg.kv_cache_memory_gib, option="kv_cache_memory_gib"),
+            max_model_len=self.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
             mamba_cache_mode=cfg.mamba_cache_mode))
+        check_fits(kv_cache_gib=cfg.kv_cache_memory_gib,
+                   weights_bytes=sum(f.stat().st_size for f in safetensors_files(self.model_dir)))
+        self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
         self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
                                       prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode)
         self.runner = ModelRunner(self.model, self.plan.config)
@@ -181,15 +186,22 @@ class LLM:
             except TypeError:
                 raise ConfigError(f"prompt {index} must be a str or a sequence of int token ids, "
                                   f"got {reprlib.repr(prompt)}") from None
+        return self.check_prompt(ids, label=f"prompt {index}")
+
+    def check_prompt(self, ids: list[int], *, label: str, length_option: str = "max_model_len") -> list[int]:
+        """`ids` when they are a valid prompt; else ConfigError starting with `label`.
+
+        Valid: at least one token, every id in the vocabulary, at most `max_model_len` tokens
+        (`length_option` is how the message names that limit, e.g. `--max-model-len`).
+        """
         vocab = int(self.model.hf_config["vocab_size"])
         if not ids:
-            raise ConfigError(f"prompt {index} is empty; expected at least one token")
+            raise ConfigError(f"{label} is empty; expected at least one token")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ConfigError(f"prompt {index}: token ids must lie in [0, {vocab}), "
-                              f"got min {min(ids)} and max {max(ids)}")
+            raise ConfigError(f"{label}: token ids must lie in [0, {vocab}), got min {min(ids)} and max {max(ids)}")
         if len(ids) > self.max_model_len:
-            raise ConfigError(f"prompt {index} has {len(ids)} tokens; expected at most max_model_len="
-                              f"{self.max_model_len}")
+            raise ConfigError(f"{label} has {len(ids)} tokens; expected at most {length_option} {self.max_model_len} "
+                              f"(the model allows up to {self.model_spec.max_position_embeddings})")
         return ids
 
     def _make_request(self, prompt: Prompt, sampling: SamplingParams, *, index: int) -> Request:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import load_config
@@ -34,23 +34,38 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files of `model_dir`; raises ConfigError when there are none."""
+    """The weight files of `model_dir`; raises ConfigError when there are none or one is missing."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        return sorted({model_dir / name for name in weight_map.values()})
-    files = sorted(model_dir.glob("*.safetensors"))
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"cannot read weight index {index}: {exc}; expected a JSON object with "
+                              "a 'weight_map'") from None
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors weights in {model_dir}; expected an HF-format model directory")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"weight file(s) {missing} listed in {index.name} are missing from {model_dir}")
     return files
 
 
 def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every weight file, read lazily."""
+    """(HF name, tensor) for every tensor of every weight file, read lazily.
+
+    A truncated or corrupt file raises ConfigError naming it (not safetensors' own error).
+    """
     for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, handle.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"weight file {file} is corrupt or incomplete ({exc}); "
+                              "expected a complete .safetensors file: download or save it again") from None
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype) -> tuple[CausalLM, dict[str, Any]]:

@@ -26,12 +26,16 @@ from hybridkv.core.errors import ConfigError
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Turn:
-    """One line of a workload: text or token ids, an optional session, an optional length cap."""
+    """One line of a workload: text or token ids, an optional session, an optional length cap.
+
+    `label` names the turn in errors and notes: `workload line 3` (1-based) or `built-in chat turn 2`.
+    """
 
     session: str | None
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
+    label: str = "turn"
 
 
 SYSTEM_PROMPT = (
@@ -56,7 +60,7 @@ def builtin_chat() -> list[Turn]:
     for s, questions in enumerate(SESSIONS):
         for k, question in enumerate(questions):
             text = (SYSTEM_PROMPT if k == 0 else "") + f"\nUser: {question}\nAssistant:"
-            turns.append(Turn(session=f"session-{s}", text=text))
+            turns.append(Turn(session=f"session-{s}", text=text, label=f"built-in chat turn {len(turns) + 1}"))
     return turns
 
 
@@ -81,7 +85,8 @@ def _turn(line_no: int, data: object) -> Turn:
         raise ConfigError(f"{where}: 'session' must be a string, got {session!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
-    return Turn(session=session, text=text, token_ids=tuple(ids) if ids is not None else None, max_tokens=max_tokens)
+    return Turn(session=session, text=text, token_ids=tuple(ids) if ids is not None else None, max_tokens=max_tokens,
+                label=where)
 
 
 def load_jsonl(path: Path) -> list[Turn]:
@@ -89,7 +94,11 @@ def load_jsonl(path: Path) -> list[Turn]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise ConfigError(f"cannot read workload {path}: {exc}") from None
+        raise ConfigError(f"cannot read workload {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        line_no = exc.object.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"workload {path} is not UTF-8 text (line {line_no}: byte {exc.object[exc.start]:#04x} at "
+                          f"file offset {exc.start}); expected JSON lines in UTF-8") from None
     turns: list[Turn] = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip() or line.lstrip().startswith("#"):

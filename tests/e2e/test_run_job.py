@@ -54,7 +54,8 @@ def test_bad_option_exits_with_a_clear_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", "run", "--max-num-seqs", "0"],
                           capture_output=True, text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 2
-    assert "max_num_seqs must be a positive integer" in proc.stderr
+    assert "--max-num-seqs must be a positive integer, got 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_gated_deltanet_model_in_both_mamba_cache_modes(tmp_path: Path) -> None:
@@ -79,3 +80,34 @@ def test_gated_deltanet_model_in_both_mamba_cache_modes(tmp_path: Path) -> None:
         assert {g["kind"] for g in groups} == {"mamba", "full"}
         assert all(g["hit_rate"] > 0 for g in groups), groups
         assert report["kv_memory"]["allocated_bytes"] == report["kv_memory"]["planned_bytes"]
+
+
+
+def test_notes_and_errors_name_the_workload_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model dir without tokenizer.json, a max_tokens over the length limit, a prompt over it."""
+    import shutil
+
+    from hybridkv.engine.default_model import ensure_default_model
+
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "my-model"
+    shutil.copytree(ensure_default_model(), model)
+    assert not (model / "tokenizer.json").exists()
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "Hi", "max_tokens": 100000}) + "\n")
+    args = ["run", "--json", "--model", str(model), "--workload", str(workload), "--max-model-len", "64"]
+    proc = subprocess.run([sys.executable, "-m", "hybridkv", *args], capture_output=True, text=True,
+                          env=dict(os.environ, COLUMNS="200"), timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("has no tokenizer.json: text prompts use the byte-level tokenizer") == 1
+    assert ("1 request(s) asked for more tokens than --max-model-len 64 holds, so generation stopped at that "
+            "length (first: workload line 1: 3 prompt + 100000 max_tokens)") in proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["max_tokens_capped_requests"] == 1 and report["prompt_tokens"] == 3  # bos + "H" + "i"
+    assert report["generated_tokens"] <= 64 - 3
+    workload.write_text("# two requests\n" + json.dumps({"prompt": "Hi"}) + "\n"
+                        + json.dumps({"prompt_token_ids": [5] * 100}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "hybridkv", *args], capture_output=True, text=True,
+                          env=dict(os.environ, COLUMNS="200"), timeout=240, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "workload line 3 has 100 tokens; expected at most --max-model-len 64" in proc.stderr

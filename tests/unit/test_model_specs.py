@@ -237,8 +237,22 @@ def test_tensor_parallel_and_fp8_attention() -> None:
     assert (layer.num_kv_heads, layer.dtype, layer.page_size_bytes(16)) == (2, "fp8", 2 * 16 * 2 * 128 * 1)
     # More ranks than KV heads: each rank keeps one (replicated) head.
     assert attention(read(model_type="llama", options=SpecOptions(tp_size=16)), 0).num_kv_heads == 1
-    with pytest.raises(ConfigError, match=r"num_key_value_heads = 6 is not divisible by tp_size = 4"):
+    with pytest.raises(ConfigError, match=r"num_key_value_heads = 6 is not divisible by the tensor-parallel size 4"):
         read(model_type="llama", num_key_value_heads=6, options=SpecOptions(tp_size=4))
+
+
+def test_tensor_parallel_must_split_heads_evenly_and_head_dim_must_be_whole() -> None:
+    # vLLM's rules: TP divides the attention heads; KV heads split (tp <= kv) or replicate (tp a multiple).
+    with pytest.raises(ConfigError, match=r"num_attention_heads = 32 is not divisible by the tensor-parallel size 64"):
+        read(model_type="llama", options=SpecOptions(tp_size=64))
+    with pytest.raises(ConfigError, match=r"tensor-parallel size 16 is not a multiple of num_key_value_heads = 6"):
+        read(model_type="llama", num_attention_heads=48, num_key_value_heads=6, head_dim=128,
+             options=SpecOptions(tp_size=16))
+    # 4032 / 192 = 21: a whole head_dim is fine; 4000 / 192 is not.
+    assert attention(read(model_type="llama", hidden_size=4032, num_attention_heads=192,
+                          num_key_value_heads=192), 0).head_dim == 21
+    with pytest.raises(ConfigError, match=r"hidden_size = 4000 is not divisible by num_attention_heads = 192"):
+        read(model_type="llama", hidden_size=4000, num_attention_heads=192, num_key_value_heads=192)
 
 
 # --- recurrent-state families --------------------------------------------------------------
@@ -394,9 +408,11 @@ def test_bad_configs_say_what_and_where(config: dict[str, Any], message: str) ->
 
 
 def test_mamba_splits_must_divide_tp() -> None:
-    with pytest.raises(ConfigError, match=r"jamba config: mamba intermediate size = 8192 is not divisible by tp"):
+    with pytest.raises(ConfigError, match=r"jamba config: mamba intermediate size = 8192 is not divisible by the "
+                                          r"tensor-parallel size 3"):
         read(model_type="jamba", options=SpecOptions(tp_size=3))
-    with pytest.raises(ConfigError, match=r"n_groups = 3 is neither a divisor nor a multiple of tp_size = 2"):
+    with pytest.raises(ConfigError, match=r"n_groups = 3 is neither a divisor nor a multiple of the tensor-parallel "
+                                          r"size 2"):
         read(model_type="bamba", mamba_n_groups=3, options=SpecOptions(tp_size=2))
 
 
