@@ -131,7 +131,8 @@ def test_bad_prompts_name_the_prompt_and_a_failed_call_leaves_the_engine_usable(
         llm.generate([[5, 1.5]], few)  # type: ignore[list-item]
     with pytest.raises(ConfigError, match=r"token ids must lie in \[0, 259\), got min -1"):
         llm.generate([[5, -1]], few)
-    with pytest.raises(ConfigError, match="at most max_model_len=256"):
+    with pytest.raises(ConfigError, match=r"prompt 0 has 257 tokens; expected at most max_model_len 256 "
+                                          r"\(the model allows up to 4096\)"):
         llm.generate([[5] * 257], few)
     with pytest.raises(ConfigError, match="at most the vocabulary size 259"):
         llm.generate([[5]], SamplingParams(max_tokens=1, logprobs=1000))
