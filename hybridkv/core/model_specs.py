@@ -27,6 +27,7 @@ from hybridkv.core.model_specs_config import (
     DEFAULT_DTYPE,
     ConfigReader,
     FamilyLayers,
+    IndexerFormat,
     KVCacheDType,
     LayerRole,
     SpecContext,
@@ -48,7 +49,8 @@ from hybridkv.core.model_specs_mamba import (
 from hybridkv.core.model_specs_mla import SPARSE_MLA_BACKEND, check_kv_cache_dtype, read_deepseek_mla, read_minimax_m3
 from hybridkv.core.specs import LayerSpec, ModelSpec
 
-__all__ = ["KVCacheDType", "SpecOptions", "load_config", "model_spec_from_config", "supported_model_types"]
+__all__ = ["IndexerFormat", "KVCacheDType", "SpecOptions", "load_config", "model_spec_from_config",
+           "supported_model_types"]
 
 FamilyReader = Callable[[SpecContext], FamilyLayers]
 HeadDimRule = Callable[[SpecContext], int]

@@ -36,6 +36,14 @@ class KVCacheDType(Enum):
     NVFP4_DS_MLA = "nvfp4_ds_mla"
 
 
+class IndexerFormat(Enum):
+    """How DSA indexer keys are cached: vLLM's packed fp8 values + fp32 scales (uint8, 132 bytes for
+    head dim 128), or unquantized in the model dtype (the reference engine, exact against transformers)."""
+
+    PACKED_FP8 = "packed_fp8"
+    UNQUANTIZED = "unquantized"
+
+
 def normalize_dtype(value: object, *, what: str) -> str:
     """`torch.bfloat16`, `bf16`, `bfloat16` -> `bfloat16`; raises ConfigError for anything unknown."""
     text = str(value).removeprefix("torch.").lower() if isinstance(value, str) else None
@@ -52,18 +60,22 @@ class SpecOptions:
     `dtype` overrides the config's `dtype`/`torch_dtype` (default bfloat16). `kv_cache_dtype=FP8`
     stores attention K/V in 1 byte. `tp_size` splits KV heads (at least one per rank) and Mamba
     heads / channels. `num_speculative_tokens` widens every conv state by that many columns.
+    `indexer` says how DSA indexer keys are stored (vLLM's packed format by default).
     """
 
     dtype: str | None = None
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
     tp_size: int = 1
     num_speculative_tokens: int = 0
+    indexer: IndexerFormat = IndexerFormat.PACKED_FP8
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
             normalize_dtype(self.dtype, what="dtype")
         if not isinstance(self.kv_cache_dtype, KVCacheDType):
             raise ConfigError(f"kv_cache_dtype must be a KVCacheDType, got {self.kv_cache_dtype!r}")
+        if not isinstance(self.indexer, IndexerFormat):
+            raise ConfigError(f"indexer must be an IndexerFormat, got {self.indexer!r}")
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ConfigError(f"tensor-parallel size must be a positive integer, got {self.tp_size!r}")
         spec = self.num_speculative_tokens

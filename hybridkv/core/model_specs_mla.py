@@ -19,7 +19,7 @@ Falcon-H1 (`ModelSpec.decoder_layer_of`), so slot `num_layers + k` is the k-th i
 from __future__ import annotations
 
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.model_specs_config import FamilyLayers, KVCacheDType, LayerRole, SpecContext
+from hybridkv.core.model_specs_config import FamilyLayers, IndexerFormat, KVCacheDType, LayerRole, SpecContext
 from hybridkv.core.specs import IndexerSpec, LayerSpec, MLAFormat, MLASpec
 
 SPARSE_MLA_BLOCK_SIZE = 64
@@ -94,7 +94,10 @@ def read_deepseek_mla(ctx: SpecContext) -> FamilyLayers:
     if not sparse:
         return FamilyLayers(layers=layers)
     head_dim = cfg.require_int("index_head_dim")
-    indexer = IndexerSpec(entry_size=head_dim + head_dim // _DSA_QUANT_BLOCK * 4, dtype="uint8")
+    if ctx.options.indexer is IndexerFormat.UNQUANTIZED:
+        indexer = IndexerSpec(entry_size=head_dim, dtype=ctx.dtype)
+    else:
+        indexer = IndexerSpec(entry_size=head_dim + head_dim // _DSA_QUANT_BLOCK * 4, dtype="uint8")
     return FamilyLayers(layers=layers, second_caches=_indexer_slots(dsa_indexer_layers(ctx), indexer),
                         kernel_block_size=SPARSE_MLA_BLOCK_SIZE, kernel_backend=SPARSE_MLA_BACKEND)
 

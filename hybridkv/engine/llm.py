@@ -24,7 +24,7 @@ from hybridkv.catalog import find as find_catalog_entry
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.ids import RequestId
 from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
-from hybridkv.core.model_specs import SpecOptions, load_config, model_spec_from_config
+from hybridkv.core.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
 from hybridkv.core.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
 from hybridkv.core.request import KVRequest
 from hybridkv.core.specs import ModelSpec, SpecKind
@@ -102,7 +102,8 @@ class LLM:
         self.model_dir = resolve_model_dir(model)
         # Everything config.json and the options decide is checked before the weights load.
         self.model_spec: ModelSpec = model_spec_from_config(load_config(self.model_dir), name=model,
-                                                            options=SpecOptions(dtype=cfg.dtype))
+                                                            options=SpecOptions(
+                                                                dtype=cfg.dtype, indexer=IndexerFormat.UNQUANTIZED))
         self.max_model_len = resolve_max_model_len(
             cfg.max_model_len, model=model, model_limit=self.model_spec.max_position_embeddings,
             default_cap=DEFAULT_MAX_MODEL_LEN)

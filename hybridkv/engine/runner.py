@@ -26,9 +26,10 @@ import torch
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.core.specs import AttentionSpec, SpecKind
+from hybridkv.core.specs import AttentionSpec, IndexerSpec, MLASpec, SpecKind
 from hybridkv.engine.attention import AttentionRule, GroupMetadata, ReadPlan, group_metadata, plan_reads
 from hybridkv.engine.loader import torch_dtype
+from hybridkv.engine.mla_attention import latent_view
 from hybridkv.engine.models.base import CausalLM, ForwardContext
 from hybridkv.engine.state_layers import StateCache, StateIO, StateLayers
 
@@ -106,9 +107,12 @@ class ModelRunner:
         self.rules = [_rule(g) for g in kv_config.groups]
 
     def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
-        spec = group.spec
+        spec = group.spec_of(layer)
         if spec.kind is SpecKind.MAMBA:
             return self.states.view(buffer, group, layer)
+        if isinstance(spec, MLASpec | IndexerSpec):
+            return latent_view(buffer, spec, group=group, num_blocks=self.kv_config.num_blocks,
+                               dtype=torch_dtype(spec.dtype))
         if not isinstance(spec, AttentionSpec) or spec.kind is SpecKind.CROSS:
             raise ConfigError(f"layer {layer} is a {spec.kind.value} layer; the engine runs self-attention layers only")
         dtype = torch_dtype(spec.dtype)

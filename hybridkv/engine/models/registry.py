@@ -7,6 +7,7 @@ from typing import Any
 
 from hybridkv.core.errors import UnsupportedModelError
 from hybridkv.engine.models.base import CausalLM
+from hybridkv.engine.models.deepseek import DeepseekForCausalLM
 from hybridkv.engine.models.gemma3 import Gemma3ForCausalLM
 from hybridkv.engine.models.gemma3n import Gemma3nForCausalLM
 from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
@@ -18,6 +19,7 @@ from hybridkv.engine.models.qwen3_next import Qwen3NextForCausalLM
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Gemma3ForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, LlamaLikeForCausalLM, Gemma3nForCausalLM,
     Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
+    DeepseekForCausalLM,
 )
 _BY_ARCHITECTURE: dict[str, type[CausalLM]] = {arch: cls for cls in MODEL_CLASSES for arch in cls.architectures}
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
@@ -26,6 +28,8 @@ _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
     "gemma3n_text": Gemma3nForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM, "kimi_k2": DeepseekForCausalLM, "deepseek_v32": DeepseekForCausalLM,
+    "glm_moe_dsa": DeepseekForCausalLM,
 }
 
 
