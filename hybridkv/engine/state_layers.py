@@ -149,7 +149,8 @@ class StateLayers:
     def __init__(self, kv_config: KVCacheConfig, buffers: Sequence[torch.Tensor]) -> None:
         self.kv_config = kv_config
         self.groups = [g for g in kv_config.groups if g.kind is SpecKind.MAMBA]
-        self._pages = [b.view(kv_config.num_blocks, kv_config.page_size_bytes) for b in buffers]  # [blocks, page]
+        # [blocks, page]; a layout of mixed pages (no state groups) has one tensor per layer, of its own page
+        self._pages = [b.view(kv_config.num_blocks, -1) for b in buffers]
         self.restore_hook: Callable[[KVCacheGroupSpec, list[int]], None] | None = None  # tests only
 
     def view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> StateCache:
