@@ -30,14 +30,16 @@ from hybridkv.engine.models.layers import CosSin, RotaryEmbedding
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 CHUNKED = "chunked_attention"
-LINEAR = "linear_attention"  # Gated DeltaNet: a recurrent state, cached like a Mamba layer
-LAYER_TYPE_KINDS: dict[str, SpecKind] = {
+LINEAR = "linear_attention"  # recurrent-state layers (Gated DeltaNet, Mamba), cached as SpecKind.MAMBA
+MLP, MOE = "mlp", "moe"  # layers without any cache (Nemotron-H)
+LAYER_TYPE_KINDS: dict[str, SpecKind | None] = {
     FULL: SpecKind.FULL, SLIDING: SpecKind.SLIDING_WINDOW, CHUNKED: SpecKind.CHUNKED_LOCAL, LINEAR: SpecKind.MAMBA,
+    MLP: None, MOE: None,
 }
 
 
-def layer_kinds_of(layer_types: Sequence[str]) -> list[SpecKind]:
-    """The attention kind of each HF layer type; raises ConfigError naming unsupported ones."""
+def layer_kinds_of(layer_types: Sequence[str]) -> list[SpecKind | None]:
+    """The cache kind of each HF layer type (None: no cache); raises ConfigError naming unsupported ones."""
     bad = sorted(set(layer_types) - set(LAYER_TYPE_KINDS))
     if bad:
         raise ConfigError(f"unsupported layer types {bad}; the engine runs {', '.join(LAYER_TYPE_KINDS)}")
@@ -50,14 +52,34 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 class DecoderModel(nn.Module):
-    """HF `model.*`: `embed_tokens` [vocab, hidden], the decoder `layers`, the final `norm`."""
+    """HF `model.*`: `embed_tokens` [vocab, hidden], the decoder `layers`, the final `norm`.
 
-    def __init__(self, config: Mapping[str, Any], layers: Iterable[nn.Module], *, norm: nn.Module) -> None:
+    Some checkpoints name the embeddings or the final norm differently (Bamba's `final_layernorm`,
+    Nemotron-H's `embeddings` and `norm_f`): `embed_name` / `norm_name` register them under those names.
+    """
+
+    def __init__(self, config: Mapping[str, Any], layers: Iterable[nn.Module], *, norm: nn.Module,
+                 embed_name: str = "embed_tokens", norm_name: str = "norm") -> None:
         super().__init__()
         vocab = int(config_value(config, "vocab_size", required=True))
-        self.embed_tokens = nn.Embedding(vocab, int(config_value(config, "hidden_size", required=True)))
+        self._embed_name, self._norm_name = embed_name, norm_name
+        self.add_module(embed_name, nn.Embedding(vocab, int(config_value(config, "hidden_size", required=True))))
         self.layers = nn.ModuleList(layers)
-        self.norm = norm
+        self.add_module(norm_name, norm)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        module = self._modules.get(self._embed_name)
+        if not isinstance(module, nn.Embedding):
+            raise AttributeError("embed_tokens")  # not registered yet (nn.Module.add_module probes with hasattr)
+        return module
+
+    @property
+    def norm(self) -> nn.Module:
+        module = self._modules.get(self._norm_name)
+        if module is None:
+            raise AttributeError("norm")
+        return module
 
 
 class DecoderForCausalLM(CausalLM):
@@ -66,11 +88,12 @@ class DecoderForCausalLM(CausalLM):
     Subclasses set `architectures`, build `model` with their layers, give one rotary embedding per
     layer type and say whether the LM head is tied to the embeddings. They override `embed` or
     `compute_logits` only where their math differs (Gemma 3). Raises ConfigError when `layer_types`
-    does not list one supported type per layer.
+    does not list one supported type per layer. `model_name` is the HF prefix of the stack
+    (`backbone` for Nemotron-H).
     """
 
     def __init__(self, config: Mapping[str, Any], *, model: DecoderModel, layer_types: Sequence[str],
-                 ropes: Mapping[str, RotaryEmbedding], tied: bool) -> None:
+                 ropes: Mapping[str, RotaryEmbedding], tied: bool, model_name: str = "model") -> None:
         super().__init__(config)
         if len(layer_types) != len(model.layers):
             raise ConfigError(f"{config.get('model_type')} layer_types lists {len(layer_types)} entries, "
@@ -78,13 +101,21 @@ class DecoderForCausalLM(CausalLM):
         layer_kinds_of(layer_types)
         assert set(layer_types) <= set(ropes), "every layer type needs a rotary embedding"
         self.layer_types = list(layer_types)
-        self.model = model
+        self._model_name = model_name
+        self.add_module(model_name, model)
         self.ropes = dict(ropes)  # layer type -> rope (no weights to load or cast)
         self.tied = tied
         if not tied:
             self.lm_head = nn.Linear(model.embed_tokens.embedding_dim, model.embed_tokens.num_embeddings, bias=False)
 
-    def layer_kinds(self) -> list[SpecKind]:
+    @property
+    def model(self) -> DecoderModel:
+        module = self._modules.get(self._model_name)
+        if not isinstance(module, DecoderModel):
+            raise AttributeError("model")  # not registered yet (nn.Module.add_module probes with hasattr)
+        return module
+
+    def layer_kinds(self) -> Sequence[SpecKind | None]:
         return layer_kinds_of(self.layer_types)
 
     def ignores_weight(self, name: str) -> bool:

@@ -299,7 +299,7 @@ class Gemma3nForCausalLM(CausalLM):
             self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
         self.ropes = gemma_ropes(text, s.layer_types, head_dim=s.head_dim, default_max_positions=32768)
 
-    def layer_kinds(self) -> list[SpecKind]:
+    def layer_kinds(self) -> list[SpecKind | None]:
         return layer_kinds_of(self.settings.layer_types)
 
     @property

@@ -6,13 +6,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridkv.core.errors import UnsupportedModelError
+from hybridkv.engine.models.bamba import BambaForCausalLM
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.models.deepseek import DeepseekForCausalLM
+from hybridkv.engine.models.falcon_h1 import FalconH1ForCausalLM
 from hybridkv.engine.models.gemma3 import Gemma3ForCausalLM
 from hybridkv.engine.models.gemma3n import Gemma3nForCausalLM
 from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
+from hybridkv.engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+from hybridkv.engine.models.jamba import JambaForCausalLM
 from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.llama_like import LlamaLikeForCausalLM
+from hybridkv.engine.models.nemotron_h import NemotronHForCausalLM
 from hybridkv.engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from hybridkv.engine.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -20,6 +25,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Gemma3ForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, LlamaLikeForCausalLM, Gemma3nForCausalLM,
     Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
     DeepseekForCausalLM,
+    BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, FalconH1ForCausalLM, JambaForCausalLM,
 )
 _BY_ARCHITECTURE: dict[str, type[CausalLM]] = {arch: cls for cls in MODEL_CLASSES for arch in cls.architectures}
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
@@ -30,6 +36,8 @@ _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
     "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "deepseek_v3": DeepseekForCausalLM, "kimi_k2": DeepseekForCausalLM, "deepseek_v32": DeepseekForCausalLM,
     "glm_moe_dsa": DeepseekForCausalLM,
+    "bamba": BambaForCausalLM, "granitemoehybrid": GraniteMoeHybridForCausalLM, "nemotron_h": NemotronHForCausalLM,
+    "falcon_h1": FalconH1ForCausalLM, "jamba": JambaForCausalLM,
 }
 
 
