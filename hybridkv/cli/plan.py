@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 from hybridkv.cli.errors import flags_of, in_flag_words, usage_error
+from hybridkv.cli.tables import stdout_console
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.model_specs import KVCacheDType, SpecOptions
 from hybridkv.core.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -51,7 +51,7 @@ def plan_command(
     from hybridkv.catalog import catalog
     from hybridkv.cli import plan_report
 
-    console = Console()
+    console = stdout_console()
     if list_catalog:
         if models:
             raise usage_error(f"--list shows the whole catalog and takes no MODEL, got {' '.join(models)}; "

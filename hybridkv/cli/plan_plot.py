@@ -65,7 +65,7 @@ def capacity_curves(
         spec, _ = make_plan(dataclasses.replace(request, max_model_len=min(lengths_tokens)))
         lengths = sorted({min(n, spec.max_position_embeddings) for n in lengths_tokens})
         plans = [make_plan(dataclasses.replace(request, max_model_len=n))[1] for n in lengths]
-        runnable = all(p.uniform.runnable for p in plans)
+        runnable = all(p.uniform.max_concurrency > 0 for p in plans)  # log axis: below 1 request is drawn
         curves.append(Curve(
             name=spec.name.split("/")[-1], lengths_tokens=tuple(lengths),
             hybrid=tuple(p.max_concurrency for p in plans),

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from hybridkv.catalog import catalog, find
+from hybridkv.cli.tables import layer_list, new_table, print_table
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import SpecOptions, load_config, model_spec_from_config
 from hybridkv.core.planner import (
@@ -108,6 +108,7 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
     """The documented JSON report of one plan."""
     cfg = result.config
     uniform = result.uniform
+    names = layer_names(spec)
     return {
         "model": spec.name,
         "model_type": spec.model_type,
@@ -128,15 +129,19 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
                 "chunk_tokens": g.chunk_tokens or None, "padding_layers": g.padding_layers,
                 "page_bytes_used": sum(g.layer_page_bytes()) if g.mixed_pages else g.spec.page_size_bytes(g.block_size),
                 "blocks_per_request": need, "mixed_pages": g.mixed_pages, "layer_pages": layer_pages(spec, g),
+                "layer_names": [names[i] for i in g.layer_indices],
             }
             for g, need in zip(cfg.groups, result.blocks_per_request, strict=True)
         ],
-        "tensors": [{"size_bytes": t.size_bytes, "shared_by": list(t.shared_by)} for t in cfg.tensors],
+        "tensors": [{"size_bytes": t.size_bytes, "shared_by": list(t.shared_by),
+                     "shared_by_names": [names[i] for i in t.shared_by]} for t in cfg.tensors],
         "kv_shared_layers": {str(k): v for k, v in sorted(cfg.kv_shared_from.items())},
         "cacheless_layers": list(spec.cacheless_layers),
         "total_bytes": cfg.total_bytes,
         "padding_waste_bytes": result.padding_waste_bytes,
         "max_concurrency": round(result.max_concurrency, 4),
+        "runnable": result.runnable,
+        "reason": result.reason or None,
         "kv_capacity_tokens": result.kv_capacity_tokens,
         "bytes_per_request": result.bytes_per_request,
         "uniform": {
@@ -148,6 +153,7 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
         "capacity_ratio": None if math.isinf(result.capacity_ratio) else round(result.capacity_ratio, 4),
         "recommended_chunk_size": result.recommended_chunk_size,
         "block_size_note": cfg.block_size_note or None,
+        "notes": list(result.notes),
     }
 
 
@@ -155,98 +161,132 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _concurrency(value: float, runnable: bool) -> str:
+    """One precision for every concurrency; below one request it says so."""
+    return f"{value:.2f}" if runnable else f"{value:.2f} (< 1 request)"
+
+
+def _short_concurrency(value: float, runnable: bool) -> str:
+    return f"{value:.2f}" if runnable else f"{value:.2f} (<1)"
+
+
 def _ratio(result: Plan) -> str:
     return "-" if math.isinf(result.capacity_ratio) else f"{result.capacity_ratio:.2f}x"
+
+
+def _part(layer_spec: LayerSpec) -> str:
+    if isinstance(layer_spec, AttentionSpec):
+        return "attn"
+    if isinstance(layer_spec, MLASpec | IndexerSpec):
+        return cache_name(layer_spec).split(" ")[0]
+    return "mamba"
+
+
+def layer_names(spec: ModelSpec) -> dict[int, str]:
+    """Cache slot -> the layer a user reads: `7`, or `7.attn` / `7.mamba` for a layer with two caches.
+
+    A decoder layer with two caches (Falcon-H1, Zamba2 hybrid layers, sparse-attention indexers)
+    keeps its first cache at slot = its index and the second in an extra slot after the decoder
+    layers (`extra_state_slots` in the JSON); both are named by the decoder layer and the part.
+    """
+    two_caches = set(spec.decoder_layer_of.values())
+    names: dict[int, str] = {}
+    for slot, layer_spec in enumerate(spec.layers):
+        layer = spec.decoder_layer_of.get(slot, slot)
+        names[slot] = f"{layer}.{_part(layer_spec)}" if layer in two_caches and layer_spec else str(layer)
+    return names
+
+
+def _kind_label(layer_spec: LayerSpec) -> str:
+    if isinstance(layer_spec, MLASpec | IndexerSpec):
+        return f"{layer_spec.kind.value} ({cache_name(layer_spec)})"
+    return layer_spec.kind.value
+
+
+def layer_type_counts(spec: ModelSpec) -> dict[str, int]:
+    """Decoder layers by what they cache, each layer counted once (the counts sum to the layers)."""
+    slots_of: dict[int, list[int]] = {}
+    for slot, layer in spec.decoder_layer_of.items():
+        slots_of.setdefault(layer, []).append(slot)
+    counts: dict[str, int] = {}
+    for layer in range(spec.num_decoder_layers):
+        specs = [s for s in (spec.layers[i] for i in [layer, *slots_of.get(layer, [])]) if s is not None]
+        if layer in spec.kv_shared_from:
+            key = f"{' + '.join(map(_kind_label, specs))}, KV shared (no memory)"
+        else:
+            key = " + ".join(map(_kind_label, specs)) or "no cache"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
     """Tables for one model: layers by type, groups, tensors, hybrid vs uniform capacity."""
     cfg = result.config
-    kinds: dict[str, int] = {}
-    for layer_spec in spec.layers:
-        if layer_spec is None:
-            key = "no cache"
-        elif isinstance(layer_spec, MLASpec | IndexerSpec):
-            key = f"{layer_spec.kind.value} ({cache_name(layer_spec)})"
-        else:
-            key = layer_spec.kind.value
-        kinds[key] = kinds.get(key, 0) + 1
-    layers = Table(title=f"{spec.name} ({spec.model_type}): {spec.num_decoder_layers} layers")
-    layers.add_column("layer type")
-    layers.add_column("layers", justify="right")
-    for key, count in kinds.items():
+    names = layer_names(spec)
+    layers = new_table("layer type", ("layers", "right"), compact=True)
+    for key, count in layer_type_counts(spec).items():
         layers.add_row(key, str(count))
-    if cfg.kv_shared_from:
-        layers.add_row("KV shared (no memory)", str(len(cfg.kv_shared_from)))
-    console.print(layers)
+    print_table(console, layers, title=f"{spec.name} ({spec.model_type}): {spec.num_decoder_layers} layers")
 
     mixed = [g for g in cfg.groups if g.mixed_pages]
     caption = "; ".join([*(f"group {g.group_id} block = {_page_summary(spec, g)} bytes" for g in mixed),
-                         *([cfg.block_size_note] if cfg.block_size_note else [])])
-    groups = Table(title=f"KV cache groups (page {cfg.page_size_bytes:,} bytes, {cfg.num_blocks:,} blocks)",
-                   caption=caption or None)
-    for col in ("group", "kind", "layers", "block size", "window/chunk", "padding", "blocks/request"):
-        groups.add_column(col, justify="right" if col not in ("kind", "layers") else "left")
+                         *([cfg.block_size_note] if cfg.block_size_note else []), *result.notes])
+    groups = new_table(("group", "right"), "kind", "layers", ("block", "right"), ("window", "right"),
+                       ("padding", "right"), ("blocks/req", "right"), compact=True)
     for g, need in zip(cfg.groups, result.blocks_per_request, strict=True):
         extent = g.window_tokens or g.chunk_tokens
-        groups.add_row(str(g.group_id), g.kind.value, _short(g.layer_indices), str(g.block_size),
-                       str(extent) if extent else "-", str(g.padding_layers), str(need))
-    console.print(groups)
+        groups.add_row(str(g.group_id), g.kind.value, layer_list([names[i] for i in g.layer_indices]),
+                       str(g.block_size), str(extent) if extent else "-", str(g.padding_layers), str(need))
+    legend = "window: sliding window or local chunk in tokens; blocks/req: blocks one max_model_len request needs"
+    print_table(console, groups, title=f"KV cache groups (page {cfg.page_size_bytes:,} bytes, {cfg.num_blocks:,} "
+                                       f"blocks)", caption="; ".join([*([caption] if caption else []), legend]))
 
     sizes = sorted({t.size_bytes for t in cfg.tensors})
-    tensors = Table(title=f"KV cache tensors ({len(cfg.tensors)} x {' / '.join(_gib(n) for n in sizes)})")
-    tensors.add_column("tensor", justify="right")
-    tensors.add_column("size", justify="right")
-    tensors.add_column("shared by layers")
+    tensors = new_table(("tensor", "right"), ("size", "right"), "shared by layers", compact=True)
     for i, t in enumerate(cfg.tensors):
-        tensors.add_row(str(i), _gib(t.size_bytes), _short(t.shared_by))
-    console.print(tensors)
+        tensors.add_row(str(i), _gib(t.size_bytes), ",".join(names[j] for j in t.shared_by))
+    print_table(console, tensors, title=f"KV cache tensors ({len(cfg.tensors)} x "
+                                        f"{' / '.join(_gib(n) for n in sizes)})")
+    _render_capacity(console, result)
 
-    u = result.uniform
-    cap = Table(
-        title=f"Capacity at {_gib(result.options.memory_bytes)}, max_model_len {result.options.max_model_len}",
-        caption=f"uniform: {u.reason}. Padding waste {_gib(result.padding_waste_bytes)}; "
-                f"KV-server chunk size {result.recommended_chunk_size}.",
-    )
-    for col in ("layout", "block size", "max concurrency", "KV capacity (tokens)", "per request"):
-        cap.add_column(col, justify="left" if col == "layout" else "right")
-    cap.add_row("hybrid", str(cfg.attention_block_size), f"{result.max_concurrency:.2f}",
+
+def _render_capacity(console: Console, result: Plan) -> None:
+    cfg, u = result.config, result.uniform
+    reasons = [*([f"hybrid: {result.reason}"] if not result.runnable else []), f"uniform: {u.reason}"]
+    options = result.options
+    cap = new_table("layout", ("block size", "right"), ("max concurrency", "right"),
+                    ("KV capacity (tokens)", "right"), ("per request", "right"), compact=True)
+    cap.add_row("hybrid", str(cfg.attention_block_size), _concurrency(result.max_concurrency, result.runnable),
                 f"{result.kv_capacity_tokens:,}", _gib(result.bytes_per_request))
-    cap.add_row("uniform", str(u.block_size), f"{u.max_concurrency:.2f}" if u.runnable else "can't run",
-                f"{u.kv_capacity_tokens:,}" if u.runnable else "-", _gib(u.bytes_per_request) if u.runnable else "-")
+    supported = u.num_blocks > 0
+    cap.add_row("uniform", str(u.block_size), _concurrency(u.max_concurrency, u.runnable) if supported else "can't run",
+                f"{u.kv_capacity_tokens:,}" if supported else "-", _gib(u.bytes_per_request) if supported else "-")
     cap.add_row("ratio", "", _ratio(result), "", "")
-    console.print(cap)
+    print_table(console, cap, title=f"Capacity at {_gib(options.memory_bytes)}, max_model_len {options.max_model_len}",
+                caption=f"{'. '.join(reasons)}. Padding waste {_gib(result.padding_waste_bytes)}; "
+                        f"KV-server chunk size {result.recommended_chunk_size}.")
 
 
 def render_comparison(console: Console, plans: list[tuple[ModelSpec, Plan]]) -> None:
-    """One row per model: the hybrid layout against the uniform one."""
+    """One row per model: the hybrid layout against the uniform one, each at its own max_model_len."""
     first = plans[0][1].options
-    table = Table(title=f"Max concurrency, hybrid vs uniform layout ({_gib(first.memory_bytes)}, "
-                        f"max_model_len <= {first.max_model_len})")
-    cols = ("model", "layers", "groups", "block", "hybrid", "uniform", "ratio", "waste GiB")
-    for col in cols:
-        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=col == "model")
+    table = new_table("model", ("max len", "right"), ("layers", "right"), ("block", "right"), ("hybrid", "right"),
+                      ("uniform", "right"), ("ratio", "right"), ("waste", "right"), compact=True)
     for spec, result in plans:
         u = result.uniform
-        table.add_row(spec.name.split("/")[-1][:24], str(spec.num_decoder_layers), str(len(result.config.groups)),
-                      str(result.config.attention_block_size), f"{result.max_concurrency:.2f}",
-                      f"{u.max_concurrency:.2f}" if u.runnable else "can't run",
-                      "-" if math.isinf(result.capacity_ratio) else f"{result.capacity_ratio:.2f}x",
-                      f"{result.padding_waste_bytes / GIB:.2f}")
-    console.print(table)
+        table.add_row(spec.name, str(result.options.max_model_len), str(spec.num_decoder_layers),
+                      str(result.config.attention_block_size),
+                      _short_concurrency(result.max_concurrency, result.runnable),
+                      _short_concurrency(u.max_concurrency, u.runnable) if u.num_blocks else "can't run",
+                      _ratio(result), f"{result.padding_waste_bytes / GIB:.2f}")
+    print_table(console, table, title=f"Max concurrency, hybrid vs uniform layout ({_gib(first.memory_bytes)})",
+                caption="hybrid / uniform: requests of `max len` tokens held at once (<1: not even one); "
+                        "waste: GiB of padding in short groups")
 
 
 def render_catalog(console: Console) -> None:
     """The shipped catalog: names a user can pass as MODEL."""
-    table = Table(title="Catalog (hybridkv plan NAME)")
-    for col in ("hf id", "aliases", "model_type"):
-        table.add_column(col)
+    table = new_table("hf id", "aliases", "model_type", compact=True)
     for entry in catalog():
         table.add_row(entry.hf_id, ", ".join(entry.aliases), str(entry.config.get("model_type", "?")))
-    console.print(table)
-
-
-def _short(layers: tuple[int, ...]) -> str:
-    text = ",".join(map(str, layers))
-    return text if len(text) <= 48 else text[:45] + "..."
-
+    print_table(console, table, title="Catalog (hybridkv plan NAME)")

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from hybridkv.cli.errors import flags_of, usage_error
+from hybridkv.cli.tables import layer_list, new_table, print_table, stdout_console
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
@@ -85,7 +85,7 @@ def run_command(
         report = _run_rounds(llm, turns, base, err)
     except HybridKVError as exc:
         raise usage_error(str(exc), RUN_FLAGS) from None
-    report.update(_memory_report(llm))
+    report.update(_memory_report(llm, report))
     report["model"] = model
     report["load_s"] = round(load_s, 3)
     report["config"] = {k: (v.value if isinstance(v, PrefixCaching | MambaCacheMode) else v)
@@ -98,7 +98,7 @@ def run_command(
     if json_output:
         print(json.dumps(report, indent=2))
     else:
-        _render(Console(), report)
+        _render(stdout_console(), report)
 
 
 def _asdict(config: EngineConfig) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console) -> dict[st
     import dataclasses
 
     conversation = Conversation(llm.tokenizer.encode, llm.tokenizer.encode_continuation)
-    prompt_tokens = generated = 0
+    prompt_tokens = generated = prompt_hits = 0
     ttfts: list[float] = []
     columns = (TextColumn("[bold]requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     capped: list[str] = []
@@ -127,6 +127,7 @@ def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console) -> dict[st
             for turn, prompt, output in zip(batch, prompts, outputs, strict=True):
                 conversation.record(turn, prompt, output.token_ids)
                 prompt_tokens += len(prompt)
+                prompt_hits += output.metrics.prefix_hit_tokens
                 generated += len(output.token_ids)
                 ttfts.append(output.metrics.ttft_s)
     elapsed = time.perf_counter() - start
@@ -136,6 +137,7 @@ def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console) -> dict[st
                   highlight=False, soft_wrap=True)
     return {
         "requests": len(turns), "rounds": len(rounds(turns)), "prompt_tokens": prompt_tokens,
+        "prompt_hit_tokens": prompt_hits,
         "generated_tokens": generated, "elapsed_s": round(elapsed, 3),
         "generated_tok_per_s": round(generated / elapsed, 1),
         "total_tok_per_s": round((prompt_tokens + generated) / elapsed, 1),
@@ -154,8 +156,8 @@ def _note_tokenizer(llm: LLM, model: str, err: Console) -> None:
                   "tokenizer (id = UTF-8 byte + 3), which is not the model's own", highlight=False, soft_wrap=True)
 
 
-def _memory_report(llm: LLM) -> dict[str, Any]:
-    """Prefix-cache hits per group and KV memory: hybrid use vs the uniform layout."""
+def _memory_report(llm: LLM, requests: dict[str, Any]) -> dict[str, Any]:
+    """Prefix-cache hits (per request, then recomputation) and KV memory: layout and sharing savings."""
     stats, plan, engine = llm.manager_stats(), llm.plan, llm.stats
     groups = [{
         "group_id": g.group_id, "kind": g.kind.value, "layers": list(g.layer_indices), "block_size": g.block_size,
@@ -163,54 +165,66 @@ def _memory_report(llm: LLM) -> dict[str, Any]:
         "hit_rate": round(hits / stats.query_tokens, 4) if stats.query_tokens else 0.0,
         "peak_blocks": peak,
     } for g, hits, peak in zip(plan.config.groups, stats.group_hit_tokens, engine.peak_group_blocks, strict=True)]
-    used, uniform = engine.peak_kv_bytes, engine.peak_uniform_kv_bytes
+    used, unshared, uniform = engine.peak_kv_bytes, engine.peak_unshared_kv_bytes, engine.peak_uniform_kv_bytes
+    prompt_tokens, prompt_hits = requests["prompt_tokens"], requests["prompt_hit_tokens"]
     ratio = plan.capacity_ratio
     return {
         "prefix_cache": {
-            "enabled": llm.config.prefix_caching is PrefixCaching.ON, "lookups": stats.lookups,
-            "query_tokens": stats.query_tokens, "hit_tokens": stats.hit_tokens,
-            "hit_rate": round(stats.hit_rate, 4), "groups": groups,
+            "enabled": llm.config.prefix_caching is PrefixCaching.ON,
+            "prompt_tokens": prompt_tokens, "hit_tokens": prompt_hits,
+            "hit_rate": round(prompt_hits / prompt_tokens, 4) if prompt_tokens else 0.0,
+            "repeated_lookups": {  # a request looked up again: still waiting for room, or preempted
+                "preemptions": engine.preemptions, "lookups": stats.lookups - requests["requests"],
+                "query_tokens": stats.query_tokens - prompt_tokens, "hit_tokens": stats.hit_tokens - prompt_hits,
+            },
+            "groups": groups,
         },
         "kv_memory": {
             "allocated_bytes": llm.kv_cache_bytes, "planned_bytes": plan.config.total_bytes,
-            "peak_used_bytes": used, "uniform_layout_bytes_for_same_tokens": uniform,
-            "saving_vs_uniform": round(1 - used / uniform, 4) if uniform else 0.0,
-            "max_concurrency": round(plan.max_concurrency, 2),
-            "uniform_max_concurrency": round(plan.uniform.max_concurrency, 2),
-            "capacity_ratio": None if math.isinf(ratio) else round(ratio, 3),
+            "peak_used_bytes": used, "peak_unshared_bytes": unshared,
+            "uniform_layout_bytes_for_same_tokens": uniform,
+            "layout_saving": round(1 - unshared / uniform, 4) if uniform else 0.0,
+            "prefix_sharing_saving": round(1 - used / unshared, 4) if unshared else 0.0,
+            "max_concurrency": round(plan.max_concurrency, 4),
+            "uniform_max_concurrency": round(plan.uniform.max_concurrency, 4),
+            "capacity_ratio": None if math.isinf(ratio) else round(ratio, 4),
         },
     }
 
 
 def _render(console: Console, report: dict[str, Any]) -> None:
-    table = Table(title=f"hybridkv run: {report['model']}", show_header=False)
-    table.add_column("metric", style="bold")
-    table.add_column("value", justify="right")
     kv, cache = report["kv_memory"], report["prefix_cache"]
+    table = new_table("metric", ("value", "right"), show_header=False)
+    again = cache["repeated_lookups"]
     rows = [
         ("requests", f"{report['requests']} in {report['rounds']} rounds"),
         ("prompt / generated tokens", f"{report['prompt_tokens']} / {report['generated_tokens']}"),
-        ("throughput", f"{report['generated_tok_per_s']} generated tok/s ({report['total_tok_per_s']} total)"),
+        ("throughput", f"{report['generated_tok_per_s']:.1f} generated tok/s ({report['total_tok_per_s']:.1f} total)"),
         ("mean TTFT", f"{report['mean_ttft_s'] * 1000:.1f} ms (max {report['max_ttft_s'] * 1000:.1f} ms)"),
         ("steps / preemptions", f"{report['steps']} / {report['preemptions']}"),
-        ("prefix-cache hit rate", f"{cache['hit_rate']:.1%} ({cache['hit_tokens']} of {cache['query_tokens']} tokens)"),
-        ("KV memory allocated", f"{kv['allocated_bytes'] / MIB:.1f} MiB (as planned: {kv['planned_bytes'] / MIB:.1f})"),
+        ("prefix-cache hit rate", f"{cache['hit_rate']:.1%} ({cache['hit_tokens']} of {cache['prompt_tokens']} "
+                                  "prompt tokens)"),
+        *([("looked up again (waiting, preempted)", f"{again['lookups']} lookups of {again['query_tokens']} tokens, "
+                                                    f"{again['hit_tokens']} hit")] if again["lookups"] else []),
+        ("KV memory allocated", f"{kv['allocated_bytes'] / MIB:.2f} MiB (as planned: {kv['planned_bytes'] / MIB:.2f})"),
         ("KV memory peak used (hybrid)", f"{kv['peak_used_bytes'] / MIB:.2f} MiB"),
+        ("same, without prefix sharing", f"{kv['peak_unshared_bytes'] / MIB:.2f} MiB "
+                                         f"(prefix sharing saves {kv['prefix_sharing_saving']:.1%})"),
         ("same tokens, uniform layout", f"{kv['uniform_layout_bytes_for_same_tokens'] / MIB:.2f} MiB "
-                                        f"(hybrid saves {kv['saving_vs_uniform']:.0%})"),
-        ("max concurrency hybrid / uniform", f"{kv['max_concurrency']} / {kv['uniform_max_concurrency']}"),
+                                        f"(hybrid layout saves {kv['layout_saving']:.1%})"),
+        ("max concurrency hybrid / uniform", f"{kv['max_concurrency']:.2f} / {kv['uniform_max_concurrency']:.2f}"),
     ]
     for name, value in rows:
         table.add_row(name, value)
-    console.print(table)
-    groups = Table(title="KV cache groups")
-    for column in ("group", "kind", "layers", "block", "window/chunk", "hit rate", "peak blocks"):
-        groups.add_column(column, justify="right")
+    print_table(console, table, title=f"hybridkv run: {report['model']}")
+    groups = new_table(("group", "right"), "kind", "layers", ("block", "right"), ("window", "right"),
+                       ("hit rate", "right"), ("peak blocks", "right"))
     for g in cache["groups"]:
         kind = g["kind"].removesuffix("_window").removesuffix("_local")
-        groups.add_row(str(g["group_id"]), kind, ",".join(map(str, g["layers"])), str(g["block_size"]),
+        groups.add_row(str(g["group_id"]), kind, layer_list([str(i) for i in g["layers"]]), str(g["block_size"]),
                        str(g["window_tokens"] or g["chunk_tokens"] or "-"), f"{g['hit_rate']:.1%}",
                        str(g["peak_blocks"]))
-    console.print(groups)
+    print_table(console, groups, title="KV cache groups",
+                caption="hit rate: tokens this group alone could serve, over every lookup (recomputation included)")
     if report.get("note"):
         console.print(f"[yellow]note:[/] {report['note']}", highlight=False)

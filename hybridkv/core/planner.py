@@ -11,6 +11,7 @@ comparison, the uniform layout an engine falls back to when the hybrid manager i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -228,13 +229,31 @@ class Plan:
     bytes_per_request: int  # KV bytes one max_model_len request occupies (a block spans group_size pages)
     recommended_chunk_size: int
     uniform: UniformLayout
+    notes: tuple[str, ...] = ()  # what the planner changed from the literal request, and why
+
+    @property
+    def runnable(self) -> bool:
+        """True when the pool holds at least one request of `max_model_len` tokens."""
+        return self.max_concurrency >= 1
+
+    @property
+    def reason(self) -> str:
+        """Why the hybrid layout cannot serve a full-length request ("" when it can)."""
+        return "" if self.runnable else budget_reason(self.max_concurrency, self.options)
 
     @property
     def capacity_ratio(self) -> float:
-        """Hybrid over uniform capacity (inf when the uniform layout cannot run)."""
-        if not self.uniform.runnable or self.uniform.max_concurrency == 0:
+        """Hybrid over uniform capacity (inf when the uniform layout holds nothing at all)."""
+        if self.uniform.max_concurrency == 0:
             return math.inf
         return self.max_concurrency / self.uniform.max_concurrency
+
+
+def budget_reason(concurrency: float, options: PlannerOptions) -> str:
+    """The plain-words reason a budget is too small for one `max_model_len` request."""
+    return (f"the {options.memory_bytes / GIB:.2f} GiB budget holds {concurrency:.2f} of one "
+            f"{options.max_model_len}-token request; expected at least 1: raise the memory budget or "
+            f"lower max_model_len")
 
 
 def group_layers(buckets: list[list[int]]) -> tuple[int, list[list[int]]]:
@@ -398,13 +417,47 @@ def _uniform_layout(model: ModelSpec, options: PlannerOptions) -> UniformLayout:
     need = math.ceil(options.max_model_len / block)
     concurrency = max(num_blocks - 1, 0) / need
     promoted = sum(1 for _, s in owned if s.kind in (SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL))
+    layout = (f"{promoted} sliding/chunked layers cached as full attention" if promoted
+              else "single attention type: same as the hybrid layout")
+    runnable = concurrency >= 1
     return UniformLayout(
-        runnable=num_blocks > 1, block_size=block, num_blocks=num_blocks,
+        runnable=runnable, block_size=block, num_blocks=num_blocks,
         total_bytes=num_blocks * bytes_per_block, max_concurrency=concurrency,
         kv_capacity_tokens=int(concurrency * options.max_model_len), bytes_per_request=need * bytes_per_block,
-        reason=(f"{promoted} sliding/chunked layers cached as full attention" if promoted
-                else "single attention type: same as the hybrid layout"),
+        reason=layout if runnable else f"{budget_reason(concurrency, options)} ({layout})",
     )
+
+
+def effective_request(model: ModelSpec, options: PlannerOptions) -> tuple[ModelSpec, PlannerOptions, tuple[str, ...]]:
+    """The model and options the layout is built for, and a note for each change.
+
+    - A sliding window or local-attention chunk at least `max_model_len` long never drops a
+      token at this length: those layers are full attention and are planned as such, so such a
+      model never has less capacity than with the hybrid manager off (e.g. Ministral-8B at 32K).
+    - A local-attention chunk that is not a multiple of the block size (Llama 4 with a chunk of
+      24 or 40) gets the largest block size that divides both, instead of a refusal.
+    """
+    notes: list[str] = []
+    layers = list(model.layers)
+    promoted = 0
+    for i, spec in enumerate(layers):
+        if not isinstance(spec, AttentionSpec) or spec.kind not in (SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL):
+            continue
+        if max(spec.window_tokens, spec.chunk_tokens) >= options.max_model_len:
+            layers[i] = AttentionSpec(kind=SpecKind.FULL, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                      dtype=spec.dtype)
+            promoted += 1
+    if promoted:
+        notes.append(f"{promoted} sliding-window/chunked layers reach at least max_model_len "
+                     f"{options.max_model_len} tokens, so they are full attention at this length and planned as such")
+        model = dataclasses.replace(model, layers=tuple(layers))
+    chunks = sorted({s.chunk_tokens for s in layers if isinstance(s, AttentionSpec) and s.chunk_tokens})
+    block = math.gcd(options.block_size, *chunks) if chunks else options.block_size
+    if block != options.block_size:
+        notes.append(f"block size {block} instead of {options.block_size}: a local-attention chunk of "
+                     f"{', '.join(map(str, chunks))} tokens must be a whole number of blocks")
+        options = dataclasses.replace(options, block_size=block)
+    return model, options, tuple(notes)
 
 
 def recommended_chunk_size(config: KVCacheConfig, minimum_tokens: int = MIN_CHUNK_TOKENS) -> int:
@@ -414,7 +467,8 @@ def recommended_chunk_size(config: KVCacheConfig, minimum_tokens: int = MIN_CHUN
 
 
 def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
-    """Lay out `model` in the hybrid layout and compare it with the uniform one."""
+    """Lay out `model` in the hybrid layout and compare it with the uniform one (see `effective_request`)."""
+    model, options, notes = effective_request(model, options)
     config = build_kv_cache_config(model, options)
     need = tuple(
         g.spec.blocks_needed(block_size=g.block_size, max_model_len=options.max_model_len,
@@ -432,4 +486,5 @@ def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
         kv_capacity_tokens=int(concurrency * options.max_model_len), padding_waste_bytes=waste,
         bytes_per_request=sum(need) * config.bytes_per_block,
         recommended_chunk_size=recommended_chunk_size(config), uniform=_uniform_layout(model, options),
+        notes=notes,
     )

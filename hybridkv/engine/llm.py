@@ -22,7 +22,7 @@ import torch
 
 from hybridkv.catalog import find as find_catalog_entry
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.ids import RequestId
+from hybridkv.core.ids import NULL_BLOCK_ID, RequestId
 from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
 from hybridkv.core.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
 from hybridkv.core.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
@@ -72,6 +72,7 @@ class EngineStats:
     preemptions: int = 0
     peak_kv_bytes: int = 0
     peak_uniform_kv_bytes: int = 0
+    peak_unshared_kv_bytes: int = 0  # hybrid layout, each request's blocks counted as if not shared
     peak_group_blocks: list[int] = field(default_factory=list)
 
 
@@ -252,7 +253,7 @@ class LLM:
                 for s in steps}
 
     def _track_memory(self, out: SchedulerOutput) -> None:
-        """Peak KV bytes held (hybrid) and what the uniform layout would hold for the same tokens."""
+        """Peak KV bytes held (hybrid, shared blocks once), the same without sharing, and the uniform layout's."""
         config = self.plan.config
         blocks = self.manager.group_usage()
         stats = self.stats
@@ -263,6 +264,8 @@ class LLM:
         tokens.update({w.request.request_id: w.start_pos + w.num_tokens for w in out.work})
         uniform = sum(math.ceil(t / block) * block for t in tokens.values()) * self._uniform_bytes_per_token
         stats.peak_uniform_kv_bytes = max(stats.peak_uniform_kv_bytes, uniform)
+        held = sum(1 for rid in tokens for table in self.manager.block_ids(rid) for b in table if b != NULL_BLOCK_ID)
+        stats.peak_unshared_kv_bytes = max(stats.peak_unshared_kv_bytes, held * config.bytes_per_block)
 
     def _output(self, request: Request) -> RequestOutput:
         assert request.finish_reason is not None and request.first_token_s is not None and request.finish_s

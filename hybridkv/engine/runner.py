@@ -142,7 +142,10 @@ class ModelRunner:
                 raise ConfigError(f"layer {layer}: the model computes {kind.value} attention but the KV cache "
                                   f"layout gives it no cache; model_specs and the model file disagree")
             group = self.kv_config.groups[self.layer_group[layer]]
-            if group.kind is not kind:
+            # The planner plans a window or chunk at least max_model_len long as full attention
+            # (identical at every length the engine accepts), so a local layer may sit in a full group.
+            promoted = group.kind is SpecKind.FULL and kind in (SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL)
+            if group.kind is not kind and not promoted:
                 shown = "no" if kind is None else kind.value
                 raise ConfigError(
                     f"layer {layer}: the model computes {shown} attention but the KV cache layout "

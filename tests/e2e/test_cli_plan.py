@@ -66,7 +66,12 @@ def test_every_catalog_model_plans_consistently() -> None:
             assert g["page_bytes_used"] <= page, entry.hf_id
             assert report["recommended_chunk_size"] % g["block_size"] == 0
         has_mamba = any(g["kind"] == "mamba" for g in report["groups"])
-        assert report["uniform"]["runnable"] is not has_mamba, entry.hf_id
+        uniform = report["uniform"]
+        # Runnable = holds at least one max_model_len request; Mamba hybrids never run uniformly.
+        assert uniform["runnable"] is (not has_mamba and uniform["max_concurrency"] >= 1), entry.hf_id
+        assert report["runnable"] is (report["max_concurrency"] >= 1), entry.hf_id
+        budget_too_small = not has_mamba and not uniform["runnable"]
+        assert uniform["reason"].startswith("the 8.00 GiB budget holds") is budget_too_small, entry.hf_id
 
 
 def test_sparse_mla_json_lists_per_layer_pages() -> None:

@@ -36,6 +36,11 @@ def test_builtin_chat_report(tmp_path: Path) -> None:
     assert all(g["hit_rate"] > 0 for g in cache["groups"])
     assert kv["allocated_bytes"] == kv["planned_bytes"]
     assert 0 < kv["peak_used_bytes"] < kv["uniform_layout_bytes_for_same_tokens"]
+    # Shared system prompt and extended turns: sharing saves; 5 of 6 layers slide: the layout saves too.
+    assert kv["peak_used_bytes"] < kv["peak_unshared_bytes"] < kv["uniform_layout_bytes_for_same_tokens"]
+    assert kv["prefix_sharing_saving"] == round(1 - kv["peak_used_bytes"] / kv["peak_unshared_bytes"], 4)
+    assert cache["hit_tokens"] < cache["prompt_tokens"] == report["prompt_tokens"]
+    assert cache["repeated_lookups"]["preemptions"] == report["preemptions"] == 0
     assert "meaningless" in report["note"]
 
 
@@ -111,3 +116,30 @@ def test_notes_and_errors_name_the_workload_line(tmp_path: Path, monkeypatch: py
                           env=dict(os.environ, COLUMNS="200"), timeout=240, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "workload line 3 has 100 tokens; expected at most --max-model-len 64" in proc.stderr
+
+
+def test_preemption_and_one_attention_type_report_honest_figures(tmp_path: Path) -> None:
+    """Hit rate over prompt tokens even when requests are looked up again; no layout saving without sliding layers."""
+    import shutil
+
+    from hybridkv.engine.default_model import ensure_default_model
+
+    squeezed = _run(tmp_path, "--kv-cache-memory-gib", "0.0012", "--max-tokens", "8")
+    cache = squeezed["prefix_cache"]
+    assert squeezed["preemptions"] >= 1 and cache["repeated_lookups"]["lookups"] > 0
+    assert cache["hit_tokens"] <= cache["prompt_tokens"] == squeezed["prompt_tokens"]
+    assert cache["hit_rate"] == round(cache["hit_tokens"] / cache["prompt_tokens"], 4)
+    os.environ["HYBRIDKV_CACHE_DIR"] = str(tmp_path / "cache")
+    try:
+        source = ensure_default_model()
+    finally:
+        del os.environ["HYBRIDKV_CACHE_DIR"]
+    full_only = tmp_path / "full-only"
+    shutil.copytree(source, full_only)
+    config = json.loads((full_only / "config.json").read_text())
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]  # same weights, one attention type
+    (full_only / "config.json").write_text(json.dumps(config))
+    kv = _run(tmp_path, "--model", str(full_only), "--max-tokens", "8")["kv_memory"]
+    assert abs(kv["layout_saving"]) < 0.02, kv  # the hybrid layout of a one-type model is the uniform layout
+    assert kv["prefix_sharing_saving"] > 0.3, kv  # the shared system prompt is what saves memory here
+    assert kv["capacity_ratio"] == 1.0
