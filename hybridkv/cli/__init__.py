@@ -31,7 +31,7 @@ from typing import Annotated
 import typer
 
 from hybridkv import __version__
-from hybridkv.cli import plan, run
+from hybridkv.cli import plan, run, server
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
@@ -53,6 +53,7 @@ def _root(
 # One line per subcommand (see the module docstring).
 app.command("plan")(plan.plan_command)
 app.command("run")(run.run_command)
+app.command("server")(server.server_command)
 
 
 def main() -> None:

@@ -1,0 +1,197 @@
+"""A registered engine layout: its validation, its object groups and the block rules of
+design.md section 6.
+
+An object group is the set of engine groups stored as one object per chunk: the full-attention
+groups form one, sliding groups one per distinct window (in chunks), chunked-local groups one per
+distinct attention chunk, each state group its own; `--no-separate-object-groups` puts every
+group into one. Cross-attention groups are never cached and never gate anything.
+
+Per engine group g and chunk j (tokens [s, e), `bpc` = chunk / B_g blocks) two block ranges:
+
+    kept(j)        blocks stored when chunk j completes   full: all  sliding: last ceil((W-1)/B)
+                                                          state: last one   chunked: those in the
+                                                          attention chunk of token e-1 (none if C | e)
+    needed(j, c)   blocks a hit of c chunks (L = c * chunk tokens) reads; always within kept(j):
+                   full: all   sliding: tokens [L-W+1, L)   state: the last block of chunk c-1
+                   chunked: tokens [floor(L/C)*C, L)
+
+The chunks an object group needs for a hit of c chunks are one contiguous range
+`lo(c) .. c-1` (possibly empty), which makes a lookup O(1) per candidate length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridkv.core.errors import HybridKVError
+from hybridkv.server.protocol import ErrorCode, GroupKind, GroupLayout, Layout, ObjectGroupInfo
+
+
+class RequestError(HybridKVError, ValueError):
+    """A request the server rejects; `code` goes into the error reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _bad_layout(message: str) -> RequestError:
+    return RequestError(ErrorCode.BAD_LAYOUT, message)
+
+
+def valid_chunk_sizes(layout: Layout, *, count: int = 4) -> list[int]:
+    """The first `count` chunk sizes every cached group's block size divides."""
+    step = math.lcm(*[g.block_tokens for g in layout.groups if g.kind is not GroupKind.CROSS] or [1])
+    return [step * i for i in range(1, count + 1)]
+
+
+def validate_layout(layout: Layout, chunk_tokens: int) -> None:
+    """Raise RequestError(BAD_LAYOUT) naming what is wrong with `layout` for this server."""
+    if not layout.groups:
+        raise _bad_layout("a layout needs at least one group, got none")
+    if not 0 <= layout.rank < layout.world_size:
+        raise _bad_layout(f"rank {layout.rank} must be in [0, world_size={layout.world_size})")
+    if layout.num_blocks < 2 or layout.page_stride_bytes <= 0:
+        raise _bad_layout(f"num_blocks must be >= 2 and page_stride_bytes > 0, got {layout.num_blocks} "
+                          f"and {layout.page_stride_bytes}")
+    if not layout.fingerprint:
+        raise _bad_layout("the layout fingerprint is empty")
+    need = layout.num_blocks * layout.page_stride_bytes
+    for i, buf in enumerate(layout.buffers):
+        if buf.size_bytes < need:
+            raise _bad_layout(f"buffer {i} ({buf.shm_name!r}) has {buf.size_bytes} bytes, expected at least "
+                              f"num_blocks * page_stride_bytes = {need}")
+    for gid, g in enumerate(layout.groups):
+        _validate_group(gid, g, layout, chunk_tokens)
+
+
+def _validate_group(gid: int, g: GroupLayout, layout: Layout, chunk_tokens: int) -> None:
+    if g.block_tokens <= 0 or g.num_layers <= 0 or g.page_bytes <= 0:
+        raise _bad_layout(f"group {gid}: block_tokens, num_layers and page_bytes must be positive, got "
+                          f"{g.block_tokens}, {g.num_layers}, {g.page_bytes}")
+    if g.page_bytes > layout.page_stride_bytes:
+        raise _bad_layout(f"group {gid}: page_bytes {g.page_bytes} exceeds page_stride_bytes "
+                          f"{layout.page_stride_bytes}")
+    if g.num_layers > len(layout.buffers):
+        raise _bad_layout(f"group {gid} has {g.num_layers} layers but only {len(layout.buffers)} buffers "
+                          "are registered (layer j of every group lives in buffer j)")
+    if g.kind in (GroupKind.SLIDING, GroupKind.CHUNKED) and g.window_tokens <= 0:
+        raise _bad_layout(f"group {gid} ({g.kind.value}) needs window_tokens > 0, got {g.window_tokens}")
+    if g.kind is not GroupKind.CROSS and chunk_tokens % g.block_tokens:
+        raise _bad_layout(
+            f"chunk size {chunk_tokens} must be a multiple of group {gid}'s block size {g.block_tokens} "
+            f"({g.kind.value}); valid chunk sizes: {valid_chunk_sizes(layout)} ...")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectGroup:
+    index: int
+    name: str
+    groups: tuple[int, ...]  # engine group indices, in layout order
+
+
+def object_groups(layout: Layout, chunk_tokens: int, *, separate: bool) -> list[ObjectGroup]:
+    """The object groups of a (validated) layout, in a deterministic order."""
+    cached = [(gid, g) for gid, g in enumerate(layout.groups) if g.kind is not GroupKind.CROSS]
+    if not separate:
+        return [ObjectGroup(index=0, name="all", groups=tuple(gid for gid, _ in cached))] if cached else []
+    names: dict[str, list[int]] = {}
+    for gid, g in cached:
+        names.setdefault(_object_group_name(gid, g, chunk_tokens), []).append(gid)
+    return [ObjectGroup(index=i, name=name, groups=tuple(gids)) for i, (name, gids) in enumerate(names.items())]
+
+
+def _object_group_name(gid: int, g: GroupLayout, chunk_tokens: int) -> str:
+    if g.kind is GroupKind.FULL:
+        return "full"
+    if g.kind is GroupKind.SLIDING:
+        return f"window:{math.ceil((g.window_tokens - 1) / chunk_tokens)}"
+    if g.kind is GroupKind.CHUNKED:
+        return f"chunked:{g.window_tokens}"
+    return f"state:g{gid}"
+
+
+def object_group_infos(groups: list[ObjectGroup]) -> list[ObjectGroupInfo]:
+    return [ObjectGroupInfo(name=og.name, groups=list(og.groups)) for og in groups]
+
+
+class ChunkRules:
+    """The kept / needed block ranges of one layout at one chunk size (see the module doc)."""
+
+    def __init__(self, layout: Layout, chunk_tokens: int) -> None:
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = [chunk_tokens // g.block_tokens if g.kind is not GroupKind.CROSS else 0
+                                 for g in layout.groups]
+
+    def kept(self, gid: int, chunk: int) -> range:
+        g, bpc = self.layout.groups[gid], self.blocks_per_chunk[gid]
+        if g.kind is GroupKind.FULL:
+            return range(bpc)
+        if g.kind is GroupKind.SLIDING:
+            return range(bpc - min(bpc, math.ceil((g.window_tokens - 1) / g.block_tokens)), bpc)
+        if g.kind is GroupKind.STATE:
+            return range(bpc - 1, bpc)
+        if g.kind is GroupKind.CHUNKED:
+            start, end = chunk * self.chunk_tokens, (chunk + 1) * self.chunk_tokens
+            if end % g.window_tokens == 0:
+                return range(bpc, bpc)
+            first = max(start, (end - 1) // g.window_tokens * g.window_tokens)
+            return range((first - start) // g.block_tokens, bpc)
+        return range(0)
+
+    def needed(self, gid: int, chunk: int, hit_chunks: int) -> range:
+        """Blocks of chunk `chunk` (< hit_chunks) that a hit of `hit_chunks` chunks reads."""
+        g, bpc = self.layout.groups[gid], self.blocks_per_chunk[gid]
+        hit, start = hit_chunks * self.chunk_tokens, chunk * self.chunk_tokens
+        if g.kind is GroupKind.FULL:
+            return range(bpc)
+        if g.kind is GroupKind.STATE:
+            return range(bpc - 1, bpc) if chunk == hit_chunks - 1 else range(0)
+        if g.kind is GroupKind.SLIDING:
+            first_token = hit - g.window_tokens + 1
+        elif g.kind is GroupKind.CHUNKED:
+            first_token = hit // g.window_tokens * g.window_tokens
+        else:
+            return range(0)
+        if first_token >= start + self.chunk_tokens:
+            return range(0)
+        return range(max(0, first_token - start) // g.block_tokens, bpc)
+
+    def first_needed_chunk(self, gid: int, hit_chunks: int) -> int:
+        """`lo`: the first chunk group `gid` needs for a hit of `hit_chunks` (= hit_chunks if none)."""
+        g, hit = self.layout.groups[gid], hit_chunks * self.chunk_tokens
+        if hit_chunks == 0 or g.kind is GroupKind.CROSS:
+            return hit_chunks
+        if g.kind is GroupKind.FULL:
+            return 0
+        if g.kind is GroupKind.STATE:
+            return hit_chunks - 1
+        if g.kind is GroupKind.SLIDING:
+            first_token = max(0, hit - g.window_tokens + 1)
+        else:
+            if hit % g.window_tokens == 0:
+                return hit_chunks
+            first_token = hit // g.window_tokens * g.window_tokens
+        return min(hit_chunks, first_token // self.chunk_tokens)
+
+    def object_bytes(self, og: ObjectGroup, chunk: int) -> int:
+        return sum(len(self.kept(gid, chunk)) * self.section_block_bytes(gid) for gid in og.groups)
+
+    def section_block_bytes(self, gid: int) -> int:
+        g = self.layout.groups[gid]
+        return g.num_layers * g.page_bytes
+
+    def block_offset(self, og: ObjectGroup, chunk: int, gid: int, block: int) -> int:
+        """Byte offset in the object of (og, chunk) of group gid's block `block` (in kept(gid, chunk)).
+
+        Object bytes: for each member group in order, for each kept block in order, each layer's page.
+        """
+        offset = 0
+        for member in og.groups:
+            kept = self.kept(member, chunk)
+            if member == gid:
+                return offset + (block - kept.start) * self.section_block_bytes(gid)
+            offset += len(kept) * self.section_block_bytes(member)
+        raise KeyError(f"group {gid} is not in object group {og.name}")

@@ -1,0 +1,75 @@
+"""The engine's KV cache buffers, mapped into the server (POSIX shared memory, no copies of
+the mapping itself): page views by (layer slot, block id) for the store to copy from and into.
+
+The server opens `/dev/shm/<name>` directly (not `multiprocessing.shared_memory`, whose
+resource tracker would unlink the engine's segment when the server exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.server.layout import RequestError
+from hybridkv.server.protocol import ErrorCode, Layout
+
+SHM_DIR = Path("/dev/shm")
+
+Bytes = npt.NDArray[np.uint8]
+
+
+class MappedBuffers:
+    """Read/write views of one registered engine's buffers. Close when the engine unregisters."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.num_blocks = layout.num_blocks
+        self.stride = layout.page_stride_bytes
+        self._maps: list[mmap.mmap] = []
+        self.views: list[Bytes] = []
+        try:
+            for buf in layout.buffers:
+                self._map(buf.shm_name, buf.size_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, name: str, size_bytes: int) -> None:
+        if not name or "/" in name:
+            raise RequestError(ErrorCode.BAD_LAYOUT, f"shared-memory name must be non-empty without '/', got {name!r}")
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise RequestError(ErrorCode.BAD_LAYOUT, f"cannot open shared memory {name!r}: {e.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size_bytes:
+                raise RequestError(ErrorCode.BAD_LAYOUT, f"shared memory {name!r} has {actual} bytes, the layout "
+                                   f"says {size_bytes}")
+            mapped = mmap.mmap(fd, size_bytes)
+        finally:
+            os.close(fd)
+        self._maps.append(mapped)
+        self.views.append(np.frombuffer(mapped, dtype=np.uint8))
+
+    def check_block_ids(self, what: str, block_ids: list[int]) -> None:
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: block id {b} is outside the registered "
+                                   f"buffers (expected 0 <= id < num_blocks = {self.num_blocks})")
+
+    def page(self, layer: int, block_id: int, nbytes: int) -> Bytes:
+        start = block_id * self.stride
+        return self.views[layer][start:start + nbytes]
+
+    def close(self) -> None:
+        self.views.clear()
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # a view still exported: the OS unmaps at exit
+                m.close()
+        self._maps.clear()

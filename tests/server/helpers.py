@@ -1,0 +1,172 @@
+"""A fake engine (shared-memory KV buffers with random pages) and an in-process server on free
+loopback ports, for the server tests."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from hybridkv.connector.client import KVClient, SharedKVBuffers, make_layout
+from hybridkv.server.http import HTTPServer
+from hybridkv.server.protocol import GroupKind, GroupLayout, Layout
+from hybridkv.server.server import ControlServer
+from hybridkv.server.store import KVStore, StoreConfig
+from hybridkv.server.tiers.base import L2Tier
+
+
+def make_group(*, kind: str = "full", layers: int = 1, block: int = 4, page: int = 64, window: int = -1) -> GroupLayout:
+    return GroupLayout(kind=GroupKind(kind), num_layers=layers, block_tokens=block, page_bytes=page,
+                       window_tokens=window)
+
+
+@dataclass
+class FakeEngine:
+    """KV buffers in shared memory; page (layer, block) of group g = buffers[layer][block * stride:][:page_g]."""
+
+    buffers: SharedKVBuffers
+    layout: Layout
+
+    def page(self, gid: int, layer: int, block: int) -> npt.NDArray[np.uint8]:
+        start = block * self.layout.page_stride_bytes
+        return self.buffers.arrays[layer][start:start + self.layout.groups[gid].page_bytes]
+
+    def fill_random(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for arr in self.buffers.arrays:
+            arr[:] = rng.integers(0, 256, arr.size, dtype=np.uint8)
+
+    def zero(self) -> None:
+        for arr in self.buffers.arrays:
+            arr[:] = 0
+
+    def close(self) -> None:
+        self.buffers.close()
+
+
+def make_engine(groups: Sequence[GroupLayout], *, num_blocks: int = 128, model: str = "toy", rank: int = 0,
+                seed: int | None = 0) -> FakeEngine:
+    stride = max(g.page_bytes for g in groups)
+    num_buffers = max(g.num_layers for g in groups)
+    buffers = SharedKVBuffers.create(num_buffers=num_buffers, size_bytes=num_blocks * stride)
+    layout = make_layout(model=model, groups=groups, buffers=buffers, num_blocks=num_blocks, page_stride_bytes=stride,
+                         rank=rank)
+    engine = FakeEngine(buffers=buffers, layout=layout)
+    if seed is not None:
+        engine.fill_random(seed)
+    return engine
+
+
+@contextlib.contextmanager
+def fake_engine(groups: Sequence[GroupLayout], **kwargs: object) -> Iterator[FakeEngine]:
+    engine = make_engine(groups, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@dataclass
+class RunningServer:
+    store: KVStore
+    endpoint: str
+    http_url: str
+
+    def client(self, timeout_s: float = 5.0) -> KVClient:
+        return KVClient(self.endpoint, timeout_s=timeout_s)
+
+    def http(self, path: str, *, method: str = "GET") -> str:
+        req = urllib.request.Request(self.http_url + path, method=method)
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return str(r.read().decode())
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample's value from the server's own registry (0 when absent)."""
+        value = self.store.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+@contextlib.contextmanager
+def running_server(config: StoreConfig | None = None, tiers: Sequence[L2Tier] = (), *,
+                   max_message_bytes: int = 1 << 20) -> Iterator[RunningServer]:
+    """The control loop and HTTP thread of a real server, on free 127.0.0.1 ports, stopped after."""
+    store = KVStore(config or StoreConfig(chunk_tokens=8, l1_bytes=1 << 24), tiers)
+    control = ControlServer(store, "127.0.0.1", 0, max_message_bytes)
+    http = HTTPServer(store, "127.0.0.1", 0)
+    http.start()
+    thread = threading.Thread(target=control.serve, daemon=True)
+    thread.start()
+    try:
+        yield RunningServer(store=store, endpoint=f"tcp://127.0.0.1:{control.port}",
+                            http_url=f"http://127.0.0.1:{http.port}")
+    finally:
+        control.stop()
+        thread.join(10)
+        http.stop()
+        store.close()
+
+
+LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\) and http://[^:]+:(\d+)")
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[str]
+    endpoint: str
+    http_url: str
+    line: str
+
+    def client(self, timeout_s: float = 5.0) -> KVClient:
+        return KVClient(self.endpoint, timeout_s=timeout_s)
+
+    def http(self, path: str, *, method: str = "GET") -> str:
+        req = urllib.request.Request(self.http_url + path, method=method)
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return str(r.read().decode())
+
+
+def start_server_process(*args: str, timeout_s: float = 60.0) -> ServerProcess:
+    """`python -m hybridkv server --port 0 --http-port 0 ARGS` on loopback; waits for its startup line."""
+    cmd = [sys.executable, "-m", "hybridkv", "server", "--port", "0", "--http-port", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"server exited with {proc.wait()} before listening: {err}")
+        match = LISTENING.search(line)
+        if match:
+            return ServerProcess(proc=proc, endpoint=f"tcp://127.0.0.1:{match[1]}",
+                                 http_url=f"http://127.0.0.1:{match[2]}", line=line.strip())
+    proc.kill()
+    raise AssertionError("server did not print its startup line in time")
+
+
+@contextlib.contextmanager
+def server_process(*args: str) -> Iterator[ServerProcess]:
+    server = start_server_process(*args)
+    try:
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
+            try:
+                server.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                server.proc.kill()
+                server.proc.wait()
+        for stream in (server.proc.stdout, server.proc.stderr):
+            if stream is not None:
+                stream.close()
