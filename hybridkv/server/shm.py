@@ -51,7 +51,8 @@ class MappedBuffers:
             if actual < size_bytes:
                 raise RequestError(ErrorCode.BAD_LAYOUT, f"shared memory {name!r} has {actual} bytes, the layout "
                                    f"says {size_bytes}")
-            mapped = mmap.mmap(fd, size_bytes)
+            # populate: fault the whole mapping now (registration), not page by page in every copy
+            mapped = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self._maps.append(mapped)

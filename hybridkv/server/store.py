@@ -45,6 +45,8 @@ from hybridkv.server.protocol import (
 from hybridkv.server.shm import Bytes, MappedBuffers
 from hybridkv.server.tiers.base import L2Tier
 
+L2_FLUSH_TIMEOUT_S = 10.0
+
 
 class ObjectGroupMode(Enum):
     SEPARATE = "separate"  # full / each window / each chunked size / each state group
@@ -102,9 +104,10 @@ class KVStore:
         self.config = config
         self.metrics = metrics or ServerMetrics()
         self.metrics.l1_capacity.set(config.l1_bytes)
-        self._pool = L1Pool(config.l1_bytes, make_policy(config.eviction_policy),
-                            on_evict=lambda _k, _n: self.metrics.evictions.inc())
         self.tiers = TierSet(tiers, self.metrics)
+        self._pool = L1Pool(config.l1_bytes, make_policy(config.eviction_policy),
+                            on_evict=lambda _k, _n: self.metrics.evictions.inc(),
+                            can_reuse=self._l2_has_everything if len(self.tiers) else None)
         self.metrics.watch_tiers(self.tiers.stats)
         self._engines: dict[int, _Engine] = {}
         self._leases: dict[int, _Lease] = {}
@@ -188,20 +191,32 @@ class KVStore:
         key = self._key(engine, og, req.cache_salt, chunk, chunk_hash)
         if self._pool.get(key) is not None:
             return ""  # already stored: the same chained hash means the same content
-        value = np.empty(rules.object_bytes(og, chunk), dtype=np.uint8)
-        offset = 0
-        for gid, bid in pages:
-            g = engine.layout.groups[gid]
-            for layer in range(g.num_layers):
-                value[offset:offset + g.page_bytes] = engine.buffers.page(layer, bid, g.page_bytes)
-                offset += g.page_bytes
-        if not self._pool.put(key, value):
-            return self._refuse(og, "l1_full", f"L1 cannot place {value.nbytes} bytes: the pool "
+        nbytes = rules.object_bytes(og, chunk)
+
+        def fill(value: Bytes) -> None:
+            offset = 0
+            for gid, bid in pages:
+                g = engine.layout.groups[gid]
+                for layer in range(g.num_layers):
+                    value[offset:offset + g.page_bytes] = engine.buffers.page(layer, bid, g.page_bytes)
+                    offset += g.page_bytes
+
+        if not self._pool.put(key, nbytes, fill):
+            return self._refuse(og, "l1_full", f"L1 cannot place {nbytes} bytes: the pool "
                                 f"({self.config.l1_bytes} bytes) is full of locked objects or too small")
-        self.metrics.bytes_in.inc(value.nbytes)
+        self.metrics.bytes_in.inc(nbytes)
         self.metrics.objects_stored.labels(og.name).inc()
-        self.tiers.write_behind(key, memoryview(value.data))
+        stored = self._pool.get(key)
+        assert stored is not None  # just placed, under the lock
+        self.tiers.write_behind(key, memoryview(stored.data))
         return ""
+
+    def _l2_has_everything(self) -> bool:
+        """Memory of evicted objects may be reused only once the write-behind handed it to L2."""
+        if self.tiers.flush(timeout_s=L2_FLUSH_TIMEOUT_S):
+            return True
+        self.metrics.l2_errors.labels("write_behind").inc()
+        return False
 
     def _refuse(self, og: ObjectGroup, reason: str, message: str) -> str:
         self.metrics.refused.labels(og.name, reason).inc()
@@ -312,7 +327,11 @@ class KVStore:
         value = self.tiers.get(tier, key, expected)
         if value is None:
             return False
-        return self._pool.put(key, np.frombuffer(value, dtype=np.uint8))
+
+        def fill(view: Bytes) -> None:
+            view[:] = np.frombuffer(value, dtype=np.uint8)
+
+        return self._pool.put(key, len(value), fill)
 
     # ---- retrieve, release ------------------------------------------------------------------
 
@@ -395,8 +414,8 @@ class KVStore:
         with self._lock:
             for lookup_id in list(self._leases):
                 self._release(lookup_id)
+            self.tiers.clear()  # first: it flushes the write-behind, which reads L1 memory
             removed = self._pool.clear()
-            self.tiers.clear()
             self._update_gauges()
             return removed
 

@@ -1,0 +1,133 @@
+"""KV cache server benchmark: store / lookup / retrieve over loopback against a server process,
+next to single-thread memcpy of the same bytes.
+
+    python benchmarks/bench_server.py [--bytes-per-token 131072] [--chunk-tokens 256]
+        [--tokens-per-request 2048] [--requests 8] [--block-tokens 16] [--seed 0] [--quick]
+
+This process is the client: it starts `hybridkv server` (127.0.0.1, free ports, L1 sized to hold
+everything), registers one shared-memory KV buffer (one full-attention group: a page = block
+tokens * bytes per token), fills it with seeded random bytes, then times R store calls (one per
+request, every chunk of it), R lookups (each holds its hit) and R retrieves into the same blocks
+after the buffer was zeroed, and checks the retrieved bytes against checksums taken before.
+memcpy = one numpy copy of the same bytes between two already-touched buffers. The last line:
+
+    store_gbps=X retrieve_gbps=Y lookup_ms=Z memcpy_gbps=M retrieve_vs_memcpy=R
+
+(GB = 1e9 bytes; lookup_ms = median lookup round trip.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import xxhash
+
+from hybridkv.connector.client import GroupLayout, KVClient, SharedKVBuffers, chunk_hashes, make_layout
+from hybridkv.server.protocol import GroupKind
+
+LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\)")
+
+
+def start_server(chunk_tokens: int, l1_gib: float) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "hybridkv", "server", "--port", "0", "--http-port", "0", "--chunk-size",
+           str(chunk_tokens), "--l1-size-gb", f"{l1_gib:.3f}", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        match = LISTENING.search(line)
+        if match:
+            return proc, f"tcp://127.0.0.1:{match[1]}"
+    raise SystemExit(f"the server exited with {proc.wait()} before listening")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bytes-per-token", type=int, default=131072)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--tokens-per-request", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a small smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.bytes_per_token, args.tokens_per_request, args.requests = 8192, 512, 2
+    if args.chunk_tokens % args.block_tokens or args.tokens_per_request % args.chunk_tokens:
+        raise SystemExit("--chunk-tokens must be a multiple of --block-tokens, --tokens-per-request of --chunk-tokens")
+
+    page = args.block_tokens * args.bytes_per_token
+    blocks_per_request = args.tokens_per_request // args.block_tokens
+    num_blocks = 1 + args.requests * blocks_per_request
+    total = args.requests * args.tokens_per_request * args.bytes_per_token
+    buffers = SharedKVBuffers.create(num_buffers=1, size_bytes=num_blocks * page)
+    proc, endpoint = start_server(args.chunk_tokens, total / 2**30 * 1.05 + 0.05)
+    try:
+        result = run(args, buffers, endpoint, page, num_blocks, blocks_per_request, total)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        buffers.close()
+    print(result)
+
+
+def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page: int, num_blocks: int,
+        blocks_per_request: int, total: int) -> str:
+    kv = buffers.arrays[0]
+    rng = np.random.default_rng(args.seed)
+    kv[:] = rng.integers(0, 256, kv.size, dtype=np.uint8)
+    group = GroupLayout(kind=GroupKind.FULL, num_layers=1, block_tokens=args.block_tokens, page_bytes=page)
+    layout = make_layout(model="bench", groups=[group], buffers=buffers, num_blocks=num_blocks, page_stride_bytes=page)
+    requests = []
+    for r in range(args.requests):
+        tokens = rng.integers(0, 1 << 30, args.tokens_per_request + 1).tolist()
+        blocks = list(range(1 + r * blocks_per_request, 1 + (r + 1) * blocks_per_request))
+        region = kv[blocks[0] * page:(blocks[-1] + 1) * page]
+        requests.append((tokens, blocks, xxhash.xxh3_64_hexdigest(region.data)))
+
+    with KVClient(endpoint, timeout_s=120) as client:
+        client.register(layout)
+        hashes = [chunk_hashes(t, client.chunk_tokens) for t, _, _ in requests]
+        t0 = time.perf_counter()
+        for h, (_, blocks, _) in zip(hashes, requests, strict=True):
+            reply = client.store(first_chunk=0, chunk_hashes=h, block_ids=[blocks])
+            if not all(reply.stored):
+                raise SystemExit(f"store refused: {reply.refusals[:3]}")
+        store_s = time.perf_counter() - t0
+        kv[:] = 0
+        lookup_ms, hits = [], []
+        for h, (tokens, _, _) in zip(hashes, requests, strict=True):
+            t = time.perf_counter()
+            hit = client.lookup(h, num_tokens=len(tokens))
+            lookup_ms.append((time.perf_counter() - t) * 1e3)
+            if hit.hit_tokens != args.tokens_per_request:
+                raise SystemExit(f"lookup hit {hit.hit_tokens} tokens, expected {args.tokens_per_request}")
+            hits.append(hit.lookup_id)
+        t0 = time.perf_counter()
+        for lookup_id, (_, blocks, _) in zip(hits, requests, strict=True):
+            client.retrieve(lookup_id, block_ids=[blocks])
+        retrieve_s = time.perf_counter() - t0
+    for _, blocks, digest in requests:
+        if xxhash.xxh3_64_hexdigest(kv[blocks[0] * page:(blocks[-1] + 1) * page].data) != digest:
+            raise SystemExit("retrieved bytes differ from the stored ones")
+
+    src = kv[page:page + total]
+    dst = np.ones_like(src)  # touched, like the server's pool after the store
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    memcpy_s = time.perf_counter() - t0
+    store_gbps, retrieve_gbps, memcpy_gbps = total / store_s / 1e9, total / retrieve_s / 1e9, total / memcpy_s / 1e9
+    print(f"{args.requests} requests x {args.tokens_per_request} tokens x {args.bytes_per_token} B = "
+          f"{total / 1e9:.2f} GB; lookups {', '.join(f'{x:.2f}' for x in lookup_ms)} ms", file=sys.stderr)
+    return (f"store_gbps={store_gbps:.2f} retrieve_gbps={retrieve_gbps:.2f} "
+            f"lookup_ms={statistics.median(lookup_ms):.3f} memcpy_gbps={memcpy_gbps:.2f} "
+            f"retrieve_vs_memcpy={retrieve_gbps / memcpy_gbps:.2f}")
+
+
+if __name__ == "__main__":
+    main()
