@@ -35,6 +35,8 @@ def server_command(
         help="one object group per window class (on) or one for every group")] = True,
     l2_disk: Annotated[Path | None, typer.Option("--l2-disk", help="directory of the L2 disk tier")] = _D.l2_disk,
     l2_disk_size_gb: Annotated[float, typer.Option("--l2-disk-size-gb")] = _D.l2_disk_size_gb,
+    l2_valkey: Annotated[str | None, typer.Option("--l2-valkey", help="redis:// or valkey:// URL of a shared "
+                                                  "L2 tier (write-behind, read-through)")] = _D.l2_valkey,
     max_message_mib: Annotated[float, typer.Option("--max-message-mib", help="largest control message")] = (
         _D.max_message_mib),
     lock_ttl_s: Annotated[float, typer.Option("--lock-ttl-s", help="how long a lookup holds its chunks")] = (
@@ -53,7 +55,7 @@ def server_command(
             host=host, port=port, http_port=http_port, chunk_tokens=chunk_size, l1_size_gb=l1_size_gb,
             eviction_policy=eviction_policy,
             object_groups=ObjectGroupMode.SEPARATE if separate_object_groups else ObjectGroupMode.ONE,
-            l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, max_message_mib=max_message_mib,
+            l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_valkey=l2_valkey, max_message_mib=max_message_mib,
             lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, log_level=log_level.lower(),
         )
         run_server(config)

@@ -25,6 +25,7 @@ class ServerConfig:
     object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
     l2_disk: Path | None = None
     l2_disk_size_gb: float = 16.0
+    l2_valkey: str | None = None  # redis://host:port[/db] or valkey://...
     max_message_mib: float = 64.0
     lock_ttl_s: float = 30.0
     allow_remote: bool = False  # binding a non-loopback address must be asked for explicitly
@@ -40,6 +41,8 @@ class ServerConfig:
         if self.l1_size_gb <= 0 or self.l2_disk_size_gb <= 0 or self.max_message_mib <= 0:
             raise ConfigError(f"sizes must be positive, got --l1-size-gb {self.l1_size_gb}, --l2-disk-size-gb "
                               f"{self.l2_disk_size_gb}, --max-message-mib {self.max_message_mib}")
+        if self.l2_valkey is not None and not self.l2_valkey.startswith(("redis://", "valkey://")):
+            raise ConfigError(f"--l2-valkey must be a redis:// or valkey:// URL, got {self.l2_valkey!r}")
         if not self.is_loopback and not self.allow_remote:
             raise ConfigError(f"--host {self.host} is not a loopback address; pass --allow-remote to serve the "
                               "network (the server has no authentication)")

@@ -54,6 +54,7 @@ from hybridkv.server.protocol import (
 from hybridkv.server.store import KVStore
 from hybridkv.server.tiers.base import L2Tier
 from hybridkv.server.tiers.disk import DiskTier
+from hybridkv.server.tiers.valkey import ValkeyTier
 
 log = logging.getLogger("hybridkv.server")
 
@@ -174,10 +175,12 @@ class ControlServer:
 
 
 def build_tiers(config: ServerConfig) -> list[L2Tier]:
-    """The L2 tiers asked for, fastest first."""
+    """The L2 tiers asked for, fastest first: local disk, then the shared Valkey."""
     tiers: list[L2Tier] = []
     if config.l2_disk is not None:
         tiers.append(DiskTier(config.l2_disk, int(config.l2_disk_size_gb * GIB)))
+    if config.l2_valkey is not None:
+        tiers.append(ValkeyTier(config.l2_valkey))
     return tiers
 
 
