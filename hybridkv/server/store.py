@@ -202,8 +202,8 @@ class KVStore:
                     offset += g.page_bytes
 
         if not self._pool.put(key, nbytes, fill):
-            return self._refuse(og, "l1_full", f"L1 cannot place {nbytes} bytes: the pool "
-                                f"({self.config.l1_bytes} bytes) is full of locked objects or too small")
+            return self._refuse(og, "l1_full", f"L1 cannot place {nbytes} bytes: the pool ({self.config.l1_bytes} "
+                                "bytes) is full of locked objects, too small, or still writing evicted ones to L2")
         self.metrics.bytes_in.inc(nbytes)
         self.metrics.objects_stored.labels(og.name).inc()
         stored = self._pool.get(key)

@@ -136,3 +136,17 @@ def test_no_separate_object_groups_one_object_per_chunk() -> None:
         assert hit.hit_tokens == 24
         got = c.retrieve(hit.lookup_id, block_ids=[blocks(eng, g, 3, 2) for g in range(len(GROUPS))])
         assert got.bytes_copied == 3 * 256 + 2 * 128 + 64 + 48  # still only what each group needs
+
+
+def test_a_group_that_is_never_cached_does_not_gate_stores_or_lookups() -> None:
+    groups = [make_group(block=4, page=64), make_group(kind="cross", block=4, page=64)]
+    with running_server(StoreConfig(chunk_tokens=CHUNK, l1_bytes=1 << 22)) as server, fake_engine(groups) as eng, \
+            server.client() as c:
+        reg = c.register(eng.layout)
+        assert [og.groups for og in reg.object_groups] == [[0]]
+        hashes = chunk_hashes(list(range(2 * CHUNK + 1)), CHUNK)
+        reply = c.store(first_chunk=0, chunk_hashes=hashes, block_ids=[[1, 2, 3, 4], []])
+        assert reply.stored == [True, True] and not reply.refusals
+        hit = c.lookup(hashes, num_tokens=2 * CHUNK + 1)
+        assert hit.hit_tokens == 2 * CHUNK
+        assert c.retrieve(hit.lookup_id, block_ids=[[5, 6, 7, 8], []]).bytes_copied == 4 * 64
