@@ -124,6 +124,7 @@ class ChunkRules:
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = [chunk_tokens // g.block_tokens if g.kind is not GroupKind.CROSS else 0
                                  for g in layout.groups]
+        self._object_bytes: dict[tuple[int, int], int] = {}  # (object group, chunk) -> bytes
 
     def kept(self, gid: int, chunk: int) -> range:
         g, bpc = self.layout.groups[gid], self.blocks_per_chunk[gid]
@@ -177,7 +178,12 @@ class ChunkRules:
         return min(hit_chunks, first_token // self.chunk_tokens)
 
     def object_bytes(self, og: ObjectGroup, chunk: int) -> int:
-        return sum(len(self.kept(gid, chunk)) * self.section_block_bytes(gid) for gid in og.groups)
+        nbytes = self._object_bytes.get((og.index, chunk))
+        if nbytes is None:
+            nbytes = sum(len(self.kept(gid, chunk)) * self.section_block_bytes(gid) for gid in og.groups)
+            if len(self._object_bytes) < 1 << 16:  # chunk indices are bounded by context lengths
+                self._object_bytes[(og.index, chunk)] = nbytes
+        return nbytes
 
     def section_block_bytes(self, gid: int) -> int:
         g = self.layout.groups[gid]
