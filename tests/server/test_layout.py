@@ -84,9 +84,11 @@ def test_kept_and_needed_by_hand() -> None:
 
 
 def _planned(name: str, chunk: int | None = None) -> tuple[list[tuple[str, list[GroupKind]]], int]:
+    """Object groups of a catalog model planned at 32K tokens (at or below Llama 4's 8192-token
+    attention chunk the planner caches chunked layers as full attention)."""
     entry = find(name)
     assert entry is not None
-    p = plan(model_spec_from_config(entry.config, name=name), PlannerOptions(memory_bytes=8 << 30, max_model_len=8192))
+    p = plan(model_spec_from_config(entry.config, name=name), PlannerOptions(memory_bytes=8 << 30, max_model_len=32768))
     chunk = chunk or p.recommended_chunk_size
     bufs = [BufferLayout(shm_name=f"t{i}", size_bytes=t.size_bytes) for i, t in enumerate(p.config.tensors)]
     layout = layout_from_kv_cache_config(p.config, buffers=bufs)
