@@ -3,7 +3,9 @@ values dropped, errors counted and raised while the server is down, working agai
 
 from __future__ import annotations
 
+import socket
 import struct
+import time
 import uuid
 
 import pytest
@@ -108,7 +110,8 @@ def test_a_frame_of_another_format_version_is_ignored_not_deleted(redis_url: str
 
 
 def test_server_down_raises_and_counts_then_recovers_after_restart(redis_server: RedisServer) -> None:
-    tier = ValkeyTier(redis_server.url, namespace=fresh_namespace(), timeout_s=1.0, stats_refresh_s=0)
+    tier = ValkeyTier(redis_server.url, namespace=fresh_namespace(), timeout_s=1.0, retry_after_s=0,
+                      stats_refresh_s=0)
     tier.put(b"before", b"1")
     assert tier.ping()
     redis_server.stop()
@@ -128,6 +131,41 @@ def test_server_down_raises_and_counts_then_recovers_after_restart(redis_server:
     assert tier.get(b"after") is None
     assert tier.stats().errors == 6
     tier.close()
+
+
+def test_after_a_connection_failure_commands_fail_fast_until_retry_after(redis_server: RedisServer) -> None:
+    tier = ValkeyTier(redis_server.url, namespace=fresh_namespace(), timeout_s=1.0, retry_after_s=0.5)
+    redis_server.stop()
+    with pytest.raises(TierError, match="failed: ConnectionError"):
+        tier.get(b"k")
+    redis_server.restart()
+    with pytest.raises(TierError, match=r"skipped: the server was unreachable, next try in 0\.\d\d s"):
+        tier.put(b"k", b"v")  # within retry_after_s: not even tried
+    time.sleep(0.5)
+    tier.put(b"k", b"v")
+    assert tier.get(b"k") == b"v"
+    assert tier.stats().errors == 2
+    tier.close()
+
+
+def test_a_silent_server_costs_one_timeout_not_one_per_command() -> None:
+    """A server that accepts connections and never answers (a vanished host looks the same)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes handshakes; nothing ever reads or replies
+        tier = ValkeyTier(f"redis://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.2, retry_after_s=30)
+        start = time.monotonic()
+        with pytest.raises(TierError, match="failed: TimeoutError"):
+            tier.contains([b"k"])
+        first_s = time.monotonic() - start
+        start = time.monotonic()
+        for _ in range(20):
+            with pytest.raises(TierError, match="skipped"):
+                tier.get(b"k")
+        rest_s = time.monotonic() - start
+        assert 0.2 <= first_s < 2.0 and rest_s < 0.1, (first_s, rest_s)
+        assert tier.stats().errors == 22  # the skipped namespace scan of stats() counts too
+        tier.close()
 
 
 def test_bad_configuration_is_a_clear_error() -> None:

@@ -6,9 +6,11 @@ caches (or other programs) can share one server. A value that fails its check is
 rewritten meanwhile) and counted; one of another format version is left alone.
 
 Every command failure (connection refused, timeout, an error reply) is counted and raised as
-`TierError`. Connections come from the client's pool, which drops a connection on error and opens a
-new one on the next command, so the tier works again as soon as the server is back; a command on a
-connection that a restarted server closed is retried once, immediately.
+`TierError`. Connections come from the client's pool, which drops a connection on error and checks
+a pooled one before use, so the tier works again as soon as the server is back. After a connection
+failure or timeout the tier does not touch the network for `retry_after_s`: commands fail at once
+(counted), so a server that vanished without closing its sockets costs one `timeout_s`, not one
+per request.
 
 `stats()` counts the namespace with SCAN (cached for `stats_refresh_s`, since that is O(keys));
 Valkey evicts on its own (maxmemory-policy), so `evictions` stays 0 and `capacity_bytes` is the
@@ -26,10 +28,9 @@ from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import valkey
-from valkey.backoff import NoBackoff
 from valkey.exceptions import ConnectionError as ValkeyConnectionError
+from valkey.exceptions import TimeoutError as ValkeyTimeoutError
 from valkey.exceptions import ValkeyError
-from valkey.retry import Retry
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.server.tiers import framing
@@ -59,7 +60,7 @@ class ValkeyTier:
 
     name = "valkey"
 
-    def __init__(self, url: str, *, namespace: str = "kv", timeout_s: float = 2.0,
+    def __init__(self, url: str, *, namespace: str = "kv", timeout_s: float = 2.0, retry_after_s: float = 1.0,
                  stats_refresh_s: float = 5.0) -> None:
         parts = urlsplit(url)
         if parts.scheme not in SCHEMES or not parts.hostname:
@@ -67,14 +68,15 @@ class ValkeyTier:
                               f"(schemes: {', '.join(SCHEMES)})")
         if not _NAMESPACE.fullmatch(namespace):
             raise ConfigError(f"Valkey namespace {namespace!r} must be 1-64 of A-Z a-z 0-9 _ . -")
-        if timeout_s <= 0:
-            raise ConfigError(f"Valkey timeout must be > 0 s, got {timeout_s}")
+        if timeout_s <= 0 or retry_after_s < 0:
+            raise ConfigError(f"Valkey timeout must be > 0 s and retry-after >= 0 s, got {timeout_s} and "
+                              f"{retry_after_s}")
         self.url = url
         self.where = f"{parts.hostname}:{parts.port or 6379}"  # for messages: never the password
         self._prefix = f"hybridkv:{namespace}:".encode()
-        self._client = valkey.Valkey.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1), retry_on_error=[ValkeyConnectionError])
+        self._client = valkey.Valkey.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._retry_after_s = retry_after_s
+        self._down_until = -float("inf")  # monotonic time before which commands fail without trying
         self._drop_script = self._client.register_script(_DROP_IF_UNCHANGED)
         self._stats_refresh_s = stats_refresh_s
         self._lock = threading.Lock()  # counters
@@ -154,20 +156,32 @@ class ValkeyTier:
         self._client.close()  # type: ignore[no-untyped-call]
 
     def ping(self) -> bool:
-        """Whether the server answers now (counts nothing: for start-up and health reports)."""
+        """Whether the server answers now (counts nothing: for start-up and health reports); an
+        answer ends the retry-after pause."""
         try:
-            return bool(self._client.ping())
+            alive = bool(self._client.ping())
         except ValkeyError:
             return False
+        with self._lock:
+            self._down_until = -float("inf")  # back: the next command tries at once
+        return alive
 
     # --- internals ------------------------------------------------------------------------------
 
     def _call(self, op: str, fn: Callable[[], T]) -> T:
+        with self._lock:
+            wait_s = self._down_until - time.monotonic()
+            if wait_s > 0:
+                self._errors += 1
+                raise TierError(f"valkey {op} at {self.where} skipped: the server was unreachable, next try "
+                                f"in {wait_s:.2f} s")
         try:
             return fn()
         except ValkeyError as e:
             with self._lock:
                 self._errors += 1
+                if isinstance(e, ValkeyConnectionError | ValkeyTimeoutError):
+                    self._down_until = time.monotonic() + self._retry_after_s
             raise TierError(f"valkey {op} at {self.where} failed: {type(e).__name__}: {e}") from e
 
     def _count_namespace(self) -> None:
