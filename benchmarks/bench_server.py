@@ -9,7 +9,8 @@ everything), registers one shared-memory KV buffer (one full-attention group: a 
 tokens * bytes per token), fills it with seeded random bytes, then times R store calls (one per
 request, every chunk of it), R lookups (each holds its hit) and R retrieves into the same blocks
 after the buffer was zeroed, and checks the retrieved bytes against checksums taken before.
-memcpy = one numpy copy of the same bytes between two already-touched buffers. The last line:
+memcpy = the best of three numpy copies of the same bytes between two already-touched buffers
+(store and retrieve are single passes). The last line:
 
     store_gbps=X retrieve_gbps=Y lookup_ms=Z memcpy_gbps=M retrieve_vs_memcpy=R
 
@@ -19,6 +20,7 @@ memcpy = one numpy copy of the same bytes between two already-touched buffers. T
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 import subprocess
@@ -118,9 +120,11 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
 
     src = kv[page:page + total]
     dst = np.ones_like(src)  # touched, like the server's pool after the store
-    t0 = time.perf_counter()
-    np.copyto(dst, src)
-    memcpy_s = time.perf_counter() - t0
+    memcpy_s = math.inf
+    for _ in range(3):  # the best of three: a stable reference on a shared machine
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        memcpy_s = min(memcpy_s, time.perf_counter() - t0)
     store_gbps, retrieve_gbps, memcpy_gbps = total / store_s / 1e9, total / retrieve_s / 1e9, total / memcpy_s / 1e9
     print(f"{args.requests} requests x {args.tokens_per_request} tokens x {args.bytes_per_token} B = "
           f"{total / 1e9:.2f} GB; lookups {', '.join(f'{x:.2f}' for x in lookup_ms)} ms", file=sys.stderr)
