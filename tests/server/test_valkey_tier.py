@@ -4,6 +4,7 @@ serving from L1 and disk, counts the errors, and uses Valkey again once it is ba
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tests.server.helpers import FakeEngine, RunningServer, fake_engine, make_gr
 CHUNK = 8
 GROUPS = [make_group(block=4, layers=2, page=64), make_group(kind="state", block=8, page=40)]
 CONFIG = StoreConfig(chunk_tokens=CHUNK, l1_bytes=1 << 20)
+RETRY_AFTER_S = 0.2  # after a failure the tier skips the network this long
 
 
 def tokens(i: int) -> list[int]:
@@ -43,7 +45,7 @@ def hit_and_check(c: KVClient, eng: FakeEngine, i: int) -> int:
 
 
 def valkey(url: str, ns: str) -> ValkeyTier:
-    return ValkeyTier(url, namespace=ns, timeout_s=1.0, stats_refresh_s=0)
+    return ValkeyTier(url, namespace=ns, timeout_s=1.0, retry_after_s=RETRY_AFTER_S, stats_refresh_s=0)
 
 
 def test_two_servers_share_one_valkey(redis_url: str) -> None:
@@ -85,6 +87,7 @@ def test_valkey_down_and_back(redis_server: RedisServer, tmp_path: Path) -> None
         tier_errors = _metric(server, "hybridkv_server_tier_errors_total", "valkey")
         assert errors >= 1 and tier_errors >= 1
         redis_server.restart()  # empty: nothing was persisted
+        time.sleep(2 * RETRY_AFTER_S)  # past the tier's fail-fast window: it reconnects
         assert store(c, 4) == [True] * 3
         assert server.store.tiers.flush(10.0)
         assert hit_and_check(c, eng, 4) == 3 * CHUNK
