@@ -49,3 +49,8 @@ def test_falcon_h1_keeps_its_states_in_the_extra_slots(mamba_dir: Callable[[str]
     assert kinds == {SpecKind.FULL: [0, 1, 2], SpecKind.MAMBA: [3, 4, 5]}
     assert llm.model_spec.decoder_layer_of == {3: 0, 4: 1, 5: 2}
     assert llm.kv_cache_bytes == llm.plan.config.total_bytes  # the engine allocates what the planner planned
+    for slot in (3, 4, 5):  # each state slot views its page as conv (K-1, I + 2GN) and recurrent (H, P, N)
+        state = llm.runner.state_caches[slot]
+        assert state is not None and llm.runner.state_caches[slot - 3] is None
+        assert tuple(state.conv.shape[1:]) == (3, 64 + 2 * 2 * 8) and tuple(state.recurrent.shape[1:]) == (4, 16, 8)
+        assert state.conv.stride(0) * state.conv.element_size() == llm.plan.config.page_size_bytes
