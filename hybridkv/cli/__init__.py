@@ -33,7 +33,8 @@ import typer
 from hybridkv import __version__
 from hybridkv.cli import plan, run, server
 
-app = typer.Typer(add_completion=False, no_args_is_help=True)
+# Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 
 
 def _print_version(value: bool) -> None:

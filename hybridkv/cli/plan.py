@@ -28,7 +28,8 @@ PLOT_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib's Agg canvas writes w
 
 
 def plan_command(
-    models: Annotated[list[str] | None, typer.Argument(help="catalog name, config.json path or HF model dir")] = None,
+    models: Annotated[list[str] | None, typer.Argument(
+        metavar="MODEL", help="catalog name, config.json path or HF model dir")] = None,
     memory_gib: Annotated[float, typer.Option("--memory-gib", help="KV cache memory budget in GiB")] = 16.0,
     max_model_len: Annotated[
         int | None, typer.Option("--max-model-len", help="default: the model's limit, at most 32768")
@@ -36,10 +37,12 @@ def plan_command(
     max_num_batched_tokens: Annotated[int, typer.Option(
         "--max-num-batched-tokens", help="tokens one scheduler step may process (sizes sliding-window needs)")
     ] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    kv_cache_dtype: Annotated[KVCacheDType, typer.Option("--kv-cache-dtype")] = KVCacheDType.AUTO,
+    kv_cache_dtype: Annotated[KVCacheDType, typer.Option(
+        "--kv-cache-dtype", help="attention K/V element type (auto: the model dtype)")] = KVCacheDType.AUTO,
     dtype: Annotated[str | None, typer.Option("--dtype", help="model dtype (default: the config's)")] = None,
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size")] = 1,
-    num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens")] = 0,
+    num_speculative_tokens: Annotated[int, typer.Option(
+        "--num-speculative-tokens", help="draft tokens per step (widens Mamba conv states)")] = 0,
     block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
@@ -47,7 +50,11 @@ def plan_command(
     plot: Annotated[Path | None, typer.Option(
         "--plot", help="write a picture (.png, .svg, .pdf) of capacity vs context length")] = None,
 ) -> None:
-    """Show how a hybrid KV cache lays out memory for MODEL and how much it holds."""
+    """KV cache layout and capacity of MODEL, from its config.json.
+
+    No engine and no GPU: MODEL's layers, the hybrid KV cache groups, tensors and how many
+    requests of max_model_len tokens the budget holds, against the uniform layout.
+    """
     from hybridkv.catalog import catalog
     from hybridkv.cli import plan_report
 

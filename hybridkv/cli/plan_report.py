@@ -6,6 +6,7 @@ The JSON shape is documented in the README ("Planning a real model"); keep the t
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,10 +57,12 @@ def resolve_model(name: str) -> tuple[str, dict[str, Any]]:
     path = Path(name)
     if path.exists():
         return (path.parent.name if path.is_file() else path.name) or name, load_config(path)
-    known = ", ".join(sorted(a for e in catalog() for a in e.aliases))
+    names = [n for e in catalog() for n in (e.hf_id, *e.aliases)]
+    close = difflib.get_close_matches(name.lower(), {n.lower(): n for n in names}, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
     raise ConfigError(
         f"model {name!r} is neither a catalog name nor an existing config.json path or model directory; "
-        f"catalog names: {known} (see `hybridkv plan --list`)"
+        f"{hint}(`hybridkv plan --list` shows the catalog)"
     )
 
 

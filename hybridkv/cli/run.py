@@ -62,7 +62,11 @@ def run_command(
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
 ) -> None:
-    """Run the reference engine on a multi-turn chat workload and report throughput and KV cache use."""
+    """Run the reference engine on a chat workload; report KV cache use.
+
+    Without --workload: the built-in multi-turn chat on the embedded default model. The report
+    gives throughput, TTFT, prefix-cache hits and the KV memory the hybrid layout used.
+    """
     # Idle OpenMP threads sleep instead of spinning: on a small machine shared with other work,
     # spinning threads that lose their core stall every parallel region. Set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

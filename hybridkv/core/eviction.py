@@ -5,10 +5,11 @@ The block pool asks it for blocks to reuse (`pop`), tells it about blocks a pref
 back (`remove`) and about blocks whose last holder let go (`release`). The pool itself drops the
 stale hash of a popped block, so a policy only decides the order.
 
-`LRUPolicy` is the reference behaviour (vLLM's free queue) with one refinement: a released
-block that holds no cached content (a partial block, a cross-attention block, a Mamba running
-state) goes to the *front*, since evicting it loses nothing; cached blocks go to the back in
-release order. A smarter, usefulness-aware policy plugs in here (design.md section 4, 8.7).
+`LRUPolicy` is the reference behaviour, vLLM's free queue unchanged: a released block that
+holds no cached content (a partial block, a cross-attention block, a Mamba running state) goes
+to the *front*, since evicting it loses nothing; cached blocks go to the back in release order
+(vLLM 0.32's free queue treats blocks without a hash the same way). A smarter,
+usefulness-aware policy plugs in here (design.md section 4, 8.7).
 """
 
 from __future__ import annotations

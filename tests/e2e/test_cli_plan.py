@@ -115,7 +115,9 @@ def test_config_path_and_directory(tmp_path: Path) -> None:
 
 def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     unknown = runner.invoke(app, ["plan", "no-such-model"])
-    assert unknown.exit_code == 2 and "catalog names" in unknown.output
+    assert unknown.exit_code == 2 and "hybridkv plan --list" in unknown.output and "did you mean" not in unknown.output
+    close = runner.invoke(app, ["plan", "gemma-3-72b"])  # the closest names, not all 54 aliases
+    assert "did you mean gemma-3-27b, gemma3-27b, gemma-3-4b?" in close.output and "jamba" not in close.output
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_a_model"}))
     bad_type = runner.invoke(app, ["plan", str(tmp_path)])
     assert bad_type.exit_code == 2 and "llama" in bad_type.output

@@ -59,3 +59,23 @@ def test_window_and_chunk_are_narrow_enough_to_matter(
     (narrow_token, narrow_lp), = narrow_top[0].logprobs[0].items()
     (wide_token, wide_lp), = wide_top[0].logprobs[0].items()
     assert narrow_token != wide_token or abs(narrow_lp - wide_lp) > 100 * TOLERANCE
+
+
+def test_gemma3_attn_logit_softcapping_is_ignored_as_in_transformers(
+    model_dir: Callable[[str], Path], hf_model: Callable[[Path], Any], tmp_path: Path
+) -> None:
+    """transformers' Gemma 3 never applies `attn_logit_softcapping`; with a cap of 0.5 on the scores
+    (which would flatten attention completely) both still produce the same tokens and logprobs."""
+    capped = tmp_path / "capped"
+    shutil.copytree(model_dir("gemma3"), capped)
+    config = json.loads((capped / "config.json").read_text())
+    config["attn_logit_softcapping"] = 0.5
+    (capped / "config.json").write_text(json.dumps(config))
+    prompt = prompts([30])[0]
+    llm = LLM(str(capped), max_model_len=256, block_size=4, kv_cache_memory_gib=0.01)
+    output = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, eos=EosMode.IGNORE, logprobs=3))[0]
+    expected, reference = hf_greedy(hf_model(capped), prompt, NEW_TOKENS)
+    assert output.token_ids == expected
+    for step, top in enumerate(output.logprobs):
+        for token, logprob in top.items():
+            assert abs(logprob - float(reference[step, token])) < TOLERANCE, (step, token)

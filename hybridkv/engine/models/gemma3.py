@@ -49,7 +49,7 @@ def gemma_ropes(config: Mapping[str, Any], layer_types: list[str], *, head_dim: 
 
 
 class Gemma3Attention(QKVAttention):
-    """Projections, q/k RMS norms before rope, scale query_pre_attn_scalar ** -0.5, optional soft-capping."""
+    """Projections, q/k RMS norms before rope, scale query_pre_attn_scalar ** -0.5 (no score soft-capping)."""
 
     def __init__(self, config: Mapping[str, Any], layer: int) -> None:
         bias = bool(config.get("attention_bias", False))
@@ -58,7 +58,9 @@ class Gemma3Attention(QKVAttention):
         self.q_norm = RMSNorm(self.head_dim, eps=eps, unit_offset=True)
         self.k_norm = RMSNorm(self.head_dim, eps=eps, unit_offset=True)
         self.scale = float(config.get("query_pre_attn_scalar", 256)) ** -0.5
-        self.softcap: float | None = config.get("attn_logit_softcapping")
+        # transformers' Gemma 3 (the reference) never applies `attn_logit_softcapping`, and the
+        # released checkpoints leave it null; Gemma 2's soft-capping did not carry over.
+        self.softcap: float | None = None
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.project(x)  # [T, H, D], [T, KVH, D], [T, KVH, D]
