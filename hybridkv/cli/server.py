@@ -29,12 +29,14 @@ def server_command(
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per chunk: a multiple of every "
                                             "group's block size")] = _D.chunk_tokens,
     l1_size_gb: Annotated[float, typer.Option("--l1-size-gb", help="L1 memory pool in GiB")] = _D.l1_size_gb,
-    eviction_policy: Annotated[EvictionPolicyName, typer.Option("--eviction-policy")] = _D.eviction_policy,
+    eviction_policy: Annotated[EvictionPolicyName, typer.Option(
+        "--eviction-policy", help="which stored chunk L1 drops first when full")] = _D.eviction_policy,
     separate_object_groups: Annotated[bool, typer.Option(
         "--separate-object-groups/--no-separate-object-groups",
         help="one object group per window class (on) or one for every group")] = True,
     l2_disk: Annotated[Path | None, typer.Option("--l2-disk", help="directory of the L2 disk tier")] = _D.l2_disk,
-    l2_disk_size_gb: Annotated[float, typer.Option("--l2-disk-size-gb")] = _D.l2_disk_size_gb,
+    l2_disk_size_gb: Annotated[float, typer.Option(
+        "--l2-disk-size-gb", help="capacity of the L2 disk tier in GiB")] = _D.l2_disk_size_gb,
     l2_valkey: Annotated[str | None, typer.Option("--l2-valkey", help="redis:// or valkey:// URL of a shared "
                                                   "L2 tier (write-behind, read-through)")] = _D.l2_valkey,
     max_message_mib: Annotated[float, typer.Option("--max-message-mib", help="largest control message")] = (

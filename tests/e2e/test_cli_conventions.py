@@ -14,7 +14,6 @@ from hybridkv.cli import app
 
 runner = CliRunner()
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-COMMANDS = ("plan", "run")
 
 
 def _commands() -> dict[str, Any]:
@@ -26,14 +25,16 @@ def _options(name: str) -> list[Any]:
     return [p for p in _commands()[name].params if p.param_type_name == "option"]
 
 
-@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("name", sorted(_commands()))
 def test_every_option_has_a_description_and_flags_take_no_value(name: str) -> None:
     for option in _options(name):
         assert option.help, (name, option.opts)
     text = runner.invoke(app, [name, "--help"]).output
     assert "<bool>" not in text
-    for flag in ("--json",):
-        assert re.search(rf"^\s+{flag}\s{{2,}}\S", text, re.MULTILINE), text  # `--json   description`
+    for option in _options(name):
+        if option.is_flag and option.opts[0] != "--help":  # `--json   description`, no value placeholder
+            pair = f" / {option.secondary_opts[0]}" if option.secondary_opts else ""  # --x / --no-x
+            assert re.search(rf"^\s+{option.opts[0]}{pair}(\s{{2,}}\S|\n)", text, re.MULTILINE), (option.opts, text)
 
 
 def test_top_level_help_lists_what_exists() -> None:
