@@ -1,10 +1,14 @@
 """Engine throughput vs transformers' batched `generate`, and TTFT with a prefix hit.
 
-Model: a tiny Gemma 3 text (float32, hidden 256, 8 layers S S S S S F S S, window 128, 4 heads /
-2 KV heads, head_dim 64, intermediate 512, vocab 1024, untied, init std 0.2, seed 0) saved in
-HF format. Workload: 32 prompts of random ids in [3, 1024), lengths uniform in 256..1024
-(seed 0), 64 new tokens each, greedy, EOS ignored. Both systems run it once; the greedy tokens
-are compared. Then one 2048-token prompt runs cold and again with a prefix hit.
+`--model gemma3` (default): a tiny Gemma 3 text (float32, hidden 256, 8 layers S S S S S F S S,
+window 128, 4 heads / 2 KV heads, head_dim 64, intermediate 512, vocab 1024, untied, init std
+0.2, seed 0) saved in HF format; 32 prompts. `--model qwen3_5`: a tiny Qwen3.5 text (float32,
+hidden 256, 8 layers of 3 Gated DeltaNet : 1 gated full attention, the real model's head ratios:
+4 heads / 1 KV head of 64, GDN 4 key / 8 value heads of 32, intermediate 768, vocab 1024, init
+std 0.2, seed 0; 80-token state blocks, align mode); 16 prompts. Workload: prompts of random ids
+in [3, 1024), lengths uniform in 256..1024 (seed 0), 64 new tokens each, greedy, EOS ignored.
+Both systems run it once; the greedy tokens are compared. Then one 2048-token prompt runs cold
+and again with a prefix hit.
 
 Prints one line per measurement and, last, `engine_vs_hf_throughput=<ratio>`.
 `--quick`: 4 short prompts, 8 new tokens, 512-token TTFT prompt (CI smoke run).
@@ -45,6 +49,23 @@ class Workload:
 
 FULL = Workload(num_prompts=32, min_len=256, max_len=1024, new_tokens=64, ttft_len=2048)
 QUICK = Workload(num_prompts=4, min_len=32, max_len=96, new_tokens=8, ttft_len=512)
+FULL_QWEN3_5 = Workload(num_prompts=16, min_len=256, max_len=1024, new_tokens=64, ttft_len=2048)
+QUICK_QWEN3_5 = Workload(num_prompts=4, min_len=32, max_len=200, new_tokens=8, ttft_len=512)
+
+
+def build_qwen3_5(path: Path) -> None:
+    """Save the benchmark's tiny Qwen3.5 text model in HF format."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+        tie_word_embeddings=False, initializer_range=0.2, architectures=["Qwen3_5ForCausalLM"],
+        eos_token_id=1, bos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
 
 
 def build_model(path: Path) -> None:
@@ -107,18 +128,23 @@ def ttft(llm: LLM, length: int) -> tuple[float, float, int]:
     return cold.metrics.ttft_s, warm.metrics.ttft_s, warm.metrics.prefix_hit_tokens
 
 
+MODELS = {"gemma3": (build_model, FULL, QUICK), "qwen3_5": (build_qwen3_5, FULL_QWEN3_5, QUICK_QWEN3_5)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI smoke run: few short prompts")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--model", choices=sorted(MODELS), default="gemma3", help="the tiny model to run")
     args = parser.parse_args()
-    work = QUICK if args.quick else FULL
+    build, full, quick = MODELS[args.model]
+    work = quick if args.quick else full
     torch.set_num_threads(args.threads)
     prompts = make_prompts(work)
     generated = work.num_prompts * work.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "gemma3-bench"
-        build_model(path)
+        path = Path(tmp) / f"{args.model}-bench"
+        build(path)
         ours, engine_s, llm = run_engine(path, prompts, work)
         theirs, hf_s = run_hf(path, prompts, work.new_tokens)
         cold_s, warm_s, hit = ttft(llm, work.ttft_len)

@@ -85,6 +85,9 @@ def test_gated_deltanet_model_in_both_mamba_cache_modes(tmp_path: Path) -> None:
         assert {g["kind"] for g in groups} == {"mamba", "full"}
         assert all(g["hit_rate"] > 0 for g in groups), groups
         assert report["kv_memory"]["allocated_bytes"] == report["kv_memory"]["planned_bytes"]
+    plan = subprocess.run([sys.executable, "-m", "hybridkv.cli", "plan", str(model_dir), "--json", "--memory-gib",
+                           "0.01", "--max-model-len", "256"], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(plan.stdout)["total_bytes"] == report["kv_memory"]["allocated_bytes"]  # plan and engine agree
 
 
 

@@ -138,3 +138,27 @@ def test_state_pages_are_the_planned_padded_pages(model_dir: Callable[[str], Pat
                 <= config.page_size_bytes
             assert tuple(conv.shape[1:]) == (3, 2 * 2 * 8 + 4 * 8)  # (conv_kernel - 1, q + k + v channels)
             assert tuple(recurrent.shape[1:]) == (4, 8, 8)  # (value heads, value dim, key dim)
+
+
+def test_recurrent_state_keeps_mamba_ssm_dtype_under_a_bf16_model(
+    model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`mamba_ssm_dtype: float32` (as Qwen3.5 ships it): the conv state follows the model dtype (bf16),
+    the recurrent state stays float32, both in one page, and generation still follows float32 closely."""
+    import json
+    import shutil
+
+    path = tmp_path / "ssm_fp32"
+    shutil.copytree(model_dir("qwen3_5"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["mamba_ssm_dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), dtype="bfloat16", **OPTIONS)
+    layer = next(g for g in llm.plan.config.groups if g.kind is SpecKind.MAMBA).layer_indices[0]
+    state = llm.runner.state_caches[layer]
+    assert state is not None and state.conv.dtype == torch.bfloat16 and state.recurrent.dtype == torch.float32
+    first, second = _shared_prefix(40)
+    llm.generate([first], GREEDY)
+    hit = llm.generate([second], GREEDY)[0]
+    cold = LLM(str(path), dtype="bfloat16", prefix_caching=PrefixCaching.OFF, **OPTIONS).generate([second], GREEDY)[0]
+    assert hit.metrics.prefix_hit_tokens == 32 and hit.token_ids[:4] == cold.token_ids[:4]

@@ -34,6 +34,7 @@ from hybridkv.engine.models.layers import activation
 from hybridkv.engine.state_layers import causal_conv, scan_states
 
 CHUNK_TOKENS = 64
+_CAUSAL = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool).tril()  # [C, C] key j <= query i
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -66,14 +67,16 @@ def chunked_scan(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple[t
     q, k, v = split(q), split(k), split(v)
     g, beta = (F.pad(t, (0, pad)).view(heads, chunks, CHUNK_TOKENS) for t in (g, beta))  # [H, N, C]
     decay = g.cumsum(dim=-1)  # [H, N, C] log decay from the chunk start through token i
-    causal = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool).tril()
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H, N, C, C]
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~_CAUSAL, float("-inf")).exp()  # [H, N, C, C]
     k_beta = k * beta[..., None]  # [H, N, C, Dk]
     system = (k_beta @ k.transpose(-1, -2)) * pair  # [H, N, C, C]; unit diagonal implied by the solve
-    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    keys = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
+    grow = decay.exp()[..., None]  # [H, N, C, 1]
+    dv = v.shape[-1]
+    solved = torch.linalg.solve_triangular(system, torch.cat([v * beta[..., None], k_beta * grow], dim=-1),
+                                           upper=False, unitriangular=True)  # one solve for both right sides
+    values, keys = solved[..., :dv], solved[..., dv:]  # [H, N, C, Dv], [H, N, C, Dk]
     intra = (q @ k.transpose(-1, -2)) * pair  # [H, N, C, C]
-    q_decayed = q * decay.exp()[..., None]  # [H, N, C, Dk]
+    q_decayed = q * grow  # [H, N, C, Dk]
     last = decay[..., -1:]  # [H, N, 1]
     k_to_end = k * (last - decay).exp()[..., None]  # [H, N, C, Dk]
     s = state.transpose(-1, -2)  # [H, Dk, Dv]
