@@ -90,7 +90,6 @@ def test_gated_deltanet_model_in_both_mamba_cache_modes(tmp_path: Path) -> None:
     assert json.loads(plan.stdout)["total_bytes"] == report["kv_memory"]["allocated_bytes"]  # plan and engine agree
 
 
-
 def test_notes_and_errors_name_the_workload_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model dir without tokenizer.json, a max_tokens over the length limit, a prompt over it."""
     import shutil
