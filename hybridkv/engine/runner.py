@@ -117,9 +117,10 @@ class ModelRunner:
             raise ConfigError(f"layer {layer} is a {spec.kind.value} layer; the engine runs self-attention layers only")
         dtype = torch_dtype(spec.dtype)
         page = spec.page_size_bytes(group.block_size)
-        if page != self.kv_config.page_size_bytes:
-            raise ConfigError(f"layer {layer}: page of {page} bytes differs from the layout's "
-                              f"{self.kv_config.page_size_bytes} bytes")
+        # A group of mixed pages gives each layer a tensor of its own page; otherwise all pages are one size.
+        expected = buffer.numel() // self.kv_config.num_blocks if group.mixed_pages else self.kv_config.page_size_bytes
+        if page != expected:
+            raise ConfigError(f"layer {layer}: page of {page} bytes differs from the layout's {expected} bytes")
         typed = buffer.view(dtype)  # [num_blocks * page / itemsize]
         return typed.view(self.kv_config.num_blocks, 2, group.block_size, spec.num_kv_heads, spec.head_dim)
 

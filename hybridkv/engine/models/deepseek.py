@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.core.errors import ConfigError
+from hybridkv.core.model_specs import IndexerFormat, SpecOptions, model_spec_from_config
 from hybridkv.core.specs import SpecKind
 from hybridkv.engine.mla_attention import dsa_select, mla_attention, write_latent
 from hybridkv.engine.models.base import ForwardContext, config_value
@@ -64,16 +65,11 @@ def softmax_scale(config: Mapping[str, Any], qk_head_dim: int) -> float:
 
 
 def indexer_owners(config: Mapping[str, Any], num_layers: int) -> list[bool]:
-    """Which layers run their own DSA indexer (the others reuse the previous one's selection)."""
-    types = config.get("indexer_types")
-    if types is not None:
-        return [t == "full" for t in types]
-    pattern = config.get("index_topk_pattern")
-    if pattern is not None:
-        return [c == "F" for c in pattern]
-    freq = int(config.get("index_topk_freq") or 1)
-    offset = int(config.get("index_skip_topk_offset", 2))
-    return [max(i - offset + 1, 0) % freq == 0 for i in range(num_layers)]
+    """Which layers run their own DSA indexer (the others reuse the previous one's selection): the
+    layers the KV cache layout gives an indexer cache (`core.model_specs_mla.dsa_indexer_layers`)."""
+    spec = model_spec_from_config(config, name="dsa", options=SpecOptions(indexer=IndexerFormat.UNQUANTIZED))
+    owners = set(spec.decoder_layer_of.values())
+    return [i in owners for i in range(num_layers)]
 
 
 class DSAIndexer(nn.Module):
