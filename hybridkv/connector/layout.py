@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.specs import SpecKind
 from hybridkv.server.protocol import BufferLayout, GroupKind, GroupLayout, Layout
@@ -19,6 +20,16 @@ _KINDS = {
 
 
 def group_layout(group: KVCacheGroupSpec) -> GroupLayout:
+    """The registration of one group; raises ConfigError for a group of mixed pages (MLA latents +
+    indexer keys, MiniMax-M3), whose per-layer page sizes the protocol cannot describe yet (one
+    `page_bytes` per group, one page stride for every buffer)."""
+    if group.mixed_pages:
+        sizes = sorted(set(group.layer_page_bytes()))
+        raise ConfigError(
+            f"group {group.group_id} holds pages of {len(sizes)} sizes ({', '.join(f'{n:,}' for n in sizes)} bytes: "
+            f"MLA latents / indexer keys); the KV cache server's layout has one page size per group and one page "
+            f"stride, so this layout cannot be registered yet (per-layer page sizes are not in the protocol)"
+        )
     window = group.window_tokens or group.chunk_tokens or -1
     return GroupLayout(kind=_KINDS[group.kind], num_layers=len(group.layer_indices), block_tokens=group.block_size,
                        page_bytes=group.spec.page_size_bytes(group.block_size), window_tokens=window)
