@@ -1,20 +1,27 @@
 """KV cache manager benchmark: manager time per scheduled token on a shared-prefix trace.
 
-    python benchmarks/bench_manager.py [--layout gemma3|mamba|both] [--n 10000] [--seed 0] [--quick]
+    python benchmarks/bench_manager.py [--layout gemma3|mamba|both] [--n 10000] [--seed 0]
+        [--max-running 32] [--profile] [--quick]
 
-40,000 blocks of 16 tokens, max 32 running requests, max_model_len 8192, prefix caching on.
-Layouts: `gemma3` = 1 full-attention group + 5 sliding-window groups (window 1024); `mamba` =
-1 full-attention group + 3 Mamba groups in align mode (Qwen3-Next's 1:3).
+40,000 blocks of 16 tokens (more with --max-running above 32, so the pool never runs out),
+max 32 running requests, max_model_len 8192, prefix caching on. Layouts: `gemma3` = 1
+full-attention group + 5 sliding-window groups (window 1024); `mamba` = 1 full-attention group
++ 3 Mamba groups (Qwen3-Next's 1:3), run twice: `mamba-align` (MambaCacheMode.ALIGN) and
+`mamba-all` (MambaCacheMode.ALL). Whole prompts are allocated in one step, so ALIGN mode keeps
+a checkpoint only where a prompt ends on a block boundary (hit rate near 0) while ALL mode keeps
+one at every boundary.
 
-Each step: every running request either finishes (free) or appends one token and allocates one
+Each step: `begin_step`; every running request either finishes (free) or appends one token and allocates one
 slot (a refused decode preempts it: freed and requeued); then waiting requests are admitted in
-order while fewer than 32 run: lookup, then allocate the whole remaining prompt; a refusal stops
-admission for this step. Only manager calls are timed; hashing a request's blocks is timed
-separately (`us_per_request_hash`, prompt + decode blocks per request). The last line is
+order while fewer than 32 run: lookup, then allocate the whole remaining prompt; a refusal (or a
+hit deferred by the same-step rule) stops admission for this step. Only manager calls are timed;
+hashing a request's blocks is timed separately (`us_per_request_hash`, prompt + decode blocks per
+request). The last line is
 
-    ns_per_scheduled_token gemma3=<ns> mamba=<ns> us_per_request_hash=<us>
+    ns_per_scheduled_token=<ns> decode_allocate_us=<us> us_per_request_hash=<us> <layout>=<ns> ...
 
-with ns = manager time / (prefill tokens scheduled + decode tokens).
+with ns = manager time / (prefill tokens scheduled + decode tokens); the first three figures are
+those of the first layout run (gemma3 by default), the hash figure averaged over layouts.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from tqdm import tqdm
 
 from hybridkv.core.hashing import BlockHasher
 from hybridkv.core.ids import RequestId
-from hybridkv.core.kv_cache_manager import KVCacheManager
+from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.request import KVRequest
 from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
@@ -49,9 +56,13 @@ MAX_MODEL_LEN = 8192
 WINDOW_TOKENS = 1024
 QUICK_N = 300
 LAYOUTS = ("gemma3", "mamba")
+OPS = ("lookup", "allocate", "decode", "free", "step")  # step: begin_step
+#: What each --layout runs: (layout, Mamba cache mode, report name).
+RUNS = {"gemma3": [("gemma3", MambaCacheMode.ALIGN, "gemma3")],
+        "mamba": [("mamba", MambaCacheMode.ALIGN, "mamba-align"), ("mamba", MambaCacheMode.ALL, "mamba-all")]}
 
 
-def build_config(layout: str) -> KVCacheConfig:
+def build_config(layout: str, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     """The benchmark's KV cache config: every group has 16-token blocks."""
     full = AttentionSpec(kind=SpecKind.FULL, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     other: LayerSpec
@@ -66,15 +77,15 @@ def build_config(layout: str) -> KVCacheConfig:
     specs = [full] + [other] * count
     groups = tuple(KVCacheGroupSpec(group_id=i, spec=s, layer_indices=(i,), block_size=BLOCK_SIZE)
                    for i, s in enumerate(specs))
-    return KVCacheConfig(model=f"bench-{layout}", num_blocks=NUM_BLOCKS, page_size_bytes=BLOCK_SIZE * 4096,
+    return KVCacheConfig(model=f"bench-{layout}", num_blocks=num_blocks, page_size_bytes=BLOCK_SIZE * 4096,
                          group_size=1, groups=groups, tensors=())
 
 
 @dataclass
 class Result:
     layout: str
-    ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("lookup", "allocate", "decode", "free"), 0))
-    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("lookup", "allocate", "decode", "free"), 0))
+    ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
     hash_ns: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -105,12 +116,14 @@ class _Job:
     decode_left: int
 
 
-def run(layout: str, trace: Trace, *, seed: int, progress: bool) -> Result:
+def run(layout: str, trace: Trace, *, seed: int, progress: bool, mode: MambaCacheMode = MambaCacheMode.ALIGN,
+        name: str = "", max_running: int = MAX_RUNNING) -> Result:
     """Replay `trace` on a fresh manager; see the module docstring for the loop."""
-    manager = KVCacheManager(build_config(layout), max_model_len=MAX_MODEL_LEN)
+    num_blocks = NUM_BLOCKS * max(1, -(-max_running // MAX_RUNNING))
+    manager = KVCacheManager(build_config(layout, num_blocks), max_model_len=MAX_MODEL_LEN, mamba_cache_mode=mode)
     hasher = BlockHasher()
     rng = random.Random(seed + 1)
-    result = Result(layout=layout, requests=len(trace))
+    result = Result(layout=name or layout, requests=len(trace))
     ns, calls = result.ns, result.calls
     waiting: deque[_Job] = deque(
         _Job(KVRequest(request_id=RequestId(f"r{i}"), token_ids=list(prompt)), steps)
@@ -119,6 +132,9 @@ def run(layout: str, trace: Trace, *, seed: int, progress: bool) -> Result:
     running: list[_Job] = []
     bar = tqdm(total=len(trace), desc=layout, unit="req", disable=not progress, file=sys.stderr, leave=False)
     while waiting or running:
+        t0 = perf_counter_ns()
+        manager.begin_step()
+        ns["step"] += perf_counter_ns() - t0
         kept: list[_Job] = []
         for job in running:
             request = job.request
@@ -148,7 +164,7 @@ def run(layout: str, trace: Trace, *, seed: int, progress: bool) -> Result:
             result.decode_tokens += 1
             kept.append(job)
         running = kept
-        while waiting and len(running) < MAX_RUNNING:
+        while waiting and len(running) < max_running:
             if not _admit(manager, hasher, waiting[0], result):
                 break
             running.append(waiting.popleft())
@@ -199,17 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=10_000, help="requests in the trace")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help=f"CI smoke run: n={QUICK_N}")
-    parser.add_argument("--profile", action="store_true", help="print the top functions by cumulative time")
+    parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
+    parser.add_argument("--max-running", type=int, default=MAX_RUNNING,
+                        help="most running requests (the pool grows with it, so it never runs out)")
     args = parser.parse_args(argv)
+    if args.max_running < 1:
+        parser.error(f"--max-running must be >= 1, got {args.max_running}")
     n = QUICK_N if args.quick else args.n
     trace = make_trace(n, args.seed)
     layouts = LAYOUTS if args.layout == "both" else (args.layout,)
     results = []
-    for layout in layouts:
+    for layout, mode, name in [spec for chosen in layouts for spec in RUNS[chosen]]:
         profiler = cProfile.Profile() if args.profile else None
         if profiler:
             profiler.enable()
-        results.append(run(layout, trace, seed=args.seed, progress=not args.quick and sys.stderr.isatty()))
+        results.append(run(layout, trace, seed=args.seed, progress=not args.quick and sys.stderr.isatty(), mode=mode,
+                           name=name, max_running=args.max_running))
         if profiler:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
@@ -217,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     hash_us = sum(r.us_per_request_hash for r in results) / len(results)
     per_layout = " ".join(f"{r.layout}={r.ns_per_token:.0f}" for r in results)
     # headline: the first layout (gemma3 by default); every layout's figure follows by name
-    print(f"ns_per_scheduled_token={results[0].ns_per_token:.0f} {per_layout} us_per_request_hash={hash_us:.1f}")
+    head = results[0]
+    print(f"ns_per_scheduled_token={head.ns_per_token:.0f} decode_allocate_us={head.op_us('decode'):.2f} "
+          f"us_per_request_hash={hash_us:.1f} max_running={args.max_running} {per_layout}")
     return 0
 
 

@@ -425,13 +425,14 @@ class MambaManager(SingleTypeManager):
         """Cache the checkpoints among the first `num_tokens` tokens not cached yet: ALIGN, the
         one of a step that ended on a block boundary (`num_tokens`); ALL, every full block."""
         rid = request.request_id
-        num_full = num_tokens // self.block_size
+        size = self.block_size
+        num_full = num_tokens // size
         start = self._num_cached[rid]
         if self.mode is MambaMode.NONE or num_full <= start:
             return
         self._num_cached[rid] = num_full
         if self.mode is MambaMode.ALIGN:
-            if num_tokens % self.block_size:
+            if num_tokens % size:
                 return
             start = num_full - 1
         table = self._tables[rid]

@@ -3,7 +3,8 @@
 It *defines* the hit the real manager must find:
 
     cached[g]  = every block-aligned prefix (salt, tokens[:end]) whose block group g computed
-                 (attention: every full block a step completed; Mamba: the block a step ended on)
+                 (attention: every full block a step completed; Mamba ALIGN: the block boundary a
+                 step ended on; Mamba ALL: every block boundary a step crossed or ended on)
     serve(g,L) = full:     prefixes of every block end <= L are cached
                  sliding:  the ceil((W-1)/B) blocks before L (or all of them, from 0) are cached
                  chunked:  the blocks from the start of L's chunk to L are cached
@@ -24,7 +25,7 @@ import math
 from collections.abc import Sequence
 
 from hybridkv.core.planner import KVCacheGroupSpec
-from hybridkv.core.specs import SpecKind
+from hybridkv.core.specs import MambaCacheMode, SpecKind
 
 Prefix = tuple[str | None, tuple[int, ...]]
 
@@ -49,8 +50,9 @@ def first_required_block(group: KVCacheGroupSpec, length: int) -> int | None:
 class NaiveManager:
     """Sets of cached prefixes per group; see the module docstring."""
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec]) -> None:
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> None:
         self.groups = list(groups)
+        self.mamba_mode = mamba_mode
         self.cached: list[set[Prefix]] = [set() for _ in self.groups]
         self.step = math.lcm(*(g.block_size for g in self.groups))
 
@@ -61,8 +63,9 @@ class NaiveManager:
             if group.kind is SpecKind.CROSS or end <= start:
                 continue
             if group.kind is SpecKind.MAMBA:
-                if end % size == 0 and end // size > start // size:
-                    self.cached[g].add((salt, tuple(tokens[:end])))
+                for boundary in state_writes(size, start, end, self.mamba_mode):
+                    if boundary % size == 0:
+                        self.cached[g].add((salt, tuple(tokens[:boundary])))
                 continue
             for index in range(start // size, end // size):
                 self.cached[g].add((salt, tuple(tokens[: (index + 1) * size])))
@@ -87,14 +90,27 @@ class NaiveManager:
         return 0
 
 
-def required_entries(group: KVCacheGroupSpec, first_new: int, total: int) -> set[int] | None:
+def state_writes(size: int, start: int, end: int, mode: MambaCacheMode) -> list[int]:
+    """Token counts after which a step [start, end) stores the state (design.md section 4):
+    ALIGN only at its end; ALL also at every block boundary it crosses."""
+    if end <= start:
+        return []
+    if mode is MambaCacheMode.ALIGN:
+        return [end]
+    points = [t for t in range(start + 1, end + 1) if t % size == 0]
+    return points if points and points[-1] == end else [*points, end]
+
+
+def required_entries(group: KVCacheGroupSpec, first_new: int, total: int,
+                     mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> set[int] | None:
     """Table entries that must be real blocks for a step computing from token `first_new` with
     slots up to `total`, from the attention definitions (design.md section 4), not the manager's
     keep rule; every other entry must be the null block. None: every entry is required (full).
 
         sliding W: the step's first token attends to tokens first_new - W + 1 .. first_new
         chunked C: a token attends to its own chunk, which starts at first_new // C * C
-        mamba:     the state after first_new tokens (read) and the state being written (last entry)
+        mamba:     the state after first_new tokens (read) and the states being written
+                   (ALIGN: the last entry; ALL: every entry after the read one)
     """
     size = group.block_size
     num_entries = -(-total // size)
@@ -108,6 +124,8 @@ def required_entries(group: KVCacheGroupSpec, first_new: int, total: int) -> set
         return {i for i in range(num_entries) if (i + 1) * size > chunk_start}
     if group.kind is SpecKind.MAMBA:
         real = {num_entries - 1}
+        if mamba_mode is MambaCacheMode.ALL:
+            real |= set(range(max(0, -(-first_new // size) - 1), num_entries))
         if first_new:
             real.add(-(-first_new // size) - 1)
         return real
@@ -124,8 +142,9 @@ class ContentTracker:
     only if every real block it uses holds exactly the request's own prefix at that position.
     """
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec]) -> None:
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> None:
         self.groups = list(groups)
+        self.mamba_mode = mamba_mode
         self.attention: dict[int, tuple[int, int, tuple[int, ...], str | None]] = {}
         self.state: dict[int, tuple[int, Prefix]] = {}
 
@@ -136,8 +155,8 @@ class ContentTracker:
             group = self.groups[g]
             size = group.block_size
             if group.kind is SpecKind.MAMBA:
-                if table and table[-1] and end > start:
-                    self.state[table[-1]] = (g, (salt, tuple(tokens[:end])))
+                for point in state_writes(size, start, end, self.mamba_mode):
+                    self.state[table[-(-point // size) - 1]] = (g, (salt, tuple(tokens[:point])))
                 continue
             for i in range(start // size, -(-end // size)):
                 if table[i]:
@@ -175,7 +194,7 @@ class ContentTracker:
             group = self.groups[g]
             size = group.block_size
             assert len(table) == -(-total // size), f"group {g}: {len(table)} entries for {total} slots"
-            needed = required_entries(group, first_new, total)
+            needed = required_entries(group, first_new, total, self.mamba_mode)
             for i, block_id in enumerate(table):
                 if needed is not None and i not in needed:
                     assert not block_id, f"group {g} ({group.kind.value}): entry {i} should be released at {first_new}"
@@ -188,6 +207,24 @@ class ContentTracker:
                 elif i * size < first_new:
                     problems = self._block_problems(g, i, block_id, tokens, salt, min(first_new, (i + 1) * size))
                     assert not problems, problems
+
+    def check_state_steps(self, steps: Sequence[object], tables: Sequence[Sequence[int]], first_new: int,
+                          end: int) -> None:
+        """`KVCacheManager.state_steps` against the definition: entry ceil(t/B) - 1 holds the state
+        after t tokens; a step reads the state after `first_new` and writes `state_writes`."""
+        expected = []
+        for g, group in enumerate(self.groups):
+            if group.kind is not SpecKind.MAMBA:
+                continue
+            size, table = group.block_size, tables[g]
+            read = (first_new, table[-(-first_new // size) - 1]) if first_new else None
+            writes = [(t, table[-(-t // size) - 1]) for t in state_writes(size, first_new, end, self.mamba_mode)]
+            expected.append((g, read, writes))
+        got = []
+        for step in steps:
+            read = None if step.read is None else (step.read.num_tokens, step.read.block_id)  # type: ignore[attr-defined]
+            got.append((step.group_id, read, [(w.num_tokens, w.block_id) for w in step.writes]))  # type: ignore[attr-defined]
+        assert got == expected, f"state_steps [{first_new}, {end}): {got} != {expected}"
 
     def _block_problems(self, g: int, i: int, block_id: int, tokens: Sequence[int], salt: str | None,
                         end: int) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager
+from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager, MambaCacheMode
 from hybridkv.core.planner import KVCacheGroupSpec
 from hybridkv.core.request import KVRequest
 from tests.differential.naive_manager import ContentTracker, NaiveManager
@@ -34,6 +34,14 @@ LAYOUTS: dict[str, list[KVCacheGroupSpec]] = {
     ],
     "sliding_only": [make_group(kind="sliding", block_size=2, window_tokens=5)],
 }
+#: Layouts with a state group run in both modes ("[all]": MambaCacheMode.ALL).
+CASES = [*sorted(LAYOUTS), "full+mamba[all]", "mixed[all]"]
+
+
+def make_harness(case: str, *, num_blocks: int, seed: int) -> Harness:
+    layout, _, mode = case.partition("[")
+    return Harness(LAYOUTS[layout], num_blocks=num_blocks, seed=seed,
+                   mode=MambaCacheMode.ALL if mode else MambaCacheMode.ALIGN)
 
 
 @dataclass
@@ -48,11 +56,13 @@ class Job:
 class Harness:
     """Drives the real manager like an engine and checks every lookup against the naive one."""
 
-    def __init__(self, groups: list[KVCacheGroupSpec], *, num_blocks: int, seed: int) -> None:
+    def __init__(self, groups: list[KVCacheGroupSpec], *, num_blocks: int, seed: int,
+                 mode: MambaCacheMode = MambaCacheMode.ALIGN) -> None:
         self.rng = random.Random(seed)
-        self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=100_000)
-        self.naive = NaiveManager(self.manager.config.groups)
-        self.tracker = ContentTracker(self.manager.config.groups)
+        self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=100_000,
+                                      mamba_cache_mode=mode)
+        self.naive = NaiveManager(self.manager.config.groups, mode)
+        self.tracker = ContentTracker(self.manager.config.groups, mode)
         self.block_size = max(g.block_size for g in groups)
         self.lookups = 0
         self.shorter = 0
@@ -101,6 +111,8 @@ class Harness:
         self.naive.record_step(request.token_ids, request.cache_salt, start, end)
         tables = self.manager.block_ids(request.request_id)
         self.tracker.check_table(request.token_ids, request.cache_salt, tables, start, end)
+        steps = self.manager.state_steps(request.request_id, start_tokens=start, end_tokens=end) if end > start else ()
+        self.tracker.check_state_steps(steps, tables, start, end)
         self.tracker.record_step(request.token_ids, request.cache_salt, tables, start, end)
         request.num_computed_tokens = end
         if start >= job.prompt_tokens:
@@ -137,19 +149,19 @@ class Harness:
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_without_eviction_hits_equal_the_naive_hits(layout: str, seed: int) -> None:
-    harness = Harness(LAYOUTS[layout], num_blocks=5_000, seed=seed)
+@pytest.mark.parametrize("case", CASES)
+def test_without_eviction_hits_equal_the_naive_hits(case: str, seed: int) -> None:
+    harness = make_harness(case, num_blocks=5_000, seed=seed)
     harness.run(num_requests=40, max_running=4, exact=True)
     assert harness.lookups >= 40
     assert harness.hit_tokens > 0, "the workload must produce hits to compare"
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_under_eviction_hits_are_never_longer_nor_wrong(layout: str, seed: int) -> None:
-    groups = LAYOUTS[layout]
+@pytest.mark.parametrize("case", CASES)
+def test_under_eviction_hits_are_never_longer_nor_wrong(case: str, seed: int) -> None:
+    groups = LAYOUTS[case.partition("[")[0]]
     # One request of up to 60 tokens always fits alone (16 blocks of 4 per group); several compete.
-    harness = Harness(groups, num_blocks=17 * len(groups) + 8, seed=seed)
+    harness = make_harness(case, num_blocks=17 * len(groups) + 8, seed=seed)
     harness.run(num_requests=60, max_running=3, exact=False)
     assert harness.lookups >= 60

@@ -28,13 +28,20 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hybridkv.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvents
 from hybridkv.core.errors import StaleHitError
-from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager
+from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager, MambaCacheMode
 from hybridkv.core.planner import KVCacheGroupSpec
 from hybridkv.core.request import KVRequest
+from hybridkv.core.specs import SpecKind
 from tests.differential.naive_manager import ContentTracker
 from tests.factories import make_config, make_group, make_request
 
-LAYOUTS: dict[str, tuple[list[KVCacheGroupSpec], int]] = {  # groups, num_blocks
+MIXED = [
+    make_group(kind="full", block_size=2),
+    make_group(kind="sliding", block_size=2, window_tokens=5),
+    make_group(kind="chunked", block_size=2, chunk_tokens=4),
+    make_group(kind="mamba", block_size=2),
+]
+LAYOUTS: dict[str, tuple[list[KVCacheGroupSpec], int]] = {  # groups, num_blocks; "_all": MambaCacheMode.ALL
     "mixed": ([
         make_group(kind="full", block_size=2),
         make_group(kind="sliding", block_size=2, window_tokens=5),
@@ -53,12 +60,14 @@ LAYOUTS: dict[str, tuple[list[KVCacheGroupSpec], int]] = {  # groups, num_blocks
         make_group(kind="chunked", block_size=4, chunk_tokens=8),
         make_group(kind="mamba", block_size=4),
     ], 26),
+    "mixed_all": (MIXED, 40),
 }
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9], [7] * 16]
 MAX_MODEL_LEN = 32
 # What the run must have exercised (counted below; `TestManagerStateMachine` checks every one).
 COVERAGE: Counter[str] = Counter()
-REQUIRED = ("layout:mixed", "layout:twin_sliding", "layout:two_block_sizes", "hit", "refused_new", "refused_running",
+REQUIRED = ("layout:mixed", "layout:twin_sliding", "layout:two_block_sizes", "layout:mixed_all", "hit", "deferred",
+            "refused_new", "refused_running",
             "evicted", "uncached_unrun_step", "stale_hit", "kept_hit_used", "reset")
 
 
@@ -76,14 +85,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.running: list[Job] = []
         self.counter = 0
         self.stored: Counter[tuple[int, bytes]] = Counter()  # (group, hash) -> copies, from events
+        self.stored_this_step: set[tuple[int, bytes]] = set()  # BlockStored since the last begin_step
 
     @initialize(layout=st.sampled_from(sorted(LAYOUTS)))
     def build(self, layout: str) -> None:
         groups, num_blocks = LAYOUTS[layout]
+        mode = MambaCacheMode.ALL if layout.endswith("_all") else MambaCacheMode.ALIGN
         self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=MAX_MODEL_LEN,
-                                      events=KVEvents.ON)
+                                      events=KVEvents.ON, mamba_cache_mode=mode)
         self.groups = self.manager.config.groups
-        self.tracker = ContentTracker(self.groups)
+        self.tracker = ContentTracker(self.groups, mode)
         COVERAGE[f"layout:{layout}"] += 1
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -95,6 +106,7 @@ class ManagerMachine(RuleBasedStateMachine):
             if isinstance(event, BlockStored):
                 for block_hash in event.block_hashes:
                     self.stored[(event.group_id, block_hash)] += 1
+                    self.stored_this_step.add((event.group_id, block_hash))
             elif isinstance(event, BlockRemoved):
                 for block_hash in event.block_hashes:
                     key = (event.group_id, block_hash)
@@ -117,6 +129,15 @@ class ManagerMachine(RuleBasedStateMachine):
             for i, block_id in enumerate(blocks):
                 if block_id:
                     assert self.stored[(g, hashes[i])] > 0, f"hit uses group {g} position {i}, never reported stored"
+
+    def same_step_checkpoint(self, request: KVRequest, hit: CacheHit) -> bool:
+        """Whether the hit restores a state checkpoint stored (BlockStored) since the last begin_step."""
+        for g, blocks in enumerate(hit.blocks):
+            group = self.groups[g]
+            if group.kind is SpecKind.MAMBA and blocks and blocks[-1] and (
+                    (g, request.block_hashes[group.block_size][len(blocks) - 1]) in self.stored_this_step):
+                return True
+        return False
 
     def chunk_end(self, start: int, chunk: int, limit: int) -> int:
         """Tokens of a prefill step: `chunk` (1..16) capped at `limit`; chunks of 3 and more end on
@@ -141,8 +162,12 @@ class ManagerMachine(RuleBasedStateMachine):
             COVERAGE["refused_running" if before[2].get(request.request_id) else "refused_new"] += 1
             return None
         end = first_new + num_new
-        self.tracker.check_table(request.token_ids, request.cache_salt, self.manager.block_ids(request.request_id),
-                                 first_new, end)
+        assert not (hit and self.same_step_checkpoint(request, hit)), "a same-step state checkpoint was restored"
+        tables = self.manager.block_ids(request.request_id)
+        self.tracker.check_table(request.token_ids, request.cache_salt, tables, first_new, end)
+        if end > first_new:
+            steps = self.manager.state_steps(request.request_id, start_tokens=first_new, end_tokens=end)
+            self.tracker.check_state_steps(steps, tables, first_new, end)
         self.drain_events()
         return first_new, end
 
@@ -171,6 +196,10 @@ class ManagerMachine(RuleBasedStateMachine):
             self.tracker.check_hit(request.token_ids, request.cache_salt, hit.num_tokens, hit.blocks)
             self.check_hit_events(request, hit)
             job.hit_maybe_stale = False
+            if self.same_step_checkpoint(request, hit):
+                assert hit.deferred, "a hit on a state checkpoint stored in this step is not deferred"
+            if hit.deferred:
+                COVERAGE["deferred"] += 1
         else:
             COVERAGE["kept_hit_used"] += 1
         COVERAGE["hit"] += hit.num_tokens > 0
@@ -269,6 +298,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager.free(job.request)
         self.manager.free(job.request)  # a second free is a no-op, never a double free
         self.drain_events()
+
+    @rule()
+    def begin_step(self) -> None:
+        """The engine's next scheduling step: every step allocated so far has run."""
+        self.manager.begin_step()
+        self.stored_this_step.clear()
 
     @rule(roll=st.integers(0, 9))
     def reset(self, roll: int) -> None:
