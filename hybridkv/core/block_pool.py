@@ -161,6 +161,17 @@ class BlockPool:
         maps = self._maps
         dups = self._dups
         evicted = 0
+        if not self._events_on and not any(dups):  # no copies anywhere: every hash maps to its block
+            for block in blocks:
+                if block.block_hash is not None:
+                    del maps[block.group_id][block.block_hash]
+                    block.block_hash = None
+                    evicted += 1
+                block.ref_cnt = 1
+                block.group_id = group_id
+            self.evictions += evicted
+            self._used[group_id] += num_blocks
+            return blocks
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:  # evict: inlined `_drop_hash`, this is the hot loop

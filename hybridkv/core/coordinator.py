@@ -15,6 +15,11 @@ Each re-query returns the rightmost valid length <= L for its class, so the loop
 length every group can serve: the result is the largest one, and it is reached in at most one
 pass per distinct answer.
 
+The decode fast path: after each allocate the coordinator keeps, per request, bounds (F, T) from
+every group (`quiet_bounds`): a later allocate starting at first_new <= F with <= T slots adds no
+entry, releases none and caches nothing in any group, so the facade only records the slots. A
+decode step that crosses no block boundary (and no window or chunk edge) is a few integer tests.
+
 Allocation runs in phases so that a refusal changes nothing:
 
     0. defer:   a hit on a state checkpoint cached in this step  ->  return None (next step)
@@ -59,6 +64,8 @@ class KVCacheCoordinator:
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
         self._allocated_tokens: dict[RequestId, int] = {}
+        #: rid -> [F, T]: an allocate starting at <= F with <= T slots is a no-op (`quiet_bounds`)
+        self.quiet: dict[RequestId, list[int]] = {}
         # Groups whose hits wait a step when cached in this one (state groups in a caching mode).
         self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
 
@@ -78,6 +85,11 @@ class KVCacheCoordinator:
 
     def allocated_tokens(self, request_id: RequestId) -> int:
         return self._allocated_tokens.get(request_id, 0)
+
+    def note_slots(self, request_id: RequestId, total_tokens: int) -> None:
+        """A fast-path allocate: the request's tables already cover `total_tokens` slots."""
+        if total_tokens > self._allocated_tokens[request_id]:
+            self._allocated_tokens[request_id] = total_tokens
 
     def allocate(self, request: KVRequest, hits: GroupBlocks | None, first_new: int,
                  total_tokens: int) -> GroupBlocks | None:
@@ -99,6 +111,17 @@ class KVCacheCoordinator:
         new = [m.allocate_new_blocks(request, first_new, total_tokens) for m in managers]
         self._allocated_tokens[rid] = max(total_tokens, self._allocated_tokens.get(rid, 0))
         return new
+
+    def update_quiet(self, request_id: RequestId) -> None:
+        """Recompute the request's no-op bounds (after an allocate and its caching)."""
+        first = total = 1 << 62
+        for manager in self.managers:
+            f, t = manager.quiet_bounds(request_id)
+            if f < first:
+                first = f
+            if t < total:
+                total = t
+        self.quiet[request_id] = [first, total]
 
     def new_step(self) -> None:
         for manager in self._deferring:
@@ -123,6 +146,7 @@ class KVCacheCoordinator:
         allocated = self._allocated_tokens.pop(rid, None)
         if allocated is None:
             return
+        del self.quiet[rid]
         managers = self.managers
         if request.num_computed_tokens < allocated:
             computed = request.num_computed_tokens

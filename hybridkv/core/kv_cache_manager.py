@@ -190,6 +190,7 @@ class KVCacheManager:
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
         self._block_sizes = self._coordinator.block_sizes
         self._empty_hit = tuple(() for _ in config.groups)
+        self._no_new_blocks: tuple[tuple[BlockId, ...], ...] = self._empty_hit
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -247,6 +248,13 @@ class KVCacheManager:
             )
         coordinator = self._coordinator
         computed = request.num_computed_tokens
+        if hit is None and not num_lookahead_tokens and not num_external_tokens:  # the decode fast path
+            quiet = coordinator.quiet.get(request.request_id)
+            end = computed + num_new_tokens
+            if (quiet is not None and computed <= quiet[0] and end <= quiet[1] and end <= self.max_model_len
+                    and computed <= coordinator.allocated_tokens(request.request_id)):
+                coordinator.note_slots(request.request_id, end)
+                return self._no_new_blocks
         running = coordinator.is_running(request.request_id)
         hit_blocks: GroupBlocks | None = None
         hit_tokens = 0
@@ -277,6 +285,7 @@ class KVCacheManager:
             return None
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
+        coordinator.update_quiet(request.request_id)
         return tuple(tuple(map(_block_id, g)) for g in new)
 
     def cache(self, request: KVRequest, num_tokens: int) -> None:
@@ -290,6 +299,7 @@ class KVCacheManager:
             )
         if self._caching:
             self._coordinator.cache_blocks(request, self._hashes(request), min(num_tokens, request.num_tokens))
+            self._coordinator.update_quiet(request.request_id)
 
     def free(self, request: KVRequest) -> None:
         """Release every block of the request, tail first (finish or preemption); no-op if it

@@ -41,6 +41,7 @@ from hybridkv.core.request import KVRequest
 from hybridkv.core.specs import SpecKind
 
 HashMap = Mapping[BlockHash, Block]
+NEVER = 1 << 62  # a token count no request reaches
 #: (tokens, block) of the state a step reads (None: from token 0), and of each state it writes.
 StateEntries = tuple[tuple[int, Block] | None, list[tuple[int, Block]]]
 
@@ -109,6 +110,19 @@ class SingleTypeManager(ABC):
     def new_step(self) -> None:
         """A new scheduling step starts (state groups forget what was cached in the last one)."""
         return
+
+    def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
+        """(F, T): an `allocate` of a running request whose step starts at `first_new <= F` and
+        needs `total <= T` slots changes nothing in this group: no entry to add, none to
+        release, no newly full block to cache (the decode fast path, see `coordinator.py`)."""
+        size = self.block_size
+        return (self.quiet_first(self._num_skipped[request_id]),
+                min(len(self._tables[request_id]), self._num_cached[request_id] + 1) * size - 1)
+
+    def quiet_first(self, num_skipped: int) -> int:
+        """The largest `first_new` whose `first_needed_block` is at most `num_skipped`."""
+        del num_skipped
+        return NEVER
 
     def state_entries(self, request_id: RequestId, start: int, end: int) -> StateEntries | None:
         """Where a step computing tokens [start, end) reads and writes its state; None: this
@@ -306,6 +320,9 @@ class SlidingWindowManager(SingleTypeManager):
     def first_needed_block(self, num_tokens: int) -> int:
         return max(0, num_tokens - self.window_tokens + 1) // self.block_size
 
+    def quiet_first(self, num_skipped: int) -> int:
+        return (num_skipped + 1) * self.block_size + self.window_tokens - 2
+
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[Block]]:
         limit = max_length // self.block_size
@@ -344,6 +361,10 @@ class ChunkedLocalManager(SingleTypeManager):
     def first_needed_block(self, num_tokens: int) -> int:
         return num_tokens // self.chunk_tokens * self.chunk_tokens // self.block_size
 
+    def quiet_first(self, num_skipped: int) -> int:
+        chunk = self.chunk_tokens
+        return ((num_skipped + 1) * self.block_size - 1) // chunk * chunk + chunk - 1
+
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[Block]]:
         limit = max_length // self.block_size
@@ -381,6 +402,14 @@ class MambaManager(SingleTypeManager):
         if self.mode is MambaMode.NONE:
             return 0
         return max(0, _cdiv(num_tokens, self.block_size) - 1)
+
+    def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
+        if self.mode is MambaMode.NONE:
+            return NEVER, NEVER
+        return super().quiet_bounds(request_id)
+
+    def quiet_first(self, num_skipped: int) -> int:
+        return (num_skipped + 1) * self.block_size
 
     def table_length(self, request: KVRequest, total_tokens: int) -> int:
         if self.mode is MambaMode.NONE:
@@ -460,6 +489,9 @@ class MambaManager(SingleTypeManager):
 
 class CrossAttentionManager(SingleTypeManager):
     """Cross attention: `request.num_encoder_tokens` slots, allocated once, never cached."""
+
+    def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
+        return NEVER, NEVER
 
     def table_length(self, request: KVRequest, total_tokens: int) -> int:
         del total_tokens

@@ -508,3 +508,23 @@ def test_a_shared_block_leaving_the_window_does_not_count_as_freed() -> None:
     assert m.allocate(a, 1) is None
     assert m.block_ids(a.request_id) == ([0, 0, 3, 5],) and m.block_ids(b.request_id) == ([0, 0, 3, 4],)
     m.check_integrity()
+
+
+def test_decode_fast_path_still_releases_at_window_edges_inside_a_block() -> None:
+    """Window 6, blocks of 4: a decode step needs work when a block boundary or the window's
+    edge is crossed, and nothing otherwise (hand-computed)."""
+    m = manager([FULL4, make_group(kind="sliding", block_size=4, window_tokens=6)])
+    a = make_request(request_id="a", token_ids=range(9))
+    prefill(m, a)
+    assert m.block_ids(a.request_id) == ([1, 2, 3], [4, 5, 6])
+    assert decode(m, a, 1) == ((), ())  # first token 9: window from 4, entry 0 released
+    assert m.block_ids(a.request_id)[1] == [0, 5, 6]
+    assert decode(m, a, 2) == ((), ())  # first token 10: window from 5, nothing to do
+    assert decode(m, a, 3) == ((), ())  # first token 11: window from 6, nothing to release; block 2 full
+    assert decode(m, a, 4) == ((7,), (8,))  # first token 12: a new block in each group
+    assert m.block_ids(a.request_id) == ([1, 2, 3, 7], [0, 5, 6, 8])
+    assert decode(m, a, 5) == ((), ())  # first token 13: window from 8, entry 1 released
+    assert m.block_ids(a.request_id)[1] == [0, 0, 6, 8]
+    m.free(a)
+    hit = m.lookup(make_request(request_id="b", token_ids=[*range(9), 1, 2, 3, 9]))
+    assert hit.num_tokens == 12  # the blocks completed by decode steps were cached
