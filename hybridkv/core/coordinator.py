@@ -24,7 +24,7 @@ Allocation runs in phases so that a refusal changes nothing:
 
     0. defer:   a hit on a state checkpoint cached in this step  ->  return None (next step)
     1. count:   sum over groups of (new real blocks + free hit blocks - blocks released by skipping)
-                > free blocks  ->  return None
+                > free blocks  ->  return None   (an upper bound without per-block work first)
     2. release: out-of-window / finished-chunk / old-state blocks, all groups interleaved tail first
     3. touch:   hit blocks of every group (before any pop, so no group pops another's hit)
     4. allocate new blocks per group
@@ -98,11 +98,15 @@ class KVCacheCoordinator:
         rid = request.request_id
         if hits and self.defers(hits):
             return None
-        need = 0
+        bound = 0
         for g, manager in enumerate(managers):
-            need += manager.get_num_blocks_to_allocate(request, hits[g] if hits else None, first_new, total_tokens)
-        if need > self.pool.num_free:
-            return None
+            bound += manager.blocks_upper_bound(request, hits[g] if hits else None, first_new, total_tokens)
+        if bound > self.pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
+            need = 0
+            for g, manager in enumerate(managers):
+                need += manager.get_num_blocks_to_allocate(request, hits[g] if hits else None, first_new, total_tokens)
+            if need > self.pool.num_free:
+                return None
         released = [m.remove_skipped_blocks(rid, first_new) for m in managers]
         if any(released):
             self.pool.free(interleave_tail_first(released))

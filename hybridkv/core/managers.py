@@ -157,6 +157,18 @@ class SingleTypeManager(ABC):
 
     # -- the phases the coordinator drives ------------------------------------------------------
 
+    def blocks_upper_bound(self, request: KVRequest, hits: Sequence[Block] | None,
+                           first_new: int, total_tokens: int) -> int:
+        """At least `get_num_blocks_to_allocate` (new blocks + every hit block, no release
+        credit), without touching each block: when the pool has this many, the step fits."""
+        keep_from = self.first_needed_block(first_new)
+        new_len = self.table_length(request, total_tokens)
+        table = self._tables.get(request.request_id)
+        if table is None:
+            old_len = len(hits) if hits else 0
+            return self._num_real(old_len, new_len, keep_from, first_new) + max(0, old_len - keep_from)
+        return self._num_real(len(table), new_len, keep_from, first_new)
+
     def get_num_blocks_to_allocate(self, request: KVRequest, hits: Sequence[Block] | None,
                                    first_new: int, total_tokens: int) -> int:
         """Free-queue blocks this step takes (new blocks + free hit blocks) minus the blocks
