@@ -19,6 +19,10 @@ and no mask (SDPA's causal kernel skips the masked half).
     tokens  | d0 | d1 | d2 | p0 p0 p0 p0 p0 p0 | p1 p1 p1 p1 |
     calls   |  rows=3, q=1  | rows=2, q=3 (tiles)| rows=1, q=4 |
 
+Rows of one call are padded to its longest; consecutive rows whose key counts grow by more than
+a quarter (and 64 keys) start a new call, so decodes ordered by length (the runner's order) are
+not all padded to the longest one.
+
 Which keys a query at position p may see (the rule the mask encodes):
 full: k <= p; sliding window W: p - W < k <= p; chunked local C: k <= p and k // C == p // C.
 Long prefill chunks of sliding/chunked groups are cut into tiles of `tile_tokens` queries so each
@@ -195,6 +199,16 @@ def _self_causal(row: _Row, rule: AttentionRule) -> bool:
     return row.k_start == row.q_start and rule.first_key(last) == row.q_start
 
 
+_SPLIT_KEYS, _SPLIT_RATIO = 64, 1.25  # a call's rows are padded to its longest; split when that wastes much
+
+
+def _outgrows(first: _Row, row: _Row) -> bool:
+    """True when `row` reads many more keys than `first`, the first row of its call (rows are padded to the
+    call's longest, so decodes ordered by length read about a quarter less with this split)."""
+    keys, first_keys = row.q_start + row.queries - row.k_start, first.q_start + first.queries - first.k_start
+    return keys - first_keys >= _SPLIT_KEYS and keys > _SPLIT_RATIO * first_keys
+
+
 def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_size: int) -> ReadPlan:
     """The read plan of a step whose chunks compute positions [start, end) (flattened order)."""
     positions = torch.cat([torch.arange(a, b) for a, b in spans])  # [T]
@@ -203,7 +217,7 @@ def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_s
     calls: list[_CallPlan] = []
     begin = 0
     for i in range(1, len(rows) + 1):
-        if i == len(rows) or rows[i].queries != rows[begin].queries:
+        if i == len(rows) or rows[i].queries != rows[begin].queries or _outgrows(rows[begin], rows[i]):
             calls.append(_call_plan(rows[begin:i], rule, block_size))
             begin = i
     return ReadPlan(rule=rule, block_size=block_size, owner=owner, table_index=positions // block_size,
