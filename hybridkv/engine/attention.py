@@ -324,12 +324,16 @@ def _attend(
     k_rows = call.head_rows(kv_heads)  # [R*KVH*L]
     k = flat.index_select(0, k_rows).view(rows, kv_heads, keys, head_dim)  # [R, KVH, L, D]
     v = flat.index_select(0, k_rows + block_size * kv_heads).view(rows, kv_heads, keys, head_dim)  # [R, KVH, L, D]
-    if sinks is None and softcap is None and queries > 1:
+    if sinks is None and softcap is None and queries == 1:  # decodes: the query heads of a KV head as its queries
+        q4 = q.view(rows, kv_heads, groups, head_dim)  # [R, KVH, G, D]
+        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=call.mask, scale=scale)  # [R, KVH, G, D]
+        return o.reshape(rows, heads, head_dim)  # [R, H, D]
+    if sinks is None and softcap is None:
         q4 = q.view(rows, queries, heads, head_dim).transpose(1, 2)  # [R, H, Q, D]
         o = F.scaled_dot_product_attention(q4, k, v, attn_mask=call.mask, scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(rows * queries, heads, head_dim)  # [R*Q, H, D]
-    # sinks, soft-capping, and decodes (where two matmuls beat the fused kernel on CPU).
-    # Fold the query heads sharing a KV head into the query axis: no K/V repeat is needed.
+    # sinks and soft-capping: explicit scores. Fold the query heads sharing a KV head into the
+    # query axis: no K/V repeat is needed.
     q = q.view(rows, queries, kv_heads, groups, head_dim)  # [R, Q, KVH, G, D]
     q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, groups * queries, head_dim)  # [R, KVH, G*Q, D]
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [R, KVH, G*Q, L]
