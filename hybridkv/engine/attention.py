@@ -8,11 +8,20 @@ builds one `GroupMetadata`; every attention layer of that group reuses it:
     read:   calls, each = `rows` rows of `queries` consecutive tokens; row r attends to the key
             slots read_blocks[r, j], read_offsets[r, j] (j < keys) under mask[r, 0, q, j]
 
-Both go through a flat view of the cache, [num_blocks * 2 * block_size, kv_heads * head_dim], with
-row indices from `flat_rows` (index_copy_ / index_select beat advanced indexing by ~3x on CPU).
+Writes go through a flat view of the cache, [num_blocks * 2 * block_size, kv_heads * head_dim], with
+row indices from `flat_rows` (index_copy_ / index_select beat advanced indexing by ~3x on CPU). Reads
+gather one row per (key, KV head) from the view [num_blocks * 2 * block_size * kv_heads, head_dim],
+so K/V arrive as contiguous [rows, kv_heads, keys, head_dim] and the matmuls need no further copy.
+A call whose rows attend causally to exactly their own new tokens (a prompt's first chunk in a full
+attention group, or one shorter than the window) reads the step's new K/V directly, with no gather
+and no mask (SDPA's causal kernel skips the masked half).
 
     tokens  | d0 | d1 | d2 | p0 p0 p0 p0 p0 p0 | p1 p1 p1 p1 |
     calls   |  rows=3, q=1  | rows=2, q=3 (tiles)| rows=1, q=4 |
+
+Rows of one call are padded to its longest; consecutive rows whose key counts grow by more than
+a quarter (and 64 keys) start a new call, so decodes ordered by length (the runner's order) are
+not all padded to the longest one.
 
 Which keys a query at position p may see (the rule the mask encodes):
 full: k <= p; sliding window W: p - W < k <= p; chunked local C: k <= p and k // C == p // C.
@@ -24,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +78,19 @@ class AttentionCall:
     read_offsets: torch.Tensor  # [rows, keys] int64 offset in the block
     read_rows: torch.Tensor  # [rows * keys] int64 K row in the flat cache view (V: + block_size)
     mask: torch.Tensor  # [rows, 1, queries, keys] bool, True = attend
+    self_causal: bool = False  # row r's keys are its own queries' tokens, mask = causal (keys == queries)
+    # kv_heads -> K rows [rows * kv_heads * keys] in the per-head view; filled on first use, shared by the
+    # group's layers (V rows: + block_size * kv_heads)
+    _head_rows: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def head_rows(self, kv_heads: int) -> torch.Tensor:
+        """K rows of the call's keys in the per-head cache view [num_blocks * 2 * block_size * kv_heads, D],
+        ordered [rows, kv_heads, keys]: row(key row, h) = key row * kv_heads + h."""
+        rows = self._head_rows.get(kv_heads)
+        if rows is None:
+            keys = self.read_rows.view(self.rows, 1, -1) * kv_heads  # [R, 1, L]
+            rows = self._head_rows[kv_heads] = (keys + torch.arange(kv_heads).view(1, kv_heads, 1)).flatten()
+        return rows
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,6 +152,7 @@ class _CallPlan:
     key_offsets: torch.Tensor  # [R, L] key position % block size
     mask: torch.Tensor  # [R, 1, Q, L]
     attended: torch.Tensor  # [R, L] keys at least one query of the row attends to
+    self_causal: bool  # every row's keys are its own queries' positions under a plain causal mask
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,7 +189,24 @@ def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int) -> _C
         mask &= (k_pos[:, None, :] // rule.chunk_tokens) == (q_pos[:, :, None] // rule.chunk_tokens)
     return _CallPlan(token_start=rows[0].token_start, rows=len(rows), queries=queries,
                      table_rows=torch.tensor([r.table for r in rows]), key_blocks=k_pos // block_size,
-                     key_offsets=k_pos % block_size, mask=mask[:, None], attended=mask.any(dim=1))
+                     key_offsets=k_pos % block_size, mask=mask[:, None], attended=mask.any(dim=1),
+                     self_causal=all(_self_causal(r, rule) for r in rows))
+
+
+def _self_causal(row: _Row, rule: AttentionRule) -> bool:
+    """True when the row's queries see exactly the keys k <= q among their own positions."""
+    last = row.q_start + row.queries - 1
+    return row.k_start == row.q_start and rule.first_key(last) == row.q_start
+
+
+_SPLIT_KEYS, _SPLIT_RATIO = 64, 1.25  # a call's rows are padded to its longest; split when that wastes much
+
+
+def _outgrows(first: _Row, row: _Row) -> bool:
+    """True when `row` reads many more keys than `first`, the first row of its call (rows are padded to the
+    call's longest, so decodes ordered by length read about a quarter less with this split)."""
+    keys, first_keys = row.q_start + row.queries - row.k_start, first.q_start + first.queries - first.k_start
+    return keys - first_keys >= _SPLIT_KEYS and keys > _SPLIT_RATIO * first_keys
 
 
 def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_size: int) -> ReadPlan:
@@ -177,7 +217,7 @@ def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_s
     calls: list[_CallPlan] = []
     begin = 0
     for i in range(1, len(rows) + 1):
-        if i == len(rows) or rows[i].queries != rows[begin].queries:
+        if i == len(rows) or rows[i].queries != rows[begin].queries or _outgrows(rows[begin], rows[i]):
             calls.append(_call_plan(rows[begin:i], rule, block_size))
             begin = i
     return ReadPlan(rule=rule, block_size=block_size, owner=owner, table_index=positions // block_size,
@@ -187,9 +227,8 @@ def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_s
 def group_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[int]]) -> GroupMetadata:
     """A group's metadata: the plan resolved through its block tables (one per chunk)."""
     width = max(len(t) for t in block_tables)
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int64)  # [N, max_blocks], 0 = null block
-    for i, table in enumerate(block_tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    padded = [[*table, *[0] * (width - len(table))] for table in block_tables]  # one tensor, not one per chunk
+    tables = torch.tensor(padded, dtype=torch.int64)  # [N, max_blocks], 0 = null block
     write_blocks = tables[plan.owner, plan.table_index]  # [T]
     if bool((write_blocks == 0).any()):
         raise RuntimeError("internal error: a new token maps to the null block 0; its block was not allocated")
@@ -204,7 +243,7 @@ def group_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[int]]) -> Gro
         rows = flat_rows(blocks, call.key_offsets, plan.block_size).flatten()  # [R*L]
         calls.append(AttentionCall(token_start=call.token_start, rows=call.rows, queries=call.queries,
                                    read_blocks=blocks, read_offsets=call.key_offsets, read_rows=rows,
-                                   mask=call.mask))
+                                   mask=call.mask, self_causal=call.self_causal))
     return GroupMetadata(write_blocks=write_blocks, write_offsets=plan.offsets, calls=tuple(calls),
                          write_rows=flat_rows(write_blocks, plan.offsets, plan.block_size))
 
@@ -232,19 +271,39 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries `q` [T, heads, head_dim] over a layer's paged K/V.
 
     `sinks` [heads]: learned per-head logits that join the softmax and carry no value (gpt-oss).
-    `softcap`: tanh soft-capping of the scores (Gemma 2 style). Returns [T, heads, head_dim].
+    `softcap`: tanh soft-capping of the scores (Gemma 2 style). `new_kv`: the step's new K and V
+    [T, kv_heads, head_dim] as written by `write_kv` (None for a layer that reads another layer's
+    cache); calls that attend only to their own new tokens then read them instead of the cache.
+    Returns [T, heads, head_dim].
     """
     out = torch.empty_like(q)
     for call in meta.calls:
         n = call.rows * call.queries
         rows_q = q[call.token_start : call.token_start + n]  # [R*Q, H, D]
-        result = _attend(rows_q, cache, call, scale=scale, sinks=sinks, softcap=softcap)
+        if call.self_causal and new_kv is not None and sinks is None and softcap is None:
+            k, v = (t[call.token_start : call.token_start + n] for t in new_kv)  # [R*Q, KVH, D] each
+            result = _attend_self_causal(rows_q, k, v, call, scale=scale)
+        else:
+            result = _attend(rows_q, cache, call, scale=scale, sinks=sinks, softcap=softcap)
         out[call.token_start : call.token_start + n] = result
     return out
+
+
+def _attend_self_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *, scale: float
+) -> torch.Tensor:
+    """Causal attention of each row over its own new tokens: q [R*Q, H, D], k/v [R*Q, KVH, D]."""
+    rows, queries = call.rows, call.queries
+    q4 = q.view(rows, queries, q.shape[1], q.shape[2]).transpose(1, 2)  # [R, H, Q, D]
+    k4 = k.view(rows, queries, k.shape[1], k.shape[2]).transpose(1, 2)  # [R, KVH, Q, D]
+    v4 = v.view(rows, queries, v.shape[1], v.shape[2]).transpose(1, 2)  # [R, KVH, Q, D]
+    o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)  # [R, H, Q, D]
+    return o.transpose(1, 2).reshape(rows * queries, q.shape[1], q.shape[2])  # [R*Q, H, D]
 
 
 def _attend(
@@ -261,27 +320,33 @@ def _attend(
     block_size, kv_heads = cache.shape[2], cache.shape[3]
     groups = heads // kv_heads
     keys = call.mask.shape[-1]
-    flat = cache.view(-1, kv_heads * head_dim)  # [num_blocks * 2 * block_size, KVH*D]
-    k = flat.index_select(0, call.read_rows).view(rows, keys, kv_heads, head_dim).transpose(1, 2)  # [R, KVH, L, D]
-    v = flat.index_select(0, call.read_rows + block_size).view(rows, keys, kv_heads, head_dim)
-    v = v.transpose(1, 2)  # [R, KVH, L, D]
-    # Fold the query heads sharing a KV head into the query axis: no K/V repeat is needed.
+    flat = cache.view(-1, head_dim)  # [num_blocks * 2 * block_size * KVH, D]: one row per (slot, KV head)
+    k_rows = call.head_rows(kv_heads)  # [R*KVH*L]
+    k = flat.index_select(0, k_rows).view(rows, kv_heads, keys, head_dim)  # [R, KVH, L, D]
+    v = flat.index_select(0, k_rows + block_size * kv_heads).view(rows, kv_heads, keys, head_dim)  # [R, KVH, L, D]
+    if sinks is None and softcap is None and queries == 1:  # decodes: the query heads of a KV head as its queries
+        q4 = q.view(rows, kv_heads, groups, head_dim)  # [R, KVH, G, D]
+        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=call.mask, scale=scale)  # [R, KVH, G, D]
+        return o.reshape(rows, heads, head_dim)  # [R, H, D]
+    if sinks is None and softcap is None:
+        q4 = q.view(rows, queries, heads, head_dim).transpose(1, 2)  # [R, H, Q, D]
+        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=call.mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(rows * queries, heads, head_dim)  # [R*Q, H, D]
+    # sinks and soft-capping: explicit scores. Fold the query heads sharing a KV head into the
+    # query axis: no K/V repeat is needed.
     q = q.view(rows, queries, kv_heads, groups, head_dim)  # [R, Q, KVH, G, D]
     q = q.permute(0, 2, 3, 1, 4).reshape(rows, kv_heads, groups * queries, head_dim)  # [R, KVH, G*Q, D]
-    mask = call.mask if groups == 1 else call.mask.repeat(1, 1, groups, 1)  # [R, 1, G*Q, L]
-    if sinks is None and softcap is None and queries > 1:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [R, KVH, G*Q, D]
-    else:  # sinks, soft-capping, and decodes (where two matmuls beat the fused kernel on CPU)
-        scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [R, KVH, G*Q, L]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        if sinks is not None:
-            sink = sinks.view(kv_heads, groups, 1).expand(kv_heads, groups, queries)  # [KVH, G, Q]
-            sink = sink.reshape(1, kv_heads, groups * queries, 1).expand(rows, -1, -1, 1)  # [R, KVH, G*Q, 1]
-            probs = torch.softmax(torch.cat([scores, sink.to(scores.dtype)], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, v)  # [R, KVH, G*Q, D]
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [R, KVH, G*Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(rows, kv_heads, groups, queries, keys).masked_fill(~call.mask[:, :, None], float("-inf"))
+    scores = scores.view(rows, kv_heads, groups * queries, keys)  # [R, KVH, G*Q, L]
+    if sinks is not None:
+        sink = sinks.view(kv_heads, groups, 1).expand(kv_heads, groups, queries)  # [KVH, G, Q]
+        sink = sink.reshape(1, kv_heads, groups * queries, 1).expand(rows, -1, -1, 1)  # [R, KVH, G*Q, 1]
+        probs = torch.softmax(torch.cat([scores, sink.to(scores.dtype)], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v)  # [R, KVH, G*Q, D]
     o = o.view(rows, kv_heads, groups, queries, head_dim).permute(0, 3, 1, 2, 4)  # [R, Q, KVH, G, D]
     return o.reshape(rows * queries, heads, head_dim)  # [R*Q, H, D]

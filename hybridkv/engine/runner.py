@@ -11,8 +11,8 @@ layer's view and never write it. State layers (Mamba, Gated DeltaNet) view their
 state tensors instead (`state_layers.py`); before each forward the runner restores, zeroes and
 describes their states there (`StateLayers.prepare`).
 
-A step's items are reordered so single-token items (decodes) come first; tokens are flattened
-into one batch and the model runs once. Logits come back only for items that sample.
+A step's items are reordered so single-token items (decodes) come first, shortest first; tokens are
+flattened into one batch and the model runs once. Logits come back only for items that sample.
 """
 
 from __future__ import annotations
@@ -160,7 +160,9 @@ class ModelRunner:
 
     def execute(self, items: Sequence[StepItem]) -> torch.Tensor:
         """Run one step; returns logits [N, vocab] of the sampling items, in the given order."""
-        order = sorted(range(len(items)), key=lambda i: len(items[i].token_ids) != 1)  # decodes first, stable
+        # decodes first, by position (attention calls group decodes of similar length), then prefills as given
+        order = sorted(range(len(items)), key=lambda i: (len(items[i].token_ids) != 1,
+                                                         items[i].start_pos if len(items[i].token_ids) == 1 else 0))
         ordered = [items[i] for i in order]
         ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.int64)  # [T]
         positions = torch.cat([

@@ -89,9 +89,11 @@ def attend(
     """
     cache = ctx.kv_cache(layer)
     meta = ctx.metadata(layer)
+    new_kv = None
     if ctx.writes_kv(layer):
         write_kv(cache, meta, k, v)
-    out = paged_attention(q, cache, meta, scale=scale, sinks=sinks, softcap=softcap)  # [T, H, D]
+        new_kv = (k, v)
+    out = paged_attention(q, cache, meta, scale=scale, sinks=sinks, softcap=softcap, new_kv=new_kv)  # [T, H, D]
     return out.flatten(1)  # [T, H*D]
 
 
