@@ -8,7 +8,8 @@
                       v
                  Sampler --> tokens appended to the requests
 
-Modules: config (EngineConfig, torch-free), llm (LLM, outputs), scheduler, request, runner,
+Modules: config (EngineConfig, torch-free), llm (LLM, outputs), engine_core (the incremental
+API's bookkeeping: add_request / step / abort), scheduler, request, runner,
 attention (metadata + paged attention), sampler, loader (HF dirs), tokenizer, host_memory
 (free-memory check), default_model (the embedded tiny Gemma 3), workload (`hybridkv run`
 workloads, torch-free), models/ (one file per architecture; base.py holds the model contract).

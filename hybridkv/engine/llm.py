@@ -3,6 +3,10 @@
     llm = LLM("path/to/hf_model_dir", max_num_batched_tokens=256)     # or LLM() for the default
     outputs = llm.generate(["Hello", [2, 104, 105]], SamplingParams(max_tokens=16))
 
+Beneath `generate`, the incremental API (continuous batching; engine_core.py): `add_request`
+queues a request, `step` runs one step and returns each request's new tokens (and its output when
+it finishes), `abort` frees a request's blocks, `has_unfinished` says whether a step has work.
+
 Construction: config.json -> model (models/) + ModelSpec (core.model_specs) -> plan (core.planner)
 -> KVCacheManager (core) and ModelRunner (same KVCacheConfig) -> Scheduler.
 """
@@ -30,6 +34,7 @@ from hybridkv.core.request import KVRequest
 from hybridkv.core.specs import ModelSpec, SpecKind
 from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.default_model import ensure_default_model
+from hybridkv.engine.engine_core import LiveRequests, StepOutput
 from hybridkv.engine.host_memory import check_fits
 from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
 from hybridkv.engine.request import FinishReason, Request
@@ -60,7 +65,7 @@ class RequestOutput:
     text: str
     finish_reason: FinishReason
     metrics: RequestMetrics
-    logprobs: list[dict[int, float]]  # per generated token: top `SamplingParams.logprobs` ids -> logprob
+    logprobs: list[dict[int, float]]  # per generated token: top `SamplingParams.logprobs` ids (+ its own) -> logprob
 
 
 @dataclass(slots=True)
@@ -125,6 +130,7 @@ class LLM:
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())
         self._next_id = 0
+        self._live = LiveRequests()
 
     def _align_tokens(self) -> int:
         """Block size prefill chunks end on: the state groups' in align mode with prefix caching, else 0
@@ -160,35 +166,75 @@ class LLM:
         if isinstance(prompts, str):
             raise ConfigError(f"prompts must be a list of prompts, got a single str {reprlib.repr(prompts)}; "
                               "expected e.g. [prompt]")
+        if self._live:
+            raise ConfigError(f"generate() called while {len(self._live)} request(s) from add_request() are "
+                              "unfinished; step() them to the end or abort() them first")
         params = [sampling or SamplingParams()] * len(prompts) if not isinstance(sampling, Sequence) else sampling
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts; expected one or one each")
         requests = [self._make_request(p, s, index=i) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
-        for request in requests:
-            self.scheduler.add(request)
-        outputs: dict[RequestId, RequestOutput] = {}
+        ids = [self._enqueue(request) for request in requests]
+        outputs: dict[str, RequestOutput] = {}
         try:
-            while self.scheduler.has_unfinished:
-                for request in self._step():
-                    outputs[request.request_id] = self._output(request)
-                    if on_finish is not None:
-                        on_finish(outputs[request.request_id])
+            while self.has_unfinished:
+                for step in self.step():
+                    if step.finished is not None:
+                        outputs[step.request_id] = step.finished
+                        if on_finish is not None:
+                            on_finish(step.finished)
         except BaseException:  # CapacityError, Ctrl-C: drop this call's requests so the next call starts clean
-            self.scheduler.abort(requests)
+            for request_id in ids:
+                self.abort(request_id)
             raise
-        return [outputs[r.request_id] for r in requests]
+        return [outputs[request_id] for request_id in ids]
 
-    def _prompt_ids(self, prompt: Prompt, index: int) -> list[int]:
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
+        """Queue one request (text or token ids) for the next `step`; returns its id.
+
+        Validated as `generate` validates a prompt (ConfigError, naming it "prompt"), so nothing is
+        queued for a bad one. The request joins the batch of whatever else is running.
+        """
+        return self._enqueue(self._make_request(prompt, sampling or SamplingParams(), index=None))
+
+    def step(self) -> list[StepOutput]:
+        """Run one engine step; per request that got tokens in it (or finished), a StepOutput.
+
+        A finished request's StepOutput carries its RequestOutput, and its blocks are already
+        freed. Raises CapacityError if the request at the head of the queue can never get blocks
+        (the engine stays usable once that request is aborted).
+        """
+        return self._live.step_outputs(self._step(), self._output)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks (cached ones stay in the prefix cache); False if unknown or done."""
+        request = self._live.pop(request_id)
+        if request is None:
+            return False
+        self.scheduler.abort([request])
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Whether some added request is still waiting or running (so `step` has work)."""
+        return self.scheduler.has_unfinished
+
+    def _enqueue(self, request: Request) -> str:
+        self.scheduler.add(request)
+        self._live.add(request)
+        return request.request_id
+
+    def _prompt_ids(self, prompt: Prompt, index: int | None) -> list[int]:
         """The validated token ids of one prompt (ConfigError naming the prompt otherwise)."""
+        label = "prompt" if index is None else f"prompt {index}"
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
             try:
                 ids = [operator.index(t) for t in prompt]
             except TypeError:
-                raise ConfigError(f"prompt {index} must be a str or a sequence of int token ids, "
+                raise ConfigError(f"{label} must be a str or a sequence of int token ids, "
                                   f"got {reprlib.repr(prompt)}") from None
-        return self.check_prompt(ids, label=f"prompt {index}")
+        return self.check_prompt(ids, label=label)
 
     def check_prompt(self, ids: list[int], *, label: str, length_option: str = "max_model_len") -> list[int]:
         """`ids` when they are a valid prompt; else ConfigError starting with `label`.
@@ -206,13 +252,14 @@ class LLM:
                               f"(the model allows up to {self.model_spec.max_position_embeddings})")
         return ids
 
-    def _make_request(self, prompt: Prompt, sampling: SamplingParams, *, index: int) -> Request:
+    def _make_request(self, prompt: Prompt, sampling: SamplingParams, *, index: int | None) -> Request:
         ids = self._prompt_ids(prompt, index)
         vocab = int(self.model.hf_config["vocab_size"])
+        label = "" if index is None else f" {index}"
         if not isinstance(sampling, SamplingParams):
-            raise ConfigError(f"sampling params {index} must be a SamplingParams, got {type(sampling).__name__}")
+            raise ConfigError(f"sampling params{label} must be a SamplingParams, got {type(sampling).__name__}")
         if sampling.logprobs > vocab:
-            raise ConfigError(f"prompt {index} asks for {sampling.logprobs} logprobs; expected at most the "
+            raise ConfigError(f"prompt{label} asks for {sampling.logprobs} logprobs; expected at most the "
                               f"vocabulary size {vocab}")
         seq = self._next_id
         self._next_id += 1
@@ -235,7 +282,7 @@ class LLM:
         now = time.perf_counter()
         for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
             if request.sampling.logprobs:
-                request.logprobs.append(top_logprobs(logits[row], request.sampling.logprobs))
+                request.logprobs.append(top_logprobs(logits[row], request.sampling.logprobs, token=token))
             request.append_token(token, now_s=now, max_model_len=self.max_model_len)
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_tokens

@@ -28,7 +28,8 @@ class SamplingParams:
 
     `top_k == 0` and `top_p == 1.0` turn those filters off. `seed` fixes the request's draws
     (default: the engine seed plus the request's index). `logprobs > 0` returns that many top
-    log-probabilities (of the unfiltered distribution) per generated token.
+    log-probabilities (of the unfiltered distribution) per generated token, and the generated
+    token's own when it is not among them.
     """
 
     max_tokens: int = 16
@@ -97,7 +98,12 @@ def sample(
     return [int(t) for t in tokens]
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> dict[int, float]:
-    """The k most likely tokens of one row of logits [vocab] with their log-probabilities."""
-    values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), k)
-    return {int(i): float(v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+def top_logprobs(logits: torch.Tensor, k: int, *, token: int | None = None) -> dict[int, float]:
+    """The k most likely tokens of one row of logits [vocab] with their log-probabilities, plus
+    `token` (the sampled one) when it is not among them: k or k + 1 entries, most likely first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+    values, ids = torch.topk(logprobs, k)
+    top = {int(i): float(v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+    if token is not None and token not in top:
+        top[token] = float(logprobs[token])
+    return top
