@@ -19,6 +19,7 @@ do not survive a restart: a retrieve of an old lookup fails with UNKNOWN_LOOKUP.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 from collections.abc import Sequence
@@ -129,11 +130,14 @@ class SharedKVBuffers:
         return [BufferLayout(shm_name=s.name.lstrip("/"), size_bytes=s.size) for s in self._segments]
 
     def close(self) -> None:
-        """Unmap and unlink every segment (the server keeps its own mapping until it unregisters)."""
+        """Unlink every segment and unmap it (the server keeps its own mapping until it unregisters).
+        A segment still viewed by an array or tensor elsewhere stays mapped until that view is gone."""
         self.arrays.clear()
         for s in self._segments:
-            s.close()
-            s.unlink()
+            with contextlib.suppress(BufferError):  # views still alive: the mapping goes with the last one
+                s.close()
+            with contextlib.suppress(FileNotFoundError):
+                s.unlink()
         self._segments.clear()
 
 
@@ -201,13 +205,15 @@ class KVClient:
             chunk_hashes=list(chunk_hashes), block_ids=[list(b) for b in block_ids], cache_salt=cache_salt),
             StoreReply)
 
-    def retrieve(self, lookup_id: int, *, block_ids: Sequence[Sequence[int]], num_tokens: int = -1) -> RetrieveReply:
+    def retrieve(self, lookup_id: int, *, block_ids: Sequence[Sequence[int]], num_tokens: int = -1,
+                 skip_tokens: int = 0) -> RetrieveReply:
         """Copy the held hit into the engine's blocks (block_ids[g]: group g's blocks covering the tokens
-        retrieved; only the blocks each group needs are written). Consumes the lookup."""
+        retrieved; only the blocks each group needs are written, none that ends at or before
+        `skip_tokens`, the engine's own prefix hit). Consumes the lookup."""
         r = self._registered()
         return self._call(RetrieveRequest(req_id=0, instance_id=r.instance_id, fingerprint=self._fp(),
                                           lookup_id=lookup_id, block_ids=[list(b) for b in block_ids],
-                                          num_tokens=num_tokens), RetrieveReply, retry=False)
+                                          num_tokens=num_tokens, skip_tokens=skip_tokens), RetrieveReply, retry=False)
 
     def release(self, lookup_id: int) -> None:
         r = self._registered()

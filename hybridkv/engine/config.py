@@ -26,6 +26,9 @@ class EngineConfig:
     torch's default. `prefix_caching` also accepts "on" / "off". `max_model_len` None means the
     model's `max_position_embeddings`, capped at `DEFAULT_MAX_MODEL_LEN`. `mamba_cache_mode`
     ("align" / "all") says where state groups keep checkpoints when prefix caching is on.
+    `kv_server` attaches a KV cache server: a tcp:// URL of a running `hybridkv server`, or
+    "auto" to start one for this engine (stopped by `LLM.close`); `kv_server_timeout_s` bounds
+    each call to it (a server that does not answer in time is treated as down, and retried later).
     """
 
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 4096
@@ -38,6 +41,8 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
+    kv_server: str | None = None
+    kv_server_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if isinstance(self.prefix_caching, str):
@@ -59,6 +64,11 @@ class EngineConfig:
         memory_gib_to_bytes(self.kv_cache_memory_gib, option="kv_cache_memory_gib")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ConfigError(f"num_threads must be an integer >= 0 (0 = torch default), got {self.num_threads!r}")
+        if self.kv_server is not None and (not isinstance(self.kv_server, str) or not self.kv_server):
+            raise ConfigError(f"kv_server must be a tcp://host:port URL or 'auto', got {self.kv_server!r}")
+        timeout = self.kv_server_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < float("inf"):
+            raise ConfigError(f"kv_server_timeout_s must be a positive number of seconds, got {timeout!r}")
         if self.dtype not in ENGINE_DTYPES:
             raise ConfigError(f"dtype must be one of {list(ENGINE_DTYPES)}, got {self.dtype!r}")
 

@@ -9,6 +9,11 @@ it finishes), `abort` frees a request's blocks, `has_unfinished` says whether a 
 
 Construction: config.json -> model (models/) + ModelSpec (core.model_specs) -> plan (core.planner)
 -> KVCacheManager (core) and ModelRunner (same KVCacheConfig) -> Scheduler.
+
+With `kv_server=URL | "auto"` the KV cache tensors live in shared memory registered with a KV
+cache server (engine/kv_transfer.py); each step then loads the external hits the scheduler
+allocated before the forward pass and stores the chunks the step completed after it.
+`reset_prefix_cache()` clears only the local prefix cache (`external=True` also the server's).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Any
 import torch
 
 from hybridkv.catalog import find as find_catalog_entry
+from hybridkv.connector.base import ConnectorMeta, StepWork
+from hybridkv.connector.transfer import StateSaves
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.ids import NULL_BLOCK_ID, RequestId
+from hybridkv.core.ids import NULL_BLOCK_ID, BlockId, RequestId
 from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
 from hybridkv.core.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
 from hybridkv.core.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
@@ -36,6 +43,7 @@ from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, En
 from hybridkv.engine.default_model import ensure_default_model
 from hybridkv.engine.engine_core import LiveRequests, StepOutput
 from hybridkv.engine.host_memory import check_fits
+from hybridkv.engine.kv_transfer import KVTransfer, model_identity
 from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
 from hybridkv.engine.request import FinishReason, Request
 from hybridkv.engine.runner import ModelRunner, StepItem
@@ -53,8 +61,14 @@ class RequestMetrics:
 
     ttft_s: float
     latency_s: float
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int  # served by the local prefix cache
     num_preemptions: int
+    external_hit_tokens: int = 0  # loaded from the KV cache server
+    computed_prefill_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
+
+    @property
+    def local_hit_tokens(self) -> int:
+        return self.prefix_hit_tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,14 +137,51 @@ class LLM:
         self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
         self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
                                       prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode)
-        self.runner = ModelRunner(self.model, self.plan.config)
+        self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
+        self.runner = ModelRunner(self.model, self.plan.config,
+                                  buffers=self.transfer.tensors if self.transfer else None)
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens())
+                                   max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens(),
+                                   connector=self.transfer.connector if self.transfer else None)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())
         self._next_id = 0
         self._live = LiveRequests()
+
+    def _attach_kv_server(self, name: str) -> KVTransfer:
+        cfg = self.config
+        assert cfg.kv_server is not None
+        has_state = any(g.kind is SpecKind.MAMBA for g in self.plan.config.groups)
+        if has_state and cfg.prefix_caching is PrefixCaching.OFF:
+            raise ConfigError("kv_server with a state model (Mamba / Gated DeltaNet) needs prefix_caching on: "
+                              "without it a state group keeps one running state, no checkpoint to store")
+        saves = StateSaves.EVERY_BOUNDARY if cfg.mamba_cache_mode is MambaCacheMode.ALL else StateSaves.AT_STEP_END
+        return KVTransfer.attach(cfg.kv_server, config=self.plan.config, state_saves=saves,
+                                 model_id=model_identity(name, self.model_dir, cfg.dtype),
+                                 timeout_s=cfg.kv_server_timeout_s)
+
+    def close(self) -> None:
+        """Detach from the KV cache server (and stop the one started for "auto"); idempotent."""
+        if self.transfer is not None:
+            self.scheduler.connector = None  # the engine goes on with its local cache only
+            self.transfer.close()
+            self.transfer = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def reset_prefix_cache(self, *, external: bool = False) -> bool:
+        """Forget the local prefix cache (False, nothing done, while requests hold blocks); with
+        `external`, also clear the KV cache server (every engine's objects there)."""
+        if not self.manager.reset_prefix_cache():
+            return False
+        if external and self.transfer is not None:
+            self.transfer.connector.clear()
+        return True
 
     def _align_tokens(self) -> int:
         """Block size prefill chunks end on: the state groups' in align mode with prefix caching, else 0
@@ -155,8 +206,12 @@ class LLM:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        `cache_salt` (one for all, or one per prompt): requests with different salts never share
+        a cached block, locally or through the KV cache server (tenant isolation).
 
         Raises ConfigError (naming the prompt's index) for a bare str instead of a list, an empty
         prompt, a non-integer or out-of-vocabulary token id, a prompt longer than `max_model_len`
@@ -172,7 +227,12 @@ class LLM:
         params = [sampling or SamplingParams()] * len(prompts) if not isinstance(sampling, Sequence) else sampling
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling params for {len(prompts)} prompts; expected one or one each")
-        requests = [self._make_request(p, s, index=i) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
+        salts = [cache_salt] * len(prompts) if cache_salt is None or isinstance(cache_salt, str) else list(cache_salt)
+        if len(salts) != len(prompts) or any(x is not None and not isinstance(x, str) for x in salts):
+            raise ConfigError(f"cache_salt must be a str, None, or one str/None per prompt ({len(prompts)}); got "
+                              f"{reprlib.repr(cache_salt)}")
+        requests = [self._make_request(p, s, index=i, cache_salt=salt)
+                    for i, (p, s, salt) in enumerate(zip(prompts, params, salts, strict=True))]
         ids = [self._enqueue(request) for request in requests]
         outputs: dict[str, RequestOutput] = {}
         try:
@@ -188,13 +248,17 @@ class LLM:
             raise
         return [outputs[request_id] for request_id in ids]
 
-    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None) -> str:
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
+                    cache_salt: str | None = None) -> str:
         """Queue one request (text or token ids) for the next `step`; returns its id.
 
         Validated as `generate` validates a prompt (ConfigError, naming it "prompt"), so nothing is
         queued for a bad one. The request joins the batch of whatever else is running.
         """
-        return self._enqueue(self._make_request(prompt, sampling or SamplingParams(), index=None))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ConfigError(f"cache_salt must be a str or None, got {reprlib.repr(cache_salt)}")
+        return self._enqueue(self._make_request(prompt, sampling or SamplingParams(), index=None,
+                                                cache_salt=cache_salt))
 
     def step(self) -> list[StepOutput]:
         """Run one engine step; per request that got tokens in it (or finished), a StepOutput.
@@ -252,7 +316,8 @@ class LLM:
                               f"(the model allows up to {self.model_spec.max_position_embeddings})")
         return ids
 
-    def _make_request(self, prompt: Prompt, sampling: SamplingParams, *, index: int | None) -> Request:
+    def _make_request(self, prompt: Prompt, sampling: SamplingParams, *, index: int | None,
+                      cache_salt: str | None = None) -> Request:
         ids = self._prompt_ids(prompt, index)
         vocab = int(self.model.hf_config["vocab_size"])
         label = "" if index is None else f" {index}"
@@ -265,7 +330,8 @@ class LLM:
         self._next_id += 1
         seed = sampling.seed if sampling.seed is not None else self.config.seed + seq
         return Request(
-            kv=KVRequest(request_id=RequestId(f"req-{seq}"), token_ids=list(ids)), arrival_seq=seq,
+            kv=KVRequest(request_id=RequestId(f"req-{seq}"), token_ids=list(ids), cache_salt=cache_salt),
+            arrival_seq=seq,
             prompt_len=len(ids), sampling=sampling, generator=torch.Generator().manual_seed(seed),
             arrival_s=time.perf_counter(), eos_token_ids=self.model.eos_token_ids,
         )
@@ -273,11 +339,17 @@ class LLM:
     def _step(self) -> list[Request]:
         out = self.scheduler.schedule()
         self._track_memory(out)
+        work = list(out.work)
+        tables = {w.request.request_id: self.manager.block_ids(w.request.request_id) for w in work}
+        saves = self._load_external(work, tables) if self.transfer is not None else None
         items = [StepItem(token_ids=w.request.kv.token_ids[w.start_pos : w.start_pos + w.num_tokens],
-                          start_pos=w.start_pos, block_ids=self.manager.block_ids(w.request.request_id),
-                          sample=w.samples, state_io=self._state_io(w)) for w in out.work]
+                          start_pos=w.start_pos, block_ids=tables[w.request.request_id],
+                          sample=w.samples, state_io=self._state_io(w)) for w in work]
         logits = self.runner.execute(items)  # [sampling items, vocab]
-        sampled = [w.request for w in out.work if w.samples]
+        if saves is not None and self.transfer is not None:
+            self.transfer.connector.save_kv(saves)  # the chunks this step completed, window blocks still live
+            self.transfer.connector.wait_for_save()
+        sampled = [w.request for w in work if w.samples]
         tokens = sample(logits, [r.sampling for r in sampled], [r.generator for r in sampled])
         now = time.perf_counter()
         for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
@@ -287,7 +359,28 @@ class LLM:
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.num_tokens
         self.stats.preemptions += len(out.preempted)
-        return self.scheduler.finish_step(out.work)
+        return self.scheduler.finish_step(work)
+
+    def _load_external(self, work: list[ScheduledWork], tables: dict[RequestId, tuple[list[BlockId], ...]]
+                       ) -> ConnectorMeta:
+        """Load the step's external hits into their blocks; drop (and requeue) the requests whose
+        load failed from `work`; returns the step's connector metadata (its saves) without them."""
+        assert self.transfer is not None
+        connector = self.transfer.connector
+        meta = connector.build_connector_meta([
+            StepWork(request=w.request.kv, start=w.start_pos, end=w.start_pos + w.num_tokens,
+                     block_tables=tables[w.request.request_id]) for w in work])
+        connector.start_load_kv(meta)
+        connector.wait_for_load()
+        failed = connector.get_failed_loads()
+        if failed:
+            self.scheduler.load_failed([w.request for w in work if w.request.request_id in failed])
+            work[:] = [w for w in work if w.request.request_id not in failed]
+            meta = ConnectorMeta(saves=tuple(s for s in meta.saves if s.request_id not in failed))
+        for w in work:
+            if w.external_tokens:  # loaded: its blocks hold valid KV now, so they may be cached
+                self.manager.cache(w.request.kv, min(w.start_pos + w.num_tokens, w.request.num_tokens))
+        return meta
 
     def _state_io(self, work: ScheduledWork) -> dict[int, StateIO]:
         """Per state group, the blocks the manager says this step restores from and writes to."""
@@ -323,5 +416,7 @@ class LLM:
             metrics=RequestMetrics(ttft_s=request.first_token_s - request.arrival_s,
                                    latency_s=request.finish_s - request.arrival_s,
                                    prefix_hit_tokens=max(request.prefix_hit_tokens, 0),
-                                   num_preemptions=request.num_preemptions),
+                                   num_preemptions=request.num_preemptions,
+                                   external_hit_tokens=request.external_hit_tokens,
+                                   computed_prefill_tokens=request.computed_prefill_tokens),
         )

@@ -45,7 +45,9 @@ class Request:
     finish_reason: FinishReason | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
-    prefix_hit_tokens: int = -1  # hit of the first schedule; -1 until then
+    prefix_hit_tokens: int = -1  # local prefix-cache hit of the first schedule; -1 until then
+    external_hit_tokens: int = 0  # tokens the KV connector loaded at the first schedule
+    computed_prefill_tokens: int = 0  # prompt tokens the engine computed itself (recomputes included)
     num_preemptions: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, if asked

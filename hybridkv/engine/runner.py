@@ -72,7 +72,10 @@ def _rule(group: KVCacheGroupSpec) -> AttentionRule:
 class ModelRunner:
     """Owns the KV cache tensors and runs the model over a step's scheduled tokens."""
 
-    def __init__(self, model: CausalLM, kv_config: KVCacheConfig) -> None:
+    def __init__(self, model: CausalLM, kv_config: KVCacheConfig, *,
+                 buffers: Sequence[torch.Tensor] | None = None) -> None:
+        """`buffers`: zeroed uint8 tensors of the layout's tensor sizes to lay the KV cache over
+        (shared memory a KV cache server maps); None allocates them."""
         keep_freed_memory()
         self.model = model
         self.kv_config = kv_config
@@ -87,9 +90,11 @@ class ModelRunner:
         if beyond:
             raise ConfigError(f"the KV cache layout of {kv_config.model!r} caches layers {beyond} but "
                               f"{type(model).__name__} declares {self.num_layers} cache slots")
-        for tensor in kv_config.tensors:
-            buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8)
-            self.buffers.append(buffer)
+        if buffers is not None and [b.numel() for b in buffers] != [t.size_bytes for t in kv_config.tensors]:
+            raise ConfigError(f"KV cache buffers of {[b.numel() for b in buffers]} bytes given; the layout of "
+                              f"{kv_config.model!r} needs {[t.size_bytes for t in kv_config.tensors]}")
+        for i, tensor in enumerate(kv_config.tensors):
+            self.buffers.append(torch.zeros(tensor.size_bytes, dtype=torch.uint8) if buffers is None else buffers[i])
         self.states = StateLayers(kv_config, self.buffers)
         for tensor, buffer in zip(kv_config.tensors, self.buffers, strict=True):
             for layer in tensor.shared_by:

@@ -19,6 +19,12 @@ the last boundary it reaches (and one that crosses the prompt's last boundary en
 every step's end state is a checkpoint the manager can cache. Any budget works: a chunk too
 small to reach the next boundary runs as it is.
 
+With a KV connector (`connector`, e.g. the KV cache server's): after the local lookup the
+connector says how many more prompt tokens the external cache holds; they are allocated as
+`num_external_tokens` with caching delayed (the engine caches them once they are loaded, or
+calls `load_failed` to recompute the request) and the work starts after them. Finished and
+preempted requests are reported to the connector.
+
 `finish_step` advances computed tokens after the forward pass and releases finished requests.
 """
 
@@ -29,9 +35,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from hybridkv.connector.base import KVConnectorScheduler
 from hybridkv.core.errors import CapacityError
 from hybridkv.core.ids import RequestId
-from hybridkv.core.kv_cache_manager import CacheHit, KVCacheManager
+from hybridkv.core.kv_cache_manager import CacheHit, CacheTiming, KVCacheManager
 from hybridkv.engine.request import Request, RequestStatus
 
 
@@ -47,11 +54,12 @@ class ScheduledWork:
     start_pos: int
     num_tokens: int
     samples: bool
+    external_tokens: int = 0  # tokens before start_pos the connector loads in this step
 
     @classmethod
-    def of(cls, request: Request, *, start_pos: int, num_tokens: int) -> ScheduledWork:
+    def of(cls, request: Request, *, start_pos: int, num_tokens: int, external_tokens: int = 0) -> ScheduledWork:
         return cls(request=request, start_pos=start_pos, num_tokens=num_tokens,
-                   samples=start_pos + num_tokens == request.num_tokens)
+                   samples=start_pos + num_tokens == request.num_tokens, external_tokens=external_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,8 +76,9 @@ class Scheduler:
     """Decides which tokens of which requests run in each step, within the KV cache manager's blocks."""
 
     def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 align_tokens: int = 0) -> None:
+                 align_tokens: int = 0, connector: KVConnectorScheduler | None = None) -> None:
         self.manager = manager
+        self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.align_tokens = align_tokens  # block size prefill chunks end on (0: no alignment)
@@ -123,7 +132,8 @@ class Scheduler:
             head = self.waiting[0]
             raise CapacityError(
                 f"request {head.request_id!r} with {head.num_tokens} tokens cannot get KV cache blocks even "
-                f"with no other request running; raise kv_cache_memory_gib or shorten the prompt"
+                f"with no other request running; raise the KV cache budget (kv_cache_memory_gib, "
+                f"--kv-cache-memory-gib) or shorten the prompt"
             )
         return SchedulerOutput(work=tuple(scheduled), preempted=tuple(preempted))
 
@@ -133,19 +143,22 @@ class Scheduler:
             hit: CacheHit = self.manager.lookup(request.kv)
             if hit.deferred:
                 break  # its state checkpoint is written by this step: look it up again in the next one
-            n = self._aligned(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, budget))
-            if self.manager.allocate(request.kv, n, hit=hit) is None:
-                if self.running:  # blocks come back as running requests finish
-                    break
-                n = self._largest_chunk(request, n // 2, hit=hit)  # alone: a smaller chunk may fit
-                if n == 0:
-                    break
+            external = self.connector.get_num_new_matched_tokens(request.kv, hit.num_tokens) if self.connector else 0
+            start = hit.num_tokens + external
+            n = self._aligned(request, start, min(request.num_tokens - start, budget))
+            n = self._largest_chunk(request, n, hit=hit, external=external, halve=not self.running)
+            if not n:
+                break  # with others running, blocks come back as they finish; alone, not even 1 token fits
             self.waiting.popleft()
             if request.prefix_hit_tokens < 0:
                 request.prefix_hit_tokens = hit.num_tokens
+                request.external_hit_tokens = external
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request.kv, self.manager.block_ids(request.request_id),
+                                                        external)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
-            work.append(ScheduledWork.of(request, start_pos=hit.num_tokens, num_tokens=n))
+            work.append(ScheduledWork.of(request, start_pos=start, num_tokens=n, external_tokens=external))
             budget -= n
 
     def _aligned(self, request: Request, start: int, n: int) -> int:
@@ -164,25 +177,49 @@ class Scheduler:
         """Forget `requests` (a failed `generate`): free their blocks and drop them from the queues."""
         ids = {r.request_id for r in requests}
         for request in [r for r in self.running if r.request_id in ids]:
-            self.manager.free(request.kv)
+            self._release(request)
             self.running.remove(request)
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
 
-    def _largest_chunk(self, request: Request, n: int, *, hit: CacheHit | None = None) -> int:
-        """Allocate the first of n, n/2, n/4, ..., 1 tokens that fits; returns it, or 0 if none does.
+    def load_failed(self, requests: Iterable[Request]) -> None:
+        """The connector could not load these just-admitted requests' external tokens: free their
+        blocks and put them back at the head of the queue, to be recomputed without that hit."""
+        for request in requests:
+            self._release(request)
+            self.running.remove(request)
+            request.kv.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            request.prefix_hit_tokens = -1
+            request.external_hit_tokens = 0
+            if self.connector is not None:
+                self.connector.request_load_failed(request.request_id)
+            self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(request.request_id, self.manager.block_ids(request.request_id))
+        self.manager.free(request.kv)
+
+    def _largest_chunk(self, request: Request, n: int, *, hit: CacheHit | None = None, external: int = 0,
+                       halve: bool = True) -> int:
+        """Allocate the first of n, n/2, n/4, ..., 1 tokens that fits (only n unless `halve`);
+        returns it, or 0 if none does.
 
         A sliding-window or chunked-local group needs blocks for the whole chunk but only a
         window of them afterwards, so a prompt whose budget-sized chunk does not fit may still
         run in smaller chunks; only when one token does not fit is the request impossible.
         """
+        caching = CacheTiming.DELAYED if external else CacheTiming.IMMEDIATE
         while n > 0:
-            if self.manager.allocate(request.kv, n, hit=hit) is not None:
+            if self.manager.allocate(request.kv, n, hit=hit, num_external_tokens=external, caching=caching) is not None:
                 return n
+            if not halve:
+                return 0
             n //= 2
         return 0
 
     def _preempt(self, request: Request) -> None:
-        self.manager.free(request.kv)
+        self._release(request)
         request.kv.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -197,9 +234,11 @@ class Scheduler:
         done: list[Request] = []
         for item in work:
             request = item.request
-            request.kv.num_computed_tokens = item.start_pos + item.num_tokens
+            end = item.start_pos + item.num_tokens
+            request.computed_prefill_tokens += max(0, min(end, request.prompt_len) - item.start_pos)
+            request.kv.num_computed_tokens = end
             if request.status is RequestStatus.FINISHED:
-                self.manager.free(request.kv)
+                self._release(request)
                 self.running.remove(request)
                 done.append(request)
         return done

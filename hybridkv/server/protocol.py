@@ -130,13 +130,16 @@ class StoreRequest(Request, tag="store"):
 class RetrieveRequest(Request, tag="retrieve"):
     """Copy the hit of lookup `lookup_id` (or its first `num_tokens`, a multiple of the chunk
     size) into the engine's blocks. `block_ids[g]`: group g's block ids covering tokens
-    [0, num_tokens) (0 where the engine needs nothing); the lookup's locks are released."""
+    [0, num_tokens) (0 where the engine needs nothing); the lookup's locks are released.
+    Blocks that end at or before `skip_tokens` (the engine's own prefix hit) are not written
+    and may be 0."""
 
     instance_id: int
     fingerprint: str
     lookup_id: int
     block_ids: list[list[int]]
     num_tokens: int = -1  # -1: the whole hit
+    skip_tokens: int = 0
 
 
 class ReleaseRequest(Request, tag="release"):
@@ -193,11 +196,13 @@ class StoreReply(Reply, tag="store"):
 
     stored: list[bool]
     refusals: list[Refusal]
+    object_group_bytes: list[int] = []  # page bytes copied from the engine, per object group
 
 
 class RetrieveReply(Reply, tag="retrieve"):
     retrieved_tokens: int
     bytes_copied: int
+    object_group_bytes: list[int] = []  # page bytes copied to the engine, per object group
 
 
 class OkReply(Reply, tag="ok"):

@@ -87,10 +87,11 @@ def _dispatch(store: KVStore, req: AnyRequest) -> AnyReply:
                                object_group_hit_tokens=r.object_group_hit_tokens, lock_ttl_s=store.config.lock_ttl_s)
         case StoreRequest():
             s = store.store(req)
-            return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals)
+            return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals, object_group_bytes=s.object_group_bytes)
         case RetrieveRequest():
-            tokens, copied = store.retrieve(req)
-            return RetrieveReply(req_id=rid, retrieved_tokens=tokens, bytes_copied=copied)
+            got = store.retrieve(req)
+            return RetrieveReply(req_id=rid, retrieved_tokens=got.tokens, bytes_copied=got.bytes_copied,
+                                 object_group_bytes=got.object_group_bytes)
         case ReleaseRequest():
             store.release(req.instance_id, req.lookup_id)
             return OkReply(req_id=rid)

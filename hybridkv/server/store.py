@@ -97,6 +97,14 @@ class LookupResult:
 class StoreResult:
     stored: list[bool]
     refusals: list[Refusal]
+    object_group_bytes: list[int]  # bytes copied from the engine, per object group
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetrieveResult:
+    tokens: int
+    bytes_copied: int
+    object_group_bytes: list[int]  # bytes copied to the engine, per object group
 
 
 class KVStore:
@@ -164,18 +172,20 @@ class KVStore:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"first_chunk must be >= 0, got {req.first_chunk}")
             self.metrics.store_requests.inc()
             stored, refusals = [], []
+            copied = [0] * len(engine.groups)
             for i, chunk_hash in enumerate(req.chunk_hashes):
                 chunk = req.first_chunk + i
-                reasons = [(og, self._store_object(engine, og, req, i, chunk_hash)) for og in engine.groups]
+                reasons = [(og, self._store_object(engine, og, req, i, chunk_hash, copied)) for og in engine.groups]
                 failed = [Refusal(chunk=chunk, object_group=og.name, reason=r) for og, r in reasons if r]
                 refusals.extend(failed)
                 stored.append(not failed)
                 if not failed:
                     self.metrics.chunks_stored.inc()
             self._update_gauges()
-            return StoreResult(stored=stored, refusals=refusals)
+            return StoreResult(stored=stored, refusals=refusals, object_group_bytes=copied)
 
-    def _store_object(self, engine: _Engine, og: ObjectGroup, req: StoreRequest, i: int, chunk_hash: bytes) -> str:
+    def _store_object(self, engine: _Engine, og: ObjectGroup, req: StoreRequest, i: int, chunk_hash: bytes,
+                      copied: list[int]) -> str:
         """Commit chunk first_chunk + i of `og`; "" when committed or not needed, else the reason."""
         chunk, rules = req.first_chunk + i, engine.rules
         pages: list[tuple[int, int]] = []  # (group, block id) in object order
@@ -205,6 +215,7 @@ class KVStore:
             return self._refuse(og, "l1_full", f"L1 cannot place {nbytes} bytes: the pool ({self.config.l1_bytes} "
                                 "bytes) is full of locked objects, too small, or still writing evicted ones to L2")
         self.metrics.bytes_in.inc(nbytes)
+        copied[og.index] += nbytes
         self.metrics.objects_stored.labels(og.name).inc()
         stored = self._pool.get(key)
         assert stored is not None  # just placed, under the lock
@@ -335,8 +346,8 @@ class KVStore:
 
     # ---- retrieve, release ------------------------------------------------------------------
 
-    def retrieve(self, req: RetrieveRequest) -> tuple[int, int]:
-        """Copy the lookup's hit (or its first num_tokens) into the engine's blocks: (tokens, bytes).
+    def retrieve(self, req: RetrieveRequest) -> RetrieveResult:
+        """Copy the lookup's hit (or its first num_tokens) into the engine's blocks.
         The lookup is consumed (its locks released) whether or not the copy succeeds."""
         with self._lock:
             self._expire_leases()
@@ -347,29 +358,33 @@ class KVStore:
                                    f"{req.instance_id} (retrieved, released, expired, or never made)")
             try:
                 tokens, copies = self._plan_retrieve(engine, lease, req)
-                copied = 0
-                for value, offset, layer, dst, nbytes in copies:
+                per_group = [0] * len(engine.groups)
+                for og_index, value, offset, layer, dst, nbytes in copies:
                     engine.buffers.page(layer, dst, nbytes)[:] = value[offset:offset + nbytes]
-                    copied += nbytes
+                    per_group[og_index] += nbytes
             finally:
                 self._release(req.lookup_id)
+            copied = sum(per_group)
             self.metrics.retrieves.inc()
             self.metrics.bytes_out.inc(copied)
-            return tokens, copied
+            return RetrieveResult(tokens=tokens, bytes_copied=copied, object_group_bytes=per_group)
 
     def _plan_retrieve(self, engine: _Engine, lease: _Lease,
-                       req: RetrieveRequest) -> tuple[int, list[tuple[Bytes, int, int, int, int]]]:
+                       req: RetrieveRequest) -> tuple[int, list[tuple[int, Bytes, int, int, int, int]]]:
         chunk_tokens, rules = self.config.chunk_tokens, engine.rules
         tokens = len(lease.hashes) * chunk_tokens if req.num_tokens == -1 else req.num_tokens
         if tokens % chunk_tokens or not 0 <= tokens <= len(lease.hashes) * chunk_tokens:
             raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve num_tokens {req.num_tokens} must be a multiple of "
                                f"{chunk_tokens} and at most the hit ({len(lease.hashes) * chunk_tokens})")
         hit = tokens // chunk_tokens
+        if not 0 <= req.skip_tokens <= tokens:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve skip_tokens {req.skip_tokens} must be in "
+                               f"[0, {tokens}] (the tokens retrieved)")
         self._check_block_ids(engine, req.block_ids, hit, "retrieve")
-        copies: list[tuple[Bytes, int, int, int, int]] = []
+        copies: list[tuple[int, Bytes, int, int, int, int]] = []
         for og in engine.groups:
             for j in range(self._first_needed(engine, og, hit), hit):
-                if not rules.object_bytes(og, j):
+                if not rules.object_bytes(og, j) or not self._wanted(engine, og, j, hit, req.skip_tokens):
                     continue
                 value = self._pool.get(self._key(engine, og, lease.cache_salt, j, lease.hashes[j]))
                 if value is None:
@@ -379,14 +394,26 @@ class KVStore:
                 for gid in og.groups:
                     g, bpc = engine.layout.groups[gid], rules.blocks_per_chunk[gid]
                     for b in rules.needed(gid, j, hit):
+                        if j * chunk_tokens + (b + 1) * g.block_tokens <= req.skip_tokens:
+                            continue  # the engine holds this block already (its own prefix hit)
                         dst = req.block_ids[gid][j * bpc + b]
                         if dst == 0:
                             raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve: group {gid} needs block {b} of "
                                                f"chunk {j} but its block id is the null block 0")
                         offset = rules.block_offset(og, j, gid, b)
-                        copies.extend((value, offset + layer * g.page_bytes, layer, dst, g.page_bytes)
+                        copies.extend((og.index, value, offset + layer * g.page_bytes, layer, dst, g.page_bytes)
                                       for layer in range(g.num_layers))
         return tokens, copies
+
+    def _wanted(self, engine: _Engine, og: ObjectGroup, chunk: int, hit: int, skip_tokens: int) -> bool:
+        """Whether chunk `chunk` of `og` has a needed block that ends after `skip_tokens`."""
+        start = chunk * self.config.chunk_tokens
+        for gid in og.groups:
+            size = engine.layout.groups[gid].block_tokens
+            needed = engine.rules.needed(gid, chunk, hit)
+            if needed and start + needed.stop * size > skip_tokens:
+                return True
+        return False
 
     def release(self, instance_id: int, lookup_id: int) -> None:
         with self._lock:

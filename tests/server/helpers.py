@@ -4,12 +4,7 @@ loopback ports, for the server tests."""
 from __future__ import annotations
 
 import contextlib
-import re
-import signal
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,6 +14,8 @@ import numpy.typing as npt
 
 from hybridkv.connector.client import KVClient, SharedKVBuffers, make_layout
 from hybridkv.server.http import HTTPServer
+from hybridkv.server.process import ServerProcess, ServerStartError
+from hybridkv.server.process import start_server_process as _start
 from hybridkv.server.protocol import GroupKind, GroupLayout, Layout
 from hybridkv.server.server import ControlServer
 from hybridkv.server.store import KVStore, StoreConfig
@@ -116,42 +113,12 @@ def running_server(config: StoreConfig | None = None, tiers: Sequence[L2Tier] = 
         store.close()
 
 
-LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\) and http://[^:]+:(\d+)")
-
-
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[str]
-    endpoint: str
-    http_url: str
-    line: str
-
-    def client(self, timeout_s: float = 5.0) -> KVClient:
-        return KVClient(self.endpoint, timeout_s=timeout_s)
-
-    def http(self, path: str, *, method: str = "GET") -> str:
-        req = urllib.request.Request(self.http_url + path, method=method)
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return str(r.read().decode())
-
-
 def start_server_process(*args: str, timeout_s: float = 60.0) -> ServerProcess:
-    """`python -m hybridkv server --port 0 --http-port 0 ARGS` on loopback; waits for its startup line."""
-    cmd = [sys.executable, "-m", "hybridkv", "server", "--port", "0", "--http-port", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise AssertionError(f"server exited with {proc.wait()} before listening: {err}")
-        match = LISTENING.search(line)
-        if match:
-            return ServerProcess(proc=proc, endpoint=f"tcp://127.0.0.1:{match[1]}",
-                                 http_url=f"http://127.0.0.1:{match[2]}", line=line.strip())
-    proc.kill()
-    raise AssertionError("server did not print its startup line in time")
+    """`python -m hybridkv server --port 0 --http-port 0 ARGS`; AssertionError when it does not start."""
+    try:
+        return _start(*args, timeout_s=timeout_s)
+    except ServerStartError as e:
+        raise AssertionError(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -160,13 +127,4 @@ def server_process(*args: str) -> Iterator[ServerProcess]:
     try:
         yield server
     finally:
-        if server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGTERM)
-            try:
-                server.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                server.proc.kill()
-                server.proc.wait()
-        for stream in (server.proc.stdout, server.proc.stderr):
-            if stream is not None:
-                stream.close()
+        server.stop()
