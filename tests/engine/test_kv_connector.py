@@ -98,7 +98,7 @@ def test_procedure_state_models(kind: str, mode: str, model_dir: Callable[[str],
             assert out.token_ids == hf_greedy(hf_model(path), prompt, NEW)[0]
 
 
-def test_procedure_gemma3n_kv_sharing(gemma3n_dir: Path, hf_model: Callable[[Path], Any],
+def test_procedure_gemma3n_kv_sharing(gemma3n_dir: Path, hf_model: Callable[[Path], Any],  # noqa: F811
                                       server: RunningServer) -> None:
     batch = prompts([41, 35], seed=5)
     with LLM(str(gemma3n_dir), kv_server=server.endpoint, max_model_len=128) as llm:
