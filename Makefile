@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/hybridkv run
+	$(VENV)/bin/hybridkv run --kv-server auto --passes 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hybridkv tests benchmarks

@@ -9,6 +9,12 @@ in `hybridkv/engine/workload.py`.
 The report: requests, prompt/generated tokens, throughput, mean TTFT, prefix-cache hit rate per
 KV cache group, and the KV memory the hybrid layout used against what the uniform layout (every
 layer cached as full attention) would have needed for the same tokens.
+
+`--kv-server URL|auto` attaches the KV cache server (auto: one started for the run); `--passes N`
+runs the workload N times, clearing only the engine's local prefix cache in between, so later
+passes are served by the server, and says whether every pass generated the same tokens;
+`--reset-prefix-cache-between-rounds` also clears it between rounds. `--json` adds per request
+the generated `token_ids`, `local_hit_tokens`, `external_hit_tokens`, `computed_prefill_tokens`.
 """
 
 from __future__ import annotations
@@ -61,6 +67,17 @@ def run_command(
     = _D["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    kv_server: Annotated[str | None, typer.Option(
+        "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start "
+                            "one for this run")] = _D["kv_server"],
+    passes: Annotated[int, typer.Option(help="run the workload this many times, clearing only the engine's local "
+                                             "prefix cache in between")] = 1,
+    reset_prefix_cache_between_rounds: Annotated[bool, typer.Option(
+        "--reset-prefix-cache-between-rounds", help="also clear the local prefix cache between workload rounds")]
+    = False,
+    cache_salt: Annotated[str | None, typer.Option(
+        "--cache-salt", help="cache salt of requests whose workload line names none (tenants never share "
+                             "blocks)")] = None,
 ) -> None:
     """Run the reference engine on a chat workload; report KV cache use.
 
@@ -75,8 +92,12 @@ def run_command(
         options = dict(kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
                        max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                        prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed,
-                       num_threads=num_threads)
+                       num_threads=num_threads, kv_server=kv_server)
         config = EngineConfig.from_options(options)
+        if passes < 1:
+            raise usage_error(f"--passes must be at least 1, got {passes}")
+        if cache_salt == "":
+            raise usage_error("--cache-salt must be a non-empty string")
         turns = load_jsonl(workload) if workload is not None else builtin_chat()
         from hybridkv.engine.llm import LLM
         from hybridkv.engine.sampler import SamplingParams
@@ -85,11 +106,16 @@ def run_command(
         load_start = time.perf_counter()
         llm = LLM(model, **options)
         load_s = time.perf_counter() - load_start
-        _note_tokenizer(llm, model, err)
-        report = _run_rounds(llm, turns, base, err)
+        with llm:
+            _note_tokenizer(llm, model, err)
+            runs = [_run_rounds(llm, turns, base, err, pass_index=p, default_salt=cache_salt,
+                                reset_between_rounds=reset_prefix_cache_between_rounds) for p in range(passes)]
+            report = _combine(runs)
+            report.update(_memory_report(llm, report))
+            if llm.transfer is not None:
+                report["kv_server"] = _server_report(llm)
     except HybridKVError as exc:
         raise usage_error(str(exc), RUN_FLAGS) from None
-    report.update(_memory_report(llm, report))
     report["model"] = model
     report["load_s"] = round(load_s, 3)
     report["config"] = {k: (v.value if isinstance(v, PrefixCaching | MambaCacheMode) else v)
@@ -109,45 +135,95 @@ def _asdict(config: EngineConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in EngineConfig.option_names()}
 
 
-def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console) -> dict[str, Any]:
-    """Run every round of the workload; returns the request-level part of the report."""
+def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console, *, pass_index: int,
+                default_salt: str | None, reset_between_rounds: bool) -> dict[str, Any]:
+    """Run every round of the workload once (pass `pass_index`: the local prefix cache is cleared
+    before every pass but the first); returns that pass's part of the report."""
     import dataclasses
 
+    if pass_index:
+        llm.reset_prefix_cache()
     conversation = Conversation(llm.tokenizer.encode, llm.tokenizer.encode_continuation)
-    prompt_tokens = generated = prompt_hits = 0
-    ttfts: list[float] = []
-    columns = (TextColumn("[bold]requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn(f"[bold]pass {pass_index + 1} requests"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
     capped: list[str] = []
+    per_request: list[dict[str, Any]] = []
     start = time.perf_counter()
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("requests", total=len(turns))
-        for batch in rounds(turns):
+        for k, batch in enumerate(rounds(turns)):
+            if k and reset_between_rounds:
+                llm.reset_prefix_cache()
             prompts = [llm.check_prompt(conversation.prompt(turn), label=turn.label, length_option="--max-model-len")
                        for turn in batch]
             params = [dataclasses.replace(base, max_tokens=t.max_tokens or base.max_tokens) for t in batch]
             capped += [f"{t.label}: {len(p)} prompt + {s.max_tokens} max_tokens" for t, p, s
                        in zip(batch, prompts, params, strict=True) if len(p) + s.max_tokens > llm.max_model_len]
-            outputs = llm.generate(prompts, params, on_finish=lambda _: progress.advance(task))
+            outputs = llm.generate(prompts, params, on_finish=lambda _: progress.advance(task),
+                                   cache_salt=[t.cache_salt or default_salt for t in batch])
             for turn, prompt, output in zip(batch, prompts, outputs, strict=True):
                 conversation.record(turn, prompt, output.token_ids)
-                prompt_tokens += len(prompt)
-                prompt_hits += output.metrics.prefix_hit_tokens
-                generated += len(output.token_ids)
-                ttfts.append(output.metrics.ttft_s)
+                m = output.metrics
+                per_request.append({
+                    "pass": pass_index + 1, "label": turn.label, "session": turn.session,
+                    "prompt_tokens": len(prompt), "token_ids": list(output.token_ids),
+                    "local_hit_tokens": m.local_hit_tokens, "external_hit_tokens": m.external_hit_tokens,
+                    "computed_prefill_tokens": m.computed_prefill_tokens, "ttft_s": round(m.ttft_s, 4)})
     elapsed = time.perf_counter() - start
-    if capped:
+    if capped and not pass_index:
         err.print(f"[yellow]note:[/] {len(capped)} request(s) asked for more tokens than --max-model-len "
                   f"{llm.max_model_len} holds, so generation stopped at that length (first: {capped[0]})",
                   highlight=False, soft_wrap=True)
+    return {"elapsed_s": elapsed, "rounds": len(rounds(turns)), "per_request": per_request, "capped": len(capped),
+            "steps": llm.stats.steps, "preemptions": llm.stats.preemptions}
+
+
+def _totals(rows: list[dict[str, Any]]) -> dict[str, int]:
+    return {"requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+            "generated_tokens": sum(len(r["token_ids"]) for r in rows),
+            **{k: sum(r[k] for r in rows) for k in ("local_hit_tokens", "external_hit_tokens",
+                                                     "computed_prefill_tokens")}}
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The request-level report over every pass: totals, one summary per pass, every request."""
+    rows = [r for run in runs for r in run["per_request"]]
+    totals = _totals(rows)
+    elapsed = sum(run["elapsed_s"] for run in runs)
+    ttfts = [r["ttft_s"] for r in rows]
+    passes = [{"pass": i + 1, **_totals(run["per_request"]), "elapsed_s": round(run["elapsed_s"], 3),
+               "mean_ttft_s": round(sum(r["ttft_s"] for r in run["per_request"]) / len(run["per_request"]), 4)}
+              for i, run in enumerate(runs)]
+    first = [r["token_ids"] for r in runs[0]["per_request"]]
     return {
-        "requests": len(turns), "rounds": len(rounds(turns)), "prompt_tokens": prompt_tokens,
-        "prompt_hit_tokens": prompt_hits,
-        "generated_tokens": generated, "elapsed_s": round(elapsed, 3),
-        "generated_tok_per_s": round(generated / elapsed, 1),
-        "total_tok_per_s": round((prompt_tokens + generated) / elapsed, 1),
+        "requests": totals["requests"], "rounds": runs[0]["rounds"], "passes": passes,
+        "prompt_tokens": totals["prompt_tokens"], "prompt_hit_tokens": totals["local_hit_tokens"],
+        "generated_tokens": totals["generated_tokens"], "elapsed_s": round(elapsed, 3),
+        "generated_tok_per_s": round(totals["generated_tokens"] / elapsed, 1),
+        "total_tok_per_s": round((totals["prompt_tokens"] + totals["generated_tokens"]) / elapsed, 1),
         "mean_ttft_s": round(sum(ttfts) / len(ttfts), 4), "max_ttft_s": round(max(ttfts), 4),
-        "steps": llm.stats.steps, "preemptions": llm.stats.preemptions,
-        "max_tokens_capped_requests": len(capped),
+        "steps": runs[-1]["steps"], "preemptions": runs[-1]["preemptions"],
+        "max_tokens_capped_requests": runs[0]["capped"],
+        "outputs_identical_across_passes": (all([r["token_ids"] for r in run["per_request"]] == first
+                                                for run in runs[1:]) if len(runs) > 1 else None),
+        "totals": totals, "per_request": rows,
+    }
+
+
+def _server_report(llm: LLM) -> dict[str, Any]:
+    """What moved between the engine and the KV cache server, per object group."""
+    assert llm.transfer is not None
+    connector = llm.transfer.connector
+    stats = connector.stats
+    return {
+        "url": llm.config.kv_server if llm.transfer.server is None else llm.transfer.server.endpoint,
+        "started_for_this_run": llm.transfer.server is not None, "chunk_tokens": connector.chunk_tokens,
+        "object_groups": [{"name": name, "stored_bytes": stats.saved_bytes_by_group.get(name, 0),
+                           "retrieved_bytes": stats.loaded_bytes_by_group.get(name, 0)}
+                          for name in connector.object_groups],
+        "lookups": stats.lookups, "external_hit_tokens": stats.external_hit_tokens, "loads": stats.loads,
+        "failed_loads": stats.failed_loads, "stored_chunks": stats.saved_chunks,
+        "refused_chunks": stats.refused_chunks, "failed_stores": stats.failed_saves, "errors": stats.errors,
     }
 
 
@@ -196,6 +272,31 @@ def _memory_report(llm: LLM, requests: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _render_passes(console: Console, report: dict[str, Any]) -> None:
+    """Per pass the local and external hits; per object group the bytes moved; whether outputs matched."""
+    passes = new_table(("pass", "right"), ("prompt tokens", "right"), ("local hits", "right"),
+                       ("server hits", "right"), ("computed prefill", "right"), ("mean TTFT", "right"))
+    for p in report["passes"]:
+        passes.add_row(str(p["pass"]), str(p["prompt_tokens"]), str(p["local_hit_tokens"]),
+                       str(p["external_hit_tokens"]), str(p["computed_prefill_tokens"]),
+                       f"{p['mean_ttft_s'] * 1000:.1f} ms")
+    print_table(console, passes, title="passes (the local prefix cache is cleared before each pass after the first)")
+    server = report.get("kv_server")
+    if server is not None:
+        moved = new_table("object group", ("stored", "right"), ("retrieved", "right"))
+        for og in server["object_groups"]:
+            moved.add_row(og["name"], f"{og['stored_bytes'] / MIB:.2f} MiB", f"{og['retrieved_bytes'] / MIB:.2f} MiB")
+        origin = "started for this run" if server["started_for_this_run"] else "attached"
+        print_table(console, moved, title=f"KV cache server {server['url']} ({origin}, chunk {server['chunk_tokens']} "
+                                          "tokens)",
+                    caption=f"{server['stored_chunks']} chunks stored, {server['loads']} loads, "
+                            f"{server['failed_loads']} failed loads, {server['errors']} errors")
+    same = report["outputs_identical_across_passes"]
+    if same is not None:
+        console.print(f"outputs identical across {len(report['passes'])} passes: "
+                      f"{'yes' if same else '[red]NO[/]'}", highlight=False)
+
+
 def _render(console: Console, report: dict[str, Any]) -> None:
     kv, cache = report["kv_memory"], report["prefix_cache"]
     table = new_table("metric", ("value", "right"), show_header=False)
@@ -208,6 +309,9 @@ def _render(console: Console, report: dict[str, Any]) -> None:
         ("steps / preemptions", f"{report['steps']} / {report['preemptions']}"),
         ("prefix-cache hit rate", f"{cache['hit_rate']:.1%} ({cache['hit_tokens']} of {cache['prompt_tokens']} "
                                   "prompt tokens)"),
+        *([("KV cache server hits", f"{report['totals']['external_hit_tokens']} prompt tokens loaded, "
+                                    f"{report['totals']['computed_prefill_tokens']} computed")]
+          if "kv_server" in report else []),
         *([("looked up again (waiting, preempted)", f"{again['lookups']} lookups of {again['query_tokens']} tokens, "
                                                     f"{again['hit_tokens']} hit")] if again["lookups"] else []),
         ("KV memory allocated", f"{kv['allocated_bytes'] / MIB:.2f} MiB (as planned: {kv['planned_bytes'] / MIB:.2f})"),
@@ -230,5 +334,7 @@ def _render(console: Console, report: dict[str, Any]) -> None:
                        str(g["peak_blocks"]))
     print_table(console, groups, title="KV cache groups",
                 caption="hit rate: tokens this group alone could serve, over every lookup (recomputation included)")
+    if len(report["passes"]) > 1 or "kv_server" in report:
+        _render_passes(console, report)
     if report.get("note"):
         console.print(f"[yellow]note:[/] {report['note']}", highlight=False)

@@ -29,7 +29,6 @@ from hybridkv.connector.transfer import ServerConnector, StateSaves
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig
 from hybridkv.core.specs import SpecKind
-from hybridkv.server.config import ServerConfig
 from hybridkv.server.process import ServerProcess, start_server_process
 
 log = logging.getLogger("hybridkv.engine")
@@ -52,8 +51,15 @@ def model_identity(name: str, model_dir: Path, dtype: str) -> str:
     return f"{name}:{dtype}:{h.hexdigest()}"
 
 
-def auto_chunk_tokens(config: KVCacheConfig, target: int = ServerConfig().chunk_tokens) -> int:
-    """The smallest multiple of every group's block size that is at least `target` tokens."""
+AUTO_CHUNK_TARGET = 64
+
+
+def auto_chunk_tokens(config: KVCacheConfig, target: int = AUTO_CHUNK_TARGET) -> int:
+    """The smallest multiple of every group's block size that is at least `target` tokens.
+
+    A server hit is whole chunks, and requests admitted in the same step cannot hit each other's
+    blocks while those wait for their load (caching is delayed until then), so the engine's own
+    server uses chunks near its block size rather than the standalone server's 256."""
     step = math.lcm(*[g.block_size for g in config.groups])
     return step * max(1, math.ceil(target / step))
 

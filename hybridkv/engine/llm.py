@@ -342,6 +342,8 @@ class LLM:
         work = list(out.work)
         tables = {w.request.request_id: self.manager.block_ids(w.request.request_id) for w in work}
         saves = self._load_external(work, tables) if self.transfer is not None else None
+        if not work:  # every request of the step failed to load: requeued, recomputed next step
+            return []
         items = [StepItem(token_ids=w.request.kv.token_ids[w.start_pos : w.start_pos + w.num_tokens],
                           start_pos=w.start_pos, block_ids=tables[w.request.request_id],
                           sample=w.samples, state_io=self._state_io(w)) for w in work]

@@ -22,7 +22,9 @@ small to reach the next boundary runs as it is.
 With a KV connector (`connector`, e.g. the KV cache server's): after the local lookup the
 connector says how many more prompt tokens the external cache holds; they are allocated as
 `num_external_tokens` with caching delayed (the engine caches them once they are loaded, or
-calls `load_failed` to recompute the request) and the work starts after them. Finished and
+calls `load_failed` to recompute the request) and the work starts after them. A request whose
+external hit starts with the same block as one already loading in this step waits for the next
+step, where it hits those blocks locally instead of loading a second copy. Finished and
 preempted requests are reported to the connector.
 
 `finish_step` advances computed tokens after the forward pass and releases finished requests.
@@ -85,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival: the last one is the preemption victim
         self.num_preemptions = 0
+        self._loading: set[tuple[int, object]] = set()  # first blocks of the prefixes loading in this step
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -96,6 +99,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step's work; raises CapacityError if a lone request cannot get blocks."""
         self.manager.begin_step()
+        self._loading.clear()
         budget = self.max_num_batched_tokens
         work: dict[RequestId, ScheduledWork] = {}
         preempted: list[Request] = []
@@ -144,12 +148,17 @@ class Scheduler:
             if hit.deferred:
                 break  # its state checkpoint is written by this step: look it up again in the next one
             external = self.connector.get_num_new_matched_tokens(request.kv, hit.num_tokens) if self.connector else 0
+            first_block = self._first_block(request) if external else None
+            if first_block in self._loading:
+                break  # the same prefix loads in this step: the next step hits it locally
             start = hit.num_tokens + external
             n = self._aligned(request, start, min(request.num_tokens - start, budget))
             n = self._largest_chunk(request, n, hit=hit, external=external, halve=not self.running)
             if not n:
                 break  # with others running, blocks come back as they finish; alone, not even 1 token fits
             self.waiting.popleft()
+            if first_block is not None:
+                self._loading.add(first_block)
             if request.prefix_hit_tokens < 0:
                 request.prefix_hit_tokens = hit.num_tokens
                 request.external_hit_tokens = external
@@ -160,6 +169,12 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             work.append(ScheduledWork.of(request, start_pos=start, num_tokens=n, external_tokens=external))
             budget -= n
+
+    @staticmethod
+    def _first_block(request: Request) -> tuple[int, object] | None:
+        """(block size, hash) of the request's first block at the smallest block size hashed."""
+        hashes = request.kv.block_hashes
+        return next(((size, hashes[size][0]) for size in sorted(hashes) if hashes[size]), None)
 
     def _aligned(self, request: Request, start: int, n: int) -> int:
         """`n` tokens from `start`, cut to end on a block boundary in align mode (module docstring)."""

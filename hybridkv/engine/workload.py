@@ -5,6 +5,7 @@ JSONL format, one JSON object per line (blank lines and lines starting with `#` 
     {"prompt": "text"}                                  a single request
     {"prompt_token_ids": [2, 104, 105]}                 the same, as token ids
     {"session": "alice", "prompt": "...", "max_tokens": 16}
+    {"prompt": "...", "cache_salt": "tenant-a"}         never shares a cached block with another salt
 
 Lines that share a `session` are the turns of one conversation, in file order: turn k's prompt is
 appended to turn k-1's prompt plus its generated tokens, so later turns extend earlier ones (and
@@ -36,6 +37,7 @@ class Turn:
     token_ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
     label: str = "turn"
+    cache_salt: str | None = None
 
 
 SYSTEM_PROMPT = (
@@ -68,10 +70,10 @@ def _turn(line_no: int, data: object) -> Turn:
     where = f"workload line {line_no}"
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    unknown = sorted(set(data) - {"prompt", "prompt_token_ids", "session", "max_tokens"})
+    unknown = sorted(set(data) - {"prompt", "prompt_token_ids", "session", "max_tokens", "cache_salt"})
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown field(s) {unknown}; expected prompt | prompt_token_ids, session, max_tokens")
+        raise ConfigError(f"{where}: unknown field(s) {unknown}; expected prompt | prompt_token_ids, session, "
+                          "max_tokens, cache_salt")
     text, ids = data.get("prompt"), data.get("prompt_token_ids")
     if (text is None) == (ids is None):
         raise ConfigError(f"{where}: give exactly one of 'prompt' (a string) or 'prompt_token_ids' (a list of ints)")
@@ -85,8 +87,11 @@ def _turn(line_no: int, data: object) -> Turn:
         raise ConfigError(f"{where}: 'session' must be a string, got {session!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
+    salt = data.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ConfigError(f"{where}: 'cache_salt' must be a non-empty string, got {salt!r}")
     return Turn(session=session, text=text, token_ids=tuple(ids) if ids is not None else None, max_tokens=max_tokens,
-                label=where)
+                label=where, cache_salt=salt)
 
 
 def load_jsonl(path: Path) -> list[Turn]:
