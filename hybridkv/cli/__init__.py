@@ -2,6 +2,7 @@
 
     hybridkv plan MODEL...     KV cache layout and capacity from a config.json (no engine, no GPU)
     hybridkv run               the reference engine on a chat workload
+    hybridkv serve             an OpenAI-compatible HTTP server on the reference engine
     hybridkv --version         the installed version
 
 Layout of this package (a newcomer finds each command's code beside its siblings):
@@ -13,6 +14,7 @@ Layout of this package (a newcomer finds each command's code beside its siblings
     plan_report.py   plan tables and the documented JSON report
     plan_plot.py     `plan --plot`: capacity vs context length
     run.py           `hybridkv run`
+    serve.py         `hybridkv serve` (the server itself: hybridkv/serve/)
 
 Adding a subcommand: write `hybridkv/cli/NAME.py` with one typer command function (keep heavy
 imports such as torch inside the function, so `hybridkv plan` stays light), import the module
@@ -31,7 +33,7 @@ from typing import Annotated
 import typer
 
 from hybridkv import __version__
-from hybridkv.cli import plan, run, server
+from hybridkv.cli import plan, run, serve, server
 
 # Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
@@ -55,6 +57,7 @@ def _root(
 app.command("plan")(plan.plan_command)
 app.command("run")(run.run_command)
 app.command("server")(server.server_command)
+app.command("serve")(serve.serve_command)
 
 
 def main() -> None:
