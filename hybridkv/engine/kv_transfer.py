@@ -51,7 +51,7 @@ def model_identity(name: str, model_dir: Path, dtype: str) -> str:
     return f"{name}:{dtype}:{h.hexdigest()}"
 
 
-AUTO_CHUNK_TARGET = 64
+AUTO_CHUNK_TARGET = 16
 
 
 def auto_chunk_tokens(config: KVCacheConfig, target: int = AUTO_CHUNK_TARGET) -> int:
@@ -59,7 +59,8 @@ def auto_chunk_tokens(config: KVCacheConfig, target: int = AUTO_CHUNK_TARGET) ->
 
     A server hit is whole chunks, and requests admitted in the same step cannot hit each other's
     blocks while those wait for their load (caching is delayed until then), so the engine's own
-    server uses chunks near its block size rather than the standalone server's 256."""
+    server uses chunks of its block size (a hit as fine as a local one) rather than the
+    standalone server's 256."""
     step = math.lcm(*[g.block_size for g in config.groups])
     return step * max(1, math.ceil(target / step))
 

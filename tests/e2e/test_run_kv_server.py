@@ -64,7 +64,7 @@ def test_auto_server_two_passes(tmp_path: Path) -> None:
     assert one["external_hit_tokens"] == 0 < two["external_hit_tokens"]
     assert two["computed_prefill_tokens"] < one["computed_prefill_tokens"]
     assert report["kv_server"]["started_for_this_run"]
-    assert {og["name"] for og in report["kv_server"]["object_groups"]} == {"full", "window:1"}
+    assert {og["name"] for og in report["kv_server"]["object_groups"]} == {"full", "window:4"}  # 64 / 16
 
 
 def test_bad_kv_server_and_passes_are_clear_errors(tmp_path: Path) -> None:
