@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+from hybridkv.engine.kv_transfer import auto_chunk_tokens
 from hybridkv.engine.llm import LLM
 from hybridkv.serve.server import ServeServer
 from tests.serve.conftest import ENGINE, MODEL, http, metric
 
 openai = pytest.importorskip("openai")
 
-CHUNK = 256  # the auto server's chunk for the default model: the smallest block multiple >= 256
 rng = random.Random(3)
 PROMPTS = [[2, *(rng.randrange(3, 259) for _ in range(n))] for n in (300, 420, 530)]
 
@@ -49,7 +49,8 @@ def test_store_reset_local_retrieve_over_http(kv_served: ServeServer) -> None:
     again = _run(client)
     assert [ids for ids, _ in again] == [ids for ids, _ in first]
     # every whole chunk before the last token came from the server; nothing from the (reset) local cache
-    assert [cached for _, cached in again] == [(len(p) - 1) // CHUNK * CHUNK for p in PROMPTS]
+    chunk = auto_chunk_tokens(kv_served.app.state.serve.llm.plan.config)  # the auto server's chunk
+    assert [cached for _, cached in again] == [(len(p) - 1) // chunk * chunk for p in PROMPTS]
     assert metric(kv_served, "hybridkv_serve_external_hits_tokens_total") == sum(c for _, c in again) > 0
     assert metric(kv_served, "hybridkv_serve_prefix_cache_hits_tokens_total") == local
     # ?external=true also clears the server: a third run hits nothing and still answers the same

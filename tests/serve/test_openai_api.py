@@ -194,3 +194,15 @@ def test_prefix_hits_per_group_and_reset_prefix_cache(server: ServeServer, clien
 def test_reset_prefix_cache_refusals(server: ServeServer, query: str, message: str) -> None:
     status, body = http(server, "/reset_prefix_cache" + query, b"", method="POST")
     assert status == 400 and message in body["error"]["message"]
+
+
+def test_cache_salt_keeps_tenants_apart(server: ServeServer, client: Any) -> None:
+    prompt = [2, *range(170, 236)]  # 67 tokens: a repeat with the same salt hits 64
+    http(server, "/reset_prefix_cache", b"", method="POST")
+
+    def cached(salt: str | None) -> int:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={"cache_salt": salt} if salt else {})
+        return int(out.usage.prompt_tokens_details.cached_tokens)
+
+    assert [cached("tenant-a"), cached("tenant-a"), cached("tenant-b"), cached(None)] == [0, 64, 0, 0]
