@@ -28,12 +28,11 @@ class ServerStartError(HybridKVError, RuntimeError):
     """The server process exited or stayed silent before it was listening."""
 
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen[str]
+class ServerEndpoints:
+    """A reachable server's control endpoint and HTTP URL, with a client and an HTTP getter."""
+
     endpoint: str
     http_url: str
-    line: str
 
     def client(self, timeout_s: float = 5.0) -> KVClient:
         from hybridkv.connector.client import KVClient  # the client is not part of the server
@@ -44,6 +43,14 @@ class ServerProcess:
         req = urllib.request.Request(self.http_url + path, method=method)
         with urllib.request.urlopen(req, timeout=5) as r:
             return str(r.read().decode())
+
+
+@dataclass
+class ServerProcess(ServerEndpoints):
+    proc: subprocess.Popen[str]
+    endpoint: str
+    http_url: str
+    line: str
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM and wait (the server flushes its tiers); SIGKILL if it does not exit in time."""

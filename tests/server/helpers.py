@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from hybridkv.connector.client import KVClient, SharedKVBuffers, make_layout
+from hybridkv.connector.client import SharedKVBuffers, make_layout
 from hybridkv.server.http import HTTPServer
-from hybridkv.server.process import ServerProcess, ServerStartError
+from hybridkv.server.process import ServerEndpoints, ServerProcess, ServerStartError
 from hybridkv.server.process import start_server_process as _start
 from hybridkv.server.protocol import GroupKind, GroupLayout, Layout
 from hybridkv.server.server import ControlServer
@@ -74,18 +73,10 @@ def fake_engine(groups: Sequence[GroupLayout], **kwargs: object) -> Iterator[Fak
 
 
 @dataclass
-class RunningServer:
+class RunningServer(ServerEndpoints):
     store: KVStore
     endpoint: str
     http_url: str
-
-    def client(self, timeout_s: float = 5.0) -> KVClient:
-        return KVClient(self.endpoint, timeout_s=timeout_s)
-
-    def http(self, path: str, *, method: str = "GET") -> str:
-        req = urllib.request.Request(self.http_url + path, method=method)
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return str(r.read().decode())
 
     def metric(self, name: str, **labels: str) -> float:
         """A sample's value from the server's own registry (0 when absent)."""
