@@ -5,7 +5,10 @@ window 128, 4 heads / 2 KV heads, head_dim 64, intermediate 512, vocab 1024, unt
 0.2, seed 0) saved in HF format; 32 prompts. `--model qwen3_5`: a tiny Qwen3.5 text (float32,
 hidden 256, 8 layers of 3 Gated DeltaNet : 1 gated full attention, the real model's head ratios:
 4 heads / 1 KV head of 64, GDN 4 key / 8 value heads of 32, intermediate 768, vocab 1024, init
-std 0.2, seed 0; 80-token state blocks, align mode); 16 prompts. Workload: prompts of random ids
+std 0.2, seed 0; 80-token state blocks, align mode); 16 prompts. `--model bamba`: a tiny Bamba
+(float32, hidden 256, 8 layers: Mamba2 with full attention at layers 3 and 7, 8 SSM heads of 32,
+state 64, 4 heads / 2 KV heads of 64, intermediate 512, vocab 1024, init std 0.2, seed 0); 16
+prompts. Workload: prompts of random ids
 in [3, 1024), lengths uniform in 256..1024 (seed 0), 64 new tokens each, greedy, EOS ignored.
 Both systems run it once; the greedy tokens are compared. Then one 2048-token prompt runs cold
 and again with a prefix hit.
@@ -71,6 +74,21 @@ def build_qwen3_5(path: Path) -> None:
         num_key_value_heads=1, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
         linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=4096,
         tie_word_embeddings=False, initializer_range=0.2, architectures=["Qwen3_5ForCausalLM"],
+        eos_token_id=1, bos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+
+
+def build_bamba(path: Path) -> None:
+    """Save the benchmark's tiny Bamba (Mamba2 + full attention) in HF format."""
+    from transformers import AutoModelForCausalLM, BambaConfig
+
+    config = BambaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[3, 7], mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1,
+        mamba_d_state=64, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=64, max_position_embeddings=4096,
+        tie_word_embeddings=False, initializer_range=0.2, architectures=["BambaForCausalLM"],
         eos_token_id=1, bos_token_id=2, pad_token_id=0,
     )
     torch.manual_seed(0)
@@ -155,7 +173,8 @@ def ttft(llm: LLM, length: int) -> tuple[Timing, float, int]:
     return cold_timing, warm.metrics.ttft_s, warm.metrics.prefix_hit_tokens
 
 
-MODELS = {"gemma3": (build_model, FULL, QUICK), "qwen3_5": (build_qwen3_5, FULL_QWEN3_5, QUICK_QWEN3_5)}
+MODELS = {"gemma3": (build_model, FULL, QUICK), "qwen3_5": (build_qwen3_5, FULL_QWEN3_5, QUICK_QWEN3_5),
+          "bamba": (build_bamba, FULL_QWEN3_5, QUICK_QWEN3_5)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
