@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -46,14 +47,14 @@ NULL_REF_CNT = 1 << 62
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One physical block. `prev`/`next` link it into the free queue while ref_cnt == 0."""
+    """One physical block. `queue_pos` is the eviction policy's bookkeeping (where the block
+    sits in the free queue while ref_cnt == 0)."""
 
     block_id: BlockId
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     group_id: int = -1
-    prev: Block | None = field(default=None, repr=False)
-    next: Block | None = field(default=None, repr=False)
+    queue_pos: int = field(default=-1, repr=False)
 
 
 class KVEvents(Enum):
@@ -92,6 +93,28 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def interleave(lists: Sequence[Sequence[Block]]) -> list[Block]:
+    """`lists[0][0], lists[1][0], ..., lists[0][1], lists[1][1], ...`, skipping exhausted lists.
+
+    Built from `zip` over the rows all remaining lists still have (a few slices per distinct
+    length, no per-block test).
+    """
+    rest = [blocks for blocks in lists if blocks]
+    if len(rest) == 1:
+        return list(rest[0])
+    out: list[Block] = []
+    start = 0
+    while rest:
+        stop = min(map(len, rest))
+        if len(rest) == 1:
+            out += rest[0][start:]
+            break
+        out += chain.from_iterable(zip(*(blocks[start:stop] for blocks in rest)))
+        rest = [blocks for blocks in rest if len(blocks) > stop]
+        start = stop
+    return out
 
 
 class BlockPool:
@@ -172,6 +195,7 @@ class BlockPool:
             self.evictions += evicted
             self._used[group_id] += num_blocks
             return blocks
+        events_on = self._events_on
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:  # evict: inlined `_drop_hash`, this is the hot loop
@@ -179,7 +203,7 @@ class BlockPool:
                 primary = maps[old_group].pop(block_hash)
                 if primary is not block or block_hash in dups[old_group]:
                     self._evict_duplicate(block, primary)
-                if self._events_on:
+                if events_on:
                     self._record_removed(block)
                 block.block_hash = None
                 evicted += 1
@@ -213,6 +237,33 @@ class BlockPool:
         if released:
             self._policy.release(released)
 
+    def free_tables(self, tables: Sequence[Sequence[Block]]) -> None:
+        """Drop one reference to every block of `tables` (`tables[g]`: blocks of group g, tail
+        first; null entries allowed) and release those that reach 0 position by position
+        across groups: the k-th block from the tail of every group before the (k+1)-th of any.
+
+        Releasing position k of every group before position k-1 of any makes the global LRU
+        evict a position from all groups together, so identical groups do not lose hits one
+        group at a time.
+        """
+        used = self._used
+        shared = False  # some block is still held (or null): filter the release order
+        for group_id, blocks in enumerate(tables):
+            held = 0
+            for block in blocks:
+                ref_cnt = block.ref_cnt - 1
+                block.ref_cnt = ref_cnt
+                if ref_cnt:
+                    held += 1
+            if held:
+                shared = True
+            used[group_id] -= len(blocks) - held
+        order = interleave(tables)
+        if shared:
+            order = [b for b in order if not b.ref_cnt]
+        if order:
+            self._policy.release(order)
+
     def cache_blocks(
         self,
         group_id: int,
@@ -223,16 +274,36 @@ class BlockPool:
         token_ids: Sequence[int],
     ) -> None:
         """Cache the non-null blocks `table[start:end]` under `hashes[start:end]` in `group_id`."""
-        cached = self._maps[group_id]
-        null = self.null_block
-        for block, block_hash in zip(table[start:end], hashes[start:end], strict=True):
-            if block is null or block.block_hash is not None:
-                continue
-            block.block_hash = block_hash
-            if cached.setdefault(block_hash, block) is not block:
-                self._dups[group_id].setdefault(block_hash, []).append(block)
+        if not self._cache_fresh(group_id, table[start:end], hashes[start:end]):
+            cached = self._maps[group_id]
+            null = self.null_block
+            for block, block_hash in zip(table[start:end], hashes[start:end], strict=True):
+                if block is null or block.block_hash is not None:
+                    continue
+                block.block_hash = block_hash
+                if cached.setdefault(block_hash, block) is not block:
+                    self._dups[group_id].setdefault(block_hash, []).append(block)
         if self._events_on:
             self._record_stored(group_id, table, hashes, start, end, token_ids)
+
+    def _cache_fresh(self, group_id: int, blocks: Sequence[Block], keys: Sequence[BlockHash]) -> bool:
+        """The common case in bulk: real blocks without a hash under hashes new to the group
+        (and distinct); False (nothing done) otherwise."""
+        cached = self._maps[group_id]
+        if len(blocks) != len(keys) or self.null_block in blocks or not cached.keys().isdisjoint(keys):
+            return False
+        for block in blocks:
+            if block.block_hash is not None:
+                return False
+        size = len(cached)
+        cached.update(zip(keys, blocks))
+        if len(cached) != size + len(keys):  # a hash repeats within `keys`: undo, go one by one
+            for key in keys:
+                cached.pop(key, None)
+            return False
+        for block, key in zip(blocks, keys):
+            block.block_hash = key
+        return True
 
     def uncache(self, blocks: Sequence[Block]) -> None:
         """Drop the cached hash of `blocks` (held blocks whose KV was never written, e.g. a step

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import chain, zip_longest
 
 from hybridkv.core.block_pool import Block, BlockPool
 from hybridkv.core.ids import BlockHash, RequestId
@@ -42,17 +41,6 @@ from hybridkv.core.managers import SingleTypeManager
 from hybridkv.core.request import KVRequest
 
 GroupBlocks = list[list[Block]]
-
-
-def interleave_tail_first(tables: Sequence[list[Block]]) -> list[Block]:
-    """Blocks of several groups, each list already tail first, interleaved position by position.
-
-    Releasing position k of every group before position k-1 of any makes the global LRU evict a
-    position from all groups together, so identical groups do not lose hits one group at a time.
-    """
-    if len(tables) == 1:
-        return tables[0]
-    return [b for b in chain.from_iterable(zip_longest(*tables)) if b is not None]
 
 
 class KVCacheCoordinator:
@@ -109,7 +97,7 @@ class KVCacheCoordinator:
                 return None
         released = [m.remove_skipped_blocks(rid, first_new) for m in managers]
         if any(released):
-            self.pool.free(interleave_tail_first(released))
+            self.pool.free_tables(released)
         for g, manager in enumerate(managers):
             manager.save_hits(request, hits[g] if hits else None, first_new)
         new = [m.allocate_new_blocks(request, first_new, total_tokens) for m in managers]
@@ -156,7 +144,7 @@ class KVCacheCoordinator:
             computed = request.num_computed_tokens
             for manager in managers:
                 self.pool.uncache(manager.uncomputed_cached_blocks(rid, computed))
-        self.pool.free(interleave_tail_first([m.free(rid) for m in managers]))
+        self.pool.free_tables([m.free(rid) for m in managers])
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

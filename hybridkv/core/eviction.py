@@ -14,13 +14,13 @@ usefulness-aware policy plugs in here (design.md section 4, 8.7).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Protocol
 
 from hybridkv.core.block_pool import Block
 from hybridkv.core.errors import IntegrityError
-from hybridkv.core.ids import BlockId
 
 
 class EvictionPolicyName(Enum):
@@ -51,86 +51,118 @@ class EvictionPolicy(Protocol):
 
 
 class LRUPolicy:
-    """A doubly-linked free queue with sentinels; front = evicted first; every operation O(1).
+    """vLLM's free queue as two Python lists; front = evicted first; every operation O(1)
+    amortized, and the bulk ones (release, pop) at list-slice speed.
 
-    Initial order is by block id. Popped blocks keep stale `prev`/`next` links (clearing them
-    would cost two writes per block on the hot path); only queue members are ever unlinked.
+        front stack:  content-free blocks, the last released on top (reused first)
+        queue:        cached blocks (and the initial blocks, by id) in release order
+        order:        front stack top .. bottom, then queue[head:] without holes
+
+    A prefix hit that takes a block back (`remove`) leaves a hole (None) at the block's queue
+    position (`Block.queue_pos`, an absolute index: the list is compacted from the front);
+    the positions of holes sit in a heap, so `pop` only walks a slice that holds one. Only
+    cached blocks are ever removed, and they live in the queue.
     """
 
     def __init__(self, free_blocks: Sequence[Block]) -> None:
-        self._head = Block(block_id=BlockId(-1))
-        self._tail = Block(block_id=BlockId(-2))
-        prev = self._head
-        for block in free_blocks:
-            prev.next = block
-            block.prev = prev
-            prev = block
-        prev.next = self._tail
-        self._tail.prev = prev
+        self._front: list[Block] = []
+        self._queue: list[Block | None] = list(free_blocks)
+        for pos, block in enumerate(free_blocks):
+            block.queue_pos = pos
+        self._head = 0  # index of the first live entry of `_queue`
+        self._base = 0  # absolute position of `_queue[0]`
+        self._holes: list[int] = []  # absolute positions of holes at or after the head
         self.num_free = len(free_blocks)
 
     def pop(self, num_blocks: int) -> list[Block]:
         assert num_blocks <= self.num_free, f"pop({num_blocks}) from {self.num_free} free blocks"
-        head = self._head
-        node = head.next
-        out: list[Block] = []
-        append = out.append
-        for _ in range(num_blocks):
-            assert node is not None
-            append(node)
-            node = node.next
-        assert node is not None
-        head.next = node
-        node.prev = head
         self.num_free -= num_blocks
+        front = self._front
+        out: list[Block] = []
+        if front:
+            take = min(num_blocks, len(front))
+            out = front[len(front) - take:]
+            out.reverse()
+            del front[len(front) - take:]
+            num_blocks -= take
+            if not num_blocks:
+                return out
+        queue = self._queue
+        head = self._head
+        stop = head + num_blocks
+        holes = self._holes
+        if holes and holes[0] - self._base < stop:
+            return out + self._pop_around_holes(num_blocks)
+        out += queue[head:stop]  # type: ignore[arg-type]  # no hole in the slice
+        self._head = stop
+        if stop > 4096 and stop * 2 > len(queue):
+            self._compact()
         return out
 
+    def _pop_around_holes(self, num_blocks: int) -> list[Block]:
+        queue = self._queue
+        holes = self._holes
+        out: list[Block] = []
+        head = self._head
+        while len(out) < num_blocks:
+            stop = head + num_blocks - len(out)
+            out += [b for b in queue[head:stop] if b is not None]
+            head = stop
+            while holes and holes[0] - self._base < head:
+                heapq.heappop(holes)
+        self._head = head
+        return out
+
+    def _compact(self) -> None:
+        del self._queue[: self._head]
+        self._base += self._head
+        self._head = 0
+
     def remove(self, blocks: list[Block]) -> None:
+        queue = self._queue
+        base = self._base
+        holes = self._holes
         for block in blocks:
-            prev, nxt = block.prev, block.next
-            assert prev is not None and nxt is not None
-            prev.next = nxt
-            nxt.prev = prev
+            pos = block.queue_pos
+            assert queue[pos - base] is block, f"block {block.block_id} is not at its free-queue position"
+            queue[pos - base] = None
+            heapq.heappush(holes, pos)
         self.num_free -= len(blocks)
 
     def release(self, blocks: list[Block]) -> None:
-        tail = self._tail
-        last = tail.prev
-        assert last is not None
-        content_free: list[Block] = []
-        for block in blocks:
-            if block.block_hash is None:
-                content_free.append(block)
-                continue
-            last.next = block
-            block.prev = last
-            last = block
-        last.next = tail
-        tail.prev = last
-        head = self._head
-        for block in content_free:
-            first = head.next
-            assert first is not None
-            block.prev = head
-            block.next = first
-            first.prev = block
-            head.next = block
+        queue = self._queue
         self.num_free += len(blocks)
+        for pos, block in enumerate(blocks, self._base + len(queue)):
+            if block.block_hash is None:
+                break
+            block.queue_pos = pos
+        else:  # every block holds content: all to the back, in order
+            queue += blocks
+            return
+        cached = [b for b in blocks if b.block_hash is not None]
+        for pos, block in enumerate(cached, self._base + len(queue)):
+            block.queue_pos = pos
+        queue += cached
+        self._front += [b for b in blocks if b.block_hash is None]
 
     def ordered(self) -> list[Block]:
-        out: list[Block] = []
-        prev = self._head
-        node = self._head.next
-        while node is not self._tail:
-            if node is None or node.prev is not prev or len(out) > self.num_free:
+        out = self._front[::-1]
+        base = self._base
+        live = self._queue[self._head:]
+        for index, block in enumerate(live, start=self._head + base):
+            if block is None:
+                continue
+            if block.queue_pos != index:
                 raise IntegrityError(
-                    f"LRU free queue is broken after {len(out)} blocks (num_free={self.num_free}): "
-                    f"{'a missing link' if node is None else f'block {node.block_id} has a wrong prev link'}"
+                    f"LRU free queue entry {index} is block {block.block_id}, whose position says {block.queue_pos}"
                 )
-            out.append(node)
-            prev, node = node, node.next
-        if self._tail.prev is not prev:
-            raise IntegrityError("LRU free queue tail sentinel does not point back at the last block")
+            out.append(block)
+        holes = len(live) - (len(out) - len(self._front))
+        if holes != len(self._holes) or len(out) != self.num_free:
+            raise IntegrityError(
+                f"LRU free queue holds {len(out)} blocks and {holes} holes but num_free={self.num_free} "
+                f"and {len(self._holes)} holes are recorded"
+            )
         return out
 
 

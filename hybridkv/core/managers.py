@@ -198,7 +198,9 @@ class SingleTypeManager(ABC):
         if keep_from <= done:
             return []
         null = self._null
-        released = [b for b in table[done:keep_from] if b is not null]
+        released = table[done:keep_from]
+        if null in released:
+            released = [b for b in released if b is not null]
         released.reverse()
         table[done:keep_from] = [null] * (keep_from - done)
         self._num_skipped[request_id] = keep_from
