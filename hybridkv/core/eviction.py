@@ -130,20 +130,35 @@ class LRUPolicy:
         self.num_free -= len(blocks)
 
     def release(self, blocks: list[Block]) -> None:
-        queue = self._queue
         self.num_free += len(blocks)
-        for pos, block in enumerate(blocks, self._base + len(queue)):
+        lead = 0  # the content-free blocks a request's tail puts first (its partial blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                break
+            lead += 1
+        rest = blocks
+        if lead:
+            self._front += blocks[:lead]
+            rest = blocks[lead:]
+        queue = self._queue
+        pos = self._base + len(queue)
+        for block in rest:
             if block.block_hash is None:
                 break
             block.queue_pos = pos
-        else:  # every block holds content: all to the back, in order
-            queue += blocks
+            pos += 1
+        else:  # the rest holds content: to the back, in order
+            queue += rest
             return
-        cached = [b for b in blocks if b.block_hash is not None]
-        for pos, block in enumerate(cached, self._base + len(queue)):
-            block.queue_pos = pos
-        queue += cached
-        self._front += [b for b in blocks if b.block_hash is None]
+        pos = self._base + len(queue)
+        front = self._front
+        for block in rest:
+            if block.block_hash is None:
+                front.append(block)
+            else:
+                block.queue_pos = pos
+                pos += 1
+                queue.append(block)
 
     def ordered(self) -> list[Block]:
         out = self._front[::-1]
