@@ -26,12 +26,14 @@ a checkpoint cached since then (`CacheHit.deferred`).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from operator import attrgetter
+from functools import partial
+from operator import attrgetter, is_not
 
-from hybridkv.core.block_pool import BlockPool, KVEvent, KVEvents
+from hybridkv.core.block_pool import Block, BlockPool, KVEvent, KVEvents
 from hybridkv.core.coordinator import (
     GroupBlocks,
     HybridCoordinator,
@@ -60,6 +62,15 @@ __all__ = [
 ]
 
 _block_id = attrgetter("block_id")
+
+
+def _hit_ids(blocks: list[Block], null: Block) -> tuple[BlockId, ...]:
+    """Block ids of one group's hit; a hit's null entries are a prefix (every hit rule skips
+    leading blocks only), found by bisection rather than mapped one by one."""
+    if not blocks or blocks[0] is not null:
+        return tuple(map(_block_id, blocks))
+    lead = bisect_left(blocks, True, key=partial(is_not, null))
+    return (BlockId(0),) * lead + tuple(map(_block_id, blocks[lead:]))
 
 
 class PrefixCaching(Enum):
@@ -219,7 +230,7 @@ class KVCacheManager:
         for g, tokens in enumerate(first):
             group_hits[g] += tokens
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
-                        blocks=tuple(tuple(map(_block_id, g)) for g in hits),
+                        blocks=tuple(_hit_ids(g, self._pool.null_block) for g in hits),
                         deferred=bool(num_tokens) and self._coordinator.defers(hits), pool_epoch=self._pool.evictions)
 
     # -- allocate / cache / free ----------------------------------------------------------------
@@ -426,7 +437,7 @@ class KVCacheManager:
             )
         pool_blocks = self._pool.blocks
         try:
-            groups: GroupBlocks = [[pool_blocks[i] for i in ids] for ids in hit.blocks]
+            groups: GroupBlocks = [list(map(pool_blocks.__getitem__, ids)) for ids in hit.blocks]
         except IndexError:
             raise AllocationError(
                 f"cache hit of request {request.request_id!r} names a block id outside this manager's "

@@ -32,6 +32,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from enum import Enum
+from functools import partial
+from itertools import takewhile
+from operator import is_, is_not, mul
 
 from hybridkv.core.block_pool import Block, BlockPool
 from hybridkv.core.errors import ConfigError
@@ -216,11 +219,12 @@ class SingleTypeManager(ABC):
         keep_from = min(self.first_needed_block(first_new), len(table))
         if keep_from:
             table[:keep_from] = [self._null] * keep_from
-        self._pool.touch(table, self.group_id)
+        skipped = self._leading_nulls(table, 0)
+        self._pool.touch(table[skipped:] if skipped else table, self.group_id)
         self._tables[rid] = table
         self._num_cached[rid] = len(table)
         self._num_hit_blocks[rid] = len(table)
-        self._num_skipped[rid] = self._leading_nulls(table, 0)
+        self._num_skipped[rid] = skipped
 
     def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> list[Block]:
         """Extend the table to `total_tokens` slots; return the new entries (null included)."""
@@ -236,13 +240,7 @@ class SingleTypeManager(ABC):
 
     def _leading_nulls(self, table: list[Block], start: int) -> int:
         """Index of the first real entry at or after `start` (len(table) if none)."""
-        null = self._null
-        index = start
-        for block in table[start:]:
-            if block is not null:
-                break
-            index += 1
-        return index
+        return start + sum(1 for _ in takewhile(partial(is_, self._null), table[start:]))
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Cache the full, real blocks among the first `num_tokens` tokens not cached yet."""
@@ -295,32 +293,34 @@ class FullAttentionManager(SingleTypeManager):
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[Block]]:
-        limit = max_length // self.block_size
+        keys = block_hashes[: max_length // self.block_size]
         if len(maps) == 1:
-            get = maps[0].get
-            out: list[Block] = []
-            append = out.append
-            for block_hash in block_hashes[:limit]:
-                block = get(block_hash)
-                if block is None:
-                    break
-                append(block)
-            return [out]
-        outs: list[list[Block]] = [[] for _ in maps]
-        for block_hash in block_hashes[:limit]:
-            row = [m.get(block_hash) for m in maps]
-            if None in row:
-                break
-            for out, block in zip(outs, row, strict=True):
-                assert block is not None
-                out.append(block)
-        return outs
+            return [list(takewhile(_is_block, map(maps[0].get, keys)))]
+        keys = keys[: _held_prefix(maps, keys)]
+        return [list(map(m.__getitem__, keys)) for m in maps]
 
 
-def _all_hold(maps: Sequence[HashMap], block_hash: BlockHash) -> bool:
-    """Whether every map caches `block_hash`; the first map is tested alone first because most
-    scanned positions miss there already (identical groups cache the same positions)."""
-    return block_hash in maps[0] and all(block_hash in m for m in maps[1:])
+_is_block = partial(is_not, None)
+
+
+def _held_prefix(maps: Sequence[HashMap], keys: Sequence[BlockHash]) -> int:
+    """How many leading `keys` every map holds."""
+    for m in maps:
+        keys = keys[: sum(1 for _ in takewhile(_is_block, map(m.get, keys)))]
+    return len(keys)
+
+
+def _held_row(maps: Sequence[HashMap], keys: Sequence[BlockHash]) -> bytes:
+    """Byte i is 1 where every map holds keys[i], else 0."""
+    row = bytes(map(maps[0].__contains__, keys))
+    for m in maps[1:]:
+        row = bytes(map(mul, row, map(m.__contains__, keys)))
+    return row
+
+
+def _all_hold(maps: Sequence[HashMap], keys: Sequence[BlockHash]) -> bool:
+    """Whether every map holds every key."""
+    return all(all(map(m.__contains__, keys)) for m in maps)
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -343,21 +343,24 @@ class SlidingWindowManager(SingleTypeManager):
         need = self.contiguous_blocks
         if need == 0:
             return [[self._null] * limit for _ in maps]
-        run = 0
-        start = 0
-        lead, rest = maps[0], maps[1:]
-        for i in range(limit - 1, -1, -1):
-            block_hash = block_hashes[i]
-            if block_hash in lead and (not rest or _all_hold(rest, block_hash)):
-                run += 1
-                if run == need:
-                    start = i
-                    break
-            else:
-                run = 0
-        # Without a full window, `run` counts the cached blocks from block 0: a shorter hit.
-        window = block_hashes[start : start + run]
-        return [[self._null] * start + [m[h] for h in window] for m in maps]
+        keys = block_hashes[:limit]
+        start, run = _rightmost_run(maps[:1], keys, need)
+        if len(maps) > 1 and run and not _all_hold(maps[1:], keys[start : start + run]):
+            start, run = _rightmost_run(maps, keys, need)  # the lead group's answer is not everyone's
+        window = keys[start : start + run]
+        null = self._null
+        return [[null] * start + list(map(m.__getitem__, window)) for m in maps]
+
+
+def _rightmost_run(maps: Sequence[HashMap], keys: Sequence[BlockHash], need: int) -> tuple[int, int]:
+    """(start, need) of the rightmost `need` consecutive keys that every map holds; without
+    one, (0, how many leading keys every map holds): a hit shorter than the window."""
+    row = _held_row(maps, keys)
+    start = row.rfind(b"\x01" * need)
+    if start >= 0:
+        return start, need
+    first_miss = row.find(0)
+    return 0, len(row) if first_miss < 0 else first_miss
 
 
 class ChunkedLocalManager(SingleTypeManager):
@@ -383,10 +386,8 @@ class ChunkedLocalManager(SingleTypeManager):
                   max_length: int) -> list[list[Block]]:
         limit = max_length // self.block_size
         start = self.first_needed_block(max_length)
-        end = start
-        while end < limit and _all_hold(maps, block_hashes[end]):
-            end += 1
-        window = block_hashes[start:end]
+        window = block_hashes[start:limit] if limit > start else []
+        window = window[: _held_prefix(maps, window)]
         return [[self._null] * start + [m[h] for h in window] for m in maps]
 
 
@@ -458,11 +459,13 @@ class MambaManager(SingleTypeManager):
                   max_length: int) -> list[list[Block]]:
         if self.mode is MambaMode.NONE:
             return [[] for _ in maps]
-        lead = maps[0]
-        for i in range(max_length // self.block_size - 1, -1, -1):
-            if block_hashes[i] in lead and _all_hold(maps, block_hashes[i]):
-                return [[self._null] * i + [m[block_hashes[i]]] for m in maps]
-        return [[] for _ in maps]
+        keys = block_hashes[: max_length // self.block_size]
+        i = _held_row(maps[:1], keys).rfind(1)
+        if i >= 0 and not _all_hold(maps[1:], keys[i : i + 1]):
+            i = _held_row(maps, keys).rfind(1)  # the lead group's checkpoint is not everyone's
+        if i < 0:
+            return [[] for _ in maps]
+        return [[self._null] * i + [m[keys[i]]] for m in maps]
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Cache the checkpoints among the first `num_tokens` tokens not cached yet: ALIGN, the
