@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from itertools import chain
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from hybridkv.core.errors import ConfigError, IntegrityError
@@ -111,7 +111,7 @@ def interleave(lists: Sequence[Sequence[Block]]) -> list[Block]:
         if len(rest) == 1:
             out += rest[0][start:]
             break
-        out += chain.from_iterable(zip(*(blocks[start:stop] for blocks in rest)))
+        out += chain.from_iterable(zip(*(blocks[start:stop] for blocks in rest), strict=True))
         rest = [blocks for blocks in rest if len(blocks) > stop]
         start = stop
     return out
@@ -296,12 +296,12 @@ class BlockPool:
             if block.block_hash is not None:
                 return False
         size = len(cached)
-        cached.update(zip(keys, blocks))
+        cached.update(zip(keys, blocks, strict=True))
         if len(cached) != size + len(keys):  # a hash repeats within `keys`: undo, go one by one
             for key in keys:
                 cached.pop(key, None)
             return False
-        for block, key in zip(blocks, keys):
+        for block, key in zip(blocks, keys, strict=True):
             block.block_hash = key
         return True
 

@@ -35,6 +35,7 @@ from enum import Enum
 from functools import partial
 from itertools import takewhile
 from operator import is_, is_not, mul
+from typing import cast
 
 from hybridkv.core.block_pool import Block, BlockPool
 from hybridkv.core.errors import ConfigError
@@ -295,7 +296,7 @@ class FullAttentionManager(SingleTypeManager):
                   max_length: int) -> list[list[Block]]:
         keys = block_hashes[: max_length // self.block_size]
         if len(maps) == 1:
-            return [list(takewhile(_is_block, map(maps[0].get, keys)))]
+            return [cast("list[Block]", list(takewhile(_is_block, map(maps[0].get, keys))))]
         keys = keys[: _held_prefix(maps, keys)]
         return [list(map(m.__getitem__, keys)) for m in maps]
 
