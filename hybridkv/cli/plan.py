@@ -16,6 +16,7 @@ from hybridkv.cli.tables import stdout_console
 from hybridkv.core.errors import HybridKVError
 from hybridkv.core.model_specs import KVCacheDType, SpecOptions
 from hybridkv.core.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hybridkv.core.specs import MambaCacheMode
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -49,6 +50,9 @@ def plan_command(
         "--num-speculative-tokens", help="draft tokens per step (widens Mamba conv states)")] = 0,
     block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
+    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
+        "--mamba-cache-mode", help="state checkpoints: align (where a step ends on a block boundary) or all "
+                                   "(every boundary: more state blocks per request)")] = MambaCacheMode.ALIGN,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option(
@@ -88,7 +92,7 @@ def plan_command(
             plan_report.PlanRequest(
                 model=m, memory_gib=memory_gib, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                mamba_alignment=mamba_alignment, spec_options=spec_options)
+                mamba_alignment=mamba_alignment, spec_options=spec_options, mamba_cache_mode=mamba_cache_mode)
             for m in models
         ]
     except HybridKVError as exc:

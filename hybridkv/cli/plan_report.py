@@ -28,7 +28,7 @@ from hybridkv.core.planner import (
     plan,
     resolve_max_model_len,
 )
-from hybridkv.core.specs import AttentionSpec, IndexerSpec, LayerSpec, MLASpec, ModelSpec
+from hybridkv.core.specs import AttentionSpec, IndexerSpec, LayerSpec, MambaCacheMode, MLASpec, ModelSpec
 
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -44,6 +44,7 @@ class PlanRequest:
     block_size: int = 16
     mamba_alignment: int = 16
     spec_options: SpecOptions = field(default_factory=SpecOptions)
+    mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
 
     def __post_init__(self) -> None:
         memory_gib_to_bytes(self.memory_gib, option="--memory-gib")
@@ -75,7 +76,7 @@ def make_plan(request: PlanRequest) -> tuple[ModelSpec, Plan]:
     options = PlannerOptions(
         memory_bytes=memory_gib_to_bytes(request.memory_gib, option="--memory-gib"), max_model_len=max_len,
         max_num_batched_tokens=request.max_num_batched_tokens, block_size=request.block_size,
-        mamba_alignment=request.mamba_alignment,
+        mamba_alignment=request.mamba_alignment, mamba_cache_mode=request.mamba_cache_mode,
     )
     return spec, plan(spec, options)
 

@@ -140,3 +140,12 @@ def test_version_and_python_dash_m() -> None:
     assert result.exit_code == 0 and result.output.strip() == expected
     out = subprocess.run([sys.executable, "-m", "hybridkv", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_mamba_cache_mode_all_keeps_more_state_blocks() -> None:
+    """`all` keeps a checkpoint at every block boundary: a state model fits fewer requests; a model
+    without state groups is unchanged."""
+    align, every = (plan_json("Qwen/Qwen3-Next-80B-A3B-Instruct", "--mamba-cache-mode", m) for m in ("align", "all"))
+    assert every["max_concurrency"] < align["max_concurrency"]
+    gemma = [plan_json("gemma-3-27b", "--mamba-cache-mode", m)["max_concurrency"] for m in ("align", "all")]
+    assert gemma[0] == gemma[1]
