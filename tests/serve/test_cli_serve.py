@@ -33,9 +33,9 @@ def _stream_lines(url: str, body: bytes, lines: list[str], first: threading.Even
                 first.set()
 
 
-def test_the_process_serves_on_a_free_port_and_ctrl_c_lets_a_stream_finish() -> None:
+def test_the_process_serves_on_a_free_port_with_its_kv_server_and_ctrl_c_lets_a_stream_finish() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "hybridkv", "serve", "--port", "0", "--threads", "1",
-                             "--kv-cache-memory-gib", "0.05", "--log-level", "warning"],
+                             "--kv-cache-memory-gib", "0.05", "--log-level", "warning", "--kv-server", "auto"],
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
@@ -43,6 +43,8 @@ def test_the_process_serves_on_a_free_port_and_ctrl_c_lets_a_stream_finish() -> 
         match = re.search(r"on (http://127\.0\.0\.1:(\d+))", line)
         assert match, line
         url = match[1]
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            assert "hybridkv_serve_kv_server_attached 1.0" in response.read().decode()
         body = json.dumps({"prompt": "a long answer", "max_tokens": 150, "stream": True, "ignore_eos": True,
                            "return_token_ids": True}).encode()
         lines: list[str] = []
