@@ -28,7 +28,15 @@ from hybridkv.core.planner import (
     plan,
     resolve_max_model_len,
 )
-from hybridkv.core.specs import AttentionSpec, IndexerSpec, LayerSpec, MambaCacheMode, MLASpec, ModelSpec
+from hybridkv.core.specs import (
+    AttentionSpec,
+    CompressedMLASpec,
+    IndexerSpec,
+    LayerSpec,
+    MambaCacheMode,
+    MLASpec,
+    ModelSpec,
+)
 
 DEFAULT_MAX_MODEL_LEN = 32768
 
@@ -82,9 +90,12 @@ def make_plan(request: PlanRequest) -> tuple[ModelSpec, Plan]:
 
 
 def cache_name(spec: LayerSpec) -> str:
-    """What one cache slot holds: `kv` (K and V), `mla` (latent), `indexer` (keys only) or `state`."""
+    """What one cache slot holds: `kv` (K and V), `mla` (latent), `indexer` (keys only) or `state`;
+    a DeepSeek-V4 cache is named by its role (`swa`, `compressed`, `compressor`, `indexer`, `indexer-compressor`)."""
     if isinstance(spec, AttentionSpec):
         return "kv"
+    if isinstance(spec, CompressedMLASpec):
+        return spec.role.value
     if isinstance(spec, MLASpec):
         return "mla" if spec.cache_format.value == "native" else f"mla ({spec.cache_format.value})"
     return "indexer" if isinstance(spec, IndexerSpec) else "state"
@@ -124,6 +135,7 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
         "max_num_batched_tokens": result.options.max_num_batched_tokens,
         "attention_block_size": cfg.attention_block_size,
         "page_size_bytes": cfg.page_size_bytes,
+        "page_layout": cfg.page_layout.value,
         "num_blocks": cfg.num_blocks,
         "group_size": cfg.group_size,
         "groups": [
@@ -181,7 +193,7 @@ def _ratio(result: Plan) -> str:
 def _part(layer_spec: LayerSpec) -> str:
     if isinstance(layer_spec, AttentionSpec):
         return "attn"
-    if isinstance(layer_spec, MLASpec | IndexerSpec):
+    if isinstance(layer_spec, MLASpec | IndexerSpec | CompressedMLASpec):
         return cache_name(layer_spec).split(" ")[0]
     return "mamba"
 
@@ -202,7 +214,7 @@ def layer_names(spec: ModelSpec) -> dict[int, str]:
 
 
 def _kind_label(layer_spec: LayerSpec) -> str:
-    if isinstance(layer_spec, MLASpec | IndexerSpec):
+    if isinstance(layer_spec, MLASpec | IndexerSpec | CompressedMLASpec):
         return f"{layer_spec.kind.value} ({cache_name(layer_spec)})"
     return layer_spec.kind.value
 

@@ -46,7 +46,14 @@ from hybridkv.core.model_specs_mamba import (
     read_nemotron_h,
     read_zamba2,
 )
-from hybridkv.core.model_specs_mla import SPARSE_MLA_BACKEND, check_kv_cache_dtype, read_deepseek_mla, read_minimax_m3
+from hybridkv.core.model_specs_mla import (
+    DSV4_BACKEND,
+    SPARSE_MLA_BACKEND,
+    check_kv_cache_dtype,
+    read_deepseek_mla,
+    read_deepseek_v4,
+    read_minimax_m3,
+)
 from hybridkv.core.specs import LayerSpec, ModelSpec
 
 __all__ = ["IndexerFormat", "KVCacheDType", "SpecOptions", "load_config", "model_spec_from_config",
@@ -253,6 +260,7 @@ _REGISTRY: dict[str, FamilyReader] = {
     "kimi_k2": read_deepseek_mla,
     "deepseek_v32": read_deepseek_mla,
     "glm_moe_dsa": read_deepseek_mla,
+    "deepseek_v4": read_deepseek_v4,
     "minimax_m3_vl": read_minimax_m3,
     "minimax_m3_vl_text": read_minimax_m3,
 }
@@ -301,7 +309,8 @@ def model_spec_from_config(
     assert isinstance(model_type, str)
     ctx = _context(config, model_type, options)
     family = reader(ctx)
-    check_kv_cache_dtype(model_type, options.kv_cache_dtype, sparse_mla=family.kernel_backend == SPARSE_MLA_BACKEND)
+    sparse_mla = family.kernel_backend in (SPARSE_MLA_BACKEND, DSV4_BACKEND)
+    check_kv_cache_dtype(model_type, options.kv_cache_dtype, sparse_mla=sparse_mla)
     num_decoder_layers = len(family.layers)
     return ModelSpec(
         name=name,

@@ -3,6 +3,7 @@
     DeepSeek-V2/V3, Kimi-K2   one MLA latent per layer (`kv_lora_rank + qk_rope_head_dim` values)
     DeepSeek-V3.2, GLM-5      MLA + a key-only DSA indexer cache on the layers that own an indexer
     MiniMax-M3                GQA K/V + a key-only indexer cache on the sparse layers
+    DeepSeek-V4               window latents + compressed latents, compressor states, indexer (5 groups)
 
 Facts follow vLLM 0.32: the MLA latent has one KV head replicated on every TP rank; the DSA
 indexer stores `index_head_dim` fp8 values then one fp32 scale per 128 values as uint8
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs_config import FamilyLayers, IndexerFormat, KVCacheDType, LayerRole, SpecContext
-from hybridkv.core.specs import IndexerSpec, LayerSpec, MLAFormat, MLASpec
+from hybridkv.core.specs import CompressedMLASpec, IndexerSpec, LatentRole, LayerSpec, MLAFormat, MLASpec, SpecKind
 
 SPARSE_MLA_BLOCK_SIZE = 64
 SPARSE_MLA_BACKEND = "FLASHMLA_SPARSE"
@@ -143,3 +144,67 @@ def read_minimax_m3(ctx: SpecContext) -> FamilyLayers:
     indexer = IndexerSpec(entry_size=index_dim, dtype="bfloat16")
     return FamilyLayers(layers=layers, second_caches=_indexer_slots(sparse, indexer),
                         kernel_block_size=MINIMAX_M3_BLOCK_SIZE, kernel_backend=MINIMAX_M3_BACKEND)
+
+
+DSV4_BACKEND = "FLASHMLA_SPARSE_DSV4"
+DSV4_COMPRESSED_BLOCK_SIZE = 256  # the DSv4 backends' preferred block size (vLLM `get_preferred_block_size`)
+DSV4_WINDOW_BLOCK_SIZE = 64  # `DeepseekV4SWACache`
+DSV4_FP8_DS_MLA_BYTES = 584  # 448 fp8 NoPE values + 64 bf16 rope values + 8 bytes of UE8M0 scales
+DSV4_PAGE_ALIGNMENT = 576  # FlashMLA's packing stride: every fp8_ds_mla-layout page is a multiple of it
+_DSV4_STATE_BLOCK = {4: 4, 128: 8}  # compressor state block per ratio (`CompressorStateCache`)
+
+
+def _dsv4_ratios(ctx: SpecContext) -> list[int]:
+    """`compress_ratios[i]` of each decoder layer (0 or 1: window only); a trailing MTP entry is ignored."""
+    cfg, n = ctx.cfg, ctx.num_layers
+    ratios = cfg.raw("compress_ratios")
+    if ratios is None:
+        return [1] * n
+    valid = isinstance(ratios, list) and len(ratios) >= n and all(
+        isinstance(r, int) and not isinstance(r, bool) for r in ratios)
+    if not valid or set(ratios[:n]) - {0, 1, 4, 128}:
+        raise cfg.error(f"field 'compress_ratios' must list at least {n} integers (one per layer), each 0 or 1 "
+                        f"(window only), 4 or 128, got {ratios!r}")
+    return [max(1, r) for r in ratios[:n]]
+
+
+def _dsv4_state(role: LatentRole, ratio: int, head_dim: int) -> CompressedMLASpec:
+    """The running state of a compressor over `head_dim` values: kv + score, twice with overlap (ratio 4)."""
+    coff = 2 if ratio == 4 else 1
+    return CompressedMLASpec(role=role, kind=SpecKind.SLIDING_WINDOW, block_size=_DSV4_STATE_BLOCK[ratio],
+                             entry_bytes=2 * coff * head_dim * 4, window_tokens=coff * ratio,
+                             alignment_bytes=DSV4_PAGE_ALIGNMENT)
+
+
+def read_deepseek_v4(ctx: SpecContext) -> FamilyLayers:
+    """DeepSeek-V4 (Flash, Pro): per layer a sliding-window latent cache; compressed layers add compressed
+    latents and a compressor state, ratio-4 layers an indexer (compressed keys + its compressor state).
+
+    Laid out as vLLM 0.32 does on its default FlashMLA backend (the `fp8_ds_mla` layout, also for
+    `--kv-cache-dtype auto`), in vLLM's registration order per layer: indexer keys, indexer compressor,
+    window, compressed latents, compressor (the window cache sits at the layer's own slot).
+    """
+    cfg, choice = ctx.cfg, ctx.options.kv_cache_dtype
+    if choice is KVCacheDType.NVFP4_DS_MLA:
+        raise ConfigError(f"kv_cache_dtype 'nvfp4_ds_mla' is not a DeepSeek-V4 cache format; model_type "
+                          f"{cfg.model_type!r} stores fp8_ds_mla; expected 'auto', 'fp8' or 'fp8_ds_mla'")
+    head_dim, index_dim = cfg.require_int("head_dim"), cfg.require_int("index_head_dim")
+    window = cfg.require_int("sliding_window")
+    swa = CompressedMLASpec(role=LatentRole.WINDOW, kind=SpecKind.SLIDING_WINDOW, block_size=DSV4_WINDOW_BLOCK_SIZE,
+                            entry_bytes=DSV4_FP8_DS_MLA_BYTES, window_tokens=window,
+                            alignment_bytes=DSV4_PAGE_ALIGNMENT)
+    extra: list[tuple[int, LayerSpec]] = []
+    for layer, ratio in enumerate(_dsv4_ratios(ctx)):
+        if ratio == 1:
+            continue
+        if ratio == 4:
+            indexer = CompressedMLASpec(role=LatentRole.INDEXER, kind=SpecKind.FULL,
+                                        block_size=DSV4_COMPRESSED_BLOCK_SIZE, tokens_per_state=ratio,
+                                        entry_bytes=index_dim + index_dim // _DSA_QUANT_BLOCK * 4,
+                                        alignment_bytes=DSV4_PAGE_ALIGNMENT)
+            extra += [(layer, indexer), (layer, _dsv4_state(LatentRole.INDEXER_COMPRESSOR, ratio, index_dim))]
+        latent = CompressedMLASpec(role=LatentRole.COMPRESSED, kind=SpecKind.FULL,
+                                   block_size=DSV4_COMPRESSED_BLOCK_SIZE, tokens_per_state=ratio,
+                                   entry_bytes=DSV4_FP8_DS_MLA_BYTES, alignment_bytes=DSV4_PAGE_ALIGNMENT)
+        extra += [(layer, latent), (layer, _dsv4_state(LatentRole.COMPRESSOR, ratio, head_dim))]
+    return FamilyLayers(layers=(swa,) * ctx.num_layers, second_caches=tuple(extra), kernel_backend=DSV4_BACKEND)

@@ -14,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 from hybridkv.core.errors import CapacityError, ConfigError
+from hybridkv.core.packed_layout import packed_groups
 from hybridkv.core.specs import (
     AttentionSpec,
+    CompressedMLASpec,
     IndexerSpec,
     LayerSpec,
     MambaCacheMode,
@@ -139,12 +142,26 @@ class KVCacheGroupSpec:
     @property
     def window_tokens(self) -> int:
         """Sliding window in tokens, 0 for other kinds."""
-        return self.spec.window_tokens if isinstance(self.spec, AttentionSpec) else 0
+        return self.spec.window_tokens if isinstance(self.spec, AttentionSpec | MLASpec | CompressedMLASpec) else 0
 
     @property
     def chunk_tokens(self) -> int:
         """Local-attention chunk in tokens, 0 for other kinds."""
         return self.spec.chunk_tokens if isinstance(self.spec, AttentionSpec) else 0
+
+
+class PageLayout(Enum):
+    """How the groups' pages sit in memory.
+
+    SHARED_TENSORS: vLLM's hybrid layout, `group_size` tensors, tensor i shared by layer i of every
+    group, one page size. LAYER_TENSORS: one group of mixed pages, each layer its own tensor.
+    PACKED_BLOCKS (DeepSeek-V4): one buffer; block b of every group spans bytes
+    `[b * page_size_bytes, (b + 1) * page_size_bytes)`, each group's layers packed side by side in it.
+    """
+
+    SHARED_TENSORS = "shared_tensors"
+    LAYER_TENSORS = "layer_tensors"
+    PACKED_BLOCKS = "packed_blocks"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,7 +178,9 @@ class KVCacheConfig:
 
     `num_blocks` includes the null block 0; `usable_blocks = num_blocks - 1`. For a layout of
     one group of mixed pages, `page_size_bytes` is the block's total over every layer,
-    `group_size` is 1 and each layer has a tensor of its own (`num_blocks * its page`).
+    `group_size` is 1 and each layer has a tensor of its own (`num_blocks * its page`). For the packed
+    layout (`PageLayout.PACKED_BLOCKS`) `page_size_bytes` is the block stride (the largest group's
+    block total), `group_size` is 1 and one tensor holds every group.
     `block_size_note` says when the model's kernels forced the block size.
     """
 
@@ -173,6 +192,7 @@ class KVCacheConfig:
     tensors: tuple[KVCacheTensor, ...]
     kv_shared_from: dict[int, int] = field(default_factory=dict)
     block_size_note: str = ""
+    page_layout: PageLayout = PageLayout.SHARED_TENSORS
 
     @property
     def usable_blocks(self) -> int:
@@ -359,7 +379,31 @@ def _mixed_page_config(model: ModelSpec, options: PlannerOptions, block: int, no
                     for layer, layer_page in zip(group.layer_indices, group.layer_page_bytes(), strict=True))
     return KVCacheConfig(model=model.name, num_blocks=num_blocks, page_size_bytes=page, group_size=1,
                          groups=(group,), tensors=tensors, kv_shared_from=dict(model.kv_shared_from),
-                         block_size_note=note)
+                         block_size_note=note, page_layout=PageLayout.LAYER_TENSORS)
+
+
+def _packed_config(model: ModelSpec, options: PlannerOptions) -> KVCacheConfig:
+    """DeepSeek-V4: several groups of mixed pages in one block-outermost buffer (`packed_layout`)."""
+    owned = model.owned_layers()
+    block_of = {}
+    for slot, spec in owned:
+        if not isinstance(spec, CompressedMLASpec):
+            raise ConfigError(f"model {model.name!r}: cache slot {slot} is a {spec.kind.value} layer among "
+                              f"DeepSeek-V4 caches; the packed layout holds only DeepSeek-V4 caches")
+        block_of[slot] = spec.block_size
+    groups = []
+    for gid, members in enumerate(packed_groups(owned, block_of)):
+        specs = tuple(spec for _, spec in members)
+        groups.append(KVCacheGroupSpec(group_id=gid, spec=specs[0], layer_indices=tuple(s for s, _ in members),
+                                       block_size=block_of[members[0][0]], layer_specs=specs))
+    stride = max(sum(g.layer_page_bytes()) for g in groups)
+    num_blocks = _num_blocks(options.memory_bytes, stride, 1)
+    tensor = KVCacheTensor(size_bytes=num_blocks * stride,
+                           shared_by=tuple(slot for g in groups for slot in g.layer_indices))
+    return KVCacheConfig(model=model.name, num_blocks=num_blocks, page_size_bytes=stride, group_size=1,
+                         groups=tuple(groups), tensors=(tensor,), kv_shared_from=dict(model.kv_shared_from),
+                         block_size_note="each DeepSeek-V4 cache has the block size its kernels fix (vLLM 0.32)",
+                         page_layout=PageLayout.PACKED_BLOCKS)
 
 
 def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheConfig:
@@ -371,6 +415,8 @@ def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheC
     owned = model.owned_layers()
     if not owned:
         raise ConfigError(f"model {model.name!r} has no layer that owns a KV cache")
+    if any(isinstance(spec, CompressedMLASpec) for _, spec in owned):
+        return _packed_config(model, options)
     distinct: list[LayerSpec] = []
     buckets: list[list[int]] = []
     for layer, spec in owned:
@@ -405,6 +451,13 @@ def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheC
 def _uniform_layout(model: ModelSpec, options: PlannerOptions) -> UniformLayout:
     owned = model.owned_layers()
     block, _ = _base_block_size(model, options)
+    if any(isinstance(s, CompressedMLASpec) for _, s in owned):
+        return UniformLayout(
+            runnable=False, block_size=block, num_blocks=0, total_bytes=0, max_concurrency=0.0,
+            kv_capacity_tokens=0, bytes_per_request=0,
+            reason="DeepSeek-V4's compressed caches (one state per 4 or 128 tokens, compressor states) "
+                   "cannot be cached as full attention: without the hybrid KV cache manager it does not run",
+        )
     if any(isinstance(s, MambaSpec) for _, s in owned):
         return UniformLayout(
             runnable=False, block_size=block, num_blocks=0, total_bytes=0, max_concurrency=0.0,
@@ -481,6 +534,9 @@ def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
     # each; a block of a group with p padding slots leaves p pages of the shared tensors empty.
     waste_pages = config.num_blocks * sum(g.padding_layers * n for g, n in zip(config.groups, need, strict=True))
     waste = waste_pages * config.page_size_bytes // sum(need)
+    if config.page_layout is PageLayout.PACKED_BLOCKS:  # a group's block leaves the stride's rest empty
+        waste = config.num_blocks * sum((config.page_size_bytes - sum(g.layer_page_bytes())) * n
+                                        for g, n in zip(config.groups, need, strict=True)) // sum(need)
     return Plan(
         config=config, options=options, blocks_per_request=need, max_concurrency=concurrency,
         kv_capacity_tokens=int(concurrency * options.max_model_len), padding_waste_bytes=waste,

@@ -292,8 +292,67 @@ class IndexerSpec:
         return math.ceil(max_model_len / block_size)
 
 
+class LatentRole(Enum):
+    """Which of DeepSeek-V4's caches a `CompressedMLASpec` is (one decoder layer has up to five)."""
+
+    WINDOW = "swa"  # the latents of the last `sliding_window` tokens
+    COMPRESSED = "compressed"  # one latent per `tokens_per_state` tokens
+    COMPRESSOR = "compressor"  # the compressor's running kv + score state (fp32)
+    INDEXER = "indexer"  # the compressed indexer keys (ratio-4 layers)
+    INDEXER_COMPRESSOR = "indexer-compressor"  # the indexer compressor's running state
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompressedMLASpec:
+    """One DeepSeek-V4 cache: rows of `entry_bytes`, one per `tokens_per_state` tokens, in pages of a
+    block size the model's kernels fix (vLLM 0.32's `SlidingWindowMLASpec` / `MLAAttentionSpec` with
+    `tokens_per_state` and `alignment`).
+
+        page = round_up(block_size // tokens_per_state * entry_bytes, alignment_bytes)
+
+    `kind` is sliding window (the window latents, the compressor states) or full (compressed latents
+    and indexer keys); the KV cache manager treats them with the ordinary rules of that kind.
+    """
+
+    role: LatentRole
+    kind: SpecKind
+    block_size: int
+    entry_bytes: int
+    tokens_per_state: int = 1
+    window_tokens: int = 0
+    alignment_bytes: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "entry_bytes", "tokens_per_state", "alignment_bytes"):
+            _positive(f"{self.role.value} cache {name}", getattr(self, name))
+        if self.block_size % self.tokens_per_state:
+            raise ConfigError(f"{self.role.value} cache: block_size {self.block_size} must be a multiple of "
+                              f"tokens_per_state {self.tokens_per_state}")
+        if self.kind is SpecKind.SLIDING_WINDOW:
+            _positive(f"window_tokens of the {self.role.value} cache", self.window_tokens)
+        elif self.kind is not SpecKind.FULL or self.window_tokens:
+            raise ConfigError(f"a {self.role.value} cache is full (no window) or sliding_window, "
+                              f"got {self.kind.value} with window {self.window_tokens}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one stored row (`entry_bytes`; a row covers `tokens_per_state` tokens)."""
+        return self.entry_bytes
+
+    def page_size_bytes(self, block_size: int) -> int:
+        """Bytes of one block: its rows, padded up to `alignment_bytes`."""
+        rows = block_size // self.tokens_per_state * self.entry_bytes
+        return -(-rows // self.alignment_bytes) * self.alignment_bytes
+
+    def blocks_needed(self, *, block_size: int, max_model_len: int, max_num_batched_tokens: int,
+                      mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> int:
+        del mamba_cache_mode
+        return _blocks_for(self.kind, self.window_tokens, block_size=block_size, max_model_len=max_model_len,
+                           max_num_batched_tokens=max_num_batched_tokens)
+
+
 TokenSpec = AttentionSpec | MLASpec | IndexerSpec  # specs whose page grows with the block size
-LayerSpec = AttentionSpec | MambaSpec | MLASpec | IndexerSpec
+LayerSpec = AttentionSpec | MambaSpec | MLASpec | IndexerSpec | CompressedMLASpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
