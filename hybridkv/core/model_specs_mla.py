@@ -154,12 +154,24 @@ DSV4_PAGE_ALIGNMENT = 576  # FlashMLA's packing stride: every fp8_ds_mla-layout 
 _DSV4_STATE_BLOCK = {4: 4, 128: 8}  # compressor state block per ratio (`CompressorStateCache`)
 
 
+_DSV4_LAYER_TYPES = {"sliding_attention": None, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
 def _dsv4_ratios(ctx: SpecContext) -> list[int]:
-    """`compress_ratios[i]` of each decoder layer (0 or 1: window only); a trailing MTP entry is ignored."""
+    """The compression ratio of each decoder layer (1: window only), from transformers' saved form
+    (`layer_types` + `compress_rates`) or the Hub form `compress_ratios` (0 = window only; a trailing
+    MTP entry is ignored, as vLLM reads it)."""
     cfg, n = ctx.cfg, ctx.num_layers
-    ratios = cfg.raw("compress_ratios")
-    if ratios is None:
-        return [1] * n
+    types = cfg.str_list("layer_types")
+    if types is not None:
+        if len(types) != n or set(types) - set(_DSV4_LAYER_TYPES):
+            raise cfg.error(f"field 'layer_types' must list {n} entries of {sorted(_DSV4_LAYER_TYPES)}, got {types!r}")
+        rates = cfg.sub_mapping("compress_rates")
+        ratios = [1 if _DSV4_LAYER_TYPES[t] is None else rates.get(t, _DSV4_LAYER_TYPES[t]) for t in types]
+    else:
+        ratios = cfg.raw("compress_ratios")
+        if ratios is None:
+            raise cfg.error("DeepSeek-V4 needs 'compress_ratios' (one per layer) or 'layer_types'; got neither")
     valid = isinstance(ratios, list) and len(ratios) >= n and all(
         isinstance(r, int) and not isinstance(r, bool) for r in ratios)
     if not valid or set(ratios[:n]) - {0, 1, 4, 128}:

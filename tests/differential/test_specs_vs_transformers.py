@@ -125,9 +125,10 @@ def _state_of(spec: ModelSpec, layer: int) -> LayerSpec | None:
 
 
 def test_every_supported_type_is_covered() -> None:
+    from tests.differential.test_deepseek_v4_specs_vs_transformers import V4_ARCHITECTURES
     from tests.differential.test_mla_specs_vs_transformers import MLA_ARCHITECTURES, MLA_WRAPPERS, NOT_IN_TRANSFORMERS
 
-    covered = [*ARCHITECTURES, *WRAPPERS, *MLA_ARCHITECTURES, *MLA_WRAPPERS, *NOT_IN_TRANSFORMERS]
+    covered = [*ARCHITECTURES, *WRAPPERS, *MLA_ARCHITECTURES, *MLA_WRAPPERS, *NOT_IN_TRANSFORMERS, *V4_ARCHITECTURES]
     assert sorted(covered) == supported_model_types()
 
 

@@ -130,6 +130,10 @@ def test_fp8_choices_and_bad_ratios() -> None:
         spec_of(tiny([0, 8]))
     with pytest.raises(ConfigError, match="at least 3 integers"):
         spec_of(tiny([0, 4]) | {"num_hidden_layers": 3})
+    with pytest.raises(ConfigError, match=r"needs 'compress_ratios' .* or 'layer_types'; got neither"):
+        spec_of({k: v for k, v in tiny([0, 4]).items() if k != "compress_ratios"})
+    with pytest.raises(ConfigError, match="'layer_types' must list 2 entries"):
+        spec_of(tiny([0, 4]) | {"layer_types": ["sliding_attention", "full_attention"]})
 
 
 def test_manager_serves_the_packed_groups_by_their_kind() -> None:
