@@ -101,8 +101,19 @@ def chunk_hashes(token_ids: Sequence[int] | npt.NDArray[np.int64], chunk_tokens:
 
 def layout_fingerprint(model: str, groups: Sequence[GroupLayout]) -> str:
     """What decides the bytes of an object: the model and every group's kind, layers, block, window and
-    page size (not the buffer names, sizes or block counts, which differ between engine processes)."""
-    return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode([model, list(groups)]))
+    page size(s) (not the buffer names, sizes or block counts, which differ between engine processes).
+
+    A group without `layer_page_bytes` is encoded exactly as before that field existed, so the
+    fingerprints of those layouts (and the keys of objects already in an L2 tier) never change."""
+    return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode([model, [_fingerprint_fields(g) for g in groups]]))
+
+
+def _fingerprint_fields(g: GroupLayout) -> dict[str, Any]:
+    fields: dict[str, Any] = {"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
+                              "page_bytes": g.page_bytes, "window_tokens": g.window_tokens}
+    if g.layer_page_bytes is not None:
+        fields["layer_page_bytes"] = list(g.layer_page_bytes)
+    return fields
 
 
 class SharedKVBuffers:

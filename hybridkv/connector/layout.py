@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec, PageLayout
 from hybridkv.core.specs import SpecKind
 from hybridkv.server.protocol import BufferLayout, GroupKind, GroupLayout, Layout
 
@@ -20,26 +22,32 @@ _KINDS = {
 
 
 def group_layout(group: KVCacheGroupSpec) -> GroupLayout:
-    """The registration of one group; raises ConfigError for a group of mixed pages (MLA latents +
-    indexer keys, MiniMax-M3), whose per-layer page sizes the protocol cannot describe yet (one
-    `page_bytes` per group, one page stride for every buffer)."""
-    if group.mixed_pages:
-        sizes = sorted(set(group.layer_page_bytes()))
-        raise ConfigError(
-            f"group {group.group_id} holds pages of {len(sizes)} sizes ({', '.join(f'{n:,}' for n in sizes)} bytes: "
-            f"MLA latents / indexer keys); the KV cache server's layout has one page size per group and one page "
-            f"stride, so this layout cannot be registered yet (per-layer page sizes are not in the protocol)"
-        )
+    """The registration of one group; a group of mixed pages (MLA latents + indexer keys, MiniMax-M3)
+    lists its layers' page sizes (`layer_page_bytes`, the largest as `page_bytes`)."""
     window = group.window_tokens or group.chunk_tokens or -1
+    pages = list(group.layer_page_bytes()) if group.mixed_pages else None
+    page = max(pages) if pages else group.spec.page_size_bytes(group.block_size)
     return GroupLayout(kind=_KINDS[group.kind], num_layers=len(group.layer_indices), block_tokens=group.block_size,
-                       page_bytes=group.spec.page_size_bytes(group.block_size), window_tokens=window)
+                       page_bytes=page, window_tokens=window, layer_page_bytes=pages)
 
 
 def layout_from_kv_cache_config(config: KVCacheConfig, *, buffers: Sequence[BufferLayout], model: str | None = None,
                                 rank: int = 0, world_size: int = 1) -> Layout:
-    """`buffers[j]`: the shared-memory segment of KV cache tensor j (layer j of every group)."""
+    """`buffers[j]`: the shared-memory segment of KV cache tensor j (layer j of every group). In a layout
+    of one group of mixed pages tensor j is layer j's alone, its blocks `page_j` apart; the packed
+    DeepSeek-V4 layout (every group in one buffer) cannot be registered (ConfigError)."""
     from hybridkv.connector.client import make_layout
 
-    return make_layout(model=model or config.model, groups=[group_layout(g) for g in config.groups],
-                       buffers=buffers, num_blocks=config.num_blocks, page_stride_bytes=config.page_size_bytes,
-                       rank=rank, world_size=world_size)
+    if config.page_layout is PageLayout.PACKED_BLOCKS:
+        raise ConfigError(f"{config.model!r} uses the packed DeepSeek-V4 layout (its {len(config.groups)} groups in "
+                          "one buffer, each at its own offset in every block), which the KV cache server's layout "
+                          "cannot describe (one buffer per layer slot)")
+    groups = [group_layout(g) for g in config.groups]
+    stride = config.page_size_bytes
+    if config.page_layout is PageLayout.LAYER_TENSORS:
+        (only,) = config.groups
+        buffers = [msgspec.structs.replace(buf, page_stride_bytes=page)
+                   for buf, page in zip(buffers, only.layer_page_bytes(), strict=True)]
+        stride = max(only.layer_page_bytes())
+    return make_layout(model=model or config.model, groups=groups, buffers=buffers, num_blocks=config.num_blocks,
+                       page_stride_bytes=stride, rank=rank, world_size=world_size)

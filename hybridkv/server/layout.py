@@ -46,6 +46,16 @@ def valid_chunk_sizes(layout: Layout, *, count: int = 4) -> list[int]:
     return [step * i for i in range(1, count + 1)]
 
 
+def layer_pages(g: GroupLayout) -> list[int]:
+    """Page bytes of each layer of `g` (its `layer_page_bytes`, or `page_bytes` for every layer)."""
+    return list(g.layer_page_bytes) if g.layer_page_bytes is not None else [g.page_bytes] * g.num_layers
+
+
+def buffer_strides(layout: Layout) -> list[int]:
+    """Bytes between blocks in each buffer: its own `page_stride_bytes`, else the layout's."""
+    return [buf.page_stride_bytes or layout.page_stride_bytes for buf in layout.buffers]
+
+
 def validate_layout(layout: Layout, chunk_tokens: int) -> None:
     """Raise RequestError(BAD_LAYOUT) naming what is wrong with `layout` for this server."""
     if not layout.groups:
@@ -57,8 +67,11 @@ def validate_layout(layout: Layout, chunk_tokens: int) -> None:
                           f"and {layout.page_stride_bytes}")
     if not layout.fingerprint:
         raise _bad_layout("the layout fingerprint is empty")
-    need = layout.num_blocks * layout.page_stride_bytes
-    for i, buf in enumerate(layout.buffers):
+    for i, (buf, stride) in enumerate(zip(layout.buffers, buffer_strides(layout), strict=True)):
+        if buf.page_stride_bytes < 0:
+            raise _bad_layout(f"buffer {i} ({buf.shm_name!r}): page_stride_bytes must be >= 0 (0: the layout's), "
+                              f"got {buf.page_stride_bytes}")
+        need = layout.num_blocks * stride
         if buf.size_bytes < need:
             raise _bad_layout(f"buffer {i} ({buf.shm_name!r}) has {buf.size_bytes} bytes, expected at least "
                               f"num_blocks * page_stride_bytes = {need}")
@@ -70,12 +83,18 @@ def _validate_group(gid: int, g: GroupLayout, layout: Layout, chunk_tokens: int)
     if g.block_tokens <= 0 or g.num_layers <= 0 or g.page_bytes <= 0:
         raise _bad_layout(f"group {gid}: block_tokens, num_layers and page_bytes must be positive, got "
                           f"{g.block_tokens}, {g.num_layers}, {g.page_bytes}")
-    if g.page_bytes > layout.page_stride_bytes:
-        raise _bad_layout(f"group {gid}: page_bytes {g.page_bytes} exceeds page_stride_bytes "
-                          f"{layout.page_stride_bytes}")
+    if g.layer_page_bytes is not None:
+        pages = g.layer_page_bytes
+        if len(pages) != g.num_layers or min(pages, default=0) <= 0 or max(pages) != g.page_bytes:
+            raise _bad_layout(f"group {gid}: layer_page_bytes must list {g.num_layers} positive page sizes (one "
+                              f"per layer) whose largest is page_bytes {g.page_bytes}, got {pages}")
     if g.num_layers > len(layout.buffers):
         raise _bad_layout(f"group {gid} has {g.num_layers} layers but only {len(layout.buffers)} buffers "
                           "are registered (layer j of every group lives in buffer j)")
+    for layer, (page, stride) in enumerate(zip(layer_pages(g), buffer_strides(layout), strict=False)):
+        if page > stride:
+            raise _bad_layout(f"group {gid}: layer {layer}'s page of {page} bytes exceeds the page stride "
+                              f"{stride} of buffer {layer}")
     if g.kind in (GroupKind.SLIDING, GroupKind.CHUNKED) and g.window_tokens <= 0:
         raise _bad_layout(f"group {gid} ({g.kind.value}) needs window_tokens > 0, got {g.window_tokens}")
     if g.kind is not GroupKind.CROSS and chunk_tokens % g.block_tokens:
@@ -124,6 +143,7 @@ class ChunkRules:
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = [chunk_tokens // g.block_tokens if g.kind is not GroupKind.CROSS else 0
                                  for g in layout.groups]
+        self._pages = [layer_pages(g) for g in layout.groups]
         self._object_bytes: dict[tuple[int, int], int] = {}  # (object group, chunk) -> bytes
 
     def kept(self, gid: int, chunk: int) -> range:
@@ -186,8 +206,12 @@ class ChunkRules:
         return nbytes
 
     def section_block_bytes(self, gid: int) -> int:
-        g = self.layout.groups[gid]
-        return g.num_layers * g.page_bytes
+        """Bytes of one block of group gid in an object: each of its layers' pages."""
+        return sum(self._pages[gid])
+
+    def layer_pages(self, gid: int) -> list[int]:
+        """Page bytes of each layer of group gid, in object order (layer 0 first)."""
+        return self._pages[gid]
 
     def block_offset(self, og: ObjectGroup, chunk: int, gid: int, block: int) -> int:
         """Byte offset in the object of (og, chunk) of group gid's block `block` (in kept(gid, chunk)).

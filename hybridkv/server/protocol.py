@@ -8,7 +8,9 @@ cache buffers as POSIX shared memory and sends block ids; the server copies page
 Layout of the registered buffers (the planner's layout, design.md section 3):
 
     buffers[j]        one shared-memory segment per layer slot j (layer j of every group)
-    block b, group g  page of layer j of g = buffers[j][b * page_stride : b * page_stride + page_bytes_g]
+    block b, group g  page of layer j of g = buffers[j][b * stride_j : b * stride_j + page_j]
+                      stride_j = buffers[j].page_stride_bytes, or the layout's page_stride_bytes when 0
+                      page_j   = g.layer_page_bytes[j] for a group of mixed pages, else g.page_bytes
 """
 
 from __future__ import annotations
@@ -46,13 +48,18 @@ class ErrorCode(Enum):
 
 class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
     """One engine KV cache group. `window_tokens`: the sliding window W (sliding), the attention
-    chunk C (chunked), -1 otherwise. `page_bytes`: bytes of one layer's page of one block."""
+    chunk C (chunked), -1 otherwise. `page_bytes`: bytes of one layer's page of one block.
+
+    `layer_page_bytes` (a group of mixed pages: MLA latents + indexer keys, MiniMax-M3): the page
+    bytes of each of its `num_layers` layers; `page_bytes` is then the largest of them. None for a
+    group whose layers share one page size (every layout before it existed)."""
 
     kind: GroupKind
     num_layers: int
     block_tokens: int
     page_bytes: int
     window_tokens: int = -1
+    layer_page_bytes: list[int] | None = None
 
 
 class BufferLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,6 +67,7 @@ class BufferLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     shm_name: str
     size_bytes: int
+    page_stride_bytes: int = 0  # bytes between blocks in this buffer; 0: the layout's page_stride_bytes
 
 
 class Layout(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from hybridkv.server.layout import RequestError
+from hybridkv.server.layout import RequestError, buffer_strides
 from hybridkv.server.protocol import ErrorCode, Layout
 
 SHM_DIR = Path("/dev/shm")
@@ -28,7 +28,7 @@ class MappedBuffers:
 
     def __init__(self, layout: Layout) -> None:
         self.num_blocks = layout.num_blocks
-        self.stride = layout.page_stride_bytes
+        self.strides = buffer_strides(layout)
         self._maps: list[mmap.mmap] = []
         self.views: list[Bytes] = []
         try:
@@ -65,7 +65,7 @@ class MappedBuffers:
                                    f"buffers (expected 0 <= id < num_blocks = {self.num_blocks})")
 
     def page(self, layer: int, block_id: int, nbytes: int) -> Bytes:
-        start = block_id * self.stride
+        start = block_id * self.strides[layer]
         return self.views[layer][start:start + nbytes]
 
     def close(self) -> None:

@@ -206,10 +206,9 @@ class KVStore:
         def fill(value: Bytes) -> None:
             offset = 0
             for gid, bid in pages:
-                g = engine.layout.groups[gid]
-                for layer in range(g.num_layers):
-                    value[offset:offset + g.page_bytes] = engine.buffers.page(layer, bid, g.page_bytes)
-                    offset += g.page_bytes
+                for layer, page in enumerate(rules.layer_pages(gid)):
+                    value[offset:offset + page] = engine.buffers.page(layer, bid, page)
+                    offset += page
 
         if not self._pool.put(key, nbytes, fill):
             return self._refuse(og, "l1_full", f"L1 cannot place {nbytes} bytes: the pool ({self.config.l1_bytes} "
@@ -401,8 +400,9 @@ class KVStore:
                             raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve: group {gid} needs block {b} of "
                                                f"chunk {j} but its block id is the null block 0")
                         offset = rules.block_offset(og, j, gid, b)
-                        copies.extend((og.index, value, offset + layer * g.page_bytes, layer, dst, g.page_bytes)
-                                      for layer in range(g.num_layers))
+                        for layer, page in enumerate(rules.layer_pages(gid)):
+                            copies.append((og.index, value, offset, layer, dst, page))
+                            offset += page
         return tokens, copies
 
     def _wanted(self, engine: _Engine, og: ObjectGroup, chunk: int, hit: int, skip_tokens: int) -> bool:

@@ -25,6 +25,7 @@ from hybridkv.engine.attention import AttentionRule, GroupMetadata, ScheduledChu
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.mla_attention import dsa_select, latent_view
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.server.store import StoreConfig
 from tests.engine.conftest import VOCAB, hf_greedy, prompts
 
 transformers = pytest.importorskip("transformers")
@@ -177,3 +178,25 @@ def test_multi_token_prediction_layers_in_the_checkpoint_are_ignored(deepseek_di
     params = SamplingParams(max_tokens=3, eos=EosMode.IGNORE)
     assert _engine(mtp).generate([prompt], params)[0].token_ids == _engine(
         deepseek_dir("deepseek_v3")).generate([prompt], params)[0].token_ids
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_kv_server_procedure_with_a_group_of_mixed_pages(kind: str, deepseek_dir: Callable[[str], Path],
+                                                         hf_model: Callable[[Path], Any]) -> None:
+    """Latents and indexer keys (pages of two sizes in one group) stored and loaded through the KV cache
+    server: run, clear only the local prefix cache, run again; the same tokens as the first run and
+    transformers, whole 64-token chunks loaded from the server."""
+    from tests.engine.test_kv_connector import GREEDY, check, procedure
+    from tests.server.helpers import running_server
+
+    path = deepseek_dir(kind)
+    batch = prompts([150, 101, 70], seed=7)
+    with running_server(StoreConfig(chunk_tokens=64, l1_bytes=1 << 26)) as server, \
+            _engine(path, kv_server=server.endpoint) as llm:
+        assert llm.transfer is not None and llm.plan.config.groups[0].mixed_pages
+        first, second = procedure(llm, server, batch)
+        check(first, second, server, ["full"])
+        assert [o.metrics.external_hit_tokens for o in second] == [128, 64, 64]  # whole chunks before the last token
+    hf = hf_model(path)
+    for prompt, out in zip(batch, second, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)[0], kind

@@ -8,11 +8,13 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from hybridkv.connector.client import SharedKVBuffers, make_layout
 from hybridkv.server.http import HTTPServer
+from hybridkv.server.layout import buffer_strides, layer_pages
 from hybridkv.server.process import ServerEndpoints, ServerProcess, ServerStartError
 from hybridkv.server.process import start_server_process as _start
 from hybridkv.server.protocol import GroupKind, GroupLayout, Layout
@@ -21,21 +23,26 @@ from hybridkv.server.store import KVStore, StoreConfig
 from hybridkv.server.tiers.base import L2Tier
 
 
-def make_group(*, kind: str = "full", layers: int = 1, block: int = 4, page: int = 64, window: int = -1) -> GroupLayout:
+def make_group(*, kind: str = "full", layers: int = 1, block: int = 4, page: int = 64, window: int = -1,
+               layer_pages: list[int] | None = None) -> GroupLayout:
+    """A group; `layer_pages` makes it a group of mixed pages (its largest page is `page_bytes`)."""
+    if layer_pages is not None:
+        layers, page = len(layer_pages), max(layer_pages)
     return GroupLayout(kind=GroupKind(kind), num_layers=layers, block_tokens=block, page_bytes=page,
-                       window_tokens=window)
+                       window_tokens=window, layer_page_bytes=layer_pages)
 
 
 @dataclass
 class FakeEngine:
-    """KV buffers in shared memory; page (layer, block) of group g = buffers[layer][block * stride:][:page_g]."""
+    """KV buffers in shared memory; page (layer, block) of group g = buffers[layer][block * stride:][:page],
+    stride = buffer `layer`'s own stride (or the layout's), page = the group's page of that layer."""
 
     buffers: SharedKVBuffers
     layout: Layout
 
     def page(self, gid: int, layer: int, block: int) -> npt.NDArray[np.uint8]:
-        start = block * self.layout.page_stride_bytes
-        return self.buffers.arrays[layer][start:start + self.layout.groups[gid].page_bytes]
+        start = block * buffer_strides(self.layout)[layer]
+        return self.buffers.arrays[layer][start:start + layer_pages(self.layout.groups[gid])[layer]]
 
     def fill_random(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -55,7 +62,11 @@ def make_engine(groups: Sequence[GroupLayout], *, num_blocks: int = 128, model: 
     stride = max(g.page_bytes for g in groups)
     num_buffers = max(g.num_layers for g in groups)
     buffers = SharedKVBuffers.create(num_buffers=num_buffers, size_bytes=num_blocks * stride)
-    layout = make_layout(model=model, groups=groups, buffers=buffers, num_blocks=num_blocks, page_stride_bytes=stride,
+    specs = buffers.buffer_layouts()
+    if any(g.layer_page_bytes is not None for g in groups):  # buffer j's blocks: the largest page of layer j apart
+        strides = [max(layer_pages(g)[j] for g in groups if j < g.num_layers) for j in range(num_buffers)]
+        specs = [msgspec.structs.replace(s, page_stride_bytes=st) for s, st in zip(specs, strides, strict=True)]
+    layout = make_layout(model=model, groups=groups, buffers=specs, num_blocks=num_blocks, page_stride_bytes=stride,
                          rank=rank)
     engine = FakeEngine(buffers=buffers, layout=layout)
     if seed is not None:

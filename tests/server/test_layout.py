@@ -7,7 +7,6 @@ import pytest
 from hybridkv.catalog import find
 from hybridkv.connector.client import make_layout
 from hybridkv.connector.layout import layout_from_kv_cache_config
-from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import model_spec_from_config
 from hybridkv.core.planner import PlannerOptions, plan
 from hybridkv.server.layout import ChunkRules, RequestError, object_groups, validate_layout
@@ -133,15 +132,3 @@ def test_object_groups_of_state_hybrids(model: str) -> None:
     assert states and all(kinds == [M] for _, kinds in states)  # each state group is its own object group
     assert len(full) + len(states) == len(groups)
     assert chunk >= 256
-
-
-def test_a_group_of_mixed_pages_is_refused_with_its_page_sizes() -> None:
-    """DeepSeek-V3.2 keeps MLA latents (64 x 1152 B) and indexer keys (64 x 132 B) in one group; the
-    protocol has one page size per group, so registering must fail loudly instead of copying wrong bytes."""
-    entry = find("deepseek-v3.2")
-    assert entry is not None
-    p = plan(model_spec_from_config(entry.config, name="dsv32"), PlannerOptions(memory_bytes=8 << 30,
-                                                                               max_model_len=32768))
-    bufs = [BufferLayout(shm_name=f"t{i}", size_bytes=t.size_bytes) for i, t in enumerate(p.config.tensors)]
-    with pytest.raises(ConfigError, match=r"group 0 holds pages of 2 sizes \(8,448, 73,728 bytes"):
-        layout_from_kv_cache_config(p.config, buffers=bufs)
