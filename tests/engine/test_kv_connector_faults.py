@@ -60,7 +60,8 @@ def test_server_killed_mid_run_then_restarted_with_its_disk_tier(model_dir: Call
     args = ("--port", str(port), "--chunk-size", "16", "--l1-size-gb", "0.05", "--l2-disk", str(tmp_path / "l2"))
     server = start_server_process(*args[2:], "--port", str(port))
     try:
-        with LLM(str(path), kv_server=f"tcp://127.0.0.1:{port}", **OPTIONS) as llm:
+        # 3 s per call: a restarted server answers its first registration slowly on a loaded machine
+        with LLM(str(path), kv_server=f"tcp://127.0.0.1:{port}", **{**OPTIONS, "kv_server_timeout_s": 3.0}) as llm:
             assert llm.transfer is not None
             connector = llm.transfer.connector
             connector.retry_after_s = 0.0  # retry at once: the test restarts the server right away
