@@ -15,12 +15,13 @@ from typing import Any
 from rich.console import Console
 
 from hybridkv.catalog import catalog, find
-from hybridkv.cli.tables import layer_list, new_table, print_table
+from hybridkv.cli.tables import SHORT_LAYER_LIST, layer_list, new_table, print_table
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import SpecOptions, load_config, model_spec_from_config
 from hybridkv.core.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     GIB,
+    KVCacheConfig,
     KVCacheGroupSpec,
     Plan,
     PlannerOptions,
@@ -36,6 +37,7 @@ from hybridkv.core.specs import (
     MambaCacheMode,
     MLASpec,
     ModelSpec,
+    SpecKind,
 )
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -249,21 +251,31 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
                          *([cfg.block_size_note] if cfg.block_size_note else []), *result.notes])
     groups = new_table(("group", "right"), "kind", "layers", ("block", "right"), ("window", "right"),
                        ("padding", "right"), ("blocks/req", "right"), compact=True)
-    for g, need in zip(cfg.groups, result.blocks_per_request, strict=True):
+    lists = [layer_list([names[i] for i in g.layer_indices]) for g in cfg.groups]
+    for g, need, listed in zip(cfg.groups, result.blocks_per_request, lists, strict=True):
         extent = g.window_tokens or g.chunk_tokens
-        groups.add_row(str(g.group_id), g.kind.value, layer_list([names[i] for i in g.layer_indices]),
+        groups.add_row(str(g.group_id), g.kind.value, listed,
                        str(g.block_size), str(extent) if extent else "-", str(g.padding_layers), str(need))
-    legend = "window: sliding window or local chunk in tokens; blocks/req: blocks one max_model_len request needs"
+    legend = ("layers a-b/k: every k-th layer from a to b; " if any("/" in x for x in lists) else "") + \
+        "window: sliding window or local chunk in tokens; blocks/req: blocks one max_model_len request needs"
     print_table(console, groups, title=f"KV cache groups (page {cfg.page_size_bytes:,} bytes, {cfg.num_blocks:,} "
                                        f"blocks)", caption="; ".join([*([caption] if caption else []), legend]))
 
     sizes = sorted({t.size_bytes for t in cfg.tensors})
     tensors = new_table(("tensor", "right"), ("size", "right"), "shared by layers", compact=True)
     for i, t in enumerate(cfg.tensors):
-        tensors.add_row(str(i), _gib(t.size_bytes), ",".join(names[j] for j in t.shared_by))
+        plain = ",".join(names[j] for j in t.shared_by)
+        tensors.add_row(str(i), _gib(t.size_bytes),
+                        plain if len(plain) <= SHORT_LAYER_LIST else layer_list([names[j] for j in t.shared_by]))
     print_table(console, tensors, title=f"KV cache tensors ({len(cfg.tensors)} x "
                                         f"{' / '.join(_gib(n) for n in sizes)})")
     _render_capacity(console, result)
+
+
+def block_sizes_text(cfg: KVCacheConfig) -> str:
+    """The attention groups' block size, or each distinct one where they differ (DeepSeek-V4: `4/8/64/256`)."""
+    sizes = sorted({g.block_size for g in cfg.groups if g.kind is not SpecKind.MAMBA})
+    return "/".join(map(str, sizes)) if len(sizes) > 1 else str(cfg.attention_block_size)
 
 
 def _render_capacity(console: Console, result: Plan) -> None:
@@ -272,7 +284,7 @@ def _render_capacity(console: Console, result: Plan) -> None:
     options = result.options
     cap = new_table("layout", ("block size", "right"), ("max concurrency", "right"),
                     ("KV capacity (tokens)", "right"), ("per request", "right"), compact=True)
-    cap.add_row("hybrid", str(cfg.attention_block_size), _concurrency(result.max_concurrency, result.runnable),
+    cap.add_row("hybrid", block_sizes_text(cfg), _concurrency(result.max_concurrency, result.runnable),
                 f"{result.kv_capacity_tokens:,}", _gib(result.bytes_per_request))
     supported = u.num_blocks > 0
     cap.add_row("uniform", str(u.block_size), _concurrency(u.max_concurrency, u.runnable) if supported else "can't run",
@@ -291,7 +303,7 @@ def render_comparison(console: Console, plans: list[tuple[ModelSpec, Plan]]) -> 
     for spec, result in plans:
         u = result.uniform
         table.add_row(spec.name, str(result.options.max_model_len), str(spec.num_decoder_layers),
-                      str(result.config.attention_block_size),
+                      block_sizes_text(result.config),
                       _short_concurrency(result.max_concurrency, result.runnable),
                       _short_concurrency(u.max_concurrency, u.runnable) if u.num_blocks else "can't run",
                       _ratio(result), f"{result.padding_waste_bytes / GIB:.2f}")

@@ -48,10 +48,16 @@ def print_table(console: Console, table: Table, *, title: str, caption: str | No
         console.print(caption, highlight=False, markup=False)
 
 
+SHORT_LAYER_LIST = 60  # characters: a longer list is written per part, in arithmetic runs
+
+
 def layer_list(names: Sequence[str]) -> str:
     """Layer names with runs of consecutive layers as ranges: `0-4,6,8-10`, `0-43.mamba`.
 
-    A name is `7` or `7.part` (`7.attn`, `7.mamba`); a run shares its part. Never cut: the column folds.
+    A name is `7` or `7.part` (`7.attn`, `7.swa`); a run shares its part. A list longer than
+    SHORT_LAYER_LIST characters is written per part (the parts in the order they first appear),
+    with runs of a wider step as `a-b/step` (4 layers or more): `5-59/6`, `2-42/2.swa,2-42.compressed`.
+    Never cut: the column folds.
     """
     runs: list[tuple[int, int, str]] = []
     for name in names:
@@ -61,7 +67,14 @@ def layer_list(names: Sequence[str]) -> str:
             runs[-1] = (runs[-1][0], layer, part)
         else:
             runs.append((layer, layer, part))
-    return ",".join(_run_text(*run) for run in runs)
+    text = ",".join(_run_text(*run) for run in runs)
+    if len(text) <= SHORT_LAYER_LIST:
+        return text
+    parts: dict[str, list[int]] = {}
+    for name in names:
+        layer_text, _, part = name.partition(".")
+        parts.setdefault(part, []).append(int(layer_text))
+    return ",".join(run for part, layers in parts.items() for run in _runs(sorted(set(layers)), part))
 
 
 def _run_text(first: int, last: int, part: str) -> str:
@@ -71,3 +84,24 @@ def _run_text(first: int, last: int, part: str) -> str:
     if last == first + 1:
         return f"{first}{suffix},{last}{suffix}"
     return f"{first}-{last}{suffix}"
+
+
+def _runs(layers: list[int], part: str) -> list[str]:
+    suffix = f".{part}" if part else ""
+    out: list[str] = []
+    i = 0
+    while i < len(layers):
+        end = i
+        if i + 1 < len(layers):
+            step = layers[i + 1] - layers[i]
+            while end + 1 < len(layers) and layers[end + 1] - layers[end] == step:
+                end += 1
+            if end - i + 1 < (3 if step == 1 else 4):
+                end = i
+        if end == i:
+            out.append(f"{layers[i]}{suffix}")
+        else:
+            step_text = "" if layers[i + 1] - layers[i] == 1 else f"/{layers[i + 1] - layers[i]}"
+            out.append(f"{layers[i]}-{layers[end]}{step_text}{suffix}")
+        i = end + 1
+    return out
