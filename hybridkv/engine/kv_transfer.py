@@ -27,7 +27,7 @@ from hybridkv.connector.client import KVClient, SharedKVBuffers
 from hybridkv.connector.layout import layout_from_kv_cache_config
 from hybridkv.connector.transfer import ServerConnector, StateSaves
 from hybridkv.core.errors import ConfigError
-from hybridkv.core.planner import KVCacheConfig, PageLayout
+from hybridkv.core.planner import KVCacheConfig
 from hybridkv.core.specs import SpecKind
 from hybridkv.server.process import ServerProcess, start_server_process
 
@@ -77,9 +77,6 @@ class KVTransfer:
                timeout_s: float) -> KVTransfer:
         """Shared-memory tensors, a started server for "auto", the registration (ConfigError when
         the server rejects the layout; an unreachable server is logged and retried later)."""
-        if config.page_layout is PageLayout.PACKED_BLOCKS:
-            raise ConfigError(f"kv_server: {config.model!r} uses the packed DeepSeek-V4 layout, which the KV cache "
-                              "server cannot register; run without kv_server")
         server = None
         if url == AUTO:
             server = start_server_process("--chunk-size", str(auto_chunk_tokens(config)), "--log-level", "warning")

@@ -21,6 +21,7 @@ The chunks an object group needs for a hit of c chunks are one contiguous range
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -51,6 +52,11 @@ def layer_pages(g: GroupLayout) -> list[int]:
     return list(g.layer_page_bytes) if g.layer_page_bytes is not None else [g.page_bytes] * g.num_layers
 
 
+def layer_buffers(g: GroupLayout) -> list[int]:
+    """Buffer index of each layer of `g` (its `layer_buffers`, or layer j in buffer j)."""
+    return list(g.layer_buffers) if g.layer_buffers is not None else list(range(g.num_layers))
+
+
 def buffer_strides(layout: Layout) -> list[int]:
     """Bytes between blocks in each buffer: its own `page_stride_bytes`, else the layout's."""
     return [buf.page_stride_bytes or layout.page_stride_bytes for buf in layout.buffers]
@@ -71,6 +77,9 @@ def validate_layout(layout: Layout, chunk_tokens: int) -> None:
         if buf.page_stride_bytes < 0:
             raise _bad_layout(f"buffer {i} ({buf.shm_name!r}): page_stride_bytes must be >= 0 (0: the layout's), "
                               f"got {buf.page_stride_bytes}")
+        if not 0 <= buf.offset_bytes < stride:
+            raise _bad_layout(f"buffer {i} ({buf.shm_name!r}): offset_bytes must be in [0, page stride {stride}), "
+                              f"got {buf.offset_bytes}")
         need = layout.num_blocks * stride
         if buf.size_bytes < need:
             raise _bad_layout(f"buffer {i} ({buf.shm_name!r}) has {buf.size_bytes} bytes, expected at least "
@@ -88,19 +97,39 @@ def _validate_group(gid: int, g: GroupLayout, layout: Layout, chunk_tokens: int)
         if len(pages) != g.num_layers or min(pages, default=0) <= 0 or max(pages) != g.page_bytes:
             raise _bad_layout(f"group {gid}: layer_page_bytes must list {g.num_layers} positive page sizes (one "
                               f"per layer) whose largest is page_bytes {g.page_bytes}, got {pages}")
-    if g.num_layers > len(layout.buffers):
-        raise _bad_layout(f"group {gid} has {g.num_layers} layers but only {len(layout.buffers)} buffers "
-                          "are registered (layer j of every group lives in buffer j)")
-    for layer, (page, stride) in enumerate(zip(layer_pages(g), buffer_strides(layout), strict=False)):
-        if page > stride:
-            raise _bad_layout(f"group {gid}: layer {layer}'s page of {page} bytes exceeds the page stride "
-                              f"{stride} of buffer {layer}")
+    _validate_group_buffers(gid, g, layout)
     if g.kind in (GroupKind.SLIDING, GroupKind.CHUNKED) and g.window_tokens <= 0:
         raise _bad_layout(f"group {gid} ({g.kind.value}) needs window_tokens > 0, got {g.window_tokens}")
     if g.kind is not GroupKind.CROSS and chunk_tokens % g.block_tokens:
         raise _bad_layout(
             f"chunk size {chunk_tokens} must be a multiple of group {gid}'s block size {g.block_tokens} "
             f"({g.kind.value}); valid chunk sizes: {valid_chunk_sizes(layout)} ...")
+
+
+def _validate_group_buffers(gid: int, g: GroupLayout, layout: Layout) -> None:
+    """Every layer's page lies inside its buffer's block, and no two layers of the group overlap."""
+    if g.layer_buffers is None and g.num_layers > len(layout.buffers):
+        raise _bad_layout(f"group {gid} has {g.num_layers} layers but only {len(layout.buffers)} buffers "
+                          "are registered (layer j of every group lives in buffer j)")
+    buffers = layer_buffers(g)
+    if len(buffers) != g.num_layers or not all(0 <= b < len(layout.buffers) for b in buffers):
+        raise _bad_layout(f"group {gid}: layer_buffers must give each of its {g.num_layers} layers a buffer index "
+                          f"in [0, {len(layout.buffers)}), got {g.layer_buffers}")
+    strides = buffer_strides(layout)
+    spans: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (segment, stride) -> (start, end, layer)
+    for layer, (page, b) in enumerate(zip(layer_pages(g), buffers, strict=True)):
+        buf = layout.buffers[b]
+        if buf.offset_bytes + page > strides[b]:
+            at = f" at offset {buf.offset_bytes}" if buf.offset_bytes else ""
+            raise _bad_layout(f"group {gid}: layer {layer}'s page of {page} bytes{at} exceeds the page stride "
+                              f"{strides[b]} of buffer {b}")
+        spans.setdefault((buf.shm_name, strides[b]), []).append((buf.offset_bytes, buf.offset_bytes + page, layer))
+    for (name, _), found in spans.items():
+        found.sort()
+        for (_, end, first), (start, _, second) in itertools.pairwise(found):
+            if start < end:
+                raise _bad_layout(f"group {gid}: layers {first} and {second} overlap in buffer {name!r} (a page ends "
+                                  f"at {end}, the next starts at {start})")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,6 +173,7 @@ class ChunkRules:
         self.blocks_per_chunk = [chunk_tokens // g.block_tokens if g.kind is not GroupKind.CROSS else 0
                                  for g in layout.groups]
         self._pages = [layer_pages(g) for g in layout.groups]
+        self._buffers = [layer_buffers(g) for g in layout.groups]
         self._object_bytes: dict[tuple[int, int], int] = {}  # (object group, chunk) -> bytes
 
     def kept(self, gid: int, chunk: int) -> range:
@@ -212,6 +242,10 @@ class ChunkRules:
     def layer_pages(self, gid: int) -> list[int]:
         """Page bytes of each layer of group gid, in object order (layer 0 first)."""
         return self._pages[gid]
+
+    def layer_copies(self, gid: int) -> list[tuple[int, int]]:
+        """(buffer index, page bytes) of each layer of group gid, in object order."""
+        return list(zip(self._buffers[gid], self._pages[gid], strict=True))
 
     def block_offset(self, og: ObjectGroup, chunk: int, gid: int, block: int) -> int:
         """Byte offset in the object of (og, chunk) of group gid's block `block` (in kept(gid, chunk)).

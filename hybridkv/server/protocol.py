@@ -52,7 +52,10 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     `layer_page_bytes` (a group of mixed pages: MLA latents + indexer keys, MiniMax-M3): the page
     bytes of each of its `num_layers` layers; `page_bytes` is then the largest of them. None for a
-    group whose layers share one page size (every layout before it existed)."""
+    group whose layers share one page size (every layout before it existed).
+
+    `layer_buffers` (DeepSeek-V4's packed layout, several groups in one segment): the buffer index
+    of each layer. None: layer j lives in buffer j (vLLM's shared tensors)."""
 
     kind: GroupKind
     num_layers: int
@@ -60,6 +63,7 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
     page_bytes: int
     window_tokens: int = -1
     layer_page_bytes: list[int] | None = None
+    layer_buffers: list[int] | None = None
 
 
 class BufferLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +72,7 @@ class BufferLayout(msgspec.Struct, frozen=True, kw_only=True):
     shm_name: str
     size_bytes: int
     page_stride_bytes: int = 0  # bytes between blocks in this buffer; 0: the layout's page_stride_bytes
+    offset_bytes: int = 0  # where block 0's page starts in the segment (a layer packed inside each block)
 
 
 class Layout(msgspec.Struct, frozen=True, kw_only=True):

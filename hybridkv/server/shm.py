@@ -1,5 +1,7 @@
 """The engine's KV cache buffers, mapped into the server (POSIX shared memory, no copies of
-the mapping itself): page views by (layer slot, block id) for the store to copy from and into.
+the mapping itself): page views by (buffer, block id) for the store to copy from and into. A
+segment named by several buffers (DeepSeek-V4's packed layout: one per group layer, each at its
+offset in every block) is mapped once.
 
 The server opens `/dev/shm/<name>` directly (not `multiprocessing.shared_memory`, whose
 resource tracker would unlink the engine's segment when the server exits).
@@ -29,16 +31,20 @@ class MappedBuffers:
     def __init__(self, layout: Layout) -> None:
         self.num_blocks = layout.num_blocks
         self.strides = buffer_strides(layout)
+        self.offsets = [buf.offset_bytes for buf in layout.buffers]
         self._maps: list[mmap.mmap] = []
         self.views: list[Bytes] = []
+        sizes: dict[str, int] = {}
+        for buf in layout.buffers:
+            sizes[buf.shm_name] = max(sizes.get(buf.shm_name, 0), buf.size_bytes)
         try:
-            for buf in layout.buffers:
-                self._map(buf.shm_name, buf.size_bytes)
+            mapped = {name: self._map(name, size) for name, size in sizes.items()}
         except BaseException:
             self.close()
             raise
+        self.views = [mapped[buf.shm_name] for buf in layout.buffers]
 
-    def _map(self, name: str, size_bytes: int) -> None:
+    def _map(self, name: str, size_bytes: int) -> Bytes:
         if not name or "/" in name:
             raise RequestError(ErrorCode.BAD_LAYOUT, f"shared-memory name must be non-empty without '/', got {name!r}")
         path = SHM_DIR / name
@@ -56,7 +62,7 @@ class MappedBuffers:
         finally:
             os.close(fd)
         self._maps.append(mapped)
-        self.views.append(np.frombuffer(mapped, dtype=np.uint8))
+        return np.frombuffer(mapped, dtype=np.uint8)
 
     def check_block_ids(self, what: str, block_ids: list[int]) -> None:
         for b in block_ids:
@@ -64,9 +70,9 @@ class MappedBuffers:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: block id {b} is outside the registered "
                                    f"buffers (expected 0 <= id < num_blocks = {self.num_blocks})")
 
-    def page(self, layer: int, block_id: int, nbytes: int) -> Bytes:
-        start = block_id * self.strides[layer]
-        return self.views[layer][start:start + nbytes]
+    def page(self, buffer: int, block_id: int, nbytes: int) -> Bytes:
+        start = self.offsets[buffer] + block_id * self.strides[buffer]
+        return self.views[buffer][start:start + nbytes]
 
     def close(self) -> None:
         self.views.clear()

@@ -206,8 +206,8 @@ class KVStore:
         def fill(value: Bytes) -> None:
             offset = 0
             for gid, bid in pages:
-                for layer, page in enumerate(rules.layer_pages(gid)):
-                    value[offset:offset + page] = engine.buffers.page(layer, bid, page)
+                for buffer, page in rules.layer_copies(gid):
+                    value[offset:offset + page] = engine.buffers.page(buffer, bid, page)
                     offset += page
 
         if not self._pool.put(key, nbytes, fill):
@@ -358,8 +358,8 @@ class KVStore:
             try:
                 tokens, copies = self._plan_retrieve(engine, lease, req)
                 per_group = [0] * len(engine.groups)
-                for og_index, value, offset, layer, dst, nbytes in copies:
-                    engine.buffers.page(layer, dst, nbytes)[:] = value[offset:offset + nbytes]
+                for og_index, value, offset, buffer, dst, nbytes in copies:
+                    engine.buffers.page(buffer, dst, nbytes)[:] = value[offset:offset + nbytes]
                     per_group[og_index] += nbytes
             finally:
                 self._release(req.lookup_id)
@@ -400,8 +400,8 @@ class KVStore:
                             raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve: group {gid} needs block {b} of "
                                                f"chunk {j} but its block id is the null block 0")
                         offset = rules.block_offset(og, j, gid, b)
-                        for layer, page in enumerate(rules.layer_pages(gid)):
-                            copies.append((og.index, value, offset, layer, dst, page))
+                        for buffer, page in rules.layer_copies(gid):
+                            copies.append((og.index, value, offset, buffer, dst, page))
                             offset += page
         return tokens, copies
 

@@ -10,7 +10,6 @@ import pytest
 from hybridkv.catalog import find
 from hybridkv.connector.client import chunk_hashes, layout_fingerprint
 from hybridkv.connector.layout import layout_from_kv_cache_config
-from hybridkv.core.errors import ConfigError
 from hybridkv.core.model_specs import model_spec_from_config
 from hybridkv.core.planner import PlannerOptions, plan
 from hybridkv.server.layout import ChunkRules, RequestError, validate_layout
@@ -105,13 +104,3 @@ def test_deepseek_v32_and_minimax_m3_layouts_register() -> None:
         assert [b.page_stride_bytes for b in layout.buffers] == pages, name
         validate_layout(layout, p.recommended_chunk_size)
         assert ChunkRules(layout, 256).section_block_bytes(0) == sum(pages) == p.config.page_size_bytes, name
-
-
-def test_the_packed_deepseek_v4_layout_is_refused() -> None:
-    entry = find("deepseek-v4-flash")
-    assert entry is not None
-    p = plan(model_spec_from_config(entry.config, name="v4"), PlannerOptions(memory_bytes=8 << 30,
-                                                                             max_model_len=32768))
-    bufs = [BufferLayout(shm_name="t0", size_bytes=p.config.tensors[0].size_bytes)]
-    with pytest.raises(ConfigError, match=r"packed DeepSeek-V4 layout .* cannot describe"):
-        layout_from_kv_cache_config(p.config, buffers=bufs)
