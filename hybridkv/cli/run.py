@@ -30,6 +30,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hybridkv.cli import engine_options as opt
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.tables import layer_list, new_table, print_table, stdout_console
 from hybridkv.core.errors import HybridKVError
@@ -40,36 +41,29 @@ from hybridkv.engine.workload import Conversation, Turn, builtin_chat, load_json
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
 
-_D = EngineConfig.defaults()
 MIB = 1024**2
 # Option names as the engine's errors spell them -> the flags a user typed.
 RUN_FLAGS = flags_of([*EngineConfig.option_names(), "max_tokens", "temperature"], num_threads="--threads")
 
 
 def run_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="HF-format model directory, or the embedded default")]
-    = DEFAULT_MODEL_NAME,
+    model: opt.Model = DEFAULT_MODEL_NAME,
     workload: Annotated[Path | None, typer.Option(
         "--workload", help="JSONL: one {prompt | prompt_token_ids, session?, max_tokens?} per line")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
-    kv_cache_memory_gib: Annotated[float, typer.Option(help="KV cache budget in GiB")] = _D["kv_cache_memory_gib"],
-    max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per step")] = _D["max_num_batched_tokens"],
-    max_num_seqs: Annotated[int, typer.Option(help="most requests running at once")] = _D["max_num_seqs"],
-    max_model_len: Annotated[int | None, typer.Option(
-        help="longest prompt + output (default: the model's limit, at most 4096)")] = _D["max_model_len"],
-    block_size: Annotated[int, typer.Option(help="attention block size in tokens")] = _D["block_size"],
-    prefix_caching: Annotated[PrefixCaching, typer.Option(help="prefix caching")] = _D["prefix_caching"],
-    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
-        help="state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, "
-             "all = at every block boundary")] = _D["mamba_cache_mode"],
-    seed: Annotated[int, typer.Option(help="sampling seed")] = _D["seed"],
-    num_threads: Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
-    = _D["num_threads"],
+    kv_cache_memory_gib: opt.KVCacheMemoryGiB = opt.DEFAULTS["kv_cache_memory_gib"],
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = opt.DEFAULTS["max_num_batched_tokens"],
+    max_num_seqs: opt.MaxNumSeqs = opt.DEFAULTS["max_num_seqs"],
+    max_model_len: opt.MaxModelLen = opt.DEFAULTS["max_model_len"],
+    block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
+    prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
+    mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
+    seed: opt.Seed = opt.DEFAULTS["seed"],
+    num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    kv_server: Annotated[str | None, typer.Option(
-        "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start "
-                            "one for this run")] = _D["kv_server"],
+    kv_server: opt.KVServer = opt.DEFAULTS["kv_server"],
+    kv_server_timeout_s: opt.KVServerTimeout = opt.DEFAULTS["kv_server_timeout_s"],
     passes: Annotated[int, typer.Option(help="run the workload this many times, clearing only the engine's local "
                                              "prefix cache in between")] = 1,
     reset_prefix_cache_between_rounds: Annotated[bool, typer.Option(
@@ -89,10 +83,11 @@ def run_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = Console(stderr=True)
     try:
-        options = dict(kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
-                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-                       prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed,
-                       num_threads=num_threads, kv_server=kv_server)
+        options = opt.engine_options(
+            kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+            prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
+            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")

@@ -13,18 +13,16 @@ from typing import Annotated
 
 import typer
 
+from hybridkv.cli import engine_options as opt
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.core.errors import HybridKVError
-from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 
-_D = EngineConfig.defaults()
 SERVE_FLAGS = flags_of([*EngineConfig.option_names(), "host", "port"], num_threads="--threads")
 
 
 def serve_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="HF-format model directory, or the embedded default")]
-    = DEFAULT_MODEL_NAME,
+    model: opt.Model = DEFAULT_MODEL_NAME,
     host: Annotated[str, typer.Option("--host", help="bind address (loopback unless --allow-remote)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="HTTP port (0: any free port)")] = 8000,
     served_model_name: Annotated[str | None, typer.Option(
@@ -34,24 +32,17 @@ def serve_command(
     graceful_s: Annotated[float, typer.Option("--graceful-s", help="on Ctrl-C / SIGTERM, seconds the requests in "
                                               "flight may take to finish")] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = "info",
-    kv_server: Annotated[str | None, typer.Option(
-        "--kv-server", help="attach a KV cache server: tcp://host:port of a running `hybridkv server`, or auto "
-                            "(start one for this server, stopped with it)")] = _D["kv_server"],
-    kv_server_timeout_s: Annotated[float, typer.Option(
-        "--kv-server-timeout-s", help="bound on each call to the KV cache server")] = _D["kv_server_timeout_s"],
-    kv_cache_memory_gib: Annotated[float, typer.Option(help="KV cache budget in GiB")] = _D["kv_cache_memory_gib"],
-    max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per step")] = _D["max_num_batched_tokens"],
-    max_num_seqs: Annotated[int, typer.Option(help="most requests running at once")] = _D["max_num_seqs"],
-    max_model_len: Annotated[int | None, typer.Option(
-        help="longest prompt + output (default: the model's limit, at most 4096)")] = _D["max_model_len"],
-    block_size: Annotated[int, typer.Option(help="attention block size in tokens")] = _D["block_size"],
-    prefix_caching: Annotated[PrefixCaching, typer.Option(help="prefix caching")] = _D["prefix_caching"],
-    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
-        help="state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, "
-             "all = at every block boundary")] = _D["mamba_cache_mode"],
-    seed: Annotated[int, typer.Option(help="sampling seed of requests that set none")] = _D["seed"],
-    num_threads: Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
-    = _D["num_threads"],
+    kv_server: opt.KVServer = opt.DEFAULTS["kv_server"],
+    kv_server_timeout_s: opt.KVServerTimeout = opt.DEFAULTS["kv_server_timeout_s"],
+    kv_cache_memory_gib: opt.KVCacheMemoryGiB = opt.DEFAULTS["kv_cache_memory_gib"],
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = opt.DEFAULTS["max_num_batched_tokens"],
+    max_num_seqs: opt.MaxNumSeqs = opt.DEFAULTS["max_num_seqs"],
+    max_model_len: opt.MaxModelLen = opt.DEFAULTS["max_model_len"],
+    block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
+    prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
+    mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
+    seed: opt.Seed = opt.DEFAULTS["seed"],
+    num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
 ) -> None:
     """Serve the model over OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /metrics.
 
@@ -67,11 +58,11 @@ def serve_command(
         from hybridkv.serve.server import ServeServer, check_host
 
         check_host(host, allow_remote=allow_remote)
-        options = dict(kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
-                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-                       prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed,
-                       num_threads=num_threads, kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s)
-        EngineConfig.from_options(options)
+        options = opt.engine_options(
+            kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+            prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
+            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s)
         from hybridkv.engine.llm import LLM
 
         llm = LLM(model, **options)

@@ -1,0 +1,50 @@
+"""The engine options `hybridkv run` and `hybridkv serve` share: one declaration each (flag, help,
+EngineConfig's default), and the keyword dict both pass to `LLM`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
+from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
+
+DEFAULTS = EngineConfig.defaults()
+
+Model = Annotated[str, typer.Option("--model", "-m", help="HF-format model directory, or the embedded default")]
+KVCacheMemoryGiB = Annotated[float, typer.Option(help="KV cache budget in GiB")]
+MaxNumBatchedTokens = Annotated[int, typer.Option(help="token budget per step")]
+MaxNumSeqs = Annotated[int, typer.Option(help="most requests running at once")]
+MaxModelLen = Annotated[int | None, typer.Option(
+    help="longest prompt + output (default: the model's limit, at most 4096)")]
+BlockSize = Annotated[int, typer.Option(help="attention block size in tokens")]
+PrefixCachingOption = Annotated[PrefixCaching, typer.Option(help="prefix caching")]
+MambaCacheModeOption = Annotated[MambaCacheMode, typer.Option(
+    help="state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, "
+         "all = at every block boundary")]
+Seed = Annotated[int, typer.Option(help="sampling seed of requests that set none")]
+Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
+KVServer = Annotated[str | None, typer.Option(
+    "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
+                        "(stopped with this command)")]
+KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="bound on each call to the KV cache "
+                                                                               "server")]
+
+__all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "KVCacheMemoryGiB", "KVServer", "KVServerTimeout",
+           "MambaCacheModeOption", "MaxModelLen", "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "PrefixCachingOption",
+           "Seed", "Threads", "engine_options"]
+
+
+def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
+                   max_model_len: int | None, block_size: int, prefix_caching: PrefixCaching,
+                   mamba_cache_mode: MambaCacheMode, seed: int, num_threads: int, kv_server: str | None,
+                   kv_server_timeout_s: float) -> dict[str, Any]:
+    """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)."""
+    options: dict[str, Any] = dict(
+        kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
+        mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
+        kv_server_timeout_s=kv_server_timeout_s)
+    EngineConfig.from_options(options)
+    return options
