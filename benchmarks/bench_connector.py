@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_engine import VOCAB, build_model, build_qwen3_5
+from benchmarks.bench_engine import VOCAB, build_model
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 
@@ -72,9 +72,9 @@ def main() -> None:
     length, repeats = (512, 1) if args.quick else (2048, args.repeats)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, build in (("gemma3", build_model), ("qwen3_5", build_qwen3_5)):
+        for name in ("gemma3", "qwen3_5"):
             path = Path(tmp) / name
-            build(path)
+            build_model(name, path)
             with LLM(str(path), kv_server="auto", max_model_len=length + 64, kv_cache_memory_gib=0.5) as llm:
                 cold, local, server, external = measure(llm, length, repeats)
             results[name] = (cold, local, server)

