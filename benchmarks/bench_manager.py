@@ -1,7 +1,7 @@
 """KV cache manager benchmark: manager time per scheduled token on a shared-prefix trace.
 
     python benchmarks/bench_manager.py [--layout gemma3|mamba|both] [--n 10000] [--seed 0]
-        [--max-running 32] [--profile] [--quick]
+        [--max-running 32] [--profile] [--gc-freeze] [--json PATH] [--quick]
 
 40,000 blocks of 16 tokens (more with --max-running above 32, so the pool never runs out),
 max 32 running requests, max_model_len 8192, prefix caching on. Layouts: `gemma3` = 1
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
+import json
 import pstats
 import random
 import sys
@@ -108,6 +110,14 @@ class Result:
 
     def op_us(self, op: str) -> float:
         return self.ns[op] / 1000 / max(1, self.calls[op])
+
+    def figures(self) -> dict[str, float]:
+        """The reported figures by name (`--json`; `bench_manager_vs_vllm.py` reads them)."""
+        return {"lookup_us": self.op_us("lookup"), "allocate_us": self.op_us("allocate"),
+                "decode_allocate_us": self.op_us("decode"), "free_us": self.op_us("free"),
+                "ns_per_scheduled_token": self.ns_per_token, "hit_rate": self.hit_tokens / max(1, self.prompt_tokens),
+                "scheduled_tokens": self.prefill_tokens + self.decode_tokens, "decode_calls": self.calls["decode"],
+                "preemptions": self.preemptions, "manager_s": self.manager_ns / 1e9}
 
 
 @dataclass
@@ -218,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
     parser.add_argument("--max-running", type=int, default=MAX_RUNNING,
                         help="most running requests (the pool grows with it, so it never runs out)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.collect(); gc.freeze() before each run (as an engine does after start-up)")
+    parser.add_argument("--json", default=None, help="also write each run's figures to this file")
     args = parser.parse_args(argv)
     if args.max_running < 1:
         parser.error(f"--max-running must be >= 1, got {args.max_running}")
@@ -226,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     layouts = LAYOUTS if args.layout == "both" else (args.layout,)
     results = []
     for layout, mode, name in [spec for chosen in layouts for spec in RUNS[chosen]]:
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         profiler = cProfile.Profile() if args.profile else None
         if profiler:
             profiler.enable()
@@ -235,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
         report(results[-1])
+        if args.gc_freeze:
+            gc.unfreeze()
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({r.layout: r.figures() for r in results}, out, indent=1)
     hash_us = sum(r.us_per_request_hash for r in results) / len(results)
     per_layout = " ".join(f"{r.layout}={r.ns_per_token:.0f}" for r in results)
     # headline: the first layout (gemma3 by default); every layout's figure follows by name
