@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             vllm, ours = got["vllm"], got["ours"]
             drift = ours["scheduled_tokens"] / vllm["sched_tokens"] - 1
             if abs(drift) > 0.01:  # the traces' decode tokens differ (vLLM's are all 7): a few hits may too
-                print(f"  warning: vLLM scheduled {vllm['sched_tokens']:.0f} tokens, ours {ours['scheduled_tokens']:.0f}: "
-                      "not the same work")
+                print(f"  warning: vLLM scheduled {vllm['sched_tokens']:.0f} tokens, "
+                      f"ours {ours['scheduled_tokens']:.0f}: not the same work")
             ratios.append([ours[a] / vllm[b] for a, b in zip(ours_keys, vllm_keys, strict=True)])
             print(f"round {r + 1}/{rounds} (load {load:.2f} -> {os.getloadavg()[0]:.2f}, {order[0]} first; "
                   f"hit rate vLLM {vllm['hit_rate']:.3f} ours {ours['hit_rate']:.3f}, "
