@@ -75,6 +75,7 @@ class LoadSpec:
     skip_tokens: int
     num_external_tokens: int
     block_tables: tuple[tuple[int, ...], ...]
+    instance_id: int = -1  # the registration holding the lookup (-1: the retrieving connector's own)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

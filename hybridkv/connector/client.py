@@ -217,12 +217,15 @@ class KVClient:
             StoreReply)
 
     def retrieve(self, lookup_id: int, *, block_ids: Sequence[Sequence[int]], num_tokens: int = -1,
-                 skip_tokens: int = 0) -> RetrieveReply:
+                 skip_tokens: int = 0, instance_id: int = -1) -> RetrieveReply:
         """Copy the held hit into the engine's blocks (block_ids[g]: group g's blocks covering the tokens
         retrieved; only the blocks each group needs are written, none that ends at or before
-        `skip_tokens`, the engine's own prefix hit). Consumes the lookup."""
+        `skip_tokens`, the engine's own prefix hit). Consumes the lookup. `instance_id`: the registration
+        that made the lookup, when another process registered the same layout over the same segments
+        (vLLM's scheduler and worker in two processes); -1: this client's."""
         r = self._registered()
-        return self._call(RetrieveRequest(req_id=0, instance_id=r.instance_id, fingerprint=self._fp(),
+        instance_id = instance_id if instance_id >= 0 else r.instance_id
+        return self._call(RetrieveRequest(req_id=0, instance_id=instance_id, fingerprint=self._fp(),
                                           lookup_id=lookup_id, block_ids=[list(b) for b in block_ids],
                                           num_tokens=num_tokens, skip_tokens=skip_tokens), RetrieveReply, retry=False)
 

@@ -183,8 +183,9 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
         lookup_id, hit, local = pending
         tables = tuple(tuple(t[: hit // g.block_tokens]) if g.kind is not GroupKind.CROSS else ()
                        for t, g in zip(block_tables, self.layout.groups, strict=True))
+        holder = self.registration.instance_id if self.registration is not None else -1
         self._loads.append(LoadSpec(request_id=rid, lookup_id=lookup_id, skip_tokens=local,
-                                    num_external_tokens=num_external_tokens, block_tables=tables))
+                                    num_external_tokens=num_external_tokens, block_tables=tables, instance_id=holder))
         self.stats.external_hit_tokens += num_external_tokens
 
     def build_connector_meta(self, steps: Sequence[StepWork]) -> ConnectorMeta:
@@ -236,7 +237,7 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         for load in meta.loads:
             reply = self._try(partial(self.client.retrieve, load.lookup_id, block_ids=load.block_tables,
-                                      skip_tokens=load.skip_tokens), "retrieve")
+                                      skip_tokens=load.skip_tokens, instance_id=load.instance_id), "retrieve")
             if reply is None:
                 self._failed_loads.add(load.request_id)
                 self.stats.failed_loads += 1

