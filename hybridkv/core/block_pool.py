@@ -1,13 +1,19 @@
-"""The block pool: every physical block, the free blocks, and the prefix-cache map.
+"""The block pool: the state of every physical block, the free blocks, and the prefix-cache map.
 
-One pool serves all KV cache groups; a block id belongs to one group at a time (its `group_id`
-is set when it is allocated). Block 0 is the null block: the placeholder for positions a group
+One pool serves all KV cache groups; a block id belongs to one group at a time (its group is
+set when it is allocated). Block 0 is the null block: the placeholder for positions a group
 does not keep (tokens out of a sliding window, finished local-attention chunks, old Mamba
-states). It is never freed, cached or evicted.
+states). It is never freed, cached or evicted, and the bulk operations skip it.
 
-    blocks:  [ null | 1 | 2 | ... | num_blocks-1 ]
-    free:    the eviction policy's queue of blocks with ref_cnt 0 (front = reused first)
-    cached:  per group, block hash -> block   (the prefix-cache key is (hash, group))
+A block is its id; its state lives in arrays indexed by id, so releasing or allocating a run
+of blocks is a few numpy operations rather than a Python step per block:
+
+    ref_cnt:     int64 array      how many request tables hold the block
+    group_of:    int64 array      the group it was last allocated to (-1: never)
+    block_hash:  list             its cached hash, or None
+    has_hash:    bool array       block_hash[i] is not None (what the eviction policy reads)
+    free:        the eviction policy's queue of ids with ref_cnt 0 (front = reused first)
+    cached:      per group, block hash -> block id   (the prefix-cache key is (hash, group))
 
 - `allocate` pops blocks from the policy and drops any stale hash of a popped block (eviction).
 - `touch` takes hit blocks back from the free queue and raises their ref count.
@@ -16,45 +22,32 @@ states). It is never freed, cached or evicted.
 - Identical content may be cached in two blocks (two requests computed it concurrently); the
   first stays in the map, later ones wait in a side table and are promoted when it is evicted.
 
-The null block's ref count starts at `NULL_REF_CNT` and floats as null slots are touched and
-released; it can never reach 0, which keeps `is null` tests out of the touch and free loops.
+The null block's ref count is `NULL_REF_CNT` and never changes (touch and release skip id 0).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from itertools import chain
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from hybridkv.core.errors import ConfigError, IntegrityError
-from hybridkv.core.ids import BlockHash, BlockId, GroupId
+from hybridkv.core.eviction import Ids, PolicyFactory
+from hybridkv.core.ids import BlockHash, GroupId
 from hybridkv.core.planner import KVCacheGroupSpec
 from hybridkv.core.specs import SpecKind
 
-if TYPE_CHECKING:
-    from hybridkv.core.eviction import EvictionPolicy
-
 __all__ = [
-    "NULL_REF_CNT", "AllBlocksCleared", "Block", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
+    "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
     "KVEvent", "KVEvents",
 ]
 
 NULL_REF_CNT = 1 << 62
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    """One physical block. `queue_pos` is the eviction policy's bookkeeping (where the block
-    sits in the free queue while ref_cnt == 0)."""
-
-    block_id: BlockId
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None
-    group_id: int = -1
-    queue_pos: int = field(default=-1, repr=False)
+NULL = 0  # the null block's id
 
 
 class KVEvents(Enum):
@@ -95,7 +88,7 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def interleave(lists: Sequence[Sequence[Block]]) -> list[Block]:
+def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
     """`lists[0][0], lists[1][0], ..., lists[0][1], lists[1][1], ...`, skipping exhausted lists.
 
     Built from `zip` over the rows all remaining lists still have (a few slices per distinct
@@ -104,7 +97,7 @@ def interleave(lists: Sequence[Sequence[Block]]) -> list[Block]:
     rest = [blocks for blocks in lists if blocks]
     if len(rest) == 1:
         return list(rest[0])
-    out: list[Block] = []
+    out: list[int] = []
     start = 0
     while rest:
         stop = min(map(len, rest))
@@ -125,20 +118,25 @@ class BlockPool:
         *,
         num_blocks: int,
         groups: Sequence[KVCacheGroupSpec],
-        policy_factory: Callable[[Sequence[Block]], EvictionPolicy],
+        policy_factory: PolicyFactory,
         events: KVEvents = KVEvents.OFF,
     ) -> None:
         if num_blocks < 2:
             raise ConfigError(f"a block pool needs the null block and at least one usable block, "
                               f"got num_blocks={num_blocks}; expected >= 2")
-        self.blocks = [Block(block_id=BlockId(i)) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
-        self.null_block.ref_cnt = NULL_REF_CNT
+        self.num_blocks = num_blocks
+        self.null_block = NULL
+        self.ref_cnt = np.zeros(num_blocks, np.int64)
+        self.ref_cnt[NULL] = NULL_REF_CNT
+        self.group_of = np.full(num_blocks, -1, np.int64)
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.has_hash = np.zeros(num_blocks, np.bool_)
         self._groups = tuple(groups)
-        self._policy = policy_factory(self.blocks[1:])
-        self._maps: list[dict[BlockHash, Block]] = [{} for _ in self._groups]
-        self._dups: list[dict[BlockHash, list[Block]]] = [{} for _ in self._groups]
-        self._used = [0] * len(self._groups)
+        self._group_ids = np.arange(len(self._groups), dtype=np.int64)
+        self._policy = policy_factory(num_blocks, self.has_hash)
+        self._maps: list[dict[BlockHash, int]] = [{} for _ in self._groups]
+        self._dups: list[dict[BlockHash, list[int]]] = [{} for _ in self._groups]
+        self._used = np.zeros(len(self._groups), np.int64)
         self._events_on = events is KVEvents.ON
         self._events: list[KVEvent] = []
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
@@ -153,10 +151,10 @@ class BlockPool:
 
     @property
     def usable_blocks(self) -> int:
-        return len(self.blocks) - 1
+        return self.num_blocks - 1
 
-    def cached_map(self, group_id: int) -> dict[BlockHash, Block]:
-        """The hash -> block map of one group (read-only for callers; the managers' hit scans)."""
+    def cached_map(self, group_id: int) -> dict[BlockHash, int]:
+        """The hash -> block id map of one group (read-only for callers; the managers' hit scans)."""
         return self._maps[group_id]
 
     def usage(self) -> float:
@@ -165,11 +163,11 @@ class BlockPool:
 
     def group_usage(self) -> tuple[int, ...]:
         """Blocks held by at least one request, per group."""
-        return tuple(self._used)
+        return tuple(self._used.tolist())
 
-    def free_order(self) -> list[BlockId]:
+    def free_order(self) -> list[int]:
         """Free block ids in eviction order (front first)."""
-        return [b.block_id for b in self._policy.ordered()]
+        return self._policy.ordered()
 
     def take_events(self) -> list[KVEvent]:
         """Return and forget the events recorded since the last call."""
@@ -178,96 +176,118 @@ class BlockPool:
 
     # -- hot path -----------------------------------------------------------------------------
 
-    def allocate(self, num_blocks: int, group_id: int) -> list[Block]:
+    def allocate(self, num_blocks: int, group_id: int) -> list[int]:
         """Pop `num_blocks` blocks for `group_id` (the caller checked `num_free`), ref count 1."""
-        blocks = self._policy.pop(num_blocks)
+        counts = [0] * len(self._groups)
+        counts[group_id] = num_blocks
+        return self.allocate_groups(counts)[group_id]
+
+    def allocate_groups(self, counts: Sequence[int]) -> list[list[int]]:
+        """`allocate(counts[g], g)` for every group g, in group order, in one pop."""
+        ids = self._policy.pop(sum(counts))
+        if self.has_hash[ids].any():
+            self._evict(ids)
+        self.ref_cnt[ids] = 1
+        self.group_of[ids] = np.repeat(self._group_ids, counts)
+        self._used += counts
+        listed = ids.tolist()
+        out: list[list[int]] = []
+        start = 0
+        for count in counts:
+            out.append(listed[start : start + count])
+            start += count
+        return out
+
+    def _evict(self, ids: Ids) -> None:
+        """Drop the stale hashes of popped blocks (some carry one)."""
+        evicted = ids[self.has_hash[ids]]
+        listed = evicted.tolist()
+        groups = self.group_of[evicted].tolist()
         maps = self._maps
-        dups = self._dups
-        evicted = 0
-        if not self._events_on and not any(dups):  # no copies anywhere: every hash maps to its block
-            for block in blocks:
-                if block.block_hash is not None:
-                    del maps[block.group_id][block.block_hash]
-                    block.block_hash = None
-                    evicted += 1
-                block.ref_cnt = 1
-                block.group_id = group_id
-            self.evictions += evicted
-            self._used[group_id] += num_blocks
-            return blocks
-        events_on = self._events_on
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:  # evict: inlined `_drop_hash`, this is the hot loop
-                old_group = block.group_id
-                primary = maps[old_group].pop(block_hash)
-                if primary is not block or block_hash in dups[old_group]:
-                    self._evict_duplicate(block, primary)
-                if events_on:
-                    self._record_removed(block)
-                block.block_hash = None
-                evicted += 1
-            block.ref_cnt = 1
-            block.group_id = group_id
-        self.evictions += evicted
-        self._used[group_id] += num_blocks
-        return blocks
+        hashes = self.block_hash
+        if not self._events_on and not any(self._dups):  # no copies: every hash maps to its block
+            for block, group_id in zip(listed, groups, strict=True):
+                del maps[group_id][hashes[block]]
+                hashes[block] = None
+        else:
+            dups = self._dups
+            for block, group_id in zip(listed, groups, strict=True):
+                block_hash = hashes[block]
+                assert block_hash is not None
+                primary = maps[group_id].pop(block_hash)
+                if primary != block or block_hash in dups[group_id]:
+                    self._evict_duplicate(block, block_hash, group_id, primary)
+                if self._events_on:
+                    self._record_removed(group_id, block_hash)
+                hashes[block] = None
+        self.has_hash[evicted] = False
+        self.evictions += len(listed)
 
-    def touch(self, blocks: Sequence[Block], group_id: int) -> None:
-        """Take hit blocks of `group_id`: raise ref counts, pull free ones out of the queue."""
-        revived: list[Block] = []
-        for block in blocks:
-            if block.ref_cnt == 0:
-                revived.append(block)
-            block.ref_cnt += 1
-        if revived:
+    def touch(self, blocks: Sequence[int], group_id: int) -> None:
+        """Take hit blocks of `group_id` (each once; null entries skipped): raise ref counts,
+        pull free ones out of the queue."""
+        tables: list[Sequence[int]] = [[] for _ in self._groups]
+        tables[group_id] = blocks
+        self.touch_groups(tables)
+
+    def touch_groups(self, tables: Sequence[Sequence[int]]) -> None:
+        """`touch(tables[g], g)` for every group g."""
+        order = list(chain.from_iterable(tables))
+        if not order:
+            return
+        ids = np.array(order, np.int64)
+        if NULL in order:
+            ids = ids[ids != NULL]
+        refs = self.ref_cnt[ids]
+        self.ref_cnt[ids] = refs + 1
+        revived = ids[refs == 0]
+        if len(revived):
             self._policy.remove(revived)
-            self._used[group_id] += len(revived)
+            self._used += np.bincount(self.group_of[revived], minlength=len(self._used))
 
-    def free(self, blocks: Sequence[Block]) -> None:
-        """Drop one reference to each block, in order; release those that reach 0."""
-        released: list[Block] = []
-        used = self._used
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block, in order (a block may repeat: one reference per
+        occurrence); release those that reach 0, in the order they reach it."""
+        released: list[int] = []
+        refs = self.ref_cnt
         for block in blocks:
-            ref_cnt = block.ref_cnt - 1
-            block.ref_cnt = ref_cnt
-            if not ref_cnt:
+            if block == NULL:
+                continue
+            refs[block] -= 1
+            if not refs[block]:
                 released.append(block)
-                used[block.group_id] -= 1
         if released:
-            self._policy.release(released)
+            ids = np.array(released, np.int64)
+            np.subtract.at(self._used, self.group_of[ids], 1)
+            self._policy.release(ids)
 
-    def free_tables(self, tables: Sequence[Sequence[Block]]) -> None:
+    def free_tables(self, tables: Sequence[Sequence[int]]) -> None:
         """Drop one reference to every block of `tables` (`tables[g]`: blocks of group g, tail
-        first; null entries allowed) and release those that reach 0 position by position
-        across groups: the k-th block from the tail of every group before the (k+1)-th of any.
+        first, each block once; null entries allowed) and release those that reach 0 position
+        by position across groups: the k-th block from the tail of every group before the
+        (k+1)-th of any.
 
         Releasing position k of every group before position k-1 of any makes the global LRU
         evict a position from all groups together, so identical groups do not lose hits one
         group at a time.
         """
-        used = self._used
-        shared = False  # some block is still held (or null): filter the release order
-        for group_id, blocks in enumerate(tables):
-            held = 0
-            for block in blocks:
-                ref_cnt = block.ref_cnt - 1
-                block.ref_cnt = ref_cnt
-                if ref_cnt:
-                    held += 1
-            if held:
-                shared = True
-            used[group_id] -= len(blocks) - held
         order = interleave(tables)
-        if shared:
-            order = [b for b in order if not b.ref_cnt]
-        if order:
-            self._policy.release(order)
+        if not order:
+            return
+        ids = np.array(order, np.int64)
+        if NULL in order:
+            ids = ids[ids != NULL]
+        refs = self.ref_cnt[ids] - 1
+        self.ref_cnt[ids] = refs
+        released = ids[refs == 0]
+        if len(released):
+            self._used -= np.bincount(self.group_of[released], minlength=len(self._used))
+            self._policy.release(released)
 
     def cache_blocks(
         self,
         group_id: int,
-        table: Sequence[Block],
+        table: Sequence[int],
         hashes: Sequence[BlockHash],
         start: int,
         end: int,
@@ -276,25 +296,26 @@ class BlockPool:
         """Cache the non-null blocks `table[start:end]` under `hashes[start:end]` in `group_id`."""
         if not self._cache_fresh(group_id, table[start:end], hashes[start:end]):
             cached = self._maps[group_id]
-            null = self.null_block
-            for block, block_hash in zip(table[start:end], hashes[start:end], strict=True):
-                if block is null or block.block_hash is not None:
+            block_hash = self.block_hash
+            for block, key in zip(table[start:end], hashes[start:end], strict=True):
+                if block == NULL or block_hash[block] is not None:
                     continue
-                block.block_hash = block_hash
-                if cached.setdefault(block_hash, block) is not block:
-                    self._dups[group_id].setdefault(block_hash, []).append(block)
+                block_hash[block] = key
+                self.has_hash[block] = True
+                if cached.setdefault(key, block) != block:
+                    self._dups[group_id].setdefault(key, []).append(block)
         if self._events_on:
             self._record_stored(group_id, table, hashes, start, end, token_ids)
 
-    def _cache_fresh(self, group_id: int, blocks: Sequence[Block], keys: Sequence[BlockHash]) -> bool:
+    def _cache_fresh(self, group_id: int, blocks: Sequence[int], keys: Sequence[BlockHash]) -> bool:
         """The common case in bulk: real blocks without a hash under hashes new to the group
         (and distinct); False (nothing done) otherwise."""
         cached = self._maps[group_id]
-        if len(blocks) != len(keys) or self.null_block in blocks or not cached.keys().isdisjoint(keys):
+        if len(blocks) != len(keys) or NULL in blocks or not cached.keys().isdisjoint(keys):
             return False
-        for block in blocks:
-            if block.block_hash is not None:
-                return False
+        block_hash = self.block_hash
+        if any(map(block_hash.__getitem__, blocks)):  # hashes are non-empty bytes
+            return False
         size = len(cached)
         cached.update(zip(keys, blocks, strict=True))
         if len(cached) != size + len(keys):  # a hash repeats within `keys`: undo, go one by one
@@ -302,41 +323,41 @@ class BlockPool:
                 cached.pop(key, None)
             return False
         for block, key in zip(blocks, keys, strict=True):
-            block.block_hash = key
+            block_hash[block] = key
+        self.has_hash[blocks] = True
         return True
 
-    def uncache(self, blocks: Sequence[Block]) -> None:
+    def uncache(self, blocks: Sequence[int]) -> None:
         """Drop the cached hash of `blocks` (held blocks whose KV was never written, e.g. a step
         that was allocated and then preempted): no later lookup can hit them, a `BlockRemoved`
         event is recorded, and hits taken before are re-verified (`evictions` grows)."""
         for block in blocks:
-            if block.block_hash is not None:
+            if self.block_hash[block] is not None:
                 self._drop_hash(block)
 
     # -- slow path ----------------------------------------------------------------------------
 
-    def _drop_hash(self, block: Block) -> None:
+    def _drop_hash(self, block: int) -> None:
         """Remove `block` (which carries a hash) from its group's cache tables."""
-        block_hash = block.block_hash
+        block_hash = self.block_hash[block]
         assert block_hash is not None
-        group_id = block.group_id
+        group_id = int(self.group_of[block])
         primary = self._maps[group_id].pop(block_hash)
-        if primary is not block or block_hash in self._dups[group_id]:
-            self._evict_duplicate(block, primary)
+        if primary != block or block_hash in self._dups[group_id]:
+            self._evict_duplicate(block, block_hash, group_id, primary)
         if self._events_on:
-            self._record_removed(block)
-        block.block_hash = None
+            self._record_removed(group_id, block_hash)
+        self.block_hash[block] = None
+        self.has_hash[block] = False
         self.evictions += 1
 
-    def _evict_duplicate(self, block: Block, primary: Block) -> None:
+    def _evict_duplicate(self, block: int, block_hash: BlockHash, group_id: int, primary: int) -> None:
         """Finish evicting `block` when its hash has copies; `primary` was just popped from the
         map. A waiting copy becomes the primary; an evicted copy leaves the waiting list."""
-        block_hash = block.block_hash
-        assert block_hash is not None
-        cached = self._maps[block.group_id]
-        dups = self._dups[block.group_id]
+        cached = self._maps[group_id]
+        dups = self._dups[group_id]
         waiting = dups[block_hash]
-        if primary is block:
+        if primary == block:
             cached[block_hash] = waiting.pop(0)
         else:
             cached[block_hash] = primary
@@ -344,19 +365,18 @@ class BlockPool:
         if not waiting:
             del dups[block_hash]
 
-    def _record_removed(self, block: Block) -> None:
-        spec = self._groups[block.group_id]
-        assert block.block_hash is not None
-        self._events.append(BlockRemoved(group_id=GroupId(block.group_id), kind=spec.kind,
-                                         window_tokens=spec.window_tokens, block_hashes=(block.block_hash,)))
+    def _record_removed(self, group_id: int, block_hash: BlockHash) -> None:
+        spec = self._groups[group_id]
+        self._events.append(BlockRemoved(group_id=GroupId(group_id), kind=spec.kind,
+                                         window_tokens=spec.window_tokens, block_hashes=(block_hash,)))
 
-    def _record_stored(self, group_id: int, table: Sequence[Block], hashes: Sequence[BlockHash],
+    def _record_stored(self, group_id: int, table: Sequence[int], hashes: Sequence[BlockHash],
                        start: int, end: int, token_ids: Sequence[int]) -> None:
         spec = self._groups[group_id]
         size = spec.block_size
         run_start = start
         for i in range(start, end + 1):
-            if i < end and table[i] is not self.null_block:
+            if i < end and table[i] != NULL:
                 continue
             if i > run_start:
                 self._events.append(BlockStored(
@@ -374,8 +394,8 @@ class BlockPool:
         for cached, dups in zip(self._maps, self._dups, strict=True):
             cached.clear()
             dups.clear()
-        for block in self.blocks:
-            block.block_hash = None
+        self.block_hash[:] = [None] * self.num_blocks
+        self.has_hash[:] = False
         self.evictions += 1
         if self._events_on:
             self._events.append(AllBlocksCleared())
@@ -387,42 +407,40 @@ class BlockPool:
         `expected_refs[block_id]` is how many request tables hold the block (the managers
         count them); every other non-null block must be free.
         """
-        free = self._policy.ordered()
-        free_ids = [b.block_id for b in free]
-        if len(free) != self._policy.num_free:
-            raise IntegrityError(f"free queue holds {len(free)} blocks but num_free says {self._policy.num_free}")
+        free_ids = self._policy.ordered()
+        if len(free_ids) != self._policy.num_free:
+            raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {self._policy.num_free}")
         repeated = [i for i, n in Counter(free_ids).items() if n > 1]
         if repeated:
             raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")
         free_set = set(free_ids)
-        if 0 in free_set or self.null_block.block_hash is not None:
-            raise IntegrityError("the null block is in the free queue or carries a hash")
+        if NULL in free_set or self.block_hash[NULL] is not None or self.ref_cnt[NULL] != NULL_REF_CNT:
+            raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
         used = [0] * len(self._groups)
-        for block in self.blocks[1:]:
-            want = expected_refs.get(block.block_id, 0)
-            if block.ref_cnt != want:
-                raise IntegrityError(
-                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but {want} request tables hold it"
-                )
-            if (block.ref_cnt == 0) != (block.block_id in free_set):
-                raise IntegrityError(
-                    f"block {block.block_id} has ref_cnt {block.ref_cnt} but is "
-                    f"{'in' if block.block_id in free_set else 'not in'} the free queue"
-                )
-            if block.ref_cnt:
-                used[block.group_id] += 1
-        if used != self._used:
-            raise IntegrityError(f"blocks in use per group are {used} but the counters say {self._used}")
+        groups = self.group_of.tolist()
+        for block, ref_cnt in enumerate(self.ref_cnt.tolist()[1:], start=1):
+            want = expected_refs.get(block, 0)
+            if ref_cnt != want:
+                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but {want} request tables hold it")
+            if (ref_cnt == 0) != (block in free_set):
+                where = "in" if block in free_set else "not in"
+                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but is {where} the free queue")
+            if ref_cnt:
+                used[groups[block]] += 1
+        if used != self._used.tolist():
+            raise IntegrityError(f"blocks in use per group are {used} but the counters say {self._used.tolist()}")
         self._check_maps()
 
     def _check_maps(self) -> None:
         entries = 0
+        hashes = self.block_hash
+        groups = self.group_of.tolist()
         for group_id, cached in enumerate(self._maps):
             for block_hash, block in cached.items():
-                if block.block_hash != block_hash or block.group_id != group_id or block is self.null_block:
+                if hashes[block] != block_hash or groups[block] != group_id or block == NULL:
                     raise IntegrityError(
-                        f"cache map of group {group_id} points at block {block.block_id} of group "
-                        f"{block.group_id} whose hash does not match its key"
+                        f"cache map of group {group_id} points at block {block} of group "
+                        f"{groups[block]} whose hash does not match its key"
                     )
             entries += len(cached)
         for group_id, dups in enumerate(self._dups):
@@ -430,9 +448,13 @@ class BlockPool:
                 if block_hash not in self._maps[group_id] or not waiting:
                     raise IntegrityError(f"duplicate table of group {group_id} has no primary block or no copies")
                 for block in waiting:
-                    if block.block_hash != block_hash or block.group_id != group_id:
-                        raise IntegrityError(f"duplicate block {block.block_id} does not carry its key")
+                    if hashes[block] != block_hash or groups[block] != group_id:
+                        raise IntegrityError(f"duplicate block {block} does not carry its key")
                 entries += len(waiting)
-        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        hashed = sum(1 for h in hashes if h is not None)
         if hashed != entries:
             raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")
+        mirror = np.array([h is not None for h in hashes], np.bool_)
+        if not (mirror == self.has_hash).all():
+            raise IntegrityError(f"has_hash disagrees with block_hash for blocks "
+                                 f"{np.flatnonzero(mirror != self.has_hash)[:10].tolist()}")

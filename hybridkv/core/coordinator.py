@@ -27,7 +27,7 @@ Allocation runs in phases so that a refusal changes nothing:
                 > free blocks  ->  return None   (an upper bound without per-block work first)
     2. release: out-of-window / finished-chunk / old-state blocks, all groups interleaved tail first
     3. touch:   hit blocks of every group (before any pop, so no group pops another's hit)
-    4. allocate new blocks per group
+    4. allocate new blocks for every group in one pop (group 0's first), then extend the tables
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from hybridkv.core.block_pool import Block, BlockPool
+from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.ids import BlockHash, RequestId
 from hybridkv.core.managers import SingleTypeManager
 from hybridkv.core.request import KVRequest
 
-GroupBlocks = list[list[Block]]
+GroupBlocks = list[list[int]]  # block ids per group, 0 = null
 
 
 class KVCacheCoordinator:
@@ -84,23 +84,31 @@ class KVCacheCoordinator:
         """New entries per group for `total_tokens` slots, or None (nothing changed)."""
         managers = self.managers
         rid = request.request_id
+        pool = self.pool
         if hits and self.defers(hits):
             return None
-        bound = 0
-        for g, manager in enumerate(managers):
-            bound += manager.blocks_upper_bound(request, hits[g] if hits else None, first_new, total_tokens)
-        if bound > self.pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
-            need = 0
-            for g, manager in enumerate(managers):
-                need += manager.get_num_blocks_to_allocate(request, hits[g] if hits else None, first_new, total_tokens)
-            if need > self.pool.num_free:
+        group_hits: Sequence[list[int] | None] = hits or [None] * len(managers)
+        bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
+                  for m, h in zip(managers, group_hits, strict=True)]
+        if sum(bounds) > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
+            need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
+                       for m, h in zip(managers, group_hits, strict=True))
+            if need > pool.num_free:
                 return None
-        released = [m.remove_skipped_blocks(rid, first_new) for m in managers]
+        running = rid in self._allocated_tokens
+        released = [m.remove_skipped_blocks(rid, first_new) for m in managers] if running else []
         if any(released):
-            self.pool.free_tables(released)
-        for g, manager in enumerate(managers):
-            manager.save_hits(request, hits[g] if hits else None, first_new)
-        new = [m.allocate_new_blocks(request, first_new, total_tokens) for m in managers]
+            pool.free_tables(released)
+        if running:  # a running request's bound is exactly its new blocks
+            counts = bounds
+        else:
+            touched = [m.save_hits(request, h, first_new) for m, h in zip(managers, group_hits, strict=True)]
+            if any(touched):
+                pool.touch_groups(touched)
+            counts = [m.num_new_blocks(request, first_new, total_tokens) for m in managers]
+        fresh = pool.allocate_groups(counts) if any(counts) else [[] for _ in managers]
+        new = [m.allocate_new_blocks(request, first_new, total_tokens, blocks)
+               for m, blocks in zip(managers, fresh, strict=True)]
         self._allocated_tokens[rid] = max(total_tokens, self._allocated_tokens.get(rid, 0))
         return new
 
@@ -164,7 +172,7 @@ class _HitClass:
         self.maps = [m.cached_map for m in managers]
         self.block_size = self.lead.block_size
 
-    def find(self, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[Block]]:
+    def find(self, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[int]]:
         return self.lead.find_hits(self.maps, hashes[self.block_size], max_length)
 
 
@@ -199,7 +207,7 @@ class HybridCoordinator(KVCacheCoordinator):
         step = self.lcm_block_size
         length = max_length // step * step
         first = [0] * len(self.managers)
-        found: list[tuple[_HitClass, list[list[Block]]]] = []
+        found: list[tuple[_HitClass, list[list[int]]]] = []
         for cls in self._closed:
             hits = cls.find(hashes, length)
             got = len(hits[0]) * cls.block_size
@@ -207,7 +215,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 first[g] = got
             length = min(length, got) // step * step
             found.append((cls, hits))
-        answers: dict[int, tuple[int, list[list[Block]]]] = {}
+        answers: dict[int, tuple[int, list[list[int]]]] = {}
         settled = False
         while not settled:
             settled = True

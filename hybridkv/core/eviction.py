@@ -1,9 +1,10 @@
 """Eviction policies: which free block the pool reuses next.
 
-A policy owns the *free* blocks (ref count 0), whether or not they still hold cached content.
+A policy owns the *free* block ids (ref count 0), whether or not they still hold cached content.
 The block pool asks it for blocks to reuse (`pop`), tells it about blocks a prefix hit takes
 back (`remove`) and about blocks whose last holder let go (`release`). The pool itself drops the
-stale hash of a popped block, so a policy only decides the order.
+stale hash of a popped block, so a policy only decides the order. Block ids travel as numpy
+int64 arrays: every operation is a few array operations, whatever the number of blocks.
 
 `LRUPolicy` is the reference behaviour, vLLM's free queue unchanged: a released block that
 holds no cached content (a partial block, a cross-attention block, a Mamba running state) goes
@@ -14,13 +15,19 @@ usefulness-aware policy plugs in here (design.md section 4, 8.7).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
 
-from hybridkv.core.block_pool import Block
+import numpy as np
+from numpy.typing import NDArray
+
 from hybridkv.core.errors import IntegrityError
+
+Ids = NDArray[np.int64]
+#: A policy is built from the pool's size and its per-block "holds cached content" flags (which
+#: the pool keeps current); every block but the null block 0 starts free, in id order.
+PolicyFactory = Callable[[int, NDArray[np.bool_]], "EvictionPolicy"]
 
 
 class EvictionPolicyName(Enum):
@@ -33,155 +40,136 @@ class EvictionPolicy(Protocol):
     """Contract of an eviction policy.
 
     `num_free` is the number of blocks it holds. `pop(n)` removes and returns the n blocks to
-    reuse next (n <= num_free, checked by the caller). `remove(blocks)` takes back blocks that
-    it holds (a prefix hit). `release(blocks)` adds blocks whose ref count just dropped to 0,
-    in release order (a request's tail first). `ordered()` lists its blocks in eviction order,
-    checking its own structure and raising `IntegrityError` on a broken one.
+    reuse next (n <= num_free, checked by the caller). `remove(ids)` takes back blocks that it
+    holds (a prefix hit; they hold cached content). `release(ids)` adds blocks whose ref count
+    just dropped to 0, in release order (a request's tail first). `ordered()` lists its blocks in
+    eviction order, checking its own structure and raising `IntegrityError` on a broken one.
     """
 
     num_free: int
 
-    def pop(self, num_blocks: int) -> list[Block]: ...
+    def pop(self, num_blocks: int) -> Ids: ...
 
-    def remove(self, blocks: list[Block]) -> None: ...
+    def remove(self, ids: Ids) -> None: ...
 
-    def release(self, blocks: list[Block]) -> None: ...
+    def release(self, ids: Ids) -> None: ...
 
-    def ordered(self) -> list[Block]: ...
+    def ordered(self) -> list[int]: ...
 
 
 class LRUPolicy:
-    """vLLM's free queue as two Python lists; front = evicted first; every operation O(1)
-    amortized, and the bulk ones (release, pop) at list-slice speed.
+    """vLLM's free queue as a stack and an array; front = evicted first.
 
         front stack:  content-free blocks, the last released on top (reused first)
-        queue:        cached blocks (and the initial blocks, by id) in release order
-        order:        front stack top .. bottom, then queue[head:] without holes
+        queue:        cached blocks (and the initial blocks, by id) in release order,
+                      live in _queue[head:tail]
+        order:        front stack top .. bottom, then the queue without holes
 
-    A prefix hit that takes a block back (`remove`) leaves a hole (None) at the block's queue
-    position (`Block.queue_pos`, an absolute index: the list is compacted from the front);
-    the positions of holes sit in a heap, so `pop` only walks a slice that holds one. Only
-    cached blocks are ever removed, and they live in the queue.
+    A prefix hit that takes a block back (`remove`) leaves a hole (0, the null block's id, which
+    is never free) at the block's index in the array (`_pos[id]`). `pop` takes a slice and drops
+    the holes in it; when the tail reaches the end of the array, the live entries move to its
+    start (holes dropped, positions rewritten), so each entry is moved O(1) times on average.
     """
 
-    def __init__(self, free_blocks: Sequence[Block]) -> None:
-        self._front: list[Block] = []
-        self._queue: list[Block | None] = list(free_blocks)
-        for pos, block in enumerate(free_blocks):
-            block.queue_pos = pos
-        self._head = 0  # index of the first live entry of `_queue`
-        self._base = 0  # absolute position of `_queue[0]`
-        self._holes: list[int] = []  # absolute positions of holes at or after the head
-        self.num_free = len(free_blocks)
+    def __init__(self, num_blocks: int, has_content: NDArray[np.bool_]) -> None:
+        self._content = has_content
+        self._front: list[int] = []
+        self._queue = np.zeros(2 * num_blocks + 64, np.int64)
+        self._queue[: num_blocks - 1] = np.arange(1, num_blocks)
+        self._pos = np.full(num_blocks, -1, np.int64)
+        self._pos[1:] = np.arange(num_blocks - 1)
+        self._head = 0
+        self._tail = num_blocks - 1
+        self._holes = 0  # holes in _queue[head:tail]
+        self.num_free = num_blocks - 1
 
-    def pop(self, num_blocks: int) -> list[Block]:
+    def pop(self, num_blocks: int) -> Ids:
         assert num_blocks <= self.num_free, f"pop({num_blocks}) from {self.num_free} free blocks"
         self.num_free -= num_blocks
         front = self._front
-        out: list[Block] = []
+        first: list[int] = []
         if front:
             take = min(num_blocks, len(front))
-            out = front[len(front) - take:]
-            out.reverse()
-            del front[len(front) - take:]
+            first = front[len(front) - take :]
+            first.reverse()
+            del front[len(front) - take :]
             num_blocks -= take
             if not num_blocks:
-                return out
-        queue = self._queue
+                return np.array(first, np.int64)
         head = self._head
         stop = head + num_blocks
-        holes = self._holes
-        if holes and holes[0] - self._base < stop:
-            return out + self._pop_around_holes(num_blocks)
-        out += queue[head:stop]  # type: ignore[arg-type]  # no hole in the slice
+        taken = self._queue[head:stop]
+        if self._holes:
+            taken = taken[taken != 0]
+            while len(taken) < num_blocks:  # the slice held holes: take as many more
+                assert stop < self._tail, "the free queue holds fewer blocks than num_free says"
+                more = self._queue[stop : stop + num_blocks - len(taken)]
+                stop += len(more)
+                taken = np.concatenate((taken, more[more != 0]))
+            self._holes -= stop - head - num_blocks
+        else:
+            taken = taken.copy()
         self._head = stop
-        if stop > 4096 and stop * 2 > len(queue):
-            self._compact()
-        return out
+        if first:
+            return np.concatenate((np.array(first, np.int64), taken))
+        return taken
 
-    def _pop_around_holes(self, num_blocks: int) -> list[Block]:
-        queue = self._queue
-        holes = self._holes
-        out: list[Block] = []
-        head = self._head
-        while len(out) < num_blocks:
-            stop = head + num_blocks - len(out)
-            out += [b for b in queue[head:stop] if b is not None]
-            head = stop
-            while holes and holes[0] - self._base < head:
-                heapq.heappop(holes)
-        self._head = head
-        return out
+    def remove(self, ids: Ids) -> None:
+        index = self._pos[ids]
+        assert (self._queue[index] == ids).all(), f"blocks {ids.tolist()} are not at their free-queue positions"
+        self._queue[index] = 0
+        self._holes += len(ids)
+        self.num_free -= len(ids)
 
-    def _compact(self) -> None:
-        del self._queue[: self._head]
-        self._base += self._head
-        self._head = 0
-
-    def remove(self, blocks: list[Block]) -> None:
-        queue = self._queue
-        base = self._base
-        holes = self._holes
-        for block in blocks:
-            pos = block.queue_pos
-            assert queue[pos - base] is block, f"block {block.block_id} is not at its free-queue position"
-            queue[pos - base] = None
-            heapq.heappush(holes, pos)
-        self.num_free -= len(blocks)
-
-    def release(self, blocks: list[Block]) -> None:
-        self.num_free += len(blocks)
-        lead = 0  # the content-free blocks a request's tail puts first (its partial blocks)
-        for block in blocks:
-            if block.block_hash is not None:
-                break
-            lead += 1
-        rest = blocks
-        if lead:
-            self._front += blocks[:lead]
-            rest = blocks[lead:]
-        queue = self._queue
-        pos = self._base + len(queue)
-        for block in rest:
-            if block.block_hash is None:
-                break
-            block.queue_pos = pos
-            pos += 1
-        else:  # the rest holds content: to the back, in order
-            queue += rest
+    def release(self, ids: Ids) -> None:
+        self.num_free += len(ids)
+        content = self._content[ids]
+        if not content.all():
+            self._front += ids[~content].tolist()
+            ids = ids[content]
+        count = len(ids)
+        if not count:
             return
-        pos = self._base + len(queue)
-        front = self._front
-        for block in rest:
-            if block.block_hash is None:
-                front.append(block)
-            else:
-                block.queue_pos = pos
-                pos += 1
-                queue.append(block)
+        if self._tail + count > len(self._queue):
+            self._compact(count)
+        tail = self._tail
+        self._queue[tail : tail + count] = ids
+        self._pos[ids] = np.arange(tail, tail + count)
+        self._tail = tail + count
 
-    def ordered(self) -> list[Block]:
+    def _compact(self, room: int) -> None:
+        """Move the live entries (without holes) to the start of the array, growing it if
+        `room` more entries would not fit."""
+        live = self._queue[self._head : self._tail]
+        live = live[live != 0]
+        size = max(len(self._queue), 2 * (len(live) + room))
+        if size > len(self._queue):
+            self._queue = np.zeros(size, np.int64)
+        self._queue[: len(live)] = live
+        self._pos[live] = np.arange(len(live))
+        self._head, self._tail, self._holes = 0, len(live), 0
+
+    def ordered(self) -> list[int]:
         out = self._front[::-1]
-        base = self._base
-        live = self._queue[self._head:]
-        for index, block in enumerate(live, start=self._head + base):
-            if block is None:
-                continue
-            if block.queue_pos != index:
-                raise IntegrityError(
-                    f"LRU free queue entry {index} is block {block.block_id}, whose position says {block.queue_pos}"
-                )
-            out.append(block)
-        holes = len(live) - (len(out) - len(self._front))
-        if holes != len(self._holes) or len(out) != self.num_free:
+        live = self._queue[self._head : self._tail]
+        index = np.flatnonzero(live)
+        ids = live[index]
+        wrong = np.flatnonzero(self._pos[ids] != index + self._head)
+        if len(wrong):
+            bad = int(ids[wrong[0]])
+            raise IntegrityError(
+                f"LRU free queue entry {int(index[wrong[0]]) + self._head} is block {bad}, whose position says "
+                f"{int(self._pos[bad])}"
+            )
+        holes = len(live) - len(ids)
+        out += ids.tolist()
+        if holes != self._holes or len(out) != self.num_free:
             raise IntegrityError(
                 f"LRU free queue holds {len(out)} blocks and {holes} holes but num_free={self.num_free} "
-                f"and {len(self._holes)} holes are recorded"
+                f"and {self._holes} holes are recorded"
             )
         return out
 
-
-PolicyFactory = Callable[[Sequence[Block]], EvictionPolicy]
 
 POLICIES: dict[EvictionPolicyName, PolicyFactory] = {
     EvictionPolicyName.LRU: LRUPolicy,

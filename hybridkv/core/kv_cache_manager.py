@@ -26,14 +26,12 @@ a checkpoint cached since then (`CacheHit.deferred`).
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import partial
-from operator import attrgetter, is_not
+from typing import cast
 
-from hybridkv.core.block_pool import Block, BlockPool, KVEvent, KVEvents
+from hybridkv.core.block_pool import NULL, BlockPool, KVEvent, KVEvents
 from hybridkv.core.coordinator import (
     GroupBlocks,
     HybridCoordinator,
@@ -60,18 +58,6 @@ __all__ = [
     "AllocationError", "CacheHit", "CacheTiming", "IntegrityError", "KVCacheManager", "MambaCacheMode", "ManagerStats",
     "PrefixCaching", "StaleHitError", "StateCheckpoint", "StateStep", "UnknownRequestError",
 ]
-
-_block_id = attrgetter("block_id")
-
-
-def _hit_ids(blocks: list[Block], null: Block) -> tuple[BlockId, ...]:
-    """Block ids of one group's hit; a hit's null entries are a prefix (every hit rule skips
-    leading blocks only), found by bisection rather than mapped one by one."""
-    if not blocks or blocks[0] is not null:
-        return tuple(map(_block_id, blocks))
-    lead = bisect_left(blocks, True, key=partial(is_not, null))
-    return (BlockId(0),) * lead + tuple(map(_block_id, blocks[lead:]))
-
 
 class PrefixCaching(Enum):
     """Whether full blocks are cached and looked up (OFF: state groups keep one running state)."""
@@ -230,7 +216,7 @@ class KVCacheManager:
         for g, tokens in enumerate(first):
             group_hits[g] += tokens
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
-                        blocks=tuple(_hit_ids(g, self._pool.null_block) for g in hits),
+                        blocks=tuple(map(tuple, hits)),  # type: ignore[arg-type]  # ids
                         deferred=bool(num_tokens) and self._coordinator.defers(hits), pool_epoch=self._pool.evictions)
 
     # -- allocate / cache / free ----------------------------------------------------------------
@@ -297,7 +283,7 @@ class KVCacheManager:
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
         coordinator.update_quiet(request.request_id)
-        return tuple(tuple(map(_block_id, g)) for g in new)
+        return tuple(map(tuple, new))  # type: ignore[arg-type]  # ids
 
     def cache(self, request: KVRequest, num_tokens: int) -> None:
         """Cache the full blocks among the first `num_tokens` tokens (after a DELAYED allocate,
@@ -325,7 +311,7 @@ class KVCacheManager:
         """The request's block table per group (0 = null block where a position is not kept)."""
         if not self._coordinator.is_running(request_id):
             raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
-        return tuple([b.block_id for b in m.block_table(request_id) or ()] for m in self._managers)
+        return tuple(cast("list[BlockId]", list(m.block_table(request_id) or ())) for m in self._managers)
 
     def state_steps(self, request_id: RequestId, *, start_tokens: int, end_tokens: int) -> tuple[StateStep, ...]:
         """Per state group (ascending group id; empty without state groups), where the step that
@@ -341,21 +327,20 @@ class KVCacheManager:
                 f"slots for; expected 0 <= start < end <= {allocated}"
             )
         steps = []
-        null = self._pool.null_block
         for manager in self._managers:
             entries = manager.state_entries(request_id, start_tokens, end_tokens)
             if entries is None:
                 continue
             read, writes = entries
-            if read is not None and read[1] is null:
+            if read is not None and read[1] == NULL:
                 raise AllocationError(
                     f"request {request_id!r} no longer holds its state after {start_tokens} tokens in group "
                     f"{manager.group_id}; start_tokens must be the first token of the step just allocated"
                 )
             steps.append(StateStep(
                 group_id=GroupId(manager.group_id),
-                read=None if read is None else StateCheckpoint(num_tokens=read[0], block_id=read[1].block_id),
-                writes=tuple(StateCheckpoint(num_tokens=t, block_id=b.block_id) for t, b in writes),
+                read=None if read is None else StateCheckpoint(num_tokens=read[0], block_id=BlockId(read[1])),
+                writes=tuple(StateCheckpoint(num_tokens=t, block_id=BlockId(b)) for t, b in writes),
             ))
         return tuple(steps)
 
@@ -387,7 +372,7 @@ class KVCacheManager:
         block twice in a table, every held block belongs to the group holding it, hash maps
         consistent."""
         expected: Counter[int] = Counter()
-        null = self._pool.null_block
+        groups = self._pool.group_of.tolist()
         running = set(self._coordinator.running_requests())
         for g, manager in enumerate(self._managers):
             if set(manager.tables()) != running:
@@ -395,16 +380,18 @@ class KVCacheManager:
                                      f"running requests are {sorted(running)}")
             for rid, table in manager.tables().items():
                 skipped = manager.num_skipped(rid)
-                if any(b is not null for b in table[:skipped]):
+                if any(table[:skipped]):
                     raise IntegrityError(f"request {rid!r} group {g}: the first {skipped} entries should be null")
-                real = [b for b in table if b is not null]
-                if len({id(b) for b in real}) != len(real):
+                real = [b for b in table if b != NULL]
+                if len(set(real)) != len(real):
                     raise IntegrityError(f"request {rid!r} holds a block twice in group {g}")
                 for block in real:
-                    if block.group_id != g:
-                        raise IntegrityError(f"request {rid!r} holds block {block.block_id} in group {g} "
-                                             f"but the block belongs to group {block.group_id}")
-                    expected[block.block_id] += 1
+                    if not 0 < block < len(groups):
+                        raise IntegrityError(f"request {rid!r} holds block {block} in group {g}, outside the pool")
+                    if groups[block] != g:
+                        raise IntegrityError(f"request {rid!r} holds block {block} in group {g} "
+                                             f"but the block belongs to group {groups[block]}")
+                    expected[block] += 1
         self._pool.check_integrity(expected)
 
     # -- internals ------------------------------------------------------------------------------
@@ -435,27 +422,28 @@ class KVCacheManager:
                 f"{[len(ids) for ids in hit.blocks]} blocks per group; expected "
                 f"{[hit.num_tokens // m.block_size for m in managers]} (pass the CacheHit of this manager unchanged)"
             )
-        pool_blocks = self._pool.blocks
-        try:
-            groups: GroupBlocks = [list(map(pool_blocks.__getitem__, ids)) for ids in hit.blocks]
-        except IndexError:
-            raise AllocationError(
-                f"cache hit of request {request.request_id!r} names a block id outside this manager's "
-                f"{len(pool_blocks)} blocks (pass the CacheHit of this manager unchanged)"
-            ) from None
+        num_blocks = self._pool.num_blocks
+        groups: GroupBlocks = [list(ids) for ids in hit.blocks]
+        for ids in groups:
+            if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+                raise AllocationError(
+                    f"cache hit of request {request.request_id!r} names a block id outside this manager's "
+                    f"{num_blocks} blocks (pass the CacheHit of this manager unchanged)"
+                )
         if hit.pool_epoch != self._pool.evictions:
             self._verify_hit(request, groups)
         return groups
 
     def _verify_hit(self, request: KVRequest, groups: GroupBlocks) -> None:
         hashes = self._hashes(request)
-        null = self._pool.null_block
+        block_hash = self._pool.block_hash
+        group_of = self._pool.group_of.tolist()
         for g, blocks in enumerate(groups):
             expected = hashes[self._managers[g].block_size]
             for i, block in enumerate(blocks):
-                if block is not null and (block.block_hash != expected[i] or block.group_id != g):
+                if block != NULL and (block_hash[block] != expected[i] or group_of[block] != g):
                     raise StaleHitError(
-                        f"cache hit of request {request.request_id!r}: block {block.block_id} (group {g}, "
+                        f"cache hit of request {request.request_id!r}: block {block} (group {g}, "
                         f"position {i}) was evicted after lookup; call lookup again right before allocate"
                     )
 

@@ -34,20 +34,19 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 from functools import partial
 from itertools import takewhile
-from operator import is_, is_not, mul
-from typing import cast
+from operator import is_not, mul, not_
 
-from hybridkv.core.block_pool import Block, BlockPool
+from hybridkv.core.block_pool import NULL, BlockPool
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.ids import BlockHash, RequestId
 from hybridkv.core.planner import KVCacheGroupSpec
 from hybridkv.core.request import KVRequest
 from hybridkv.core.specs import SpecKind
 
-HashMap = Mapping[BlockHash, Block]
+HashMap = Mapping[BlockHash, int]  # hash -> block id
 NEVER = 1 << 62  # a token count no request reaches
 #: (tokens, block) of the state a step reads (None: from token 0), and of each state it writes.
-StateEntries = tuple[tuple[int, Block] | None, list[tuple[int, Block]]]
+StateEntries = tuple[tuple[int, int] | None, list[tuple[int, int]]]
 
 
 class MambaMode(Enum):
@@ -76,9 +75,9 @@ class SingleTypeManager(ABC):
         self.group_id = group.group_id
         self.block_size = group.block_size
         self._pool = pool
-        self._null = pool.null_block
+        self._null = NULL
         self._cached = pool.cached_map(group.group_id)
-        self._tables: dict[RequestId, list[Block]] = {}
+        self._tables: dict[RequestId, list[int]] = {}  # block ids, 0 = null
         self._num_cached: dict[RequestId, int] = {}
         self._num_skipped: dict[RequestId, int] = {}
         self._num_hit_blocks: dict[RequestId, int] = {}
@@ -98,11 +97,11 @@ class SingleTypeManager(ABC):
 
     @abstractmethod
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
-                  max_length: int) -> list[list[Block]]:
+                  max_length: int) -> list[list[int]]:
         """Longest hit of at most `max_length` tokens that every map in `maps` can serve under
         this type's rule; one block list per map, null where the rule skips a block."""
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[Block]:
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[int]:
         """This group's longest hit of at most `max_length` tokens (block list, null = skipped)."""
         return self.find_hits([self._cached], block_hashes, max_length)[0]
 
@@ -134,7 +133,7 @@ class SingleTypeManager(ABC):
         del request_id, start, end
         return None
 
-    def refuses_hit(self, hits: Sequence[Block]) -> bool:
+    def refuses_hit(self, hits: Sequence[int]) -> bool:
         """Whether a new request may not use `hits` in this step (a state checkpoint cached in
         this step: its state is written only when the step runs)."""
         del hits
@@ -150,18 +149,16 @@ class SingleTypeManager(ABC):
         del first_new
         return max(0, new_len - max(old_len, keep_from))
 
-    def _new_entries(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> list[Block]:
+    def _new_entries(self, old_len: int, new_len: int, keep_from: int, first_new: int,
+                     blocks: list[int]) -> list[int]:
+        """The new entries [old_len, new_len): null, then `blocks` (`_num_real` of them)."""
         if new_len <= old_len:
             return []
-        real_from = max(old_len, keep_from)
-        entries = [self._null] * (real_from - old_len)
-        if new_len > real_from:
-            entries += self._pool.allocate(new_len - real_from, self.group_id)
-        return entries
+        return [self._null] * (max(old_len, keep_from) - old_len) + blocks
 
     # -- the phases the coordinator drives ------------------------------------------------------
 
-    def blocks_upper_bound(self, request: KVRequest, hits: Sequence[Block] | None,
+    def blocks_upper_bound(self, request: KVRequest, hits: Sequence[int] | None,
                            first_new: int, total_tokens: int) -> int:
         """At least `get_num_blocks_to_allocate` (new blocks + every hit block, no release
         credit), without touching each block: when the pool has this many, the step fits."""
@@ -173,7 +170,7 @@ class SingleTypeManager(ABC):
             return self._num_real(old_len, new_len, keep_from, first_new) + max(0, old_len - keep_from)
         return self._num_real(len(table), new_len, keep_from, first_new)
 
-    def get_num_blocks_to_allocate(self, request: KVRequest, hits: Sequence[Block] | None,
+    def get_num_blocks_to_allocate(self, request: KVRequest, hits: Sequence[int] | None,
                                    first_new: int, total_tokens: int) -> int:
         """Free-queue blocks this step takes (new blocks + free hit blocks) minus the blocks
         that `remove_skipped_blocks` will release to it."""
@@ -182,16 +179,16 @@ class SingleTypeManager(ABC):
         table = self._tables.get(request.request_id)
         if table is None:
             need = self._num_real(len(hits) if hits else 0, new_len, keep_from, first_new)
-            if hits:
-                need += sum(1 for b in hits[keep_from:] if b.ref_cnt == 0)
+            if hits and len(hits) > keep_from:  # the null block's ref count is never 0
+                need += int((self._pool.ref_cnt[hits[keep_from:]] == 0).sum())
             return need
         need = self._num_real(len(table), new_len, keep_from, first_new)
         done = self._num_skipped[request.request_id]
         if keep_from > done:
-            need -= sum(1 for b in table[done:keep_from] if b.ref_cnt == 1)
+            need -= int((self._pool.ref_cnt[table[done:keep_from]] == 1).sum())
         return need
 
-    def remove_skipped_blocks(self, request_id: RequestId, first_new: int) -> list[Block]:
+    def remove_skipped_blocks(self, request_id: RequestId, first_new: int) -> list[int]:
         """Replace entries the request no longer needs by null; return them tail first (the
         caller frees them). Nothing to do for a request without a table yet."""
         table = self._tables.get(request_id)
@@ -201,47 +198,57 @@ class SingleTypeManager(ABC):
         done = self._num_skipped[request_id]
         if keep_from <= done:
             return []
-        null = self._null
         released = table[done:keep_from]
-        if null in released:
-            released = [b for b in released if b is not null]
+        if NULL in released:
+            released = [b for b in released if b]
         released.reverse()
-        table[done:keep_from] = [null] * (keep_from - done)
+        table[done:keep_from] = [NULL] * (keep_from - done)
         self._num_skipped[request_id] = keep_from
         return released
 
-    def save_hits(self, request: KVRequest, hits: Sequence[Block] | None, first_new: int) -> None:
-        """Start the table of a new request with its hit blocks (touched); no-op if running."""
+    def save_hits(self, request: KVRequest, hits: Sequence[int] | None, first_new: int) -> list[int]:
+        """Start the table of a new request with its hit blocks; no-op if running. Returns the
+        hit blocks the table keeps, which the caller must `touch` (before any allocation)."""
         rid = request.request_id
         if rid in self._tables:
             assert not hits, "hits are only valid for a request without blocks"
-            return
+            return []
         table = list(hits) if hits else []
         keep_from = min(self.first_needed_block(first_new), len(table))
         if keep_from:
             table[:keep_from] = [self._null] * keep_from
         skipped = self._leading_nulls(table, 0)
-        self._pool.touch(table[skipped:] if skipped else table, self.group_id)
         self._tables[rid] = table
         self._num_cached[rid] = len(table)
         self._num_hit_blocks[rid] = len(table)
         self._num_skipped[rid] = skipped
+        return table[skipped:] if skipped else table
 
-    def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> list[Block]:
-        """Extend the table to `total_tokens` slots; return the new entries (null included)."""
+    def num_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> int:
+        """Real blocks `allocate_new_blocks` needs for `total_tokens` slots (after `save_hits`)."""
+        return self._num_real(len(self._tables[request.request_id]), self.table_length(request, total_tokens),
+                              self.first_needed_block(first_new), first_new)
+
+    def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int,
+                            blocks: list[int] | None = None) -> list[int]:
+        """Extend the table to `total_tokens` slots with `blocks` (`num_new_blocks` of them,
+        freshly allocated to this group; popped from the pool when None); return the new
+        entries (null included)."""
         rid = request.request_id
+        if blocks is None:
+            blocks = self._pool.allocate(self.num_new_blocks(request, first_new, total_tokens), self.group_id)
         table = self._tables[rid]
         old_len = len(table)
         new = self._new_entries(old_len, self.table_length(request, total_tokens),
-                                self.first_needed_block(first_new), first_new)
+                                self.first_needed_block(first_new), first_new, blocks)
         table += new
         if new and self._num_skipped[rid] == old_len:
             self._num_skipped[rid] = self._leading_nulls(table, old_len)
         return new
 
-    def _leading_nulls(self, table: list[Block], start: int) -> int:
+    def _leading_nulls(self, table: list[int], start: int) -> int:
         """Index of the first real entry at or after `start` (len(table) if none)."""
-        return start + sum(1 for _ in takewhile(partial(is_, self._null), table[start:]))
+        return start + sum(1 for _ in takewhile(not_, table[start:]))
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Cache the full, real blocks among the first `num_tokens` tokens not cached yet."""
@@ -254,16 +261,17 @@ class SingleTypeManager(ABC):
                                 request.token_ids)
         self._num_cached[rid] = num_full
 
-    def uncomputed_cached_blocks(self, request_id: RequestId, num_computed_tokens: int) -> list[Block]:
+    def uncomputed_cached_blocks(self, request_id: RequestId, num_computed_tokens: int) -> list[int]:
         """Blocks this request cached (not its hits) that cover tokens at or beyond
         `num_computed_tokens`: allocated and cached for a step that has not run."""
         table = self._tables.get(request_id)
         if table is None:
             return []
         start = max(self._num_hit_blocks[request_id], num_computed_tokens // self.block_size)
-        return [b for b in table[start : self._num_cached[request_id]] if b.block_hash is not None]
+        hashes = self._pool.block_hash
+        return [b for b in table[start : self._num_cached[request_id]] if hashes[b] is not None]
 
-    def free(self, request_id: RequestId) -> list[Block]:
+    def free(self, request_id: RequestId) -> list[int]:
         """Forget the request; return its table tail first (the caller frees the blocks)."""
         table = self._tables.pop(request_id, None)
         if table is None:
@@ -274,11 +282,11 @@ class SingleTypeManager(ABC):
         kept.reverse()
         return kept
 
-    def block_table(self, request_id: RequestId) -> list[Block] | None:
+    def block_table(self, request_id: RequestId) -> list[int] | None:
         """The request's table (read only), None if it holds none in this group."""
         return self._tables.get(request_id)
 
-    def tables(self) -> Mapping[RequestId, list[Block]]:
+    def tables(self) -> Mapping[RequestId, list[int]]:
         """Every request's table (read only), for integrity checks."""
         return self._tables
 
@@ -293,10 +301,10 @@ class FullAttentionManager(SingleTypeManager):
     downward_closed = True
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
-                  max_length: int) -> list[list[Block]]:
+                  max_length: int) -> list[list[int]]:
         keys = block_hashes[: max_length // self.block_size]
         if len(maps) == 1:
-            return [cast("list[Block]", list(takewhile(_is_block, map(maps[0].get, keys))))]
+            return [list(takewhile(_is_block, map(maps[0].get, keys)))]  # type: ignore[arg-type]
         keys = keys[: _held_prefix(maps, keys)]
         return [list(map(m.__getitem__, keys)) for m in maps]
 
@@ -339,7 +347,7 @@ class SlidingWindowManager(SingleTypeManager):
         return (num_skipped + 1) * self.block_size + self.window_tokens - 2
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
-                  max_length: int) -> list[list[Block]]:
+                  max_length: int) -> list[list[int]]:
         limit = max_length // self.block_size
         need = self.contiguous_blocks
         if need == 0:
@@ -384,7 +392,7 @@ class ChunkedLocalManager(SingleTypeManager):
         return ((num_skipped + 1) * self.block_size - 1) // chunk * chunk + chunk - 1
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
-                  max_length: int) -> list[list[Block]]:
+                  max_length: int) -> list[list[int]]:
         limit = max_length // self.block_size
         start = self.first_needed_block(max_length)
         window = block_hashes[start:limit] if limit > start else []
@@ -411,8 +419,8 @@ class MambaManager(SingleTypeManager):
     def new_step(self) -> None:
         self._cached_this_step.clear()
 
-    def refuses_hit(self, hits: Sequence[Block]) -> bool:
-        return bool(hits) and hits[-1].block_hash in self._cached_this_step
+    def refuses_hit(self, hits: Sequence[int]) -> bool:
+        return bool(hits) and self._pool.block_hash[hits[-1]] in self._cached_this_step
 
     def first_needed_block(self, num_tokens: int) -> int:
         if self.mode is MambaMode.NONE:
@@ -443,21 +451,22 @@ class MambaManager(SingleTypeManager):
             return 0
         return 1 + self._read_entry(old_len, new_len, keep_from, first_new)
 
-    def _new_entries(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> list[Block]:
+    def _new_entries(self, old_len: int, new_len: int, keep_from: int, first_new: int,
+                     blocks: list[int]) -> list[int]:
         if self.mode is MambaMode.ALL:
-            return super()._new_entries(old_len, new_len, keep_from, first_new)
+            return super()._new_entries(old_len, new_len, keep_from, first_new, blocks)
         if new_len <= old_len:
             return []
         entries = [self._null] * (new_len - old_len)
         real = [new_len - 1]
         if self._read_entry(old_len, new_len, keep_from, first_new):
             real.append(keep_from)
-        for index, block in zip(real, self._pool.allocate(len(real), self.group_id), strict=True):
+        for index, block in zip(real, blocks, strict=True):
             entries[index - old_len] = block
         return entries
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
-                  max_length: int) -> list[list[Block]]:
+                  max_length: int) -> list[list[int]]:
         if self.mode is MambaMode.NONE:
             return [[] for _ in maps]
         keys = block_hashes[: max_length // self.block_size]
@@ -484,9 +493,8 @@ class MambaManager(SingleTypeManager):
             start = num_full - 1
         table = self._tables[rid]
         self._pool.cache_blocks(self.group_id, table, block_hashes, start, num_full, request.token_ids)
-        null = self._null
-        self._cached_this_step.update(b.block_hash for b in table[start:num_full]
-                                      if b is not null and b.block_hash is not None)
+        hashes = self._pool.block_hash
+        self._cached_this_step.update(h for h in map(hashes.__getitem__, table[start:num_full]) if h is not None)
 
     def state_entries(self, request_id: RequestId, start: int, end: int) -> StateEntries | None:
         """For a step computing tokens [start, end): (tokens, block) of the state it reads (None
@@ -516,7 +524,7 @@ class CrossAttentionManager(SingleTypeManager):
         return _cdiv(request.num_encoder_tokens, self.block_size)
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
-                  max_length: int) -> list[list[Block]]:
+                  max_length: int) -> list[list[int]]:
         return [[] for _ in maps]
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:

@@ -6,7 +6,6 @@ import pytest
 
 from hybridkv.core.block_pool import (
     AllBlocksCleared,
-    Block,
     BlockPool,
     BlockRemoved,
     BlockStored,
@@ -27,20 +26,8 @@ def make_pool(*, num_blocks: int = 11, events: KVEvents = KVEvents.OFF, two_grou
                      events=events)
 
 
-def ids(blocks: list[Block]) -> list[int]:
-    return [b.block_id for b in blocks]
-
-
 def hashes(*names: str) -> list[bytes]:
     return [name.encode() for name in names]
-
-
-def refs(pool: BlockPool, held: list[list[Block]]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for table in held:
-        for block in table:
-            out[block.block_id] = out.get(block.block_id, 0) + 1
-    return out
 
 
 def test_lru_order_after_freeing_two_requests() -> None:
@@ -56,7 +43,7 @@ def test_lru_order_after_freeing_two_requests() -> None:
     pool.cache_blocks(0, a, hashes("a1", "a2", "a3", "a4", "a5"), 0, 5, [])
     b = pool.allocate(3, 0)
     pool.cache_blocks(0, b, hashes("b1", "b2", "b3"), 0, 3, [])
-    assert ids(a) == [1, 2, 3, 4, 5, 6] and ids(b) == [7, 8, 9]
+    assert a == [1, 2, 3, 4, 5, 6] and b == [7, 8, 9]
     assert pool.free_order() == [10]
     pool.free(a[::-1])
     pool.free(b[::-1])
@@ -69,13 +56,13 @@ def test_allocation_pops_the_front_and_drops_the_stale_hash() -> None:
     blocks = pool.allocate(3, 0)
     pool.cache_blocks(0, blocks, hashes("x", "y", "z"), 0, 3, list(range(12)))
     pool.free(blocks[::-1])  # free order: 3, 2, 1
-    assert pool.cached_map(0)[b"z"].block_id == 3
+    assert pool.cached_map(0)[b"z"] == 3
     events = pool.take_events()
     assert events == [BlockStored(group_id=GroupId(0), kind=SpecKind.FULL, window_tokens=0, block_size=4,
                                   block_hashes=(b"x", b"y", b"z"), parent_hash=None, token_ids=tuple(range(12)))]
     evictions = pool.evictions
     (reused,) = pool.allocate(1, 0)
-    assert reused.block_id == 3 and reused.block_hash is None and reused.ref_cnt == 1
+    assert reused == 3 and pool.block_hash[reused] is None and pool.ref_cnt[reused] == 1
     assert b"z" not in pool.cached_map(0) and b"x" in pool.cached_map(0)
     assert pool.evictions == evictions + 1
     assert pool.take_events() == [BlockRemoved(group_id=GroupId(0), kind=SpecKind.FULL, window_tokens=0,
@@ -92,15 +79,15 @@ def test_touch_takes_a_free_block_back_and_raises_its_ref_count() -> None:
     assert pool.num_free == 4
     hit = pool.cached_map(0)[b"p"]
     pool.touch([hit, pool.null_block], 0)
-    assert hit.ref_cnt == 1 and pool.num_free == 3 and hit.block_id not in pool.free_order()
+    assert pool.ref_cnt[hit] == 1 and pool.num_free == 3 and hit not in pool.free_order()
     pool.touch([hit], 0)  # a second holder: no queue change
-    assert hit.ref_cnt == 2 and pool.num_free == 3
-    pool.check_integrity({hit.block_id: 2})
+    assert pool.ref_cnt[hit] == 2 and pool.num_free == 3
+    pool.check_integrity({hit: 2})
     pool.free([hit, hit])
-    assert pool.free_order()[-1] == hit.block_id  # cached: back of the queue
+    assert pool.free_order()[-1] == hit  # cached: back of the queue
 
 
-def cache_same_content_twice(pool: BlockPool) -> tuple[list[Block], list[Block]]:
+def cache_same_content_twice(pool: BlockPool) -> tuple[list[int], list[int]]:
     """Two requests compute the same block concurrently: both blocks carry the hash "same"."""
     first = pool.allocate(1, 0)
     second = pool.allocate(1, 0)
@@ -112,14 +99,14 @@ def cache_same_content_twice(pool: BlockPool) -> tuple[list[Block], list[Block]]
 def test_identical_content_cached_twice_survives_eviction_of_the_first() -> None:
     pool = make_pool(num_blocks=4)
     first, second = cache_same_content_twice(pool)
-    assert pool.cached_map(0)[b"same"] is first[0]
-    assert second[0].block_hash == b"same"
-    pool.check_integrity({first[0].block_id: 1, second[0].block_id: 1})
+    assert pool.cached_map(0)[b"same"] == first[0]
+    assert pool.block_hash[second[0]] == b"same"
+    pool.check_integrity({first[0]: 1, second[0]: 1})
     pool.free(first)
     pool.free(second)
     pool.allocate(1, 0)  # the never-used block 3 (uncached blocks are reused first)
     pool.allocate(1, 0)  # evicts `first`, the older cached copy
-    assert pool.cached_map(0)[b"same"] is second[0]
+    assert pool.cached_map(0)[b"same"] == second[0]
     pool.check_integrity({1: 1, 3: 1})
 
 
@@ -128,7 +115,7 @@ def test_the_null_block_is_never_cached_freed_or_queued() -> None:
     null = pool.null_block
     table = [null, *pool.allocate(1, 0)]
     pool.cache_blocks(0, table, hashes("n", "m"), 0, 2, [])
-    assert null.block_hash is None and b"n" not in pool.cached_map(0)
+    assert pool.block_hash[null] is None and b"n" not in pool.cached_map(0)
     pool.free(table[::-1])
     assert 0 not in pool.free_order()
     pool.check_integrity({})
@@ -142,7 +129,7 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use() -> None:
     pool.free(blocks[::-1])
     pool.take_events()
     assert pool.reset_prefix_cache() is True
-    assert pool.cached_map(0) == {} and all(b.block_hash is None for b in pool.blocks)
+    assert pool.cached_map(0) == {} and all(h is None for h in pool.block_hash)
     assert pool.take_events() == [AllBlocksCleared()]
     pool.check_integrity({})
 
@@ -155,7 +142,7 @@ def test_usage_overall_and_per_group() -> None:
     assert pool.group_usage() == (3, 2)
     pool.free(sliding[::-1])
     assert pool.group_usage() == (3, 0)
-    pool.check_integrity({b.block_id: 1 for b in full})
+    pool.check_integrity(dict.fromkeys(full, 1))
 
 
 def test_reallocating_a_block_to_another_group_moves_it() -> None:
@@ -164,7 +151,7 @@ def test_reallocating_a_block_to_another_group_moves_it() -> None:
     pool.cache_blocks(0, [block], hashes("k"), 0, 1, [])
     pool.free([block])
     (again,) = pool.allocate(1, 1)
-    assert again is block and block.group_id == 1 and b"k" not in pool.cached_map(0)
+    assert again == block and pool.group_of[block] == 1 and b"k" not in pool.cached_map(0)
     assert pool.group_usage() == (0, 1)
 
 
@@ -182,6 +169,6 @@ def test_evicting_the_waiting_copy_keeps_the_primary() -> None:
     first, second = cache_same_content_twice(pool)
     pool.free(second)
     (reused,) = pool.allocate(1, 0)
-    assert reused is second[0] and reused.block_hash is None
-    assert pool.cached_map(0)[b"same"] is first[0]
+    assert reused == second[0] and pool.block_hash[reused] is None
+    assert pool.cached_map(0)[b"same"] == first[0]
     pool.check_integrity({1: 1, 2: 1})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridkv.core.block_pool import Block, BlockPool
+from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.coordinator import HybridCoordinator
 from hybridkv.core.eviction import POLICIES, EvictionPolicyName
 from hybridkv.core.managers import MambaMode, make_manager
@@ -25,7 +25,7 @@ def test_fixed_point_over_full_sliding_and_mamba_with_two_block_sizes() -> None:
     managers = [make_manager(g, pool, mamba_mode=MambaMode.ALIGN) for g in config.groups]
     coordinator = HybridCoordinator(managers, pool)
     hashes = {2: [f"a{i}".encode() for i in range(9)], 4: [f"b{i}".encode() for i in range(4)]}
-    held: dict[tuple[int, int], Block] = {}
+    held: dict[tuple[int, int], int] = {}
     for g, size, positions in ((0, 2, range(8)), (1, 4, (1, 3)), (2, 4, (1, 2))):
         for i in positions:
             (block,) = pool.allocate(1, g)
