@@ -48,6 +48,9 @@ __all__ = [
 
 NULL_REF_CNT = 1 << 62
 NULL = 0  # the null block's id
+#: Up to this many blocks an operation runs block by block on the arrays (a decode step's
+#: handful: no array call overhead); from here on, in array operations.
+FEW = 8
 
 
 class KVEvents(Enum):
@@ -136,7 +139,6 @@ class BlockPool:
         self._policy = policy_factory(num_blocks, self.has_hash)
         self._maps: list[dict[BlockHash, int]] = [{} for _ in self._groups]
         self._dups: list[dict[BlockHash, list[int]]] = [{} for _ in self._groups]
-        self._used = np.zeros(len(self._groups), np.int64)
         self._events_on = events is KVEvents.ON
         self._events: list[KVEvent] = []
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
@@ -162,8 +164,10 @@ class BlockPool:
         return 1.0 - self._policy.num_free / self.usable_blocks
 
     def group_usage(self) -> tuple[int, ...]:
-        """Blocks held by at least one request, per group."""
-        return tuple(self._used.tolist())
+        """Blocks held by at least one request, per group (counted now: one array pass)."""
+        held = self.ref_cnt > 0
+        held[NULL] = False
+        return tuple(np.bincount(self.group_of[held], minlength=len(self._groups)).tolist())
 
     def free_order(self) -> list[int]:
         """Free block ids in eviction order (front first)."""
@@ -184,18 +188,36 @@ class BlockPool:
 
     def allocate_groups(self, counts: Sequence[int]) -> list[list[int]]:
         """`allocate(counts[g], g)` for every group g, in group order, in one pop."""
-        ids = self._policy.pop(sum(counts))
+        total = sum(counts)
+        if total <= FEW:
+            return self._allocate_few(counts, total)
+        ids = self._policy.pop(total)
         if self.has_hash[ids].any():
             self._evict(ids)
         self.ref_cnt[ids] = 1
         self.group_of[ids] = np.repeat(self._group_ids, counts)
-        self._used += counts
         listed = ids.tolist()
         out: list[list[int]] = []
         start = 0
         for count in counts:
             out.append(listed[start : start + count])
             start += count
+        return out
+
+    def _allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
+        listed = self._policy.pop_few(total)
+        has_hash, ref_cnt, group_of = self.has_hash, self.ref_cnt, self.group_of
+        out: list[list[int]] = []
+        start = 0
+        for group_id, count in enumerate(counts):
+            blocks = listed[start : start + count]
+            start += count
+            for block in blocks:
+                if has_hash[block]:
+                    self._drop_hash(block)
+                ref_cnt[block] = 1
+                group_of[block] = group_id
+            out.append(blocks)
         return out
 
     def _evict(self, ids: Ids) -> None:
@@ -233,7 +255,16 @@ class BlockPool:
     def touch_groups(self, tables: Sequence[Sequence[int]]) -> None:
         """`touch(tables[g], g)` for every group g."""
         order = list(chain.from_iterable(tables))
-        if not order:
+        if len(order) <= FEW:
+            refs = self.ref_cnt
+            revived = []
+            for block in order:
+                if block != NULL:
+                    if not refs[block]:
+                        revived.append(block)
+                    refs[block] += 1
+            if revived:
+                self._policy.remove_few(revived)
             return
         ids = np.array(order, np.int64)
         if NULL in order:
@@ -243,7 +274,6 @@ class BlockPool:
         revived = ids[refs == 0]
         if len(revived):
             self._policy.remove(revived)
-            self._used += np.bincount(self.group_of[revived], minlength=len(self._used))
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block, in order (a block may repeat: one reference per
@@ -257,9 +287,7 @@ class BlockPool:
             if not refs[block]:
                 released.append(block)
         if released:
-            ids = np.array(released, np.int64)
-            np.subtract.at(self._used, self.group_of[ids], 1)
-            self._policy.release(ids)
+            self._policy.release_few(released)
 
     def free_tables(self, tables: Sequence[Sequence[int]]) -> None:
         """Drop one reference to every block of `tables` (`tables[g]`: blocks of group g, tail
@@ -272,7 +300,8 @@ class BlockPool:
         group at a time.
         """
         order = interleave(tables)
-        if not order:
+        if len(order) <= FEW:
+            self.free(order)
             return
         ids = np.array(order, np.int64)
         if NULL in order:
@@ -281,7 +310,6 @@ class BlockPool:
         self.ref_cnt[ids] = refs
         released = ids[refs == 0]
         if len(released):
-            self._used -= np.bincount(self.group_of[released], minlength=len(self._used))
             self._policy.release(released)
 
     def cache_blocks(
@@ -316,6 +344,8 @@ class BlockPool:
         block_hash = self.block_hash
         if any(map(block_hash.__getitem__, blocks)):  # hashes are non-empty bytes
             return False
+        if not blocks:
+            return True
         size = len(cached)
         cached.update(zip(keys, blocks, strict=True))
         if len(cached) != size + len(keys):  # a hash repeats within `keys`: undo, go one by one
@@ -324,7 +354,12 @@ class BlockPool:
             return False
         for block, key in zip(blocks, keys, strict=True):
             block_hash[block] = key
-        self.has_hash[blocks] = True
+        if len(blocks) <= FEW:
+            has_hash = self.has_hash
+            for block in blocks:
+                has_hash[block] = True
+        else:
+            self.has_hash[blocks] = True
         return True
 
     def uncache(self, blocks: Sequence[int]) -> None:
@@ -416,7 +451,6 @@ class BlockPool:
         free_set = set(free_ids)
         if NULL in free_set or self.block_hash[NULL] is not None or self.ref_cnt[NULL] != NULL_REF_CNT:
             raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
-        used = [0] * len(self._groups)
         groups = self.group_of.tolist()
         for block, ref_cnt in enumerate(self.ref_cnt.tolist()[1:], start=1):
             want = expected_refs.get(block, 0)
@@ -425,10 +459,8 @@ class BlockPool:
             if (ref_cnt == 0) != (block in free_set):
                 where = "in" if block in free_set else "not in"
                 raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but is {where} the free queue")
-            if ref_cnt:
-                used[groups[block]] += 1
-        if used != self._used.tolist():
-            raise IntegrityError(f"blocks in use per group are {used} but the counters say {self._used.tolist()}")
+            if ref_cnt and not 0 <= groups[block] < len(self._groups):
+                raise IntegrityError(f"block {block} is held but belongs to no group ({groups[block]})")
         self._check_maps()
 
     def _check_maps(self) -> None:

@@ -56,6 +56,8 @@ class KVCacheCoordinator:
         self.quiet: dict[RequestId, list[int]] = {}
         # Groups whose hits wait a step when cached in this one (state groups in a caching mode).
         self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
+        # Groups that may release leading blocks as a request advances, in group order.
+        self._skipping = tuple(m for m in managers if m.skips_blocks)
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -96,7 +98,7 @@ class KVCacheCoordinator:
             if need > pool.num_free:
                 return None
         running = rid in self._allocated_tokens
-        released = [m.remove_skipped_blocks(rid, first_new) for m in managers] if running else []
+        released = [m.remove_skipped_blocks(rid, first_new) for m in self._skipping] if running else []
         if any(released):
             pool.free_tables(released)
         if running:  # a running request's bound is exactly its new blocks

@@ -44,15 +44,23 @@ class EvictionPolicy(Protocol):
     holds (a prefix hit; they hold cached content). `release(ids)` adds blocks whose ref count
     just dropped to 0, in release order (a request's tail first). `ordered()` lists its blocks in
     eviction order, checking its own structure and raising `IntegrityError` on a broken one.
+    The `_few` variants do the same on Python lists, for the handful of blocks of a decode step
+    (no array call overhead).
     """
 
     num_free: int
 
     def pop(self, num_blocks: int) -> Ids: ...
 
+    def pop_few(self, num_blocks: int) -> list[int]: ...
+
     def remove(self, ids: Ids) -> None: ...
 
+    def remove_few(self, ids: list[int]) -> None: ...
+
     def release(self, ids: Ids) -> None: ...
+
+    def release_few(self, ids: list[int]) -> None: ...
 
     def ordered(self) -> list[int]: ...
 
@@ -113,6 +121,60 @@ class LRUPolicy:
         if first:
             return np.concatenate((np.array(first, np.int64), taken))
         return taken
+
+    def pop_few(self, num_blocks: int) -> list[int]:
+        assert num_blocks <= self.num_free, f"pop({num_blocks}) from {self.num_free} free blocks"
+        self.num_free -= num_blocks
+        front = self._front
+        out: list[int] = []
+        if front:
+            take = min(num_blocks, len(front))
+            out = front[len(front) - take :]
+            out.reverse()
+            del front[len(front) - take :]
+            num_blocks -= take
+            if not num_blocks:
+                return out
+        head = self._head
+        stop = head + num_blocks
+        taken: list[int] = self._queue[head:stop].tolist()
+        if self._holes:
+            taken = [b for b in taken if b]
+            while len(taken) < num_blocks:  # the slice held holes: take as many more
+                assert stop < self._tail, "the free queue holds fewer blocks than num_free says"
+                more = self._queue[stop : stop + num_blocks - len(taken)].tolist()
+                stop += len(more)
+                taken += [b for b in more if b]
+            self._holes -= stop - head - num_blocks
+        self._head = stop
+        return out + taken
+
+    def remove_few(self, ids: list[int]) -> None:
+        queue = self._queue
+        pos = self._pos
+        for block in ids:
+            index = pos[block]
+            assert queue[index] == block, f"block {block} is not at its free-queue position"
+            queue[index] = 0
+        self._holes += len(ids)
+        self.num_free -= len(ids)
+
+    def release_few(self, ids: list[int]) -> None:
+        self.num_free += len(ids)
+        if self._tail + len(ids) > len(self._queue):
+            self._compact(len(ids))
+        content = self._content
+        queue = self._queue
+        pos = self._pos
+        tail = self._tail
+        for block in ids:
+            if content[block]:
+                queue[tail] = block
+                pos[block] = tail
+                tail += 1
+            else:
+                self._front.append(block)
+        self._tail = tail
 
     def remove(self, ids: Ids) -> None:
         index = self._pos[ids]

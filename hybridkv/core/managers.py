@@ -69,6 +69,8 @@ class SingleTypeManager(ABC):
     downward_closed = False
     #: A block cached in a step is hit only from the next step on (`refuses_hit`, `new_step`).
     defers_same_step_hits = False
+    #: `first_needed_block` can be above 0 (False: `remove_skipped_blocks` never releases).
+    skips_blocks = True
 
     def __init__(self, group: KVCacheGroupSpec, pool: BlockPool) -> None:
         self.group = group
@@ -299,6 +301,7 @@ class FullAttentionManager(SingleTypeManager):
     """Full attention: every block is kept; hits are downward closed."""
 
     downward_closed = True
+    skips_blocks = False
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
@@ -408,6 +411,7 @@ class MambaManager(SingleTypeManager):
     def __init__(self, group: KVCacheGroupSpec, pool: BlockPool, *, mode: MambaMode) -> None:
         super().__init__(group, pool)
         self.mode = mode
+        self.skips_blocks = mode is not MambaMode.NONE
         # Hashes of checkpoints cached since the last `new_step`: their state is written by a
         # step that has not run yet, so a hit on one is refused until the next step.
         self._cached_this_step: set[BlockHash] = set()
@@ -515,6 +519,8 @@ class MambaManager(SingleTypeManager):
 
 class CrossAttentionManager(SingleTypeManager):
     """Cross attention: `request.num_encoder_tokens` slots, allocated once, never cached."""
+
+    skips_blocks = False
 
     def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
         return NEVER, NEVER

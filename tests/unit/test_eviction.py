@@ -1,4 +1,5 @@
-"""The LRU free queue against a plain-list model of vLLM's queue, through holes and compactions."""
+"""The LRU free queue against a plain-list model of vLLM's queue, through holes and compactions,
+with the array and the block-by-block (`_few`) variants of each operation mixed."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_lru_policy_matches_the_list_model(seed: int) -> None:
         op = rng.random()
         if op < 0.4 and policy.num_free:
             n = rng.randint(1, policy.num_free)
-            got = policy.pop(n).tolist()
+            got = policy.pop_few(n) if rng.random() < 0.5 else policy.pop(n).tolist()
             assert got == model.pop(n)
             held += got
         elif op < 0.8 and held:
@@ -55,13 +56,19 @@ def test_lru_policy_matches_the_list_model(seed: int) -> None:
             ids, held = held[:k], held[k:]
             flags = [rng.random() < 0.7 for _ in ids]
             content[ids] = flags
-            policy.release(np.array(ids, np.int64))
+            if rng.random() < 0.5:
+                policy.release_few(ids)
+            else:
+                policy.release(np.array(ids, np.int64))
             model.release(ids, flags)
         else:
             cached = [b for b in model.order if content[b]]
             if cached:
                 taken = rng.sample(cached, rng.randint(1, min(4, len(cached))))
-                policy.remove(np.array(taken, np.int64))
+                if rng.random() < 0.5:
+                    policy.remove_few(taken)
+                else:
+                    policy.remove(np.array(taken, np.int64))
                 model.remove(taken)
                 held += taken
         assert policy.ordered() == model.order
