@@ -223,27 +223,26 @@ class BlockPool:
     def _evict(self, ids: Ids) -> None:
         """Drop the stale hashes of popped blocks (some carry one)."""
         evicted = ids[self.has_hash[ids]]
-        listed = evicted.tolist()
-        groups = self.group_of[evicted].tolist()
-        maps = self._maps
-        hashes = self.block_hash
-        if not self._events_on and not any(self._dups):  # no copies: every hash maps to its block
-            for block, group_id in zip(listed, groups, strict=True):
-                del maps[group_id][hashes[block]]
-                hashes[block] = None
-        else:
-            dups = self._dups
-            for block, group_id in zip(listed, groups, strict=True):
-                block_hash = hashes[block]
-                assert block_hash is not None
-                primary = maps[group_id].pop(block_hash)
-                if primary != block or block_hash in dups[group_id]:
-                    self._evict_duplicate(block, block_hash, group_id, primary)
-                if self._events_on:
-                    self._record_removed(group_id, block_hash)
-                hashes[block] = None
+        self._unmap(evicted.tolist(), self.group_of[evicted].tolist())
         self.has_hash[evicted] = False
-        self.evictions += len(listed)
+
+    def _unmap(self, blocks: list[int], groups: list[int]) -> None:
+        """Remove `blocks` (each carries a hash; `groups[i]` is the group of `blocks[i]`) from
+        their groups' cache tables and forget their hashes (the caller clears `has_hash`)."""
+        maps = self._maps
+        dups = self._dups
+        hashes = self.block_hash
+        events_on = self._events_on
+        for block, group_id in zip(blocks, groups, strict=True):
+            block_hash = hashes[block]
+            assert block_hash is not None
+            primary = maps[group_id].pop(block_hash)
+            if primary != block or block_hash in dups[group_id]:
+                self._evict_duplicate(block, block_hash, group_id, primary)
+            if events_on:
+                self._record_removed(group_id, block_hash)
+            hashes[block] = None
+        self.evictions += len(blocks)
 
     def touch(self, blocks: Sequence[int], group_id: int) -> None:
         """Take hit blocks of `group_id` (each once; null entries skipped): raise ref counts,
@@ -374,17 +373,8 @@ class BlockPool:
 
     def _drop_hash(self, block: int) -> None:
         """Remove `block` (which carries a hash) from its group's cache tables."""
-        block_hash = self.block_hash[block]
-        assert block_hash is not None
-        group_id = int(self.group_of[block])
-        primary = self._maps[group_id].pop(block_hash)
-        if primary != block or block_hash in self._dups[group_id]:
-            self._evict_duplicate(block, block_hash, group_id, primary)
-        if self._events_on:
-            self._record_removed(group_id, block_hash)
-        self.block_hash[block] = None
+        self._unmap([block], [int(self.group_of[block])])
         self.has_hash[block] = False
-        self.evictions += 1
 
     def _evict_duplicate(self, block: int, block_hash: BlockHash, group_id: int, primary: int) -> None:
         """Finish evicting `block` when its hash has copies; `primary` was just popped from the
