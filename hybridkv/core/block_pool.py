@@ -335,22 +335,14 @@ class BlockPool:
             self._record_stored(group_id, table, hashes, start, end, token_ids)
 
     def _cache_fresh(self, group_id: int, blocks: Sequence[int], keys: Sequence[BlockHash]) -> bool:
-        """The common case in bulk: real blocks without a hash under hashes new to the group
-        (and distinct); False (nothing done) otherwise."""
-        cached = self._maps[group_id]
-        if len(blocks) != len(keys) or NULL in blocks or not cached.keys().isdisjoint(keys):
-            return False
+        """The common case in bulk: real blocks without a hash (one `setdefault` per block; a
+        hash already cached, or repeated within `keys`, makes the block a waiting copy, as one
+        by one); False (nothing done) when some block is null or carries a hash."""
         block_hash = self.block_hash
-        if any(map(block_hash.__getitem__, blocks)):  # hashes are non-empty bytes
+        # hashes are non-empty bytes: any() finds a block that carries one
+        if len(blocks) != len(keys) or NULL in blocks or any(map(block_hash.__getitem__, blocks)):
             return False
-        if not blocks:
-            return True
-        size = len(cached)
-        cached.update(zip(keys, blocks, strict=True))
-        if len(cached) != size + len(keys):  # a hash repeats within `keys`: undo, go one by one
-            for key in keys:
-                cached.pop(key, None)
-            return False
+        primaries = list(map(self._maps[group_id].setdefault, keys, blocks))
         for block, key in zip(blocks, keys, strict=True):
             block_hash[block] = key
         if len(blocks) <= FEW:
@@ -359,6 +351,11 @@ class BlockPool:
                 has_hash[block] = True
         else:
             self.has_hash[blocks] = True
+        if primaries != blocks:
+            dups = self._dups[group_id]
+            for block, key, primary in zip(blocks, keys, primaries, strict=True):
+                if primary != block:
+                    dups.setdefault(key, []).append(block)
         return True
 
     def uncache(self, blocks: Sequence[int]) -> None:
