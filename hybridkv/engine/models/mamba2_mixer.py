@@ -66,7 +66,7 @@ class GatedRMSNorm(nn.Module):
         if not self.norm_before_gate:
             y = y * gate
         g = y.view(y.shape[0], self.groups, -1)  # [T, G, dim/G]
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        g = F.rms_norm(g, (g.shape[-1],), None, self.eps)
         y = g.view_as(y) * self.weight.float()
         return y * gate if self.norm_before_gate else y
 

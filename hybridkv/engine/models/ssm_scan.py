@@ -46,8 +46,12 @@ def _per_head(bc: torch.Tensor, heads: int) -> torch.Tensor:
 def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
                 d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2 SSD over one segment. x [T, H, P], dt [T, H] (after softplus and clamp), b/c [T, G, N],
-    a [H] (negative), d [H], state [H, P, N] -> (y [T, H, P], state after the last token), float32."""
+    a [H] (negative), d [H], state [H, P, N] -> (y [T, H, P], state after the last token), float32.
+
+    The R = H / G heads of a group share its B and C: C . B is computed once per group, not per head."""
     t, heads, p = x.shape
+    groups, n = b.shape[1], b.shape[2]
+    r = heads // groups
     chunk = min(SCAN_CHUNK, t)
     back = (-t) % chunk
     x, dt = x.float(), dt.float()
@@ -57,20 +61,29 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
         return z.view(-1, chunk, *z.shape[1:])
 
     xdt = chunks(x * dt[..., None])  # [c, l, H, P]
-    bc, cc = chunks(_per_head(b, heads)), chunks(_per_head(c, heads))  # [c, l, H, N]
+    k = xdt.shape[0]
+    bc, cc = chunks(b.float()), chunks(c.float())  # [c, l, G, N]
     da = chunks(dt * a.float()[None, :]).permute(0, 2, 1)  # [c, H, l] log decay of each token
     cum = torch.cumsum(da, dim=-1)  # [c, H, l]
-    scores = torch.einsum("clhn,cshn->chls", cc, bc) * torch.exp(_segsum(da))  # [c, H, l, s]
-    y = torch.einsum("chls,cshp->clhp", scores, xdt)  # [c, l, H, P] within each chunk
-    to_end = torch.exp(cum[..., -1:] - cum)  # [c, H, l] decay from each token to its chunk's end
-    chunk_states = torch.einsum("clhn,chl,clhp->chpn", bc, to_end, xdt)  # [c, H, P, N]
+    cb = torch.einsum("clgn,csgn->cgls", cc, bc)  # [c, G, l, s]
+    scores = cb[:, :, None] * torch.exp(_segsum(da)).view(k, groups, r, chunk, chunk)  # [c, G, R, l, s]
+    xg = xdt.view(k, chunk, groups, r * p).permute(0, 2, 1, 3)  # [c, G, s, R*P]
+    xg = xg.reshape(k, groups, chunk, r, p).permute(0, 1, 3, 2, 4)  # [c, G, R, s, P]
+    y = scores @ xg  # [c, G, R, l, P] within each chunk
+    to_end = torch.exp(cum[..., -1:] - cum).view(k, groups, r, chunk, 1)  # [c, G, R, l, 1] decay to the chunk end
+    weighted = (xg * to_end).permute(0, 1, 3, 2, 4).reshape(k, groups, chunk, r * p)  # [c, G, l, R*P]
+    chunk_states = bc.permute(0, 2, 3, 1) @ weighted  # [c, G, N, R*P]
+    chunk_states = chunk_states.view(k, groups, n, r, p).permute(0, 1, 3, 4, 2).reshape(k, heads, p, n)  # [c, H, P, N]
     chunk_decay = torch.exp(cum[..., -1])  # [c, H]
-    entering = [state.float()]  # entering[k]: the state before chunk k
-    for k in range(chunk_states.shape[0]):
-        entering.append(entering[-1] * chunk_decay[k, :, None, None] + chunk_states[k])
-    inner = torch.stack(entering[:-1])  # [c, H, P, N]
-    y = y + torch.einsum("clhn,chpn,chl->clhp", cc, inner, torch.exp(cum))  # from the states entering
-    y = y.reshape(-1, heads, p)[:t] + d.float()[None, :, None] * x  # [T, H, P]
+    entering = torch.empty(k + 1, heads, p, n)  # entering[i]: the state before chunk i
+    entering[0] = state.float()
+    for i in range(k):
+        torch.addcmul(chunk_states[i], entering[i], chunk_decay[i, :, None, None], out=entering[i + 1])
+    inner = entering[:-1].view(k, groups, r * p, n)  # [c, G, R*P, N]
+    from_state = cc.permute(0, 2, 1, 3) @ inner.transpose(-1, -2)  # [c, G, l, R*P]
+    from_state = from_state.view(k, groups, chunk, r, p).permute(0, 1, 3, 2, 4)  # [c, G, R, l, P]
+    y = y + from_state * torch.exp(cum).view(k, groups, r, chunk, 1)  # from the states entering
+    y = y.view(k, heads, chunk, p).transpose(1, 2).reshape(-1, heads, p)[:t] + d.float()[None, :, None] * x
     return y, entering[-1]
 
 
@@ -81,8 +94,9 @@ def mamba2_step(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
     x, dt = x.float(), dt.float()
     b, c = _per_head(b, heads), _per_head(c, heads)  # [R, H, N]
     decay = torch.exp(dt * a.float()[None, :])  # [R, H]
-    new = state.float() * decay[..., None, None] + (dt[..., None] * x)[..., None] * b[:, :, None, :]  # [R, H, P, N]
-    y = torch.einsum("rhpn,rhn->rhp", new, c) + d.float()[None, :, None] * x
+    new = state.float() * decay[..., None, None]  # [R, H, P, N]
+    new.addcmul_((dt[..., None] * x)[..., None], b[:, :, None, :])  # + dt x B^T, in place
+    y = (new @ c[..., None])[..., 0] + d.float()[None, :, None] * x  # [R, H, P]
     return y, new
 
 
