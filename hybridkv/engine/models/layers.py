@@ -51,7 +51,8 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
+        h = self.act(self.gate_proj(x))  # [T, I], a new tensor: multiplied in place
+        return self.down_proj(h.mul_(self.up_proj(x)))  # type: ignore[no-any-return]
 
 
 class RMSNorm(nn.Module):
