@@ -27,11 +27,12 @@ The null block's ref count is `NULL_REF_CNT` and never changes (touch and releas
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from itertools import chain
+from typing import cast
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -223,8 +224,25 @@ class BlockPool:
     def _evict(self, ids: Ids) -> None:
         """Drop the stale hashes of popped blocks (some carry one)."""
         evicted = ids[self.has_hash[ids]]
-        self._unmap(evicted.tolist(), self.group_of[evicted].tolist())
+        groups = self.group_of[evicted]
         self.has_hash[evicted] = False
+        if self._events_on:  # one event per block, in pop order
+            self._unmap(evicted.tolist(), groups.tolist())
+            return
+        hashes = self.block_hash
+        for group_id in range(len(self._groups)):
+            blocks = evicted[groups == group_id].tolist()
+            if not blocks:
+                continue
+            keys = cast("list[BlockHash]", list(map(hashes.__getitem__, blocks)))  # evicted: all hashed
+            dups = self._dups[group_id]
+            if dups and any(map(dups.__contains__, keys)):  # copies to promote: block by block
+                self._unmap(blocks, [group_id] * len(blocks))
+                continue
+            # no copies: every block is its hash's primary (one C-level pass per group)
+            deque(map(self._maps[group_id].__delitem__, keys), maxlen=0)
+            deque(map(hashes.__setitem__, blocks, repeat(None)), maxlen=0)
+            self.evictions += len(blocks)
 
     def _unmap(self, blocks: list[int], groups: list[int]) -> None:
         """Remove `blocks` (each carries a hash; `groups[i]` is the group of `blocks[i]`) from
@@ -274,9 +292,11 @@ class BlockPool:
         if len(revived):
             self._policy.remove(revived)
 
-    def free(self, blocks: Sequence[int]) -> None:
+    def free(self, blocks: Sequence[int] | Ids) -> None:
         """Drop one reference to each block, in order (a block may repeat: one reference per
         occurrence); release those that reach 0, in the order they reach it."""
+        if isinstance(blocks, np.ndarray):
+            blocks = blocks.tolist()
         released: list[int] = []
         refs = self.ref_cnt
         for block in blocks:
@@ -288,7 +308,7 @@ class BlockPool:
         if released:
             self._policy.release_few(released)
 
-    def free_tables(self, tables: Sequence[Sequence[int]]) -> None:
+    def free_tables(self, tables: Sequence[Sequence[int] | Ids]) -> None:
         """Drop one reference to every block of `tables` (`tables[g]`: blocks of group g, tail
         first, each block once; null entries allowed) and release those that reach 0 position
         by position across groups: the k-th block from the tail of every group before the
@@ -296,15 +316,23 @@ class BlockPool:
 
         Releasing position k of every group before position k-1 of any makes the global LRU
         evict a position from all groups together, so identical groups do not lose hits one
-        group at a time.
+        group at a time. The order is one array: row k of a (longest, groups) grid holds the
+        k-th entry from the tail of each group (null where a group is shorter), read row by row.
         """
-        order = interleave(tables)
-        if len(order) <= FEW:
-            self.free(order)
+        rest = [t for t in tables if len(t)]
+        if not rest:
             return
-        ids = np.array(order, np.int64)
-        if NULL in order:
-            ids = ids[ids != NULL]
+        if sum(map(len, rest)) <= FEW:
+            self.free(interleave([t.tolist() if isinstance(t, np.ndarray) else t for t in rest]))
+            return
+        if len(rest) == 1:
+            ids = np.asarray(rest[0], np.int64)
+        else:
+            grid = np.zeros((max(map(len, rest)), len(rest)), np.int64)
+            for column, blocks in enumerate(rest):
+                grid[: len(blocks), column] = blocks
+            ids = grid.ravel()
+        ids = ids[ids != NULL]
         refs = self.ref_cnt[ids] - 1
         self.ref_cnt[ids] = refs
         released = ids[refs == 0]
@@ -314,17 +342,19 @@ class BlockPool:
     def cache_blocks(
         self,
         group_id: int,
-        table: Sequence[int],
+        table: Sequence[int] | Ids,
         hashes: Sequence[BlockHash],
         start: int,
         end: int,
         token_ids: Sequence[int],
     ) -> None:
         """Cache the non-null blocks `table[start:end]` under `hashes[start:end]` in `group_id`."""
-        if not self._cache_fresh(group_id, table[start:end], hashes[start:end]):
+        chosen = table[start:end]
+        blocks: list[int] = chosen.tolist() if isinstance(chosen, np.ndarray) else list(chosen)
+        if not self._cache_fresh(group_id, blocks, hashes[start:end]):
             cached = self._maps[group_id]
             block_hash = self.block_hash
-            for block, key in zip(table[start:end], hashes[start:end], strict=True):
+            for block, key in zip(blocks, hashes[start:end], strict=True):
                 if block == NULL or block_hash[block] is not None:
                     continue
                 block_hash[block] = key
@@ -332,7 +362,7 @@ class BlockPool:
                 if cached.setdefault(key, block) != block:
                     self._dups[group_id].setdefault(key, []).append(block)
         if self._events_on:
-            self._record_stored(group_id, table, hashes, start, end, token_ids)
+            self._record_stored(group_id, blocks, hashes, start, end, token_ids)
 
     def _cache_fresh(self, group_id: int, blocks: Sequence[int], keys: Sequence[BlockHash]) -> bool:
         """The common case in bulk: real blocks without a hash (one `setdefault` per block; a
@@ -392,13 +422,14 @@ class BlockPool:
         self._events.append(BlockRemoved(group_id=GroupId(group_id), kind=spec.kind,
                                          window_tokens=spec.window_tokens, block_hashes=(block_hash,)))
 
-    def _record_stored(self, group_id: int, table: Sequence[int], hashes: Sequence[BlockHash],
+    def _record_stored(self, group_id: int, blocks: Sequence[int], hashes: Sequence[BlockHash],
                        start: int, end: int, token_ids: Sequence[int]) -> None:
+        """`blocks` = the table's entries [start, end)."""
         spec = self._groups[group_id]
         size = spec.block_size
         run_start = start
         for i in range(start, end + 1):
-            if i < end and table[i] != NULL:
+            if i < end and blocks[i - start] != NULL:
                 continue
             if i > run_start:
                 self._events.append(BlockStored(

@@ -36,11 +36,13 @@ import math
 from collections.abc import Sequence
 
 from hybridkv.core.block_pool import BlockPool
+from hybridkv.core.eviction import Ids
 from hybridkv.core.ids import BlockHash, RequestId
-from hybridkv.core.managers import SingleTypeManager
 from hybridkv.core.request import KVRequest
+from hybridkv.core.single_type_manager import SingleTypeManager
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
+NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
 
 
 class KVCacheCoordinator:
@@ -82,7 +84,7 @@ class KVCacheCoordinator:
             self._allocated_tokens[request_id] = total_tokens
 
     def allocate(self, request: KVRequest, hits: GroupBlocks | None, first_new: int,
-                 total_tokens: int) -> GroupBlocks | None:
+                 total_tokens: int) -> NewEntries | None:
         """New entries per group for `total_tokens` slots, or None (nothing changed)."""
         managers = self.managers
         rid = request.request_id
@@ -99,7 +101,7 @@ class KVCacheCoordinator:
                 return None
         running = rid in self._allocated_tokens
         released = [m.remove_skipped_blocks(rid, first_new) for m in self._skipping] if running else []
-        if any(released):
+        if any(map(len, released)):
             pool.free_tables(released)
         if running:  # a running request's bound is exactly its new blocks
             counts = bounds

@@ -283,7 +283,7 @@ class KVCacheManager:
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
         coordinator.update_quiet(request.request_id)
-        return tuple(map(tuple, new))  # type: ignore[arg-type]  # ids
+        return tuple(tuple(entries.tolist()) for entries in new)
 
     def cache(self, request: KVRequest, num_tokens: int) -> None:
         """Cache the full blocks among the first `num_tokens` tokens (after a DELAYED allocate,
