@@ -31,8 +31,8 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
 from itertools import chain, repeat
+from typing import cast
 
 import numpy as np
 
