@@ -185,10 +185,12 @@ class BlockPool:
         """Pop `num_blocks` blocks for `group_id` (the caller checked `num_free`), ref count 1."""
         counts = [0] * len(self._groups)
         counts[group_id] = num_blocks
-        return self.allocate_groups(counts)[group_id]
+        blocks = self.allocate_groups(counts)[group_id]
+        return blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
 
-    def allocate_groups(self, counts: Sequence[int]) -> list[list[int]]:
-        """`allocate(counts[g], g)` for every group g, in group order, in one pop."""
+    def allocate_groups(self, counts: Sequence[int]) -> list[list[int]] | list[Ids]:
+        """`allocate(counts[g], g)` for every group g, in group order, in one pop: lists for a
+        handful of blocks, else array slices."""
         total = sum(counts)
         if total <= FEW:
             return self._allocate_few(counts, total)
@@ -197,11 +199,10 @@ class BlockPool:
             self._evict(ids)
         self.ref_cnt[ids] = 1
         self.group_of[ids] = np.repeat(self._group_ids, counts)
-        listed = ids.tolist()
-        out: list[list[int]] = []
+        out: list[Ids] = []
         start = 0
         for count in counts:
-            out.append(listed[start : start + count])
+            out.append(ids[start : start + count])
             start += count
         return out
 
@@ -349,9 +350,9 @@ class BlockPool:
         token_ids: Sequence[int],
     ) -> None:
         """Cache the non-null blocks `table[start:end]` under `hashes[start:end]` in `group_id`."""
-        chosen = table[start:end]
-        blocks: list[int] = chosen.tolist() if isinstance(chosen, np.ndarray) else list(chosen)
-        if not self._cache_fresh(group_id, blocks, hashes[start:end]):
+        chosen = np.asarray(table[start:end], np.int64)
+        blocks: list[int] = chosen.tolist()
+        if not self._cache_fresh(group_id, blocks, chosen, hashes[start:end]):
             cached = self._maps[group_id]
             block_hash = self.block_hash
             for block, key in zip(blocks, hashes[start:end], strict=True):
@@ -364,23 +365,25 @@ class BlockPool:
         if self._events_on:
             self._record_stored(group_id, blocks, hashes, start, end, token_ids)
 
-    def _cache_fresh(self, group_id: int, blocks: Sequence[int], keys: Sequence[BlockHash]) -> bool:
-        """The common case in bulk: real blocks without a hash (one `setdefault` per block; a
-        hash already cached, or repeated within `keys`, makes the block a waiting copy, as one
-        by one); False (nothing done) when some block is null or carries a hash."""
-        block_hash = self.block_hash
-        # hashes are non-empty bytes: any() finds a block that carries one
-        if len(blocks) != len(keys) or NULL in blocks or any(map(block_hash.__getitem__, blocks)):
+    def _cache_fresh(self, group_id: int, blocks: list[int], ids: Ids, keys: Sequence[BlockHash]) -> bool:
+        """The common case in bulk: real blocks without a hash (`ids` = `blocks` as an array;
+        one `setdefault` per block; a hash already cached, or repeated within `keys`, makes the
+        block a waiting copy, as one by one); False (nothing done) when some block is null or
+        carries a hash."""
+        if len(blocks) != len(keys):
+            return False
+        few = len(blocks) <= FEW  # scalar reads and writes: no array call overhead (hashes are non-empty bytes)
+        if (NULL in blocks or any(map(self.block_hash.__getitem__, blocks)) if few
+                else not ids.all() or self.has_hash[ids].any()):
             return False
         primaries = list(map(self._maps[group_id].setdefault, keys, blocks))
-        for block, key in zip(blocks, keys, strict=True):
-            block_hash[block] = key
-        if len(blocks) <= FEW:
+        deque(map(self.block_hash.__setitem__, blocks, keys), maxlen=0)
+        if few:
             has_hash = self.has_hash
             for block in blocks:
                 has_hash[block] = True
         else:
-            self.has_hash[blocks] = True
+            self.has_hash[ids] = True
         if primaries != blocks:
             dups = self._dups[group_id]
             for block, key, primary in zip(blocks, keys, primaries, strict=True):

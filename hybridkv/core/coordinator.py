@@ -110,7 +110,7 @@ class KVCacheCoordinator:
             if any(touched):
                 pool.touch_groups(touched)
             counts = [m.num_new_blocks(request, first_new, total_tokens) for m in managers]
-        fresh = pool.allocate_groups(counts) if any(counts) else [[] for _ in managers]
+        fresh: Sequence[Sequence[int] | Ids] = pool.allocate_groups(counts) if any(counts) else [[]] * len(managers)
         new = [m.allocate_new_blocks(request, first_new, total_tokens, blocks)
                for m, blocks in zip(managers, fresh, strict=True)]
         self._allocated_tokens[rid] = max(total_tokens, self._allocated_tokens.get(rid, 0))
