@@ -5,13 +5,16 @@ schedules a single token (decodes), then each prefill chunk. For every KV cache 
 builds one `GroupMetadata`; every attention layer of that group reuses it:
 
     write:  cache[write_blocks[t], :, write_offsets[t]] = (k[t], v[t])      for t in 0..T-1
-    read:   calls, each = `rows` rows of `queries` consecutive tokens; row r attends to the key
-            slots read_blocks[r, j], read_offsets[r, j] (j < keys) under mask[r, 0, q, j]
+    read:   calls, each = `rows` rows of `queries` consecutive tokens; row r reads whole blocks
+            read_block_ids[r, 0..B) and attends to key slot j (offset j % block_size of block
+            j // block_size) under mask[r, 0, q, j]
 
 Writes go through a flat view of the cache, [num_blocks * 2 * block_size, kv_heads * head_dim], with
 row indices from `flat_rows` (index_copy_ / index_select beat advanced indexing by ~3x on CPU). Reads
-gather one row per (key, KV head) from the view [num_blocks * 2 * block_size * kv_heads, head_dim],
-so K/V arrive as contiguous [rows, kv_heads, keys, head_dim] and the matmuls need no further copy.
+gather whole blocks (one index_select per K and V: a block's K is one contiguous run of
+block_size * kv_heads * head_dim values) into [rows, keys, kv_heads, head_dim], which SDPA reads
+transposed without a copy; per-row gathers cost ~2x as much on a 700-key decode. A row's first and
+last block may hold keys it does not see; the mask leaves them out.
 A call whose rows attend causally to exactly their own new tokens (a prompt's first chunk in a full
 attention group, or one shorter than the window) reads the step's new K/V directly, with no gather
 and no mask (SDPA's causal kernel skips the masked half).
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -69,28 +72,31 @@ class AttentionRule:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttentionCall:
-    """`rows` rows of `queries` consecutive flattened tokens starting at `token_start`."""
+    """`rows` rows of `queries` consecutive flattened tokens starting at `token_start`.
+
+    Each row reads whole blocks: key slot j of a row is offset j % block_size of block
+    `read_block_ids[r, j // block_size]`; slots outside the row's keys (before its first key in the
+    first block, after its last query, a shorter row's padding) are masked out.
+    """
 
     token_start: int
     rows: int
     queries: int
-    read_blocks: torch.Tensor  # [rows, keys] int64 block id per key slot
-    read_offsets: torch.Tensor  # [rows, keys] int64 offset in the block
-    read_rows: torch.Tensor  # [rows * keys] int64 K row in the flat cache view (V: + block_size)
-    mask: torch.Tensor  # [rows, 1, queries, keys] bool, True = attend
+    block_size: int
+    read_block_ids: torch.Tensor  # [rows, blocks] int64 block id per block slot (padding repeats the last)
+    mask: torch.Tensor  # [rows, 1, queries, keys] bool, True = attend; keys = blocks * block_size
     self_causal: bool = False  # row r's keys are its own queries' tokens, mask = causal (keys == queries)
-    # kv_heads -> K rows [rows * kv_heads * keys] in the per-head view; filled on first use, shared by the
-    # group's layers (V rows: + block_size * kv_heads)
-    _head_rows: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
-    def head_rows(self, kv_heads: int) -> torch.Tensor:
-        """K rows of the call's keys in the per-head cache view [num_blocks * 2 * block_size * kv_heads, D],
-        ordered [rows, kv_heads, keys]: row(key row, h) = key row * kv_heads + h."""
-        rows = self._head_rows.get(kv_heads)
-        if rows is None:
-            keys = self.read_rows.view(self.rows, 1, -1) * kv_heads  # [R, 1, L]
-            rows = self._head_rows[kv_heads] = (keys + torch.arange(kv_heads).view(1, kv_heads, 1)).flatten()
-        return rows
+    @property
+    def read_blocks(self) -> torch.Tensor:
+        """[rows, keys] block id of each key slot."""
+        return self.read_block_ids.repeat_interleave(self.block_size, dim=1)
+
+    @property
+    def read_offsets(self) -> torch.Tensor:
+        """[rows, keys] offset of each key slot in its block."""
+        keys = self.read_block_ids.shape[1] * self.block_size
+        return (torch.arange(keys) % self.block_size).expand(self.rows, keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,10 +154,9 @@ class _CallPlan:
     rows: int
     queries: int
     table_rows: torch.Tensor  # [R] which chunk's block table each row reads
-    key_blocks: torch.Tensor  # [R, L] index into the block table (key position // block size)
-    key_offsets: torch.Tensor  # [R, L] key position % block size
-    mask: torch.Tensor  # [R, 1, Q, L]
-    attended: torch.Tensor  # [R, L] keys at least one query of the row attends to
+    span: torch.Tensor  # [R, B] index into the block table of each block slot
+    mask: torch.Tensor  # [R, 1, Q, B * block size]
+    attended: torch.Tensor  # [R, B] blocks at least one query of the row attends to
     self_causal: bool  # every row's keys are its own queries' positions under a plain causal mask
 
 
@@ -172,25 +177,28 @@ class ReadPlan:
 
 
 def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int) -> _CallPlan:
-    """Key positions and mask of rows that share a query count."""
+    """Blocks and mask of rows that share a query count: each row reads the blocks from the one of
+    its first key to the one of its last query (padded to the call's widest row with its last block)."""
     queries = rows[0].queries
     q_start = torch.tensor([r.q_start for r in rows])  # [R]
     k_start = torch.tensor([r.k_start for r in rows])  # [R]
     end = q_start + queries  # [R] one past the last query position
-    keys = int((end - k_start).max())
-    k_pos = k_start[:, None] + torch.arange(keys)  # [R, L]
-    valid = k_pos < end[:, None]  # [R, L] padding slots beyond the row's last query
-    k_pos = torch.minimum(k_pos, (end - 1)[:, None])  # [R, L] clamp padding onto a real slot
+    first, last = k_start // block_size, (end - 1) // block_size  # [R] first / last block of each row
+    width = int((last - first).max()) + 1
+    span = torch.minimum(first[:, None] + torch.arange(width), last[:, None])  # [R, B]
+    k_pos = first[:, None] * block_size + torch.arange(width * block_size)  # [R, L] key position of each slot
     q_pos = q_start[:, None] + torch.arange(queries)  # [R, Q]
-    mask = valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [R, Q, L]
+    # causality leaves out the slots after a row's last query (its padding included); the window / chunk
+    # rule those before its first key (full attention's first key is 0)
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [R, Q, L]
     if rule.kind is SpecKind.SLIDING_WINDOW:
         mask &= q_pos[:, :, None] - k_pos[:, None, :] < rule.window_tokens
     elif rule.kind is SpecKind.CHUNKED_LOCAL:
         mask &= (k_pos[:, None, :] // rule.chunk_tokens) == (q_pos[:, :, None] // rule.chunk_tokens)
+    attended = mask.any(dim=1).view(len(rows), width, block_size).any(dim=2)  # [R, B]
     return _CallPlan(token_start=rows[0].token_start, rows=len(rows), queries=queries,
-                     table_rows=torch.tensor([r.table for r in rows]), key_blocks=k_pos // block_size,
-                     key_offsets=k_pos % block_size, mask=mask[:, None], attended=mask.any(dim=1),
-                     self_causal=all(_self_causal(r, rule) for r in rows))
+                     table_rows=torch.tensor([r.table for r in rows]), span=span, mask=mask[:, None],
+                     attended=attended, self_causal=all(_self_causal(r, rule) for r in rows))
 
 
 def _self_causal(row: _Row, rule: AttentionRule) -> bool:
@@ -234,16 +242,15 @@ def group_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[int]]) -> Gro
         raise RuntimeError("internal error: a new token maps to the null block 0; its block was not allocated")
     calls = []
     for call in plan.calls:
-        blocks = tables[call.table_rows].gather(1, call.key_blocks)  # [R, L]
+        blocks = tables[call.table_rows].gather(1, call.span)  # [R, B]
         if bool(((blocks == 0) & call.attended).any()):
             raise RuntimeError(
                 f"internal error: a {plan.rule.kind.value} query would read the null block 0; the KV cache "
                 f"manager released a block that is still inside the attention range"
             )
-        rows = flat_rows(blocks, call.key_offsets, plan.block_size).flatten()  # [R*L]
         calls.append(AttentionCall(token_start=call.token_start, rows=call.rows, queries=call.queries,
-                                   read_blocks=blocks, read_offsets=call.key_offsets, read_rows=rows,
-                                   mask=call.mask, self_causal=call.self_causal))
+                                   block_size=plan.block_size, read_block_ids=blocks, mask=call.mask,
+                                   self_causal=call.self_causal))
     return GroupMetadata(write_blocks=write_blocks, write_offsets=plan.offsets, calls=tuple(calls),
                          write_rows=flat_rows(write_blocks, plan.offsets, plan.block_size))
 
@@ -317,13 +324,12 @@ def _attend(
 ) -> torch.Tensor:
     rows, queries = call.rows, call.queries
     heads, head_dim = q.shape[1], q.shape[2]
-    block_size, kv_heads = cache.shape[2], cache.shape[3]
+    kv_heads = cache.shape[3]
     groups = heads // kv_heads
     keys = call.mask.shape[-1]
-    flat = cache.view(-1, head_dim)  # [num_blocks * 2 * block_size * KVH, D]: one row per (slot, KV head)
-    k_rows = call.head_rows(kv_heads)  # [R*KVH*L]
-    k = flat.index_select(0, k_rows).view(rows, kv_heads, keys, head_dim)  # [R, KVH, L, D]
-    v = flat.index_select(0, k_rows + block_size * kv_heads).view(rows, kv_heads, keys, head_dim)  # [R, KVH, L, D]
+    ids = call.read_block_ids.flatten()  # [R*B]: whole blocks, K and V each one contiguous run per block
+    k = cache[:, 0].index_select(0, ids).view(rows, keys, kv_heads, head_dim).transpose(1, 2)  # [R, KVH, L, D]
+    v = cache[:, 1].index_select(0, ids).view(rows, keys, kv_heads, head_dim).transpose(1, 2)  # [R, KVH, L, D]
     if sinks is None and softcap is None and queries == 1:  # decodes: the query heads of a KV head as its queries
         q4 = q.view(rows, kv_heads, groups, head_dim)  # [R, KVH, G, D]
         o = F.scaled_dot_product_attention(q4, k, v, attn_mask=call.mask, scale=scale)  # [R, KVH, G, D]

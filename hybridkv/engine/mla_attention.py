@@ -8,7 +8,7 @@ tensor, viewed as
     [num_blocks, block_size, width]         row(block, offset) = block * block_size + offset
 
 The group's `GroupMetadata` (built for full attention) says where new tokens go and which
-(block, offset) slots each attention row reads; the latent layers use its block/offset pairs.
+blocks each attention row reads; the latent layers gather those blocks.
 
     MLA (not absorbed, as transformers computes it):
         latent [R, L, rank + rope] --kv_b_proj--> k_nope, v [R, L, H, .];  k = k_nope | k_rope (shared)
@@ -61,10 +61,9 @@ def write_latent(cache: torch.Tensor, meta: GroupMetadata, values: torch.Tensor)
 
 
 def read_latent(cache: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-    """The latents of a call's key slots: [rows, keys, width]."""
-    flat = cache.view(-1, cache.shape[2])
-    rows = _rows(call.read_blocks, call.read_offsets, cache.shape[1]).flatten()  # [R*L]
-    return flat.index_select(0, rows).view(*call.read_blocks.shape, cache.shape[2])
+    """The latents of a call's key slots: [rows, keys, width] (whole blocks, one gather)."""
+    blocks = call.read_block_ids  # [R, B]
+    return cache.index_select(0, blocks.flatten()).view(blocks.shape[0], -1, cache.shape[2])
 
 
 def dsa_select(index_q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, meta: GroupMetadata, *,

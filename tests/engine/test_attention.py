@@ -41,17 +41,19 @@ def test_decodes_of_different_lengths_share_one_padded_call() -> None:
               ScheduledChunk(start_pos=4, end_pos=5, block_ids=[5, 6, 8])]
     (call,) = build_group_metadata(chunks, rule=FULL, block_size=2).calls
     assert (call.rows, call.queries) == (2, 1)
-    assert call.read_blocks.tolist() == [[3, 3, 4, 4, 4], [5, 5, 6, 6, 8]]
-    assert call.read_offsets.tolist() == [[0, 1, 0, 0, 0], [0, 1, 0, 1, 0]]  # padding clamped to the last key
-    assert call.mask[:, 0, 0].tolist() == [[True, True, True, False, False], [True] * 5]
+    # whole blocks: row 0 reads blocks 3, 4 (keys 0-2, slot 3 is past its query) padded with its last block
+    assert call.read_block_ids.tolist() == [[3, 4, 4], [5, 6, 8]]
+    assert call.read_blocks.tolist() == [[3, 3, 4, 4, 4, 4], [5, 5, 6, 6, 8, 8]]
+    assert call.read_offsets.tolist() == [[0, 1, 0, 1, 0, 1]] * 2
+    assert call.mask[:, 0, 0].tolist() == [[True, True, True, False, False, False], [True] * 5 + [False]]
 
 
 def test_chunked_local_attends_within_the_chunk() -> None:
     rule = AttentionRule(kind=SpecKind.CHUNKED_LOCAL, chunk_tokens=4)
     (call,) = build_group_metadata([ScheduledChunk(start_pos=5, end_pos=7, block_ids=[0, 0, 2, 3])],
                                    rule=rule, block_size=2).calls
-    assert call.read_blocks.tolist() == [[2, 2, 3]]  # keys 4, 5, 6 of chunk [4, 8)
-    assert call.mask[0, 0].tolist() == [[True, True, False], [True, True, True]]
+    assert call.read_blocks.tolist() == [[2, 2, 3, 3]]  # keys 4, 5, 6 of chunk [4, 8); slot 7 is never seen
+    assert call.mask[0, 0].tolist() == [[True, True, False, False], [True, True, True, False]]
 
 
 def test_long_prefill_of_a_window_group_is_cut_into_tiles() -> None:
@@ -59,10 +61,12 @@ def test_long_prefill_of_a_window_group_is_cut_into_tiles() -> None:
                                 rule=sliding(8), block_size=4)
     assert [(c.token_start, c.rows, c.queries) for c in meta.calls] == [(0, 2, 16), (32, 1, 8)]
     tiles = meta.calls[0]
-    assert tiles.read_blocks.shape == (2, 16 + 7)  # a tile sees its queries plus W - 1 earlier keys
-    # tile 1 starts at key 0 (block 1, offset 0); tile 2 at key 16 - 7 = 9 (block 3, offset 1)
-    assert tiles.read_blocks[:, 0].tolist() == [1, 3]
-    assert tiles.read_offsets[:, 0].tolist() == [0, 1]
+    # a tile sees its queries plus W - 1 earlier keys: tile 2 keys 9-31, i.e. the 6 blocks of keys 8-31;
+    # tile 1 (keys 0-15, 4 blocks) is padded to 6 with its last block
+    assert tiles.read_block_ids.tolist() == [[1, 2, 3, 4, 4, 4], [3, 4, 5, 6, 7, 8]]
+    assert tiles.mask.shape == (2, 1, 16, 24)
+    assert tiles.mask[1, 0, 0].tolist() == [False] + [True] * 8 + [False] * 15  # query 16 sees keys 9-16
+    assert not tiles.mask[0, 0, :, 16:].any()  # tile 1's padding
 
 
 def test_a_null_block_inside_the_window_is_an_internal_error() -> None:
@@ -93,7 +97,7 @@ def test_paged_attention_equals_dense_attention(sinks: bool, softcap: float | No
     t, heads, kv_heads, dim, block = 10, 4, 2, 8, 4
     q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
     sink = torch.randn(heads) if sinks else None
-    cache = torch.zeros(8, 2, block, kv_heads, dim)
+    cache = torch.full((8, 2, block, kv_heads, dim), 1e4)  # unwritten slots of read blocks: masked out
     table = [5, 2, 7]
     expected = _dense(q, k, v, 0.3, sink, softcap)
     # Prefill 6 tokens, then decode the remaining 4 one by one.
@@ -127,8 +131,12 @@ def test_window_groups_equal_dense_attention_with_released_blocks_never_read(
     t, heads, kv_heads, dim = 40, 4, 2, 8
     q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
     num_blocks = t // block + 2
-    cache = torch.full((num_blocks, 2, block, kv_heads, dim), float("nan"))  # a read of any unwritten slot
-    table = list(range(1, t // block + 1))  # (the null block 0 included) turns the output into NaN
+    # Rows read whole blocks, so the unwritten slots of a row's first and last block are read but must be
+    # masked out: they hold a finite poison that would dominate any output that attended to them. The null
+    # block 0 (released blocks) must never be read at all: NaN there turns any output that read it into NaN.
+    cache = torch.full((num_blocks, 2, block, kv_heads, dim), 1e4)
+    cache[0] = float("nan")
+    table = list(range(1, t // block + 1))
     expected = _dense_local(q, k, v, rule)
     steps = [(0, 3), (3, 17), (17, 18), (18, 19), (19, 36), (36, 37), (37, 38), (38, 39), (39, 40)]
     for start, end in steps:
