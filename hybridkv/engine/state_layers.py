@@ -53,7 +53,8 @@ every checkpoint state comes from the same forward, and writes the states into t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -225,6 +226,25 @@ class StateLayers:
             self.restore_hook(group, targets)
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one torch thread (the previous setting restored after).
+
+    The scans and the conv are many mid-sized ops (a 1024-token Gated DeltaNet scan is ~100 ops on
+    tensors of ~1 MB); a second thread's wake-up and join per op cost more than it saves: the
+    scan took 2x as long on two threads as on one (measured on the 2-core CI machine kind).
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """Depthwise causal conv1d of the step's inputs x [T, C] (kernel weight [C, K]), before activation.
@@ -236,10 +256,10 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, 
     out = torch.empty_like(x)
     d = meta.num_decodes
     if d:
-        blocks = meta.decode_blocks
-        window = torch.cat([conv_state[blocks].to(x.dtype), x[:d, None, :]], dim=1)  # [D, K, C]
+        blocks = meta.decode_blocks  # index_select / index_copy_: ~4x faster than [blocks] indexing here
+        window = torch.cat([conv_state.index_select(0, blocks).to(x.dtype), x[:d, None, :]], dim=1)  # [D, K, C]
         out[:d] = (window * weight.t()[None]).sum(dim=1) + (0 if bias is None else bias)
-        conv_state[blocks] = window[:, 1:].to(conv_state.dtype)
+        conv_state.index_copy_(0, blocks, window[:, 1:].to(conv_state.dtype))
     for seq in meta.sequences:
         a, n = seq.token_start, seq.num_tokens
         window = torch.cat([conv_state[seq.block].to(x.dtype), x[a : a + n]], dim=0)  # [K-1+n, C]
@@ -259,15 +279,16 @@ def scan_states(meta: StateMetadata, states: torch.Tensor, inputs: Sequence[torc
     """Run a recurrence over the step's sequences, reading and writing `states` [num_blocks, *S].
 
     inputs: per-token tensors [T, ...]. `step(inputs [D, ...], states [D, *S])` advances every
-    decode by one token; `scan(inputs [n, ...], state [*S])` runs one segment of a chunk. Both
-    return (outputs, new states); the outputs are assembled into one tensor [T, ...].
+    decode by one token (`states` is a fresh copy: the step may update it in place);
+    `scan(inputs [n, ...], state [*S])` runs one segment of a chunk. Both return (outputs, new
+    states); the outputs are assembled into one tensor [T, ...].
     """
     pieces: list[torch.Tensor] = []
     d = meta.num_decodes
     if d:
         blocks = meta.decode_blocks
-        out, new = step([t[:d] for t in inputs], states[blocks].float())
-        states[blocks] = new.to(states.dtype)
+        out, new = step([t[:d] for t in inputs], states.index_select(0, blocks).float())
+        states.index_copy_(0, blocks, new.to(states.dtype))
         pieces.append(out)
     for seq in meta.sequences:
         state = states[seq.block].float()
@@ -279,4 +300,4 @@ def scan_states(meta: StateMetadata, states: torch.Tensor, inputs: Sequence[torc
             states[block] = state.to(states.dtype)
             pieces.append(out)
             begin = end
-    return torch.cat(pieces, dim=0)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

@@ -22,7 +22,7 @@ from torch import nn
 from hybridkv.engine.models.base import ForwardContext
 from hybridkv.engine.models.layers import RMSNorm, activation
 from hybridkv.engine.models.ssm_scan import mamba1_scan, mamba1_step
-from hybridkv.engine.state_layers import causal_conv, scan_states
+from hybridkv.engine.state_layers import causal_conv, one_thread, scan_states
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,13 +65,15 @@ class Mamba1Mixer(nn.Module):
         cache, meta = ctx.state_cache(slot), ctx.state_metadata(slot)
         xs, z = self.in_proj(x).float().chunk(2, dim=-1)  # [T, I] each
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
-        xs = self.act(causal_conv(xs, cache.conv, meta, self.conv1d.weight[:, 0].float(), bias))  # [T, I]
+        with one_thread():  # the conv: mid-sized ops a second thread slows down
+            xs = self.act(causal_conv(xs, cache.conv, meta, self.conv1d.weight[:, 0].float(), bias))  # [T, I]
         dt, b, c = self.x_proj(xs.to(x.dtype)).float().split([d.dt_rank, d.state_size, d.state_size], dim=-1)
         dt = self.dt_layernorm(dt) @ self.dt_proj.weight.float().t()  # [T, I]
         dt = F.softplus(dt + self.dt_proj.bias.float())
         inputs = (xs, dt, self.b_layernorm(b), self.c_layernorm(c))
         a, skip = -torch.exp(self.A_log.float()), self.D.float()
-        y = scan_states(meta, cache.recurrent, inputs,
-                        step=lambda i, s: mamba1_step(*i, a=a, d=skip, state=s),
-                        scan=lambda i, s: mamba1_scan(*i, a=a, d=skip, state=s))  # [T, I]
+        with one_thread():  # the sequential scan: one small op per token
+            y = scan_states(meta, cache.recurrent, inputs,
+                            step=lambda i, s: mamba1_step(*i, a=a, d=skip, state=s),
+                            scan=lambda i, s: mamba1_scan(*i, a=a, d=skip, state=s))  # [T, I]
         return self.out_proj((y * F.silu(z)).to(x.dtype))  # type: ignore[no-any-return]

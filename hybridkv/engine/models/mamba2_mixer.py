@@ -24,7 +24,7 @@ from torch import nn
 from hybridkv.engine.models.base import ForwardContext
 from hybridkv.engine.models.layers import activation
 from hybridkv.engine.models.ssm_scan import mamba2_scan, mamba2_step
-from hybridkv.engine.state_layers import causal_conv, scan_states
+from hybridkv.engine.state_layers import causal_conv, one_thread, scan_states
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,9 +95,15 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], reading and writing the states of cache slot `slot`."""
-        d, t = self.dims, x.shape[0]
-        cache, meta = ctx.state_cache(slot), ctx.state_metadata(slot)
         zxbcdt = self.project(x).float()  # [T, I + conv_dim + H]
+        with one_thread():  # the conv, the scan and the norm: mid-sized ops a second thread slows down
+            gated = self.mix(zxbcdt, ctx, slot)  # [T, I]
+        return self.out_proj(gated.to(x.dtype))  # type: ignore[no-any-return]
+
+    def mix(self, zxbcdt: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
+        """zxbcdt [T, I + conv_dim + H] -> the gated, normalised SSD outputs [T, I] float32 (states stored)."""
+        d, t = self.dims, zxbcdt.shape[0]
+        cache, meta = ctx.state_cache(slot), ctx.state_metadata(slot)
         z, xbc, dt = torch.split(zxbcdt, [d.intermediate, d.conv_dim, d.num_heads], dim=-1)
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
         xbc = self.act(causal_conv(xbc, cache.conv, meta, self.conv1d.weight[:, 0].float(), bias))
@@ -111,5 +117,4 @@ class Mamba2Mixer(nn.Module):
                         step=lambda i, s: mamba2_step(*i, a=a, d=skip, state=s),
                         scan=lambda i, s: mamba2_scan(*i, a=a, d=skip, state=s))  # [T, H, P]
         flat = y.reshape(t, d.intermediate)  # [T, I]
-        gated = self.norm(flat, z) if self.norm is not None else flat * F.silu(z)
-        return self.out_proj(gated.to(x.dtype))  # type: ignore[no-any-return]
+        return self.norm(flat, z) if self.norm is not None else flat * F.silu(z)

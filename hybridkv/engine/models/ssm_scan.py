@@ -89,14 +89,14 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
 
 def mamba2_step(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
                 d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row. x [R, H, P], dt [R, H], b/c [R, G, N], state [R, H, P, N] -> (y [R, H, P], new state)."""
+    """One token per row. x [R, H, P], dt [R, H], b/c [R, G, N], state [R, H, P, N] (float32: updated in place)
+    -> (y [R, H, P], new state)."""
     heads = x.shape[1]
     x, dt = x.float(), dt.float()
-    b, c = _per_head(b, heads), _per_head(c, heads)  # [R, H, N]
-    decay = torch.exp(dt * a.float()[None, :])  # [R, H]
-    new = state.float() * decay[..., None, None]  # [R, H, P, N]
-    new.addcmul_((dt[..., None] * x)[..., None], b[:, :, None, :])  # + dt x B^T, in place
-    y = (new @ c[..., None])[..., 0] + d.float()[None, :, None] * x  # [R, H, P]
+    b, c = _per_head(b, heads)[:, :, None], _per_head(c, heads)[:, :, None]  # [R, H, 1, N]
+    new = state.float().mul_(torch.exp(dt * a.float()[None, :])[..., None, None])  # decayed [R, H, P, N]
+    new.addcmul_((dt[..., None] * x)[..., None], b)  # + dt x B^T, in place
+    y = torch.linalg.vecdot(new, c).addcmul_(d.float()[None, :, None], x)  # [R, H, P]: S C + D x
     return y, new
 
 
