@@ -58,7 +58,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
@@ -253,22 +252,32 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, 
     one); the last K-1 inputs after the chunk (and after each checkpoint offset) are stored back.
     """
     kernel = weight.shape[1]
+    taps = weight.t().contiguous()  # [K, C]: as K shifted multiply-adds, 5x faster than F.conv1d here
     out = torch.empty_like(x)
     d = meta.num_decodes
     if d:
         blocks = meta.decode_blocks  # index_select / index_copy_: ~4x faster than [blocks] indexing here
         window = torch.cat([conv_state.index_select(0, blocks).to(x.dtype), x[:d, None, :]], dim=1)  # [D, K, C]
-        out[:d] = (window * weight.t()[None]).sum(dim=1) + (0 if bias is None else bias)
+        _shifted_sum([window[:, j] for j in range(kernel)], taps, bias, out=out[:d])
         conv_state.index_copy_(0, blocks, window[:, 1:].to(conv_state.dtype))
     for seq in meta.sequences:
         a, n = seq.token_start, seq.num_tokens
         window = torch.cat([conv_state[seq.block].to(x.dtype), x[a : a + n]], dim=0)  # [K-1+n, C]
-        y = F.conv1d(window.t()[None], weight[:, None, :], bias, groups=weight.shape[0])  # [1, C, n]
-        out[a : a + n] = y[0].t()
+        _shifted_sum([window[j : j + n] for j in range(kernel)], taps, bias, out=out[a : a + n])
         for offset, block in seq.checkpoints:
             conv_state[block] = window[offset : offset + kernel - 1].to(conv_state.dtype)
         conv_state[seq.block] = window[n : n + kernel - 1].to(conv_state.dtype)
     return out
+
+
+def _shifted_sum(shifted: Sequence[torch.Tensor], taps: torch.Tensor, bias: torch.Tensor | None, *,
+                 out: torch.Tensor) -> None:
+    """out [n, C] = sum_j shifted[j] [n, C] * taps[j] [C] (+ bias [C]): a depthwise conv, tap by tap."""
+    torch.mul(shifted[0], taps[0], out=out)
+    for j in range(1, len(shifted)):
+        out.addcmul_(shifted[j], taps[j])
+    if bias is not None:
+        out.add_(bias)
 
 
 StepFn = Callable[[Sequence[torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

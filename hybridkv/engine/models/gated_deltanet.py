@@ -56,58 +56,70 @@ def recurrent_step(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple
     return torch.linalg.vecdot(state, q), state  # [D, H, Dv], [D, H, Dv, Dk]
 
 
+def _into_chunks(tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """tokens [n, X, D] -> out [X, N, C, D] (zeroed; may be a view): token i at chunk i // C, row i % C."""
+    n, size = tokens.shape[0], out.shape[2]
+    by_head = tokens.transpose(0, 1)  # [X, n, D]
+    full = n // size
+    if full:
+        out[:, :full].copy_(by_head[:, : full * size].reshape(out.shape[0], full, size, -1))
+    if n % size:
+        out[:, full, : n % size].copy_(by_head[:, full * size :])
+    return out
+
+
 def chunked_scan(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """n tokens of one sequence: q, k [n, Hk, Dk], v [n, H, Dv], g, beta [n, H]; state [H, Dv, Dk].
 
     Value head h reads key head h // r (r = H / Hk); the q.k and k.k products are computed once per
-    key head. Returns outputs [n, H, Dv] and the state after the n tokens.
+    key head, by one matmul. Returns outputs [n, H, Dv] and the state after the n tokens.
     """
-    q, k, v, g, beta = (t.transpose(0, 1) for t in inputs)  # head first: [H, n, ...]
-    heads, key_heads, n = v.shape[0], k.shape[0], v.shape[1]
-    r = heads // key_heads
-    pad = -n % CHUNK_TOKENS
-    chunks = (n + pad) // CHUNK_TOKENS
-
-    def split(t: torch.Tensor) -> torch.Tensor:  # [H, n, D] -> [H, N, C, D]; pads with zeros (no-op tokens)
-        return F.pad(t, (0, 0, 0, pad)).view(t.shape[0], chunks, CHUNK_TOKENS, t.shape[-1])
-
-    def per_value_head(t: torch.Tensor) -> torch.Tensor:  # [Hk, r, N, C, X] -> [H, N, C, X]
-        return t.view(heads, chunks, CHUNK_TOKENS, t.shape[-1])
-
-    q, k, v = split(q), split(k), split(v)  # [Hk, N, C, Dk] (q, k), [H, N, C, Dv]
-    g, beta = (F.pad(t, (0, pad)).view(heads, chunks, CHUNK_TOKENS) for t in (g, beta))  # [H, N, C]
-    decay = g.cumsum(dim=-1)  # [H, N, C] log decay from the chunk start through token i
-    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~_CAUSAL, float("-inf")).exp()  # [H, N, C, C]
-    pair = pair.view(key_heads, r, chunks, CHUNK_TOKENS, CHUNK_TOKENS)
-    k_t = k.transpose(-1, -2)  # [Hk, N, Dk, C]
-    beta_r = beta.view(key_heads, r, chunks, CHUNK_TOKENS, 1)
-    system = ((k @ k_t)[:, None] * pair * beta_r).view(heads, chunks, CHUNK_TOKENS, CHUNK_TOKENS)  # [H, N, C, C]
-    intra = ((q @ k_t)[:, None] * pair).view(heads, chunks, CHUNK_TOKENS, CHUNK_TOKENS)  # [H, N, C, C]
-    grow = decay.exp().view(key_heads, r, chunks, CHUNK_TOKENS, 1)  # [Hk, r, N, C, 1]
+    q, k, v, g, beta = inputs
+    n, heads, key_heads = v.shape[0], v.shape[1], k.shape[1]
+    r, size = heads // key_heads, CHUNK_TOKENS
+    chunks = -(-n // size)
     dv, dk = v.shape[-1], k.shape[-1]
-    rhs = torch.empty(heads, chunks, CHUNK_TOKENS, dv + dk, dtype=v.dtype)  # both right sides of one solve
-    torch.mul(v, beta[..., None], out=rhs[..., :dv])
-    torch.mul(k[:, None], beta_r * grow, out=rhs[..., dv:].view(key_heads, r, chunks, CHUNK_TOKENS, dk))
+    # padding tokens are zeros (g = 0, beta = 0, k = 0: they leave the state as it is)
+    stacked = q.new_zeros(key_heads, chunks, 2 * size, dk)  # [Hk, N, 2C, Dk]: each chunk's queries, then its keys
+    _into_chunks(q, stacked[:, :, :size])
+    k_c = _into_chunks(k, stacked[:, :, size:])  # [Hk, N, C, Dk]
+    q_c = stacked[:, :, :size]
+    v_c = _into_chunks(v, v.new_zeros(heads, chunks, size, dv))  # [H, N, C, Dv]
+    g_c, beta_c = (_into_chunks(t[..., None], t.new_zeros(heads, chunks, size, 1))[..., 0]  # [H, N, C]
+                   for t in (g, beta))
+    decay = g_c.cumsum(dim=-1)  # [H, N, C] log decay from the chunk start through token i
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill_(~_CAUSAL, float("-inf")).exp_()  # [H, N, C, C]
+    pair = pair.view(key_heads, r, chunks, size, size)
+    scores = (stacked @ k_c.transpose(-1, -2))[:, None]  # [Hk, 1, N, 2C, C]: q.k (rows :C), k.k (rows C:)
+    beta_r = beta_c.view(key_heads, r, chunks, size, 1)
+    system = (scores[..., size:, :] * pair).mul_(beta_r).view(heads, chunks, size, size)  # [H, N, C, C]
+    intra = (scores[..., :size, :] * pair).view(heads, chunks, size, size)  # [H, N, C, C]
+    grow = decay.exp().view(key_heads, r, chunks, size, 1)  # [Hk, r, N, C, 1]
+    rhs = torch.empty(heads, chunks, size, dv + dk, dtype=v.dtype)  # both right sides of one solve
+    torch.mul(v_c, beta_c[..., None], out=rhs[..., :dv])
+    torch.mul(k_c[:, None], beta_r * grow, out=rhs[..., dv:].view(key_heads, r, chunks, size, dk))
     # system has a unit diagonal (implied by the solve): (I + strictly lower part) X = rhs
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    values, keys = solved[..., :dv], solved[..., dv:]  # [H, N, C, Dv], [H, N, C, Dk]
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, N, C, Dv | Dk]
     last = decay[..., -1:]  # [H, N, 1] log decay over the whole chunk
-    to_end = (last - decay).exp().view(key_heads, r, chunks, CHUNK_TOKENS, 1)
-    k_to_end = per_value_head(k[:, None] * to_end).transpose(-1, -2)  # [H, N, Dk, C]
-    # Across chunks, with S^T [Dk, Dv] entering chunk c:  S'^T = e^last S^T + k_to_end (values - keys S^T)
-    #   = (e^last I - k_to_end keys) S^T + k_to_end values  =  mix_c S^T + gain_c: one baddbmm per chunk.
-    mix = -(k_to_end @ keys)  # [H, N, Dk, Dk]
+    to_end = (last - decay).exp().view(key_heads, r, chunks, size, 1)
+    k_to_end = (k_c[:, None] * to_end).view(heads, chunks, size, dk).transpose(-1, -2)  # [H, N, Dk, C]
+    # Across chunks, with S^T [Dk, Dv] entering chunk c (values, keys: the two parts of `solved`):
+    #   S'^T = e^last S^T + k_to_end (values - keys S^T) = (e^last I - k_to_end keys) S^T + k_to_end values
+    #        = mix_c S^T + gain_c: one baddbmm per chunk; k_to_end values | keys by one matmul.
+    across = k_to_end @ solved  # [H, N, Dk, Dv | Dk]
+    mix = across[..., dv:].neg()  # [H, N, Dk, Dk]
     mix.diagonal(dim1=-2, dim2=-1).add_(last.exp())
-    gain = k_to_end @ values  # [H, N, Dk, Dv]
-    mix, gain = mix.transpose(0, 1).contiguous(), gain.transpose(0, 1).contiguous()  # chunk first: [N, H, ...]
+    mix, gain = mix.transpose(0, 1).contiguous(), across[..., :dv].transpose(0, 1).contiguous()  # chunk first
     entering = torch.empty(chunks + 1, heads, dk, dv, dtype=v.dtype)  # [N+1, H, Dk, Dv]
     entering[0] = state.transpose(-1, -2)
     for c in range(chunks):
         torch.baddbmm(gain[c], mix[c], entering[c], out=entering[c + 1])
     s_in = entering[:-1].transpose(0, 1)  # [H, N, Dk, Dv] the state entering each chunk
-    fresh = values - keys @ s_in  # [H, N, C, Dv] new values after what S already recalls
-    out = per_value_head(q[:, None] * grow) @ s_in + intra @ fresh  # [H, N, C, Dv]
-    out = out.reshape(heads, chunks * CHUNK_TOKENS, -1)[:, :n].transpose(0, 1)  # [n, H, Dv]
+    # o = q_grow S_in + intra (values - keys S_in) = intra values + (q_grow - intra keys) S_in
+    inner = intra @ solved  # [H, N, C, Dv | Dk]
+    reads = (q_c[:, None] * grow).view(heads, chunks, size, dk) - inner[..., dv:]  # [H, N, C, Dk]
+    out = inner[..., :dv] + reads @ s_in  # [H, N, C, Dv]
+    out = out.reshape(heads, chunks * size, dv)[:, :n].transpose(0, 1)  # [n, H, Dv]
     return out, entering[-1].transpose(-1, -2).contiguous()
 
 
