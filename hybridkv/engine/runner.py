@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +32,7 @@ from hybridkv.engine.loader import torch_dtype
 from hybridkv.engine.mla_attention import latent_view
 from hybridkv.engine.models.base import CausalLM, ForwardContext
 from hybridkv.engine.state_layers import StateCache, StateIO, StateLayers
+from hybridkv.engine.threads import StepThreads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,30 +64,6 @@ def keep_freed_memory() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 1024 * 1024 * 1024)
     except (OSError, AttributeError):  # not glibc
         return
-
-
-SMALL_STEP_TOKENS = 256  # steps of fewer tokens (decodes) run on one thread
-
-
-@contextmanager
-def step_threads(num_tokens: int) -> Iterator[None]:
-    """Run a step of fewer than `SMALL_STEP_TOKENS` tokens on one thread, a larger one on torch's setting.
-
-    A decode step is hundreds of small ops (a 16 x 256 x 768 matmul is ~100 us of work); the
-    thread team's wake-up and join cost as much as the work, and on a machine whose other cores
-    are busy the second thread often waits for a core: such a matmul then took 16 ms instead of
-    0.16 ms with one thread (measured on the 2-core CI machine kind at load 3). Prefill steps keep
-    every thread. The previous setting is restored after the step.
-    """
-    threads = torch.get_num_threads()
-    if num_tokens >= SMALL_STEP_TOKENS or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _rule(group: KVCacheGroupSpec) -> AttentionRule:
@@ -135,6 +111,7 @@ class ModelRunner:
         self.state_caches: list[StateCache | None] = [v if isinstance(v, StateCache) else None for v in views]
         self._check_kinds()
         self.rules = [_rule(g) for g in kv_config.groups]
+        self.step_threads = StepThreads()  # thread count per step: measured for decodes
 
     def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
         spec = group.spec_of(layer)
@@ -218,6 +195,6 @@ class ModelRunner:
         ends = torch.tensor([len(it.token_ids) for it in ordered]).cumsum(0) - 1  # [N] last token of each item
         row_of = {original: int(ends[k]) for k, original in enumerate(order)}
         rows = torch.tensor([row_of[i] for i, it in enumerate(items) if it.sample], dtype=torch.int64)
-        with torch.inference_mode(), step_threads(len(ids)):
+        with torch.inference_mode(), self.step_threads(len(ids)):
             hidden = self.model(ids, positions, ctx)  # [T, hidden]
             return self.model.compute_logits(hidden[rows]).float()  # [N, vocab]

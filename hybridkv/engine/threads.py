@@ -1,0 +1,99 @@
+"""How many torch threads each step runs on: every thread for large steps; for small ones, as many
+as the machine's other work leaves cores for.
+
+A decode step is hundreds of small ops (a 16 x 256 x 768 matmul is ~100 us of work). Whether a
+second thread helps depends on the rest of the machine:
+
+    other cores busy (load 3 on 2 cores)   one thread: such a matmul took 0.16 ms, two threads 16 ms
+                                           (the second thread waits for a core at every join)
+    other cores idle (load 1.3)            two threads: the Gemma 3 bench 8.3 s, one thread 10.0 s
+
+So `StepThreads` looks: steps of `SMALL_STEP_TOKENS` or more (prefill) always run on torch's setting;
+a smaller one runs on torch's setting only when the CPU time the rest of the machine used over the
+last `interval_s` leaves a core for each of our threads (with half a core to spare), else on one
+thread. The rest of the machine = all CPUs' busy time (/proc/stat) minus this process's (os.times);
+where /proc/stat cannot be read, small steps run on one thread. The previous setting is restored
+after each step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+SMALL_STEP_TOKENS = 256  # steps of fewer tokens (decodes) run on one thread unless cores are idle
+SPARE_CORES = 0.5  # idle CPU, in cores, that must remain beyond one per thread
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """Busy CPU seconds of the whole machine and of this process, at wall time `at` (seconds)."""
+
+    at: float
+    machine_busy_s: float
+    own_busy_s: float
+
+
+def read_cpu() -> CpuSample | None:
+    """The machine's busy CPU seconds from /proc/stat and this process's from os.times; None off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = stat.readline().split()
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = ticks[3] + ticks[4]
+    own = os.times()
+    return CpuSample(at=time.monotonic(), machine_busy_s=(sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"),
+                     own_busy_s=own.user + own.system)
+
+
+class StepThreads:
+    """The per-step thread policy of one runner (see the module docstring)."""
+
+    def __init__(self, *, interval_s: float = 0.5, cpus: int | None = None,
+                 sample: Callable[[], CpuSample | None] = read_cpu) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self.interval_s = interval_s
+        self.cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        self._sample = sample
+        self._last = sample()
+        self.others_cores: float | None = None  # CPU the rest of the machine used over the last interval
+
+    def small_step_threads(self, threads: int) -> int:
+        """Threads for a small step given torch's setting `threads`: all of them if the rest of the
+        machine used less than `cpus - threads + SPARE_CORES` cores over the last interval, else 1."""
+        now = self._sample()
+        if now is None or self._last is None:
+            return 1
+        elapsed = now.at - self._last.at
+        if elapsed >= self.interval_s:
+            others = (now.machine_busy_s - self._last.machine_busy_s) - (now.own_busy_s - self._last.own_busy_s)
+            self.others_cores = max(0.0, others / elapsed)
+            self._last = now
+        if self.others_cores is None:
+            return 1
+        return threads if self.others_cores < self.cpus - threads + SPARE_CORES else 1
+
+    @contextmanager
+    def __call__(self, num_tokens: int) -> Iterator[None]:
+        """Run the step inside on the chosen thread count; the setting is restored after."""
+        threads = torch.get_num_threads()
+        if num_tokens >= SMALL_STEP_TOKENS or threads == 1:
+            yield
+            return
+        chosen = self.small_step_threads(threads)
+        if chosen == threads:
+            yield
+            return
+        torch.set_num_threads(chosen)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
