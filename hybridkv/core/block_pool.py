@@ -10,7 +10,7 @@ of blocks is a few numpy operations rather than a Python step per block:
 
     ref_cnt:     int64 array      how many request tables hold the block
     group_of:    int64 array      the group it was last allocated to (-1: never)
-    block_hash:  list             its cached hash, or None
+    block_hash:  object array     its cached hash, or None
     has_hash:    bool array       block_hash[i] is not None (what the eviction policy reads)
     free:        the eviction policy's queue of ids with ref_cnt 0 (front = reused first)
     cached:      per group, block hash -> block id   (the prefix-cache key is (hash, group))
@@ -31,10 +31,10 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from itertools import chain, repeat
-from typing import cast
+from itertools import chain
 
 import numpy as np
+from numpy.typing import NDArray
 
 from hybridkv.core.errors import ConfigError, IntegrityError
 from hybridkv.core.eviction import Ids, PolicyFactory
@@ -133,7 +133,7 @@ class BlockPool:
         self.ref_cnt = np.zeros(num_blocks, np.int64)
         self.ref_cnt[NULL] = NULL_REF_CNT
         self.group_of = np.full(num_blocks, -1, np.int64)
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        self.block_hash: NDArray[np.object_] = np.full(num_blocks, None, object)
         self.has_hash = np.zeros(num_blocks, np.bool_)
         self._groups = tuple(groups)
         self._group_ids = np.arange(len(self._groups), dtype=np.int64)
@@ -232,18 +232,18 @@ class BlockPool:
             return
         hashes = self.block_hash
         for group_id in range(len(self._groups)):
-            blocks = evicted[groups == group_id].tolist()
-            if not blocks:
+            ids = evicted[groups == group_id]
+            if not len(ids):
                 continue
-            keys = cast("list[BlockHash]", list(map(hashes.__getitem__, blocks)))  # evicted: all hashed
+            keys: list[BlockHash] = hashes[ids].tolist()  # evicted: all hashed
             dups = self._dups[group_id]
             if dups and any(map(dups.__contains__, keys)):  # copies to promote: block by block
-                self._unmap(blocks, [group_id] * len(blocks))
+                self._unmap(ids.tolist(), [group_id] * len(ids))
                 continue
             # no copies: every block is its hash's primary (one C-level pass per group)
             deque(map(self._maps[group_id].__delitem__, keys), maxlen=0)
-            deque(map(hashes.__setitem__, blocks, repeat(None)), maxlen=0)
-            self.evictions += len(blocks)
+            hashes[ids] = None
+            self.evictions += len(ids)
 
     def _unmap(self, blocks: list[int], groups: list[int]) -> None:
         """Remove `blocks` (each carries a hash; `groups[i]` is the group of `blocks[i]`) from
@@ -309,30 +309,32 @@ class BlockPool:
         if released:
             self._policy.release_few(released)
 
-    def free_tables(self, tables: Sequence[Sequence[int] | Ids]) -> None:
-        """Drop one reference to every block of `tables` (`tables[g]`: blocks of group g, tail
-        first, each block once; null entries allowed) and release those that reach 0 position
-        by position across groups: the k-th block from the tail of every group before the
-        (k+1)-th of any.
+    def free_tables(self, parts: Sequence[tuple[Sequence[int], Ids]]) -> None:
+        """Drop one reference to every block of `parts` and release those that reach 0
+        position by position across groups: the k-th block from the tail of every group before
+        the (k+1)-th of any. Each part is (group ids, blocks): row i of `blocks` (a (groups, n)
+        array) holds blocks of group `group_ids[i]`, tail first, each block once, null entries
+        allowed.
 
         Releasing position k of every group before position k-1 of any makes the global LRU
         evict a position from all groups together, so identical groups do not lose hits one
         group at a time. The order is one array: row k of a (longest, groups) grid holds the
         k-th entry from the tail of each group (null where a group is shorter), read row by row.
         """
-        rest = [t for t in tables if len(t)]
-        if not rest:
+        total = sum(blocks.size for _, blocks in parts)
+        if not total:
             return
-        if sum(map(len, rest)) <= FEW:
-            self.free(interleave([t.tolist() if isinstance(t, np.ndarray) else t for t in rest]))
+        if total <= FEW:
+            lists: list[list[int]] = [[] for _ in self._groups]
+            for group_ids, blocks in parts:
+                for group_id, row in zip(group_ids, blocks.tolist(), strict=True):
+                    lists[group_id] = row
+            self.free(interleave(lists))
             return
-        if len(rest) == 1:
-            ids = np.asarray(rest[0], np.int64)
-        else:
-            grid = np.zeros((max(map(len, rest)), len(rest)), np.int64)
-            for column, blocks in enumerate(rest):
-                grid[: len(blocks), column] = blocks
-            ids = grid.ravel()
+        grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), len(self._groups)), np.int64)
+        for group_ids, blocks in parts:
+            grid[: blocks.shape[1], list(group_ids)] = blocks.T
+        ids = grid.ravel()
         ids = ids[ids != NULL]
         refs = self.ref_cnt[ids] - 1
         self.ref_cnt[ids] = refs
@@ -377,12 +379,13 @@ class BlockPool:
                 else not ids.all() or self.has_hash[ids].any()):
             return False
         primaries = list(map(self._maps[group_id].setdefault, keys, blocks))
-        deque(map(self.block_hash.__setitem__, blocks, keys), maxlen=0)
         if few:
+            deque(map(self.block_hash.__setitem__, blocks, keys), maxlen=0)
             has_hash = self.has_hash
             for block in blocks:
                 has_hash[block] = True
         else:
+            self.block_hash[ids] = keys
             self.has_hash[ids] = True
         if primaries != blocks:
             dups = self._dups[group_id]
@@ -450,7 +453,7 @@ class BlockPool:
         for cached, dups in zip(self._maps, self._dups, strict=True):
             cached.clear()
             dups.clear()
-        self.block_hash[:] = [None] * self.num_blocks
+        self.block_hash[:] = None
         self.has_hash[:] = False
         self.evictions += 1
         if self._events_on:

@@ -9,8 +9,8 @@ under its own rule, aligned to the lcm of the group block sizes.
         every other class whose last answer is not exactly L: look up at L; L = min(L, answer)
     full attention answers are cut to L
 
-Groups with the same hit rule (e.g. the five identical sliding-window groups of Gemma 3) form
-one class and are looked up together: a block index hits only if it hits in each of them.
+Groups with the same hit rule (e.g. the five identical sliding-window groups of Gemma 3) share
+one manager and are looked up together: a block index hits only if it hits in each of them.
 Each re-query returns the rightmost valid length <= L for its class, so the loop never skips a
 length every group can serve: the result is the largest one, and it is reached in at most one
 pass per distinct answer.
@@ -36,36 +36,48 @@ import math
 from collections.abc import Sequence
 
 from hybridkv.core.block_pool import BlockPool
+from hybridkv.core.errors import ConfigError
 from hybridkv.core.eviction import Ids
 from hybridkv.core.ids import BlockHash, RequestId
 from hybridkv.core.request import KVRequest
-from hybridkv.core.single_type_manager import SingleTypeManager
+from hybridkv.core.single_type_manager import EMPTY, SingleTypeManager
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
 NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
 
 
 class KVCacheCoordinator:
-    """Lookup and allocation over all groups; subclasses differ only in how they look up."""
+    """Lookup and allocation over all groups; subclasses differ only in how they look up.
+
+    `managers`: one per hit rule, each serving one or more groups (`group_ids`); `groups[g]`
+    is (manager, row) of group g."""
 
     def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
         self.managers = tuple(managers)
         self.pool = pool
+        placed = {g: (m, row) for m in managers for row, g in enumerate(m.group_ids)}
+        if sorted(placed) != list(range(len(placed))):
+            raise ConfigError(f"the managers serve groups {sorted(placed)}; expected each of 0..{len(placed) - 1} once")
+        if len({m.hit_rule for m in managers}) != len(managers):
+            raise ConfigError("two managers share one hit rule; expected one manager per rule (make_manager "
+                              "takes every group of a rule)")
+        self.groups = tuple(placed[g] for g in range(len(placed)))
+        self.num_groups = len(self.groups)
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
         self._allocated_tokens: dict[RequestId, int] = {}
         #: rid -> [F, T]: an allocate starting at <= F with <= T slots is a no-op (`quiet_bounds`)
         self.quiet: dict[RequestId, list[int]] = {}
-        # Groups whose hits wait a step when cached in this one (state groups in a caching mode).
+        # Managers whose hits wait a step when cached in this one (state groups in a caching mode).
         self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
-        # Groups that may release leading blocks as a request advances, in group order.
+        # Managers that may release leading blocks as a request advances.
         self._skipping = tuple(m for m in managers if m.skips_blocks)
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
         """(blocks per group, hit tokens, each group's answer when first asked, in tokens)."""
         del hashes, max_length
-        return [[] for _ in self.managers], 0, [0] * len(self.managers)
+        return [[] for _ in self.groups], 0, [0] * self.num_groups
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -83,6 +95,11 @@ class KVCacheCoordinator:
         if total_tokens > self._allocated_tokens[request_id]:
             self._allocated_tokens[request_id] = total_tokens
 
+    def _by_manager(self, hits: GroupBlocks | None) -> list[list[list[int]] | None]:
+        if not hits:
+            return [None] * len(self.managers)
+        return [[hits[g] for g in m.group_ids] for m in self.managers]
+
     def allocate(self, request: KVRequest, hits: GroupBlocks | None, first_new: int,
                  total_tokens: int) -> NewEntries | None:
         """New entries per group for `total_tokens` slots, or None (nothing changed)."""
@@ -91,28 +108,41 @@ class KVCacheCoordinator:
         pool = self.pool
         if hits and self.defers(hits):
             return None
-        group_hits: Sequence[list[int] | None] = hits or [None] * len(managers)
+        manager_hits = self._by_manager(hits)
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
-                  for m, h in zip(managers, group_hits, strict=True)]
+                  for m, h in zip(managers, manager_hits, strict=True)]
         if sum(bounds) > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
             need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
-                       for m, h in zip(managers, group_hits, strict=True))
+                       for m, h in zip(managers, manager_hits, strict=True))
             if need > pool.num_free:
                 return None
-        running = rid in self._allocated_tokens
-        released = [m.remove_skipped_blocks(rid, first_new) for m in self._skipping] if running else []
-        if any(map(len, released)):
-            pool.free_tables(released)
-        if running:  # a running request's bound is exactly its new blocks
-            counts = bounds
+        counts = [0] * self.num_groups
+        if rid in self._allocated_tokens:  # running: its bound is exactly its new blocks
+            released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
+            if any(part.size for _, part in released):
+                pool.free_tables(released)
+            for m, bound in zip(managers, bounds, strict=True):
+                if bound:
+                    for g in m.group_ids:
+                        counts[g] = bound // m.num_groups
         else:
-            touched = [m.save_hits(request, h, first_new) for m, h in zip(managers, group_hits, strict=True)]
+            touched: list[Sequence[int]] = [[]] * self.num_groups
+            for m, h in zip(managers, manager_hits, strict=True):
+                for g, kept in zip(m.group_ids, m.save_hits(request, h, first_new), strict=True):
+                    touched[g] = kept
             if any(touched):
                 pool.touch_groups(touched)
-            counts = [m.num_new_blocks(request, first_new, total_tokens) for m in managers]
-        fresh: Sequence[Sequence[int] | Ids] = pool.allocate_groups(counts) if any(counts) else [[]] * len(managers)
-        new = [m.allocate_new_blocks(request, first_new, total_tokens, blocks)
-               for m, blocks in zip(managers, fresh, strict=True)]
+            for m in managers:
+                count = m.num_new_blocks(request, first_new, total_tokens)
+                for g in m.group_ids:
+                    counts[g] = count
+        fresh = pool.allocate_groups(counts) if any(counts) else None
+        new: NewEntries = [EMPTY] * self.num_groups
+        for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
+            blocks = [fresh[g] for g in m.group_ids] if fresh is not None else [[]] * m.num_groups
+            for g, row in zip(m.group_ids, m.allocate_new_blocks(request, first_new, total_tokens, blocks),
+                              strict=True):
+                new[g] = row
         self._allocated_tokens[rid] = max(total_tokens, self._allocated_tokens.get(rid, 0))
         return new
 
@@ -133,7 +163,7 @@ class KVCacheCoordinator:
 
     def defers(self, hits: GroupBlocks) -> bool:
         """Whether a hit uses a state checkpoint cached in this step (usable from the next one)."""
-        return any(m.refuses_hit(hits[m.group_id]) for m in self._deferring)
+        return any(m.refuses_hit([hits[g] for g in m.group_ids]) for m in self._deferring)
 
     def cache_blocks(self, request: KVRequest, hashes: dict[int, list[BlockHash]], num_tokens: int) -> None:
         for manager in self.managers:
@@ -156,7 +186,7 @@ class KVCacheCoordinator:
             computed = request.num_computed_tokens
             for manager in managers:
                 self.pool.uncache(manager.uncomputed_cached_blocks(rid, computed))
-        self.pool.free_tables([m.free(rid) for m in managers])
+        self.pool.free_tables([(m.group_ids, m.free(rid)) for m in managers])
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
@@ -166,32 +196,24 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
         return
 
 
-class _HitClass:
-    """Groups that share one hit rule, looked up together."""
-
-    def __init__(self, managers: list[SingleTypeManager]) -> None:
-        self.managers = managers
-        self.lead = managers[0]
-        self.indices = [m.group_id for m in managers]
-        self.maps = [m.cached_map for m in managers]
-        self.block_size = self.lead.block_size
-
-    def find(self, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[int]]:
-        return self.lead.find_hits(self.maps, hashes[self.block_size], max_length)
+def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[int]]:
+    """The hit of every group of `manager`, looked up together."""
+    return manager.find_hits(manager.maps, hashes[manager.block_size], max_length)
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
-    """All groups share one hit rule (one type, one block size): a single class lookup."""
-
-    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
-        super().__init__(managers, pool)
-        self._class = _HitClass(list(managers))
+    """All groups share one hit rule (one type, one block size): a single lookup."""
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
-        hits = self._class.find(hashes, max_length)
-        tokens = len(hits[0]) * self._class.block_size
-        return hits, tokens, [tokens] * len(hits)
+        blocks: GroupBlocks = [[] for _ in self.groups]
+        tokens = 0
+        for manager in self.managers:  # one manager, unless several were built for one rule
+            hits = _find(manager, hashes, max_length)
+            tokens = len(hits[0]) * manager.block_size
+            for g, group_hits in zip(manager.group_ids, hits, strict=True):
+                blocks[g] = group_hits
+        return blocks, tokens, [tokens] * self.num_groups
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -199,23 +221,19 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
         super().__init__(managers, pool)
-        by_rule: dict[tuple[object, ...], list[SingleTypeManager]] = {}
-        for manager in managers:
-            by_rule.setdefault(manager.hit_rule, []).append(manager)
-        classes = [_HitClass(ms) for ms in by_rule.values()]
-        self._closed = [c for c in classes if c.lead.downward_closed]
-        self._others = [c for c in classes if not c.lead.downward_closed]
+        self._closed = [m for m in self.managers if m.downward_closed]
+        self._others = [m for m in self.managers if not m.downward_closed]
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
         step = self.lcm_block_size
         length = max_length // step * step
-        first = [0] * len(self.managers)
-        found: list[tuple[_HitClass, list[list[int]]]] = []
+        first = [0] * self.num_groups
+        found: list[tuple[SingleTypeManager, list[list[int]]]] = []
         for cls in self._closed:
-            hits = cls.find(hashes, length)
+            hits = _find(cls, hashes, length)
             got = len(hits[0]) * cls.block_size
-            for g in cls.indices:
+            for g in cls.group_ids:
                 first[g] = got
             length = min(length, got) // step * step
             found.append((cls, hits))
@@ -226,10 +244,10 @@ class HybridCoordinator(KVCacheCoordinator):
             for i, cls in enumerate(self._others):
                 if i in answers and answers[i][0] == length:
                     continue
-                hits = cls.find(hashes, length)
+                hits = _find(cls, hashes, length)
                 got = len(hits[0]) * cls.block_size
                 if i not in answers:
-                    for g in cls.indices:
+                    for g in cls.group_ids:
                         first[g] = got
                 answers[i] = (got, hits)
                 assert got <= length, f"hit class answered {got} tokens when asked for {length}"
@@ -238,11 +256,11 @@ class HybridCoordinator(KVCacheCoordinator):
                     settled = False
             if any(a[0] != length for a in answers.values()):
                 settled = False
-        blocks: GroupBlocks = [[] for _ in self.managers]
+        blocks: GroupBlocks = [[] for _ in self.groups]
         for cls, hits in found:
-            for g, group_hits in zip(cls.indices, hits, strict=True):
+            for g, group_hits in zip(cls.group_ids, hits, strict=True):
                 blocks[g] = group_hits[: length // cls.block_size]
         for i, cls in enumerate(self._others):
-            for g, group_hits in zip(cls.indices, answers[i][1], strict=True):
+            for g, group_hits in zip(cls.group_ids, answers[i][1], strict=True):
                 blocks[g] = group_hits
         return blocks, length, first

@@ -50,8 +50,9 @@ from hybridkv.core.eviction import POLICIES, EvictionPolicyName
 from hybridkv.core.hashing import BlockHasher, HashAlgo
 from hybridkv.core.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.core.managers import MambaMode, make_manager
-from hybridkv.core.planner import KVCacheConfig
+from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.request import KVRequest
+from hybridkv.core.single_type_manager import rule_of
 from hybridkv.core.specs import MambaCacheMode
 
 __all__ = [
@@ -143,10 +144,13 @@ def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCac
     mode = MambaMode.NONE
     if caching is PrefixCaching.ON:
         mode = MambaMode.ALL if mamba_cache_mode is MambaCacheMode.ALL else MambaMode.ALIGN
-    managers = [make_manager(g, pool, mamba_mode=mode) for g in config.groups]
+    by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
+    for group in config.groups:
+        by_rule.setdefault(rule_of(group), []).append(group)
+    managers = [make_manager(groups, pool, mamba_mode=mode) for groups in by_rule.values()]
     if caching is PrefixCaching.OFF:
         return NoPrefixCacheCoordinator(managers, pool)
-    if len({m.hit_rule for m in managers}) == 1:
+    if len(managers) == 1:
         return UnitaryCoordinator(managers, pool)
     return HybridCoordinator(managers, pool)
 
@@ -183,7 +187,8 @@ class KVCacheManager:
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
                                policy_factory=POLICIES[eviction], events=events)
         self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode)
-        self._managers = self._coordinator.managers
+        self._groups = self._coordinator.groups  # per group: (its manager, its row there)
+        self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
         self._block_sizes = self._coordinator.block_sizes
         self._empty_hit = tuple(() for _ in config.groups)
@@ -311,7 +316,7 @@ class KVCacheManager:
         """The request's block table per group (0 = null block where a position is not kept)."""
         if not self._coordinator.is_running(request_id):
             raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
-        return tuple(cast("list[BlockId]", list(m.block_table(request_id) or ())) for m in self._managers)
+        return tuple(cast("list[BlockId]", m.block_table(request_id, row) or []) for m, row in self._groups)
 
     def state_steps(self, request_id: RequestId, *, start_tokens: int, end_tokens: int) -> tuple[StateStep, ...]:
         """Per state group (ascending group id; empty without state groups), where the step that
@@ -327,8 +332,8 @@ class KVCacheManager:
                 f"slots for; expected 0 <= start < end <= {allocated}"
             )
         steps = []
-        for manager in self._managers:
-            entries = manager.state_entries(request_id, start_tokens, end_tokens)
+        for manager, row in self._groups:
+            entries = manager.state_entries(request_id, row, start_tokens, end_tokens)
             if entries is None:
                 continue
             read, writes = entries
@@ -374,11 +379,12 @@ class KVCacheManager:
         expected: Counter[int] = Counter()
         groups = self._pool.group_of.tolist()
         running = set(self._coordinator.running_requests())
-        for g, manager in enumerate(self._managers):
-            if set(manager.tables()) != running:
-                raise IntegrityError(f"group {g} has tables for {sorted(manager.tables())} but the "
+        for g, (manager, row) in enumerate(self._groups):
+            tables = manager.tables(row)
+            if set(tables) != running:
+                raise IntegrityError(f"group {g} has tables for {sorted(tables)} but the "
                                      f"running requests are {sorted(running)}")
-            for rid, table in manager.tables().items():
+            for rid, table in tables.items():
                 skipped = manager.num_skipped(rid)
                 if any(table[:skipped]):
                     raise IntegrityError(f"request {rid!r} group {g}: the first {skipped} entries should be null")
@@ -413,14 +419,14 @@ class KVCacheManager:
                 f"request {request.request_id!r} already holds blocks or computed tokens "
                 f"({request.num_computed_tokens}); a cache hit applies only to a new request"
             )
-        managers = self._managers
-        if len(hit.blocks) != len(managers) or any(
-            len(ids) != hit.num_tokens // m.block_size for ids, m in zip(hit.blocks, managers, strict=False)
+        sizes = self._group_block_sizes
+        if len(hit.blocks) != len(sizes) or any(
+            len(ids) != hit.num_tokens // size for ids, size in zip(hit.blocks, sizes, strict=False)
         ):
             raise AllocationError(
                 f"cache hit of request {request.request_id!r} for {hit.num_tokens} tokens has "
                 f"{[len(ids) for ids in hit.blocks]} blocks per group; expected "
-                f"{[hit.num_tokens // m.block_size for m in managers]} (pass the CacheHit of this manager unchanged)"
+                f"{[hit.num_tokens // size for size in sizes]} (pass the CacheHit of this manager unchanged)"
             )
         num_blocks = self._pool.num_blocks
         groups: GroupBlocks = [list(ids) for ids in hit.blocks]
@@ -439,7 +445,7 @@ class KVCacheManager:
         block_hash = self._pool.block_hash
         group_of = self._pool.group_of.tolist()
         for g, blocks in enumerate(groups):
-            expected = hashes[self._managers[g].block_size]
+            expected = hashes[self._group_block_sizes[g]]
             for i, block in enumerate(blocks):
                 if block != NULL and (block_hash[block] != expected[i] or group_of[block] != g):
                     raise StaleHitError(

@@ -43,7 +43,8 @@ class MambaManager(SingleTypeManager):
 
     defers_same_step_hits = True
 
-    def __init__(self, group: KVCacheGroupSpec, pool: BlockPool, *, mode: MambaMode) -> None:
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
+                 mode: MambaMode) -> None:
         super().__init__(group, pool)
         self.mode = mode
         self.skips_blocks = mode is not MambaMode.NONE
@@ -58,8 +59,9 @@ class MambaManager(SingleTypeManager):
     def new_step(self) -> None:
         self._cached_this_step.clear()
 
-    def refuses_hit(self, hits: Sequence[int]) -> bool:
-        return bool(hits) and self._pool.block_hash[hits[-1]] in self._cached_this_step
+    def refuses_hit(self, hits: Sequence[Sequence[int]]) -> bool:
+        hashes = self._pool.block_hash
+        return any(row and hashes[row[-1]] in self._cached_this_step for row in hits)
 
     def first_needed_block(self, num_tokens: int) -> int:
         if self.mode is MambaMode.NONE:
@@ -90,14 +92,13 @@ class MambaManager(SingleTypeManager):
             return 0
         return 1 + self._read_entry(old_len, new_len, keep_from, first_new)
 
-    def _fill(self, ids: Ids, old_len: int, new_len: int, keep_from: int, first_new: int,
-              blocks: Sequence[int] | Ids) -> None:
+    def _fill(self, ids: Ids, old_len: int, new_len: int, keep_from: int, first_new: int, blocks: Ids) -> None:
         if self.mode is MambaMode.ALL:
             super()._fill(ids, old_len, new_len, keep_from, first_new, blocks)
             return
-        ids[new_len - 1] = blocks[0]
+        ids[:, new_len - 1] = blocks[:, 0]
         if self._read_entry(old_len, new_len, keep_from, first_new):
-            ids[keep_from] = blocks[1]
+            ids[:, keep_from] = blocks[:, 1]
 
     def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
@@ -125,16 +126,17 @@ class MambaManager(SingleTypeManager):
             if num_tokens % size:
                 return
             start = num_full - 1
-        self._pool.cache_blocks(self.group_id, table.ids, block_hashes, start, num_full, request.token_ids)
+        for group_id, row in zip(self.group_ids, table.ids, strict=True):
+            self._pool.cache_blocks(group_id, row, block_hashes, start, num_full, request.token_ids)
         hashes = self._pool.block_hash
-        self._cached_this_step.update(h for h in map(hashes.__getitem__, table.ids[start:num_full].tolist())
+        self._cached_this_step.update(h for h in map(hashes.__getitem__, table.ids[:, start:num_full].ravel().tolist())
                                       if h is not None)
 
-    def state_entries(self, request_id: RequestId, start: int, end: int) -> StateEntries | None:
+    def state_entries(self, request_id: RequestId, row: int, start: int, end: int) -> StateEntries | None:
         """For a step computing tokens [start, end): (tokens, block) of the state it reads (None
         from token 0) and of every state it writes, ascending. Entry ceil(t/B) - 1 holds the
         state after t tokens; NONE mode keeps it in entry 0."""
-        table = self._tables[request_id].ids
+        table = self._tables[request_id].ids[row]
         size = self.block_size
         if self.mode is MambaMode.NONE:
             return ((start, int(table[0])) if start else None), [(end, int(table[0]))]

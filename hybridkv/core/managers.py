@@ -38,6 +38,7 @@ from hybridkv.core.single_type_manager import (
     held_prefix,
     held_row,
     is_block,
+    rule_of,
 )
 from hybridkv.core.specs import SpecKind
 
@@ -63,9 +64,9 @@ class FullAttentionManager(SingleTypeManager):
 class SlidingWindowManager(SingleTypeManager):
     """Sliding window W: the last W-1 tokens before a position must be cached."""
 
-    def __init__(self, group: KVCacheGroupSpec, pool: BlockPool) -> None:
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         super().__init__(group, pool)
-        self.window_tokens = group.window_tokens
+        self.window_tokens = self.group.window_tokens
         self.contiguous_blocks = cdiv(self.window_tokens - 1, self.block_size)
 
     def first_needed_block(self, num_tokens: int) -> int:
@@ -103,12 +104,12 @@ def _rightmost_run(maps: Sequence[HashMap], keys: Sequence[BlockHash], need: int
 class ChunkedLocalManager(SingleTypeManager):
     """Chunked local attention C: a token attends to the tokens of its own chunk only."""
 
-    def __init__(self, group: KVCacheGroupSpec, pool: BlockPool) -> None:
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         super().__init__(group, pool)
-        self.chunk_tokens = group.chunk_tokens
+        self.chunk_tokens = self.group.chunk_tokens
         if self.chunk_tokens % self.block_size:
             raise ConfigError(
-                f"group {group.group_id}: local-attention chunk of {self.chunk_tokens} tokens must be "
+                f"group {self.group_id}: local-attention chunk of {self.chunk_tokens} tokens must be "
                 f"a multiple of the block size {self.block_size}"
             )
 
@@ -148,18 +149,23 @@ class CrossAttentionManager(SingleTypeManager):
         return
 
 
-def make_manager(group: KVCacheGroupSpec, pool: BlockPool, *, mamba_mode: MambaMode) -> SingleTypeManager:
-    """The manager for `group`'s kind."""
-    kind = group.kind
+def make_manager(group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
+                 mamba_mode: MambaMode) -> SingleTypeManager:
+    """The manager for a group, or for several groups of one rule (`rule_of`), by kind."""
+    groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
+    if len({rule_of(g) for g in groups}) != 1:
+        raise ConfigError(f"groups {[g.group_id for g in groups]} do not share one hit rule; expected one "
+                          "manager per rule")
+    kind = groups[0].kind
     if kind is SpecKind.FULL:
-        return FullAttentionManager(group, pool)
+        return FullAttentionManager(groups, pool)
     if kind is SpecKind.SLIDING_WINDOW:
-        return SlidingWindowManager(group, pool)
+        return SlidingWindowManager(groups, pool)
     if kind is SpecKind.CHUNKED_LOCAL:
-        return ChunkedLocalManager(group, pool)
+        return ChunkedLocalManager(groups, pool)
     if kind is SpecKind.MAMBA:
-        return MambaManager(group, pool, mode=mamba_mode)
+        return MambaManager(groups, pool, mode=mamba_mode)
     if kind is SpecKind.CROSS:
-        return CrossAttentionManager(group, pool)
-    raise ConfigError(f"group {group.group_id} has unknown kind {kind!r}; expected one of "
+        return CrossAttentionManager(groups, pool)
+    raise ConfigError(f"group {groups[0].group_id} has unknown kind {kind!r}; expected one of "
                       f"{[k.value for k in SpecKind]}")

@@ -104,10 +104,11 @@ def allocate(pool: BlockPool, manager: SingleTypeManager, request_tokens: int, f
     """Drive one step on the manager alone: count, release, (no hits), allocate."""
     request = make_request(request_id="r", token_ids=list(range(request_tokens)))
     need = manager.get_num_blocks_to_allocate(request, None, first_new, total)
-    released = manager.remove_skipped_blocks(request.request_id, first_new).tolist()
+    (released,) = manager.remove_skipped_blocks(request.request_id, first_new).tolist()
     pool.free(released)
     manager.save_hits(request, None, first_new)
-    return need, released, manager.allocate_new_blocks(request, first_new, total).tolist()
+    (new,) = manager.allocate_new_blocks(request, first_new, total).tolist()
+    return need, released, new
 
 
 def test_sliding_window_releases_blocks_that_fall_out_of_the_window_tail_first() -> None:
