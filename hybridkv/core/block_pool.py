@@ -333,7 +333,11 @@ class BlockPool:
             return
         grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), len(self._groups)), np.int64)
         for group_ids, blocks in parts:
-            grid[: blocks.shape[1], list(group_ids)] = blocks.T
+            first = group_ids[0]
+            if group_ids[-1] - first == len(group_ids) - 1:  # consecutive groups: a slice, not a gather
+                grid[: blocks.shape[1], first : first + len(group_ids)] = blocks.T
+            else:
+                grid[: blocks.shape[1], list(group_ids)] = blocks.T
         ids = grid.ravel()
         ids = ids[ids != NULL]
         refs = self.ref_cnt[ids] - 1
