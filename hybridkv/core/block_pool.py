@@ -237,9 +237,13 @@ class BlockPool:
                 continue
             keys: list[BlockHash] = hashes[ids].tolist()  # evicted: all hashed
             dups = self._dups[group_id]
-            if dups and any(map(dups.__contains__, keys)):  # copies to promote: block by block
-                self._unmap(ids.tolist(), [group_id] * len(ids))
-                continue
+            if dups:
+                copied = np.fromiter(map(dups.__contains__, keys), np.bool_, len(keys))
+                if copied.any():  # hashes with copies (to promote or drop): block by block
+                    slow = ids[copied]
+                    self._unmap(slow.tolist(), [group_id] * len(slow))
+                    ids = ids[~copied]
+                    keys = hashes[ids].tolist()
             # no copies: every block is its hash's primary (one C-level pass per group)
             deque(map(self._maps[group_id].__delitem__, keys), maxlen=0)
             hashes[ids] = None
