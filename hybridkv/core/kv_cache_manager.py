@@ -1,6 +1,6 @@
 """The KV cache manager: the facade an engine's scheduler calls.
 
-    KVCacheManager  ->  coordinator (all groups)  ->  one manager per group  ->  block pool
+    KVCacheManager  ->  coordinator (all groups)  ->  one manager per hit rule (its groups) -> block pool
 
 A step of one request, in tokens (`allocate` arguments in brackets):
 
