@@ -340,10 +340,10 @@ class KVCacheManager:
             if read is not None and read[1] == NULL:
                 raise AllocationError(
                     f"request {request_id!r} no longer holds its state after {start_tokens} tokens in group "
-                    f"{manager.group_id}; start_tokens must be the first token of the step just allocated"
+                    f"{manager.group_ids[row]}; start_tokens must be the first token of the step just allocated"
                 )
             steps.append(StateStep(
-                group_id=GroupId(manager.group_id),
+                group_id=GroupId(manager.group_ids[row]),
                 read=None if read is None else StateCheckpoint(num_tokens=read[0], block_id=BlockId(read[1])),
                 writes=tuple(StateCheckpoint(num_tokens=t, block_id=BlockId(b)) for t, b in writes),
             ))

@@ -125,6 +125,19 @@ def test_state_steps_align() -> None:
         StateStep(group_id=1, read=cp(10, 5), writes=(cp(11, 5),)),)  # type: ignore[arg-type]
 
 
+def test_state_steps_name_each_of_two_state_groups_that_share_one_rule() -> None:
+    """Two Mamba groups (1 and 2) after a full group: one manager serves both, each keeps its own
+    block. Prefill 8 (B=4): the pop hands full 1, 2, then group 1 block 3, group 2 block 4."""
+    m = manager(ALIGN, [FULL4, MAMBA4, MAMBA4])
+    a = make_request(request_id="a", token_ids=range(8))
+    assert m.allocate(a, 8) is not None
+    assert m.block_ids(a.request_id) == ([1, 2], [0, 3], [0, 4])
+    assert m.state_steps(a.request_id, start_tokens=0, end_tokens=8) == (
+        StateStep(group_id=1, read=None, writes=(cp(8, 3),)),  # type: ignore[arg-type]
+        StateStep(group_id=2, read=None, writes=(cp(8, 4),)))  # type: ignore[arg-type]
+    m.check_integrity()
+
+
 def test_state_steps_all_and_restore_from_a_hit() -> None:
     m = manager(ALL)
     a = make_request(request_id="a", token_ids=range(10))
