@@ -111,7 +111,7 @@ class ModelRunner:
         self.state_caches: list[StateCache | None] = [v if isinstance(v, StateCache) else None for v in views]
         self._check_kinds()
         self.rules = [_rule(g) for g in kv_config.groups]
-        self.step_threads = StepThreads()  # thread count per step: measured for decodes
+        self.step_threads = StepThreads()  # threads per step: decodes use every thread only on an idle machine
 
     def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
         spec = group.spec_of(layer)

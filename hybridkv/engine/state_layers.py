@@ -53,8 +53,7 @@ every checkpoint state comes from the same forward, and writes the states into t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -223,25 +222,6 @@ class StateLayers:
                 page.index_fill_(0, index, 0)
         if self.restore_hook is not None and targets:
             self.restore_hook(group, targets)
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the block on one torch thread (the previous setting restored after).
-
-    The scans and the conv are many mid-sized ops (a 1024-token Gated DeltaNet scan is ~100 ops on
-    tensors of ~1 MB); a second thread's wake-up and join per op cost more than it saves: the
-    scan took 2x as long on two threads as on one (measured on the 2-core CI machine kind).
-    """
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, weight: torch.Tensor,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,30 @@ def read_cpu() -> CpuSample | None:
     own = os.times()
     return CpuSample(at=time.monotonic(), machine_busy_s=(sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"),
                      own_busy_s=own.user + own.system)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block on `n` torch threads; the previous setting is restored after (also on errors)."""
+    threads = torch.get_num_threads()
+    if n == threads:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def one_thread() -> AbstractContextManager[None]:
+    """Run the block on one torch thread (the previous setting restored after).
+
+    The state layers' scans and conv are many mid-sized ops (a 1024-token Gated DeltaNet scan is
+    ~100 ops on tensors of ~1 MB); a second thread's wake-up and join per op cost more than it
+    saves: the scan took 2x as long on two threads as on one (measured on the 2-core CI machine kind).
+    """
+    return torch_threads(1)
 
 
 class StepThreads:
@@ -88,12 +112,5 @@ class StepThreads:
         if num_tokens >= SMALL_STEP_TOKENS or threads == 1:
             yield
             return
-        chosen = self.small_step_threads(threads)
-        if chosen == threads:
+        with torch_threads(self.small_step_threads(threads)):
             yield
-            return
-        torch.set_num_threads(chosen)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)

@@ -31,7 +31,8 @@ from torch import nn
 from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.layers import activation
-from hybridkv.engine.state_layers import causal_conv, one_thread, scan_states
+from hybridkv.engine.state_layers import causal_conv, scan_states
+from hybridkv.engine.threads import one_thread
 
 CHUNK_TOKENS = 32  # 1.7x faster than 64 on this CPU: the [C, C] products and the solve grow with C
 _CAUSAL = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool).tril()  # [C, C] key j <= query i

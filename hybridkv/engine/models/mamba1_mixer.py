@@ -22,7 +22,8 @@ from torch import nn
 from hybridkv.engine.models.base import ForwardContext
 from hybridkv.engine.models.layers import RMSNorm, activation
 from hybridkv.engine.models.ssm_scan import mamba1_scan, mamba1_step
-from hybridkv.engine.state_layers import causal_conv, one_thread, scan_states
+from hybridkv.engine.state_layers import causal_conv, scan_states
+from hybridkv.engine.threads import one_thread
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
