@@ -189,12 +189,12 @@ class ModelRunner:
         states = {}
         if self.states.groups:
             states = self.states.prepare(spans, [it.state_io for it in ordered])
-        ctx = ForwardContext(positions=positions, groups=groups, kv_caches=self.kv_caches,
-                             layer_group=self.layer_group, kv_shared_from=self.kv_config.kv_shared_from,
-                             state_caches=self.state_caches, state_groups=states)
         ends = torch.tensor([len(it.token_ids) for it in ordered]).cumsum(0) - 1  # [N] last token of each item
         row_of = {original: int(ends[k]) for k, original in enumerate(order)}
         rows = torch.tensor([row_of[i] for i, it in enumerate(items) if it.sample], dtype=torch.int64)
+        ctx = ForwardContext(positions=positions, groups=groups, kv_caches=self.kv_caches,
+                             layer_group=self.layer_group, kv_shared_from=self.kv_config.kv_shared_from,
+                             state_caches=self.state_caches, state_groups=states, sample_rows=rows)
         with torch.inference_mode(), self.step_threads(len(ids)):
-            hidden = self.model(ids, positions, ctx)  # [T, hidden]
-            return self.model.compute_logits(hidden[rows]).float()  # [N, vocab]
+            hidden = self.model(ids, positions, ctx)  # [N, hidden]: the sampling items' last tokens
+            return self.model.compute_logits(hidden).float()  # [N, vocab]

@@ -6,8 +6,8 @@ names equal to the HF weight names (so `load_weights` is a name-for-name copy). 
     model = ModelClass(hf_config).to(dtype)                   # placeholder weights
     model.load_weights(named_tensors)                          # HF names -> parameters
     model.layer_kinds(), model.kv_shared_from                  # checked against the KV cache layout
-    hidden = model(input_ids [T], positions [T], ctx)          # flattened tokens of one step
-    logits = model.compute_logits(hidden[rows])                # [N, vocab]
+    hidden = model(input_ids [T], positions [T], ctx)          # [N, hidden]: rows ctx.sample_rows
+    logits = model.compute_logits(hidden)                      # [N, vocab]
 
 Attention layers read and write the paged KV cache only through `ForwardContext`: the cache view
 of their layer (`kv_cache(layer)`), the metadata of their KV cache group (`metadata(layer)`) and
@@ -40,6 +40,10 @@ class ForwardContext:
     layer gets its target's view); `layer_group[i]` the KV cache group whose metadata layer i uses.
     State layers: `state_caches[i]` their state views, `state_groups[g]` the step's state metadata
     of group g (`groups[g]` is None for a state group).
+    `sample_rows` [N]: the rows of the T tokens whose hidden states the step needs (None: all, in
+    order). `narrow` is set in the context the decoder hands its last layer only: a layer that
+    declares `narrows_to_sample_rows` then keeps just those rows after its token mixer (`keep`),
+    so its MLP runs on N rows instead of T.
     """
 
     positions: torch.Tensor  # [T] int64 absolute positions
@@ -49,6 +53,16 @@ class ForwardContext:
     kv_shared_from: Mapping[int, int]
     state_caches: Sequence[StateCache | None] = ()
     state_groups: Mapping[int, StateMetadata] = field(default_factory=dict)
+    sample_rows: torch.Tensor | None = None
+    narrow: bool = False
+
+    def sampled(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] -> its `sample_rows` [N, ...] (x itself when every row is needed)."""
+        return x if self.sample_rows is None else x[self.sample_rows]
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """In the last layer's context: `sampled(x)`; elsewhere x unchanged."""
+        return self.sampled(x) if self.narrow else x
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         return self.kv_caches[layer]
@@ -128,7 +142,8 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm for the step's T flattened tokens."""
+        """Hidden states after the final norm of the step's T flattened tokens: rows `ctx.sample_rows`
+        [N, hidden] (`ctx.sampled`), all [T, hidden] when it is None."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

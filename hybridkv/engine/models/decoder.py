@@ -5,9 +5,12 @@ which owns the rest under the HF weight names `model.embed_tokens`, `model.layer
 `model.norm` and `lm_head`:
 
     input_ids [T] --embed--> x [T, hidden]                                   (Gemma: x sqrt(hidden))
-    x --model.layers[i](x, rope, cos_sin, ctx) for i = 0..L-1--> --model.norm--> hidden [T, hidden]
+    x --model.layers[i](x, rope, cos_sin, ctx) for i = 0..L-1--> --model.norm--> hidden [N, hidden]
     hidden [N, hidden] @ (lm_head, or embed_tokens when tied).T --> logits [N, vocab]  (Gemma: soft-cap)
 
+Only the step's sampled rows (`ctx.sample_rows`) leave the stack: a last layer that declares
+`narrows_to_sample_rows` drops the other rows right after its token mixer (their MLP is never
+computed; the mixer still writes every token's K/V or state), otherwise they are dropped after it.
 Layer i gets the rotary embedding of its layer type (one rope may serve several types; NoPE
 layers ignore theirs); cos/sin are computed once per distinct rope and step.
 Used by Gemma 3, gpt-oss, Llama 4, Llama/Mistral/Qwen2, Qwen3-Next and Qwen3.5 (whose Gated
@@ -17,6 +20,7 @@ DeltaNet layers ignore their rope); Gemma 3n has its own loop (AltUp).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -128,10 +132,13 @@ class DecoderForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)  # [T, hidden]
         cos_sin: dict[RotaryEmbedding, CosSin] = {rope: rope.cos_sin(positions) for rope in self.ropes.values()}
-        for layer, kind in zip(self.model.layers, self.layer_types, strict=True):
+        layers = self.model.layers
+        last = layers[len(layers) - 1]
+        narrows = getattr(last, "narrows_to_sample_rows", False) and ctx.sample_rows is not None
+        for layer, kind in zip(layers, self.layer_types, strict=True):
             rope = self.ropes[kind]
-            x = layer(x, rope, cos_sin[rope], ctx)
-        return self.model.norm(x)  # type: ignore[no-any-return]
+            x = layer(x, rope, cos_sin[rope], replace(ctx, narrow=True) if narrows and layer is last else ctx)
+        return self.model.norm(x if narrows else ctx.sampled(x))  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight

@@ -274,4 +274,4 @@ class DeepseekForCausalLM(DecoderForCausalLM):
         selected: list[torch.Tensor] | None = None
         for layer in self.model.layers:
             x, selected = layer(x, cos_sin, ctx, selected)
-        return self.model.norm(x)  # type: ignore[no-any-return]
+        return self.model.norm(ctx.sampled(x))  # type: ignore[no-any-return]

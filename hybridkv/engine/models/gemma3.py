@@ -73,6 +73,8 @@ class Gemma3Attention(QKVAttention):
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: RMS norms before and after both attention and the MLP."""
 
+    narrows_to_sample_rows = True  # see ForwardContext.keep
+
     def __init__(self, config: Mapping[str, Any], layer: int) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
@@ -86,7 +88,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps=eps, unit_offset=True)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx))
+        h = self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
+        x = ctx.keep(x) + self.post_attention_layernorm(ctx.keep(h))
         out: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return out
 

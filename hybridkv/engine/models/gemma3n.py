@@ -336,7 +336,7 @@ class Gemma3nForCausalLM(CausalLM):
         cos_sin = {kind: rope.cos_sin(positions) for kind, rope in self.ropes.items()}
         for i, (layer, kind) in enumerate(zip(m.layers, self.settings.layer_types, strict=True)):
             h = layer(h, per_layer[:, i], self.ropes[kind], cos_sin[kind], ctx)
-        return m.norm(m.altup_unstack(h))  # type: ignore[no-any-return]
+        return m.norm(ctx.sampled(m.altup_unstack(h)))  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.settings.tied else self.lm_head.weight

@@ -260,6 +260,8 @@ class PreNormDecoderLayer(nn.Module):
     `self_attn` maps (x [T, hidden], rope, cos_sin, ctx) and `mlp` maps x [T, hidden] to [T, hidden].
     """
 
+    narrows_to_sample_rows = True  # see ForwardContext.keep
+
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, *, hidden: int, eps: float) -> None:
         super().__init__()
         self.self_attn = self_attn
@@ -268,6 +270,6 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx)
+        x = ctx.keep(x) + ctx.keep(self.self_attn(self.input_layernorm(x), rope, cos_sin, ctx))
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out

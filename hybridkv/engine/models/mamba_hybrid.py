@@ -95,6 +95,8 @@ class HybridAttention(QKVAttention):
 class MixerDecoderLayer(nn.Module):
     """Pre-norm layer whose mixer is a state layer (`mamba`, called with its cache slot) or `self_attn`."""
 
+    narrows_to_sample_rows = True  # see ForwardContext.keep
+
     def __init__(self, *, mixer: nn.Module, is_state: bool, feed_forward: nn.Module, hidden: int, eps: float,
                  slot: int) -> None:
         super().__init__()
@@ -111,7 +113,7 @@ class MixerDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
         h = self.mamba(h, ctx, self.slot) if self.is_state else self.self_attn(h, rope, cos_sin, ctx)
-        x = x + h
+        x = ctx.keep(x) + ctx.keep(h)
         out: torch.Tensor = x + self.feed_forward(self.pre_ff_layernorm(x))
         return out
 

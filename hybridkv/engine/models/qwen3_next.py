@@ -123,6 +123,8 @@ def split_fused_experts(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator
 class HybridDecoderLayer(nn.Module):
     """`linear_attn` (Gated DeltaNet) or `self_attn` (gated attention), then the MLP; pre-norm, 1 + w norms."""
 
+    narrows_to_sample_rows = True  # see ForwardContext.keep
+
     def __init__(self, mixer: nn.Module, mlp: nn.Module, *, hidden: int, eps: float) -> None:
         super().__init__()
         if isinstance(mixer, GatedDeltaNet):
@@ -135,7 +137,8 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + (self.linear_attn(h, ctx) if hasattr(self, "linear_attn") else self.self_attn(h, rope, cos_sin, ctx))
+        h = self.linear_attn(h, ctx) if hasattr(self, "linear_attn") else self.self_attn(h, rope, cos_sin, ctx)
+        x = ctx.keep(x) + ctx.keep(h)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
