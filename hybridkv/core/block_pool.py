@@ -12,8 +12,10 @@ of blocks is a few numpy operations rather than a Python step per block:
     group_of:    int64 array      the group it was last allocated to (-1: never)
     block_hash:  object array     its cached hash, or None
     has_hash:    bool array       block_hash[i] is not None (what the eviction policy reads)
+    slot_of:     int64 array      its slot in its block size's prefix map (0: not cached)
     free:        the eviction policy's queue of ids with ref_cnt 0 (front = reused first)
-    cached:      per group, block hash -> block id   (the prefix-cache key is (hash, group))
+    maps:        per block size, hash -> slot -> block per group (`prefix_map.py`; the
+                 prefix-cache key is (hash, group))
 
 - `allocate` pops blocks from the policy and drops any stale hash of a popped block (eviction).
 - `touch` takes hit blocks back from the free queue and raises their ref count.
@@ -27,7 +29,7 @@ The null block's ref count is `NULL_REF_CNT` and never changes (touch and releas
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -40,6 +42,7 @@ from hybridkv.core.errors import ConfigError, IntegrityError
 from hybridkv.core.eviction import Ids, PolicyFactory
 from hybridkv.core.ids import BlockHash, GroupId
 from hybridkv.core.planner import KVCacheGroupSpec
+from hybridkv.core.prefix_map import GroupsView, PrefixMap
 from hybridkv.core.specs import SpecKind
 
 __all__ = [
@@ -138,8 +141,15 @@ class BlockPool:
         self._groups = tuple(groups)
         self._group_ids = np.arange(len(self._groups), dtype=np.int64)
         self._policy = policy_factory(num_blocks, self.has_hash)
-        self._maps: list[dict[BlockHash, int]] = [{} for _ in self._groups]
-        self._dups: list[dict[BlockHash, list[int]]] = [{} for _ in self._groups]
+        self.slot_of = np.zeros(num_blocks, np.int64)
+        by_size: dict[int, list[int]] = {}
+        for g, spec in enumerate(self._groups):
+            by_size.setdefault(spec.block_size, []).append(g)
+        self._pmaps = [PrefixMap(ids, num_blocks) for ids in by_size.values()]
+        #: per group: (its prefix map, its column there)
+        self._place = [(m, m.group_ids.index(g)) for g in range(len(self._groups))
+                       for m in self._pmaps if g in m.group_ids]
+        self._col_of = np.array([col for _, col in self._place], np.int64)
         self._events_on = events is KVEvents.ON
         self._events: list[KVEvent] = []
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
@@ -157,8 +167,16 @@ class BlockPool:
         return self.num_blocks - 1
 
     def cached_map(self, group_id: int) -> dict[BlockHash, int]:
-        """The hash -> block id map of one group (read-only for callers; the managers' hit scans)."""
-        return self._maps[group_id]
+        """The hash -> block id map of one group (a copy, built now: for tests and inspection)."""
+        pmap, col = self._place[group_id]
+        return pmap.snapshot(col)
+
+    def groups_view(self, group_ids: Sequence[int]) -> GroupsView:
+        """What the hit rule of `group_ids` (one block size) reads: their columns of the prefix map."""
+        pmap = self._place[group_ids[0]][0]
+        if any(self._place[g][0] is not pmap for g in group_ids):
+            raise ConfigError(f"groups {list(group_ids)} do not share one block size; expected one prefix map")
+        return pmap.view([self._place[g][1] for g in group_ids])
 
     def usage(self) -> float:
         """Fraction of usable blocks held by at least one request."""
@@ -195,7 +213,7 @@ class BlockPool:
         if total <= FEW:
             return self._allocate_few(counts, total)
         ids = self._policy.pop(total)
-        if self.has_hash[ids].any():
+        if np.count_nonzero(self.has_hash[ids]):
             self._evict(ids)
         self.ref_cnt[ids] = 1
         self.group_of[ids] = np.repeat(self._group_ids, counts)
@@ -225,46 +243,55 @@ class BlockPool:
     def _evict(self, ids: Ids) -> None:
         """Drop the stale hashes of popped blocks (some carry one)."""
         evicted = ids[self.has_hash[ids]]
-        groups = self.group_of[evicted]
         self.has_hash[evicted] = False
         if self._events_on:  # one event per block, in pop order
-            self._unmap(evicted.tolist(), groups.tolist())
+            self._unmap(evicted.tolist())
             return
-        hashes = self.block_hash
-        for group_id in range(len(self._groups)):
-            ids = evicted[groups == group_id]
-            if not len(ids):
-                continue
-            keys: list[BlockHash] = hashes[ids].tolist()  # evicted: all hashed
-            dups = self._dups[group_id]
-            if dups:
-                copied = np.fromiter(map(dups.__contains__, keys), np.bool_, len(keys))
-                if copied.any():  # hashes with copies (to promote or drop): block by block
-                    slow = ids[copied]
-                    self._unmap(slow.tolist(), [group_id] * len(slow))
-                    ids = ids[~copied]
-                    keys = hashes[ids].tolist()
-            # no copies: every block is its hash's primary (one C-level pass per group)
-            deque(map(self._maps[group_id].__delitem__, keys), maxlen=0)
-            hashes[ids] = None
+        groups = self.group_of[evicted]
+        for pmap in self._pmaps:
+            ids = evicted
+            if len(self._pmaps) > 1:
+                ids = evicted[np.isin(groups, pmap.group_ids)]
+                if not len(ids):
+                    continue
+            slots = self.slot_of[ids]
+            cols = self._col_of[groups] if len(self._pmaps) == 1 else self._col_of[self.group_of[ids]]
+            if pmap.dups[0] or (len(pmap.dups) > 1 and any(pmap.dups)):
+                # a hash with copies (to promote or drop), or a waiting copy itself: block by block
+                copied = pmap.waiting[cols, slots] | (pmap.blocks[cols, slots] != ids)
+                if np.count_nonzero(copied):
+                    self._unmap(ids[copied].tolist())
+                    keep = ~copied
+                    ids, slots, cols = ids[keep], slots[keep], cols[keep]
+            # every block is its slot's block in its group, without copies
+            pmap.blocks[cols, slots] = NULL
+            self.slot_of[ids] = 0
+            self.block_hash[ids] = None
+            pmap.release(slots)
             self.evictions += len(ids)
 
-    def _unmap(self, blocks: list[int], groups: list[int]) -> None:
-        """Remove `blocks` (each carries a hash; `groups[i]` is the group of `blocks[i]`) from
-        their groups' cache tables and forget their hashes (the caller clears `has_hash`)."""
-        maps = self._maps
-        dups = self._dups
+    def _unmap(self, blocks: list[int]) -> None:
+        """Remove `blocks` (each carries a hash) from their groups' prefix maps and forget their
+        hashes (the caller clears `has_hash`)."""
         hashes = self.block_hash
-        events_on = self._events_on
-        for block, group_id in zip(blocks, groups, strict=True):
-            block_hash = hashes[block]
-            assert block_hash is not None
-            primary = maps[group_id].pop(block_hash)
-            if primary != block or block_hash in dups[group_id]:
-                self._evict_duplicate(block, block_hash, group_id, primary)
-            if events_on:
+        slot_of = self.slot_of
+        group_of = self.group_of
+        for block in blocks:  # scalar reads with .item(): no numpy scalar objects
+            group_id = group_of.item(block)
+            pmap, col = self._place[group_id]
+            slot = slot_of.item(block)
+            block_hash = pmap.key[slot]
+            if pmap.blocks.item(col, slot) != block:  # a waiting copy
+                pmap.take_dup(col, slot, block_hash, block)
+            elif pmap.waiting.item(col, slot):  # a waiting copy becomes the primary
+                pmap.blocks[col, slot] = pmap.take_dup(col, slot, block_hash, None)
+            else:
+                pmap.blocks[col, slot] = NULL
+                pmap.release_one(slot)
+            if self._events_on:
                 self._record_removed(group_id, block_hash)
             hashes[block] = None
+            slot_of[block] = 0
         self.evictions += len(blocks)
 
     def touch(self, blocks: Sequence[int], group_id: int) -> None:
@@ -335,14 +362,18 @@ class BlockPool:
                     lists[group_id] = row
             self.free(interleave(lists))
             return
-        grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), len(self._groups)), np.int64)
-        for group_ids, blocks in parts:
-            first = group_ids[0]
-            if group_ids[-1] - first == len(group_ids) - 1:  # consecutive groups: a slice, not a gather
-                grid[: blocks.shape[1], first : first + len(group_ids)] = blocks.T
-            else:
-                grid[: blocks.shape[1], list(group_ids)] = blocks.T
-        ids = grid.ravel()
+        filled = [(group_ids, blocks) for group_ids, blocks in parts if blocks.size]
+        if len(filled) == 1 and list(filled[0][0]) == sorted(filled[0][0]):  # the grid without the other groups
+            ids = filled[0][1].T.ravel()
+        else:
+            grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), len(self._groups)), np.int64)
+            for group_ids, blocks in filled:
+                first = group_ids[0]
+                if group_ids[-1] - first == len(group_ids) - 1:  # consecutive groups: a slice, not a gather
+                    grid[: blocks.shape[1], first : first + len(group_ids)] = blocks.T
+                else:
+                    grid[: blocks.shape[1], list(group_ids)] = blocks.T
+            ids = grid.ravel()
         ids = ids[ids != NULL]
         refs = self.ref_cnt[ids] - 1
         self.ref_cnt[ids] = refs
@@ -360,47 +391,57 @@ class BlockPool:
         token_ids: Sequence[int],
     ) -> None:
         """Cache the non-null blocks `table[start:end]` under `hashes[start:end]` in `group_id`."""
-        chosen = np.asarray(table[start:end], np.int64)
-        blocks: list[int] = chosen.tolist()
-        if not self._cache_fresh(group_id, blocks, chosen, hashes[start:end]):
-            cached = self._maps[group_id]
-            block_hash = self.block_hash
-            for block, key in zip(blocks, hashes[start:end], strict=True):
-                if block == NULL or block_hash[block] is not None:
-                    continue
-                block_hash[block] = key
-                self.has_hash[block] = True
-                if cached.setdefault(key, block) != block:
-                    self._dups[group_id].setdefault(key, []).append(block)
-        if self._events_on:
-            self._record_stored(group_id, blocks, hashes, start, end, token_ids)
+        self.cache_rows((group_id,), np.asarray(table, np.int64).reshape(1, -1), hashes, start, end, token_ids)
 
-    def _cache_fresh(self, group_id: int, blocks: list[int], ids: Ids, keys: Sequence[BlockHash]) -> bool:
-        """The common case in bulk: real blocks without a hash (`ids` = `blocks` as an array;
-        one `setdefault` per block; a hash already cached, or repeated within `keys`, makes the
-        block a waiting copy, as one by one); False (nothing done) when some block is null or
-        carries a hash."""
-        if len(blocks) != len(keys):
+    def cache_rows(self, group_ids: Sequence[int], rows: Ids, hashes: Sequence[BlockHash], start: int, end: int,
+                   token_ids: Sequence[int]) -> None:
+        """`cache_blocks(group_ids[i], rows[i], ...)` for every i (groups of one block size)."""
+        chosen = rows[:, start:end]
+        keys = hashes[start:end]
+        if chosen.size <= FEW or not self._cache_fresh(group_ids, chosen, keys):
+            pmap, _ = self._place[group_ids[0]]
+            for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
+                self._cache_one_by_one(pmap, self._place[group_id][1], row, keys)
+        if self._events_on:
+            for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
+                self._record_stored(group_id, row, hashes, start, end, token_ids)
+
+    def _cache_fresh(self, group_ids: Sequence[int], chosen: Ids, keys: Sequence[BlockHash]) -> bool:
+        """The common case in bulk: real blocks without a hash, each key new to every group and
+        not repeated (one dict operation per key for all groups); False (nothing done) otherwise."""
+        if (chosen.shape[1] != len(keys) or np.count_nonzero(chosen) != chosen.size
+                or np.count_nonzero(self.has_hash[chosen])):
             return False
-        few = len(blocks) <= FEW  # scalar reads and writes: no array call overhead (hashes are non-empty bytes)
-        if (NULL in blocks or any(map(self.block_hash.__getitem__, blocks)) if few
-                else not ids.all() or self.has_hash[ids].any()):
-            return False
-        primaries = list(map(self._maps[group_id].setdefault, keys, blocks))
-        if few:
-            deque(map(self.block_hash.__setitem__, blocks, keys), maxlen=0)
-            has_hash = self.has_hash
-            for block in blocks:
-                has_hash[block] = True
-        else:
-            self.block_hash[ids] = keys
-            self.has_hash[ids] = True
-        if primaries != blocks:
-            dups = self._dups[group_id]
-            for block, key, primary in zip(blocks, keys, primaries, strict=True):
-                if primary != block:
-                    dups.setdefault(key, []).append(block)
+        pmap, _ = self._place[group_ids[0]]
+        slots = pmap.slots_for(keys)
+        cols = self._col_of[list(group_ids)][:, None]
+        if np.count_nonzero(pmap.blocks[cols, slots]) or len(set(slots.tolist())) != len(keys):
+            return False  # (the slots stay: the one-by-one pass finds them)
+        pmap.blocks[cols, slots] = chosen
+        pmap.count[slots] += len(group_ids)
+        self.slot_of[chosen] = slots
+        self.block_hash[chosen] = pmap.key[slots]
+        self.has_hash[chosen] = True
         return True
+
+    def _cache_one_by_one(self, pmap: PrefixMap, col: int, blocks: list[int], keys: Sequence[BlockHash]) -> None:
+        """Cache each real block without a hash; a key its group already holds makes it a waiting copy."""
+        block_hash = self.block_hash
+        has_hash = self.has_hash
+        slot_of = self.slot_of
+        primaries = pmap.blocks
+        for block, key in zip(blocks, keys, strict=True):
+            if block == NULL or block_hash[block] is not None:
+                continue
+            slot = pmap.slot_for(key)
+            block_hash[block] = key
+            has_hash[block] = True
+            slot_of[block] = slot
+            if primaries.item(col, slot) == NULL:
+                primaries[col, slot] = block
+                pmap.count[slot] += 1
+            else:
+                pmap.add_dup(col, slot, key, block)
 
     def uncache(self, blocks: Sequence[int]) -> None:
         """Drop the cached hash of `blocks` (held blocks whose KV was never written, e.g. a step
@@ -413,23 +454,9 @@ class BlockPool:
     # -- slow path ----------------------------------------------------------------------------
 
     def _drop_hash(self, block: int) -> None:
-        """Remove `block` (which carries a hash) from its group's cache tables."""
-        self._unmap([block], [int(self.group_of[block])])
+        """Remove `block` (which carries a hash) from its group's prefix map."""
+        self._unmap([block])
         self.has_hash[block] = False
-
-    def _evict_duplicate(self, block: int, block_hash: BlockHash, group_id: int, primary: int) -> None:
-        """Finish evicting `block` when its hash has copies; `primary` was just popped from the
-        map. A waiting copy becomes the primary; an evicted copy leaves the waiting list."""
-        cached = self._maps[group_id]
-        dups = self._dups[group_id]
-        waiting = dups[block_hash]
-        if primary == block:
-            cached[block_hash] = waiting.pop(0)
-        else:
-            cached[block_hash] = primary
-            waiting.remove(block)
-        if not waiting:
-            del dups[block_hash]
 
     def _record_removed(self, group_id: int, block_hash: BlockHash) -> None:
         spec = self._groups[group_id]
@@ -458,9 +485,9 @@ class BlockPool:
         """Forget every cached hash; only possible when no block but null is in use."""
         if self._policy.num_free != self.usable_blocks:
             return False
-        for cached, dups in zip(self._maps, self._dups, strict=True):
-            cached.clear()
-            dups.clear()
+        for pmap in self._pmaps:
+            pmap.clear()
+        self.slot_of[:] = 0
         self.block_hash[:] = None
         self.has_hash[:] = False
         self.evictions += 1
@@ -496,29 +523,13 @@ class BlockPool:
         self._check_maps()
 
     def _check_maps(self) -> None:
-        entries = 0
-        hashes = self.block_hash
         groups = self.group_of.tolist()
-        for group_id, cached in enumerate(self._maps):
-            for block_hash, block in cached.items():
-                if hashes[block] != block_hash or groups[block] != group_id or block == NULL:
-                    raise IntegrityError(
-                        f"cache map of group {group_id} points at block {block} of group "
-                        f"{groups[block]} whose hash does not match its key"
-                    )
-            entries += len(cached)
-        for group_id, dups in enumerate(self._dups):
-            for block_hash, waiting in dups.items():
-                if block_hash not in self._maps[group_id] or not waiting:
-                    raise IntegrityError(f"duplicate table of group {group_id} has no primary block or no copies")
-                for block in waiting:
-                    if hashes[block] != block_hash or groups[block] != group_id:
-                        raise IntegrityError(f"duplicate block {block} does not carry its key")
-                entries += len(waiting)
+        entries = sum(pmap.check(self.block_hash, groups, self.slot_of) for pmap in self._pmaps)
+        hashes = self.block_hash
         hashed = sum(1 for h in hashes if h is not None)
         if hashed != entries:
             raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")
         mirror = np.array([h is not None for h in hashes], np.bool_)
-        if not (mirror == self.has_hash).all():
-            raise IntegrityError(f"has_hash disagrees with block_hash for blocks "
-                                 f"{np.flatnonzero(mirror != self.has_hash)[:10].tolist()}")
+        wrong = np.flatnonzero((mirror != self.has_hash) | (mirror != (self.slot_of != 0)))
+        if len(wrong):
+            raise IntegrityError(f"has_hash or slot_of disagrees with block_hash for blocks {wrong[:10].tolist()}")

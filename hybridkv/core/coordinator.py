@@ -198,7 +198,7 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[int]]:
     """The hit of every group of `manager`, looked up together."""
-    return manager.find_hits(manager.maps, hashes[manager.block_size], max_length)
+    return manager.find_hits(manager.view, hashes[manager.block_size], max_length)
 
 
 class UnitaryCoordinator(KVCacheCoordinator):

@@ -178,7 +178,7 @@ class LRUPolicy:
 
     def remove(self, ids: Ids) -> None:
         index = self._pos[ids]
-        assert (self._queue[index] == ids).all(), f"blocks {ids.tolist()} are not at their free-queue positions"
+        assert not np.count_nonzero(self._queue[index] != ids), f"blocks {ids.tolist()} are not at their positions"
         self._queue[index] = 0
         self._holes += len(ids)
         self.num_free -= len(ids)
@@ -186,7 +186,7 @@ class LRUPolicy:
     def release(self, ids: Ids) -> None:
         self.num_free += len(ids)
         content = self._content[ids]
-        if not content.all():
+        if np.count_nonzero(content) != len(ids):  # (count_nonzero: no ufunc reduce, ~0.5 us)
             self._front += ids[~content].tolist()
             ids = ids[content]
         count = len(ids)

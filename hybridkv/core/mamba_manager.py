@@ -17,15 +17,13 @@ from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.eviction import Ids
 from hybridkv.core.ids import BlockHash, RequestId
 from hybridkv.core.planner import KVCacheGroupSpec
+from hybridkv.core.prefix_map import GroupsView
 from hybridkv.core.request import KVRequest
 from hybridkv.core.single_type_manager import (
     NEVER,
-    HashMap,
     SingleTypeManager,
     StateEntries,
-    all_hold,
     cdiv,
-    held_row,
 )
 
 
@@ -100,17 +98,15 @@ class MambaManager(SingleTypeManager):
         if self._read_entry(old_len, new_len, keep_from, first_new):
             ids[:, keep_from] = blocks[:, 1]
 
-    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
         if self.mode is MambaMode.NONE:
-            return [[] for _ in maps]
-        keys = block_hashes[: max_length // self.block_size]
-        i = held_row(maps[:1], keys).rfind(1)
-        if i >= 0 and not all_hold(maps[1:], keys[i : i + 1]):
-            i = held_row(maps, keys).rfind(1)  # the lead group's checkpoint is not everyone's
+            return [[] for _ in view.cols]
+        row, slots = view.held(block_hashes[: max_length // self.block_size])
+        i = row.rfind(1)
         if i < 0:
-            return [[] for _ in maps]
-        return [[self._null] * i + [m[keys[i]]] for m in maps]
+            return [[] for _ in view.cols]
+        return [[self._null] * i + blocks for blocks in view.blocks_at(slots[i : i + 1])]
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Cache the checkpoints among the first `num_tokens` tokens not cached yet: ALIGN, the
@@ -126,8 +122,7 @@ class MambaManager(SingleTypeManager):
             if num_tokens % size:
                 return
             start = num_full - 1
-        for group_id, row in zip(self.group_ids, table.ids, strict=True):
-            self._pool.cache_blocks(group_id, row, block_hashes, start, num_full, request.token_ids)
+        self._pool.cache_rows(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
         hashes = self._pool.block_hash
         self._cached_this_step.update(h for h in map(hashes.__getitem__, table.ids[:, start:num_full].ravel().tolist())
                                       if h is not None)

@@ -21,23 +21,18 @@ The state (Mamba) manager is in `mamba_manager.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import takewhile
 
 from hybridkv.core.block_pool import BlockPool
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.ids import BlockHash, RequestId
 from hybridkv.core.mamba_manager import MambaManager, MambaMode
 from hybridkv.core.planner import KVCacheGroupSpec
+from hybridkv.core.prefix_map import GroupsView
 from hybridkv.core.request import KVRequest
 from hybridkv.core.single_type_manager import (
     NEVER,
-    HashMap,
     SingleTypeManager,
-    all_hold,
     cdiv,
-    held_prefix,
-    held_row,
-    is_block,
     rule_of,
 )
 from hybridkv.core.specs import SpecKind
@@ -52,13 +47,9 @@ class FullAttentionManager(SingleTypeManager):
     downward_closed = True
     skips_blocks = False
 
-    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
-        keys = block_hashes[: max_length // self.block_size]
-        if len(maps) == 1:
-            return [list(takewhile(is_block, map(maps[0].get, keys)))]  # type: ignore[arg-type]
-        keys = keys[: held_prefix(maps, keys)]
-        return [list(map(m.__getitem__, keys)) for m in maps]
+        return view.prefix(block_hashes[: max_length // self.block_size])
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -75,25 +66,21 @@ class SlidingWindowManager(SingleTypeManager):
     def quiet_first(self, num_skipped: int) -> int:
         return (num_skipped + 1) * self.block_size + self.window_tokens - 2
 
-    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
         limit = max_length // self.block_size
         need = self.contiguous_blocks
         if need == 0:
-            return [[self._null] * limit for _ in maps]
-        keys = block_hashes[:limit]
-        start, run = _rightmost_run(maps[:1], keys, need)
-        if len(maps) > 1 and run and not all_hold(maps[1:], keys[start : start + run]):
-            start, run = _rightmost_run(maps, keys, need)  # the lead group's answer is not everyone's
-        window = keys[start : start + run]
+            return [[self._null] * limit for _ in view.cols]
+        row, slots = view.held(block_hashes[:limit])
+        start, run = _rightmost_run(row, need)
         null = self._null
-        return [[null] * start + list(map(m.__getitem__, window)) for m in maps]
+        return [[null] * start + blocks for blocks in view.blocks_at(slots[start : start + run])]
 
 
-def _rightmost_run(maps: Sequence[HashMap], keys: Sequence[BlockHash], need: int) -> tuple[int, int]:
-    """(start, need) of the rightmost `need` consecutive keys that every map holds; without
-    one, (0, how many leading keys every map holds): a hit shorter than the window."""
-    row = held_row(maps, keys)
+def _rightmost_run(row: bytes, need: int) -> tuple[int, int]:
+    """(start, need) of the rightmost `need` consecutive 1 bytes of `row` (keys every group
+    holds); without one, (0, how many leading bytes are 1): a hit shorter than the window."""
     start = row.rfind(b"\x01" * need)
     if start >= 0:
         return start, need
@@ -120,13 +107,12 @@ class ChunkedLocalManager(SingleTypeManager):
         chunk = self.chunk_tokens
         return ((num_skipped + 1) * self.block_size - 1) // chunk * chunk + chunk - 1
 
-    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
         limit = max_length // self.block_size
         start = self.first_needed_block(max_length)
         window = block_hashes[start:limit] if limit > start else []
-        window = window[: held_prefix(maps, window)]
-        return [[self._null] * start + [m[h] for h in window] for m in maps]
+        return [[self._null] * start + blocks for blocks in view.prefix(window)]
 
 
 class CrossAttentionManager(SingleTypeManager):
@@ -141,9 +127,9 @@ class CrossAttentionManager(SingleTypeManager):
         del total_tokens
         return cdiv(request.num_encoder_tokens, self.block_size)
 
-    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
-        return [[] for _ in maps]
+        return [[] for _ in view.cols]
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         return

@@ -30,9 +30,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from itertools import takewhile
-from operator import is_not, mul
 
 import numpy as np
 
@@ -40,9 +37,9 @@ from hybridkv.core.block_pool import NULL, BlockPool
 from hybridkv.core.eviction import Ids
 from hybridkv.core.ids import BlockHash, RequestId
 from hybridkv.core.planner import KVCacheGroupSpec
+from hybridkv.core.prefix_map import GroupsView
 from hybridkv.core.request import KVRequest
 
-HashMap = Mapping[BlockHash, int]  # hash -> block id
 NEVER = 1 << 62  # a token count no request reaches
 #: (tokens, block) of the state a step reads (None: from token 0), and of each state it writes.
 StateEntries = tuple[tuple[int, int] | None, list[tuple[int, int]]]
@@ -72,30 +69,6 @@ class Table:
             ids = np.zeros((len(self.ids), max(length + 32, 2 * capacity)), np.int64)
             ids[:, : self.length] = self.ids[:, : self.length]
             self.ids = ids
-
-
-is_block = partial(is_not, None)
-
-
-def held_prefix(maps: Sequence[HashMap], keys: Sequence[BlockHash]) -> int:
-    """How many leading `keys` every map holds."""
-    for m in maps:
-        keys = keys[: sum(1 for _ in takewhile(is_block, map(m.get, keys)))]
-    return len(keys)
-
-
-def held_row(maps: Sequence[HashMap], keys: Sequence[BlockHash]) -> bytes:
-    """Byte i is 1 where every map holds keys[i], else 0."""
-    row = bytes(map(maps[0].__contains__, keys))
-    for m in maps[1:]:
-        row = bytes(map(mul, row, map(m.__contains__, keys)))
-    return row
-
-
-def all_hold(maps: Sequence[HashMap], keys: Sequence[BlockHash]) -> bool:
-    """Whether every map holds every key."""
-    return all(all(map(m.__contains__, keys)) for m in maps)
-
 
 
 def leading_nulls(table: Table, start: int) -> int:
@@ -128,14 +101,9 @@ class SingleTypeManager(ABC):
         self.block_size = self.group.block_size
         self._pool = pool
         self._null = NULL
-        self.maps = [pool.cached_map(g) for g in self.group_ids]
+        self.view = pool.groups_view(self.group_ids)
         self._tables: dict[RequestId, Table] = {}
         self._nothing: Ids = np.zeros((self.num_groups, 0), np.int64)
-
-    @property
-    def cached_map(self) -> HashMap:
-        """The first group's hash -> block map in the pool (read only)."""
-        return self.maps[0]
 
     # -- rules ----------------------------------------------------------------------------------
 
@@ -146,14 +114,14 @@ class SingleTypeManager(ABC):
         return rule_of(self.group)
 
     @abstractmethod
-    def find_hits(self, maps: Sequence[HashMap], block_hashes: Sequence[BlockHash],
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
-        """Longest hit of at most `max_length` tokens that every map in `maps` can serve under
-        this type's rule; one block list per map, null where the rule skips a block."""
+        """Longest hit of at most `max_length` tokens that every group of `view` can serve under
+        this type's rule; one block list per group, null where the rule skips a block."""
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[int]:
         """The first group's longest hit of at most `max_length` tokens (block list, null = skipped)."""
-        return self.find_hits(self.maps[:1], block_hashes, max_length)[0]
+        return self.find_hits(self.view.lead(), block_hashes, max_length)[0]
 
     def first_needed_block(self, num_tokens: int) -> int:
         """Index of the first table entry still needed when `num_tokens` precede the step."""
@@ -256,7 +224,8 @@ class SingleTypeManager(ABC):
         released = ids[:, keep_from - 1 : done - 1 if done else None : -1].copy()
         ids[:, done:keep_from] = NULL
         table.num_skipped = keep_from
-        if keep_from - done > 1 and not released[0].all():  # real blocks only (a Mamba table's gaps)
+        # real blocks only (a Mamba table's gaps)
+        if keep_from - done > 1 and np.count_nonzero(released[0]) != released.shape[1]:
             released = released[:, released.any(axis=0)]
         return released
 
@@ -316,8 +285,7 @@ class SingleTypeManager(ABC):
         start = table.num_cached
         if num_full <= start:
             return
-        for group_id, row in zip(self.group_ids, table.ids, strict=True):
-            self._pool.cache_blocks(group_id, row, block_hashes, start, num_full, request.token_ids)
+        self._pool.cache_rows(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
         table.num_cached = num_full
 
     def uncomputed_cached_blocks(self, request_id: RequestId, num_computed_tokens: int) -> list[int]:

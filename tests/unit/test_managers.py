@@ -164,7 +164,7 @@ def test_identical_sliding_groups_hit_only_where_every_group_holds_the_window() 
             (block,) = pool.allocate(1, g)
             pool.cache_blocks(g, [block], [block_hashes[i]], 0, 1, [])
             held[(g, i)] = block
-    hits = lead.find_hits([pool.cached_map(0), pool.cached_map(1)], block_hashes, 12)
+    hits = lead.find_hits(pool.groups_view((0, 1)), block_hashes, 12)
     null = pool.null_block
     assert hits == [[null, null, held[(0, 2)], held[(0, 3)]], [null, null, held[(1, 2)], held[(1, 3)]]]
     assert len(lead.find_longest_cache_hit(block_hashes, 12)) == 6  # group A alone: the whole prompt
