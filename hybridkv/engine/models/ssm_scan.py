@@ -65,31 +65,31 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
         z = F.pad(z, (0, 0) * (z.dim() - 1) + (0, back))
         return z.view(-1, chunk, *z.shape[1:])
 
-    xdt = chunks(x * dt[..., None])  # [c, l, H, P]
+    xdt = chunks(x * dt[..., None])  # [c, l, H, P] token-major
     k = xdt.shape[0]
     bc, cc = chunks(b.float()), chunks(c.float())  # [c, l, G, N]
     da = chunks(dt * a.float()[None, :]).permute(0, 2, 1)  # [c, H, l] log decay of each token
     cum = torch.cumsum(da, dim=-1)  # [c, H, l]
     cb = torch.einsum("clgn,csgn->cgls", cc, bc)  # [c, G, l, s]
     scores = cb[:, :, None] * _segsum_exp(da).view(k, groups, r, chunk, chunk)  # [c, G, R, l, s]
-    xg = xdt.view(k, chunk, groups, r * p).permute(0, 2, 1, 3)  # [c, G, s, R*P]
-    xg = xg.reshape(k, groups, chunk, r, p).permute(0, 1, 3, 2, 4)  # [c, G, R, s, P]
-    y = scores @ xg  # [c, G, R, l, P] within each chunk
-    to_end = _exp(cum[..., -1:] - cum).view(k, groups, r, chunk, 1)  # [c, G, R, l, 1] decay to the chunk end
-    weighted = (xg * to_end).permute(0, 1, 3, 2, 4).reshape(k, groups, chunk, r * p)  # [c, G, l, R*P]
+    y = scores @ xdt.view(k, chunk, groups, r, p).permute(0, 2, 3, 1, 4)  # [c, G, R, l, P] within each chunk
+    # Across chunks the states are kept per group as S^T [N, R*P] (heads side by side), so the
+    # chunk states, the recurrence and the reads from them need no head-major copies:
+    to_end = _exp(cum[..., -1:] - cum).transpose(1, 2)  # [c, l, H] decay to the chunk end
+    weighted = (xdt * to_end[..., None]).view(k, chunk, groups, r * p).transpose(1, 2)  # [c, G, l, R*P]
     chunk_states = bc.permute(0, 2, 3, 1) @ weighted  # [c, G, N, R*P]
-    chunk_states = chunk_states.view(k, groups, n, r, p).permute(0, 1, 3, 4, 2).reshape(k, heads, p, n)  # [c, H, P, N]
-    chunk_decay = _exp(cum[..., -1])  # [c, H]
-    entering = torch.empty(k + 1, heads, p, n)  # entering[i]: the state before chunk i
-    entering[0] = state.float()
+    chunk_decay = _exp(cum[..., -1]).view(k, groups, 1, r, 1)  # [c, G, 1, R, 1]
+    entering = torch.empty(k + 1, groups, n, r, p)  # entering[i]: the state before chunk i, as S^T per group
+    entering[0] = state.float().reshape(groups, r, p, n).permute(0, 3, 1, 2)
     for i in range(k):
-        torch.addcmul(chunk_states[i], entering[i], chunk_decay[i, :, None, None], out=entering[i + 1])
-    inner = entering[:-1].view(k, groups, r * p, n)  # [c, G, R*P, N]
-    from_state = cc.permute(0, 2, 1, 3) @ inner.transpose(-1, -2)  # [c, G, l, R*P]
-    from_state = from_state.view(k, groups, chunk, r, p).permute(0, 1, 3, 2, 4)  # [c, G, R, l, P]
-    y = y + from_state * _exp(cum).view(k, groups, r, chunk, 1)  # from the states entering
-    y = y.view(k, heads, chunk, p).transpose(1, 2).reshape(-1, heads, p)[:t] + d.float()[None, :, None] * x
-    return y, entering[-1]
+        torch.addcmul(chunk_states[i].view(groups, n, r, p), entering[i], chunk_decay[i], out=entering[i + 1])
+    from_state = cc.transpose(1, 2) @ entering[:-1].view(k, groups, n, r * p)  # [c, G, l, R*P]
+    # y (token-major) = intra + e^cum (C S_in) + D x
+    out = torch.empty(k, chunk, groups, r, p)
+    torch.addcmul(y.permute(0, 3, 1, 2, 4), from_state.transpose(1, 2).view(k, chunk, groups, r, p),
+                  _exp(cum).transpose(1, 2).view(k, chunk, groups, r, 1), out=out)
+    y = out.view(-1, heads, p)[:t].addcmul_(x, d.float()[None, :, None])  # [T, H, P]
+    return y, entering[-1].permute(0, 2, 3, 1).reshape(heads, p, n)
 
 
 def mamba2_step(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
