@@ -38,6 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -154,7 +155,7 @@ class _CallPlan:
     rows: int
     queries: int
     table_rows: torch.Tensor  # [R] which chunk's block table each row reads
-    span: torch.Tensor  # [R, B] index into the block table of each block slot
+    span: torch.Tensor  # [R, B] index into the row's table slice (ReadPlan.table_slices) of each block slot
     mask: torch.Tensor  # [R, 1, Q, B * block size]
     attended: torch.Tensor  # [R, B] blocks at least one query of the row attends to
     self_causal: bool  # every row's keys are its own queries' positions under a plain causal mask
@@ -164,30 +165,36 @@ class _CallPlan:
 class ReadPlan:
     """The block-id-free part of a step's metadata: positions, rows, masks.
 
-    Groups with the same rule and block size share one plan; `group_metadata` adds a group's
-    block tables. Build it with `plan_reads`.
+    Groups with the same rule and block size share one plan; `groups_metadata` adds the groups'
+    block tables. Build it with `plan_reads`. Chunk i's step touches only entries [lo, hi) of its
+    block table (`table_slices[i]`: from the block of its first key to that of its last token; a
+    sliding-window decode reads ~W / block_size entries of a table as long as its prompt), and the
+    indices below count from lo.
     """
 
     rule: AttentionRule
     block_size: int
     owner: torch.Tensor  # [T] chunk index of each flattened token
-    table_index: torch.Tensor  # [T] position // block size
+    table_index: torch.Tensor  # [T] position // block size - lo of the token's chunk
     offsets: torch.Tensor  # [T] position % block size
+    table_slices: tuple[tuple[int, int], ...]  # per chunk: (lo, hi) of its block table
     calls: tuple[_CallPlan, ...]
 
 
-def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int) -> _CallPlan:
+def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int, table_lo: Sequence[int]) -> _CallPlan:
     """Blocks and mask of rows that share a query count: each row reads the blocks from the one of
-    its first key to the one of its last query (padded to the call's widest row with its last block)."""
-    queries = rows[0].queries
-    q_start = torch.tensor([r.q_start for r in rows])  # [R]
-    k_start = torch.tensor([r.k_start for r in rows])  # [R]
+    its first key to the one of its last query (padded to the call's widest row with its last block);
+    `table_lo[i]`: the first table entry of chunk i that the plan keeps."""
+    queries = rows[0].queries  # numpy: a step builds these for every call; torch ops cost ~5x more here
+    q_start = np.array([r.q_start for r in rows], dtype=np.int64)  # [R]
+    k_start = np.array([r.k_start for r in rows], dtype=np.int64)  # [R]
+    table = np.array([r.table for r in rows], dtype=np.int64)  # [R]
     end = q_start + queries  # [R] one past the last query position
     first, last = k_start // block_size, (end - 1) // block_size  # [R] first / last block of each row
     width = int((last - first).max()) + 1
-    span = torch.minimum(first[:, None] + torch.arange(width), last[:, None])  # [R, B]
-    k_pos = first[:, None] * block_size + torch.arange(width * block_size)  # [R, L] key position of each slot
-    q_pos = q_start[:, None] + torch.arange(queries)  # [R, Q]
+    span = np.minimum(first[:, None] + np.arange(width), last[:, None])  # [R, B]
+    k_pos = first[:, None] * block_size + np.arange(width * block_size)  # [R, L] key position of each slot
+    q_pos = q_start[:, None] + np.arange(queries)  # [R, Q]
     # causality leaves out the slots after a row's last query (its padding included); the window / chunk
     # rule those before its first key (full attention's first key is 0)
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [R, Q, L]
@@ -195,10 +202,12 @@ def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int) -> _C
         mask &= q_pos[:, :, None] - k_pos[:, None, :] < rule.window_tokens
     elif rule.kind is SpecKind.CHUNKED_LOCAL:
         mask &= (k_pos[:, None, :] // rule.chunk_tokens) == (q_pos[:, :, None] // rule.chunk_tokens)
-    attended = mask.any(dim=1).view(len(rows), width, block_size).any(dim=2)  # [R, B]
+    attended = mask.any(axis=1).reshape(len(rows), width, block_size).any(axis=2)  # [R, B]
+    span -= np.asarray(table_lo, dtype=np.int64)[table][:, None]  # into the rows' table slices
     return _CallPlan(token_start=rows[0].token_start, rows=len(rows), queries=queries,
-                     table_rows=torch.tensor([r.table for r in rows]), span=span, mask=mask[:, None],
-                     attended=attended, self_causal=all(_self_causal(r, rule) for r in rows))
+                     table_rows=torch.from_numpy(table), span=torch.from_numpy(span),
+                     mask=torch.from_numpy(mask[:, None]), attended=torch.from_numpy(attended),
+                     self_causal=all(_self_causal(r, rule) for r in rows))
 
 
 def _self_causal(row: _Row, rule: AttentionRule) -> bool:
@@ -219,40 +228,60 @@ def _outgrows(first: _Row, row: _Row) -> bool:
 
 def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_size: int) -> ReadPlan:
     """The read plan of a step whose chunks compute positions [start, end) (flattened order)."""
-    positions = torch.cat([torch.arange(a, b) for a, b in spans])  # [T]
-    owner = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(spans)])  # [T]
+    starts = np.array([a for a, _ in spans], dtype=np.int64)  # [N]
+    lengths = np.array([b for _, b in spans], dtype=np.int64) - starts  # [N]
+    owner = np.repeat(np.arange(len(spans)), lengths)  # [T]
+    positions = np.arange(int(lengths.sum())) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)  # [T]
+    slices = tuple((rule.first_key(a) // block_size, (b - 1) // block_size + 1) for a, b in spans)
+    lo = [s[0] for s in slices]
     rows = _rows(spans, rule)
     calls: list[_CallPlan] = []
     begin = 0
     for i in range(1, len(rows) + 1):
         if i == len(rows) or rows[i].queries != rows[begin].queries or _outgrows(rows[begin], rows[i]):
-            calls.append(_call_plan(rows[begin:i], rule, block_size))
+            calls.append(_call_plan(rows[begin:i], rule, block_size, lo))
             begin = i
-    return ReadPlan(rule=rule, block_size=block_size, owner=owner, table_index=positions // block_size,
-                    offsets=positions % block_size, calls=tuple(calls))
+    table_index = positions // block_size - np.array(lo, dtype=np.int64)[owner]
+    return ReadPlan(rule=rule, block_size=block_size, owner=torch.from_numpy(owner),
+                    table_index=torch.from_numpy(table_index), offsets=torch.from_numpy(positions % block_size),
+                    table_slices=slices, calls=tuple(calls))
 
 
-def group_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[int]]) -> GroupMetadata:
-    """A group's metadata: the plan resolved through its block tables (one per chunk)."""
-    width = max(len(t) for t in block_tables)
-    padded = [[*table, *[0] * (width - len(table))] for table in block_tables]  # one tensor, not one per chunk
-    tables = torch.tensor(padded, dtype=torch.int64)  # [N, max_blocks], 0 = null block
-    write_blocks = tables[plan.owner, plan.table_index]  # [T]
+def groups_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[Sequence[int]]]) -> list[GroupMetadata]:
+    """The metadata of groups sharing `plan`: `block_tables[g]` is group g's table of each chunk.
+
+    The plan's table slices of every group and chunk become one tensor [G, N, width] (0 = null
+    block, also where a table is shorter than the step needs: the checks below then fail), so
+    groups of one plan cost one set of tensor ops, not one each.
+    """
+    width = max(hi - lo for lo, hi in plan.table_slices)
+    padded = []
+    for group_tables in block_tables:
+        for table, (lo, hi) in zip(group_tables, plan.table_slices, strict=True):
+            part = table[lo:hi]
+            padded.append([*part, *[0] * (width - len(part))])
+    tables = torch.tensor(padded, dtype=torch.int64).view(len(block_tables), len(plan.table_slices), width)
+    write_blocks = tables[:, plan.owner, plan.table_index]  # [G, T]
     if bool((write_blocks == 0).any()):
         raise RuntimeError("internal error: a new token maps to the null block 0; its block was not allocated")
-    calls = []
+    write_rows = flat_rows(write_blocks, plan.offsets, plan.block_size)  # [G, T]
+    reads = []
     for call in plan.calls:
-        blocks = tables[call.table_rows].gather(1, call.span)  # [R, B]
+        blocks = tables[:, call.table_rows].gather(2, call.span.expand(len(block_tables), -1, -1))  # [G, R, B]
         if bool(((blocks == 0) & call.attended).any()):
             raise RuntimeError(
                 f"internal error: a {plan.rule.kind.value} query would read the null block 0; the KV cache "
                 f"manager released a block that is still inside the attention range"
             )
-        calls.append(AttentionCall(token_start=call.token_start, rows=call.rows, queries=call.queries,
-                                   block_size=plan.block_size, read_block_ids=blocks, mask=call.mask,
-                                   self_causal=call.self_causal))
-    return GroupMetadata(write_blocks=write_blocks, write_offsets=plan.offsets, calls=tuple(calls),
-                         write_rows=flat_rows(write_blocks, plan.offsets, plan.block_size))
+        reads.append(blocks)
+    return [
+        GroupMetadata(write_blocks=write_blocks[g], write_offsets=plan.offsets, write_rows=write_rows[g],
+                      calls=tuple(AttentionCall(token_start=call.token_start, rows=call.rows, queries=call.queries,
+                                                block_size=plan.block_size, read_block_ids=blocks[g],
+                                                mask=call.mask, self_causal=call.self_causal)
+                                  for call, blocks in zip(plan.calls, reads, strict=True)))
+        for g in range(len(block_tables))
+    ]
 
 
 def build_group_metadata(
@@ -260,7 +289,7 @@ def build_group_metadata(
 ) -> GroupMetadata:
     """Slot mapping and read plan of one group for a step (chunks in flattened token order)."""
     plan = plan_reads([(c.start_pos, c.end_pos) for c in chunks], rule=rule, block_size=block_size)
-    return group_metadata(plan, [c.block_ids for c in chunks])
+    return groups_metadata(plan, [[c.block_ids for c in chunks]])[0]
 
 
 def write_kv(cache: torch.Tensor, meta: GroupMetadata, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -22,12 +22,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.specs import AttentionSpec, IndexerSpec, MLASpec, SpecKind
-from hybridkv.engine.attention import AttentionRule, GroupMetadata, ReadPlan, group_metadata, plan_reads
+from hybridkv.engine.attention import AttentionRule, GroupMetadata, groups_metadata, plan_reads
 from hybridkv.engine.loader import torch_dtype
 from hybridkv.engine.mla_attention import latent_view
 from hybridkv.engine.models.base import CausalLM, ForwardContext
@@ -111,6 +112,10 @@ class ModelRunner:
         self.state_caches: list[StateCache | None] = [v if isinstance(v, StateCache) else None for v in views]
         self._check_kinds()
         self.rules = [_rule(g) for g in kv_config.groups]
+        self.plan_groups: dict[tuple[AttentionRule, int], list[int]] = {}  # groups sharing a read plan
+        for g, rule in enumerate(self.rules):
+            if rule.kind is not SpecKind.MAMBA:
+                self.plan_groups.setdefault((rule, kv_config.groups[g].block_size), []).append(g)
         self.step_threads = StepThreads()  # threads per step: decodes use every thread only on an idle machine
 
     def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
@@ -172,20 +177,14 @@ class ModelRunner:
                                                          items[i].start_pos if len(items[i].token_ids) == 1 else 0))
         ordered = [items[i] for i in order]
         ids = torch.tensor([t for it in ordered for t in it.token_ids], dtype=torch.int64)  # [T]
-        positions = torch.cat([
-            torch.arange(it.start_pos, it.start_pos + len(it.token_ids)) for it in ordered])  # [T]
         spans = [(it.start_pos, it.start_pos + len(it.token_ids)) for it in ordered]
-        plans: dict[tuple[AttentionRule, int], ReadPlan] = {}  # groups of one rule share masks
-        groups: list[GroupMetadata | None] = []
-        for g, rule in enumerate(self.rules):
-            block_size = self.kv_config.groups[g].block_size
-            if rule.kind is SpecKind.MAMBA:
-                groups.append(None)
-                continue
-            plan = plans.get((rule, block_size))
-            if plan is None:
-                plan = plans[(rule, block_size)] = plan_reads(spans, rule=rule, block_size=block_size)
-            groups.append(group_metadata(plan, [it.block_ids[g] for it in ordered]))
+        positions = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))  # [T]
+        groups: list[GroupMetadata | None] = [None] * len(self.rules)  # None: a state group
+        for (rule, block_size), members in self.plan_groups.items():  # one plan (masks) per rule and block size
+            plan = plan_reads(spans, rule=rule, block_size=block_size)
+            metas = groups_metadata(plan, [[it.block_ids[g] for it in ordered] for g in members])
+            for g, meta in zip(members, metas, strict=True):
+                groups[g] = meta
         states = {}
         if self.states.groups:
             states = self.states.prepare(spans, [it.state_io for it in ordered])

@@ -12,7 +12,9 @@ from hybridkv.engine.attention import (
     AttentionRule,
     ScheduledChunk,
     build_group_metadata,
+    groups_metadata,
     paged_attention,
+    plan_reads,
     write_kv,
 )
 
@@ -67,6 +69,25 @@ def test_long_prefill_of_a_window_group_is_cut_into_tiles() -> None:
     assert tiles.mask.shape == (2, 1, 16, 24)
     assert tiles.mask[1, 0, 0].tolist() == [False] + [True] * 8 + [False] * 15  # query 16 sees keys 9-16
     assert not tiles.mask[0, 0, :, 16:].any()  # tile 1's padding
+
+
+def test_groups_sharing_a_plan_each_read_their_own_tables() -> None:
+    # W = 3, block size 2; two chunks: a decode at position 6 and a 2-token chunk at 4-5.
+    plan = plan_reads([(6, 7), (4, 6)], rule=sliding(3), block_size=2)
+    assert plan.table_slices == ((2, 4), (1, 3))  # blocks of positions 4-6 and 2-5 only
+    group_a = [[0, 0, 11, 12], [0, 21, 22]]
+    group_b = [[0, 0, 31, 32], [0, 41, 42]]
+    a, b = groups_metadata(plan, [group_a, group_b])
+    assert a.write_blocks.tolist() == [12, 22, 22] and b.write_blocks.tolist() == [32, 42, 42]
+    assert [c.read_block_ids.tolist() for c in a.calls] == [[[11, 12]], [[21, 22]]]
+    assert [c.read_block_ids.tolist() for c in b.calls] == [[[31, 32]], [[41, 42]]]
+    assert a.write_rows.tolist() == [12 * 4 + 0, 22 * 4 + 0, 22 * 4 + 1]  # (block * 2 + K) * block_size + offset
+
+
+def test_a_table_shorter_than_the_step_is_an_internal_error() -> None:
+    plan = plan_reads([(4, 6)], rule=FULL, block_size=2)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        groups_metadata(plan, [[[1, 2, 3]], [[4, 5]]])  # the second group lacks the block of positions 4-5
 
 
 def test_a_null_block_inside_the_window_is_an_internal_error() -> None:
