@@ -10,9 +10,9 @@ of blocks is a few numpy operations rather than a Python step per block:
 
     ref_cnt:     int64 array      how many request tables hold the block
     group_of:    int64 array      the group it was last allocated to (-1: never)
-    block_hash:  object array     its cached hash, or None
-    has_hash:    bool array       block_hash[i] is not None (what the eviction policy reads)
-    slot_of:     int64 array      its slot in its block size's prefix map (0: not cached)
+    slot_of:     int64 array      its slot in its block size's prefix map (0: not cached);
+                                  its hash is the slot's key (`hash_of`)
+    has_hash:    bool array       slot_of[i] != 0 (what the eviction policy reads)
     free:        the eviction policy's queue of ids with ref_cnt 0 (front = reused first)
     maps:        per block size, hash -> slot -> block per group (`prefix_map.py`; the
                  prefix-cache key is (hash, group))
@@ -136,7 +136,6 @@ class BlockPool:
         self.ref_cnt = np.zeros(num_blocks, np.int64)
         self.ref_cnt[NULL] = NULL_REF_CNT
         self.group_of = np.full(num_blocks, -1, np.int64)
-        self.block_hash: NDArray[np.object_] = np.full(num_blocks, None, object)
         self.has_hash = np.zeros(num_blocks, np.bool_)
         self._groups = tuple(groups)
         self._group_ids = np.arange(len(self._groups), dtype=np.int64)
@@ -170,6 +169,24 @@ class BlockPool:
         """The hash -> block id map of one group (a copy, built now: for tests and inspection)."""
         pmap, col = self._place[group_id]
         return pmap.snapshot(col)
+
+    def hash_of(self, block: int) -> BlockHash | None:
+        """The cached hash of `block`, None if it carries none."""
+        slot = self.slot_of.item(block)
+        if not slot:
+            return None
+        key: BlockHash = self._place[self.group_of.item(block)][0].key[slot]
+        return key
+
+    @property
+    def block_hash(self) -> NDArray[np.object_]:
+        """Every block's cached hash or None, as a new object array (for checks and tests; the hot
+        path keeps no per-block hash: a block's hash is its slot's key)."""
+        out: NDArray[np.object_] = np.full(self.num_blocks, None, object)
+        for pmap in self._pmaps:
+            ids = np.flatnonzero(np.isin(self.group_of, pmap.group_ids) & (self.slot_of != 0))
+            out[ids] = pmap.key[self.slot_of[ids]]
+        return out
 
     def groups_view(self, group_ids: Sequence[int]) -> GroupsView:
         """What the hit rule of `group_ids` (one block size) reads: their columns of the prefix map."""
@@ -266,14 +283,12 @@ class BlockPool:
             # every block is its slot's block in its group, without copies
             pmap.blocks[cols, slots] = NULL
             self.slot_of[ids] = 0
-            self.block_hash[ids] = None
             pmap.release(slots)
             self.evictions += len(ids)
 
     def _unmap(self, blocks: list[int]) -> None:
         """Remove `blocks` (each carries a hash) from their groups' prefix maps and forget their
         hashes (the caller clears `has_hash`)."""
-        hashes = self.block_hash
         slot_of = self.slot_of
         group_of = self.group_of
         for block in blocks:  # scalar reads with .item(): no numpy scalar objects
@@ -290,7 +305,6 @@ class BlockPool:
                 pmap.release_one(slot)
             if self._events_on:
                 self._record_removed(group_id, block_hash)
-            hashes[block] = None
             slot_of[block] = 0
         self.evictions += len(blocks)
 
@@ -420,21 +434,18 @@ class BlockPool:
         pmap.blocks[cols, slots] = chosen
         pmap.count[slots] += len(group_ids)
         self.slot_of[chosen] = slots
-        self.block_hash[chosen] = pmap.key[slots]
         self.has_hash[chosen] = True
         return True
 
     def _cache_one_by_one(self, pmap: PrefixMap, col: int, blocks: list[int], keys: Sequence[BlockHash]) -> None:
         """Cache each real block without a hash; a key its group already holds makes it a waiting copy."""
-        block_hash = self.block_hash
         has_hash = self.has_hash
         slot_of = self.slot_of
         primaries = pmap.blocks
         for block, key in zip(blocks, keys, strict=True):
-            if block == NULL or block_hash[block] is not None:
+            if block == NULL or has_hash.item(block):
                 continue
             slot = pmap.slot_for(key)
-            block_hash[block] = key
             has_hash[block] = True
             slot_of[block] = slot
             if primaries.item(col, slot) == NULL:
@@ -448,7 +459,7 @@ class BlockPool:
         that was allocated and then preempted): no later lookup can hit them, a `BlockRemoved`
         event is recorded, and hits taken before are re-verified (`evictions` grows)."""
         for block in blocks:
-            if self.block_hash[block] is not None:
+            if self.has_hash.item(block):
                 self._drop_hash(block)
 
     # -- slow path ----------------------------------------------------------------------------
@@ -488,7 +499,6 @@ class BlockPool:
         for pmap in self._pmaps:
             pmap.clear()
         self.slot_of[:] = 0
-        self.block_hash[:] = None
         self.has_hash[:] = False
         self.evictions += 1
         if self._events_on:
@@ -508,7 +518,7 @@ class BlockPool:
         if repeated:
             raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")
         free_set = set(free_ids)
-        if NULL in free_set or self.block_hash[NULL] is not None or self.ref_cnt[NULL] != NULL_REF_CNT:
+        if NULL in free_set or self.slot_of[NULL] or self.has_hash[NULL] or self.ref_cnt[NULL] != NULL_REF_CNT:
             raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
         groups = self.group_of.tolist()
         for block, ref_cnt in enumerate(self.ref_cnt.tolist()[1:], start=1):
@@ -524,8 +534,8 @@ class BlockPool:
 
     def _check_maps(self) -> None:
         groups = self.group_of.tolist()
-        entries = sum(pmap.check(self.block_hash, groups, self.slot_of) for pmap in self._pmaps)
         hashes = self.block_hash
+        entries = sum(pmap.check(hashes, groups, self.slot_of) for pmap in self._pmaps)
         hashed = sum(1 for h in hashes if h is not None)
         if hashed != entries:
             raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")

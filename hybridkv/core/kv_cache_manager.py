@@ -442,12 +442,12 @@ class KVCacheManager:
 
     def _verify_hit(self, request: KVRequest, groups: GroupBlocks) -> None:
         hashes = self._hashes(request)
-        block_hash = self._pool.block_hash
+        hash_of = self._pool.hash_of
         group_of = self._pool.group_of.tolist()
         for g, blocks in enumerate(groups):
             expected = hashes[self._group_block_sizes[g]]
             for i, block in enumerate(blocks):
-                if block != NULL and (block_hash[block] != expected[i] or group_of[block] != g):
+                if block != NULL and (hash_of(block) != expected[i] or group_of[block] != g):
                     raise StaleHitError(
                         f"cache hit of request {request.request_id!r}: block {block} (group {g}, "
                         f"position {i}) was evicted after lookup; call lookup again right before allocate"

@@ -58,8 +58,8 @@ class MambaManager(SingleTypeManager):
         self._cached_this_step.clear()
 
     def refuses_hit(self, hits: Sequence[Sequence[int]]) -> bool:
-        hashes = self._pool.block_hash
-        return any(row and hashes[row[-1]] in self._cached_this_step for row in hits)
+        hash_of = self._pool.hash_of
+        return any(row and hash_of(row[-1]) in self._cached_this_step for row in hits)
 
     def first_needed_block(self, num_tokens: int) -> int:
         if self.mode is MambaMode.NONE:
@@ -123,8 +123,8 @@ class MambaManager(SingleTypeManager):
                 return
             start = num_full - 1
         self._pool.cache_rows(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
-        hashes = self._pool.block_hash
-        self._cached_this_step.update(h for h in map(hashes.__getitem__, table.ids[:, start:num_full].ravel().tolist())
+        hash_of = self._pool.hash_of
+        self._cached_this_step.update(h for h in map(hash_of, table.ids[:, start:num_full].ravel().tolist())
                                       if h is not None)
 
     def state_entries(self, request_id: RequestId, row: int, start: int, end: int) -> StateEntries | None:

@@ -297,8 +297,8 @@ class SingleTypeManager(ABC):
         start = max(table.num_hit_blocks, num_computed_tokens // self.block_size)
         if start >= table.num_cached:
             return []
-        hashes = self._pool.block_hash
-        return [b for b in table.ids[:, start : table.num_cached].ravel().tolist() if hashes[b] is not None]
+        has_hash = self._pool.has_hash
+        return [b for b in table.ids[:, start : table.num_cached].ravel().tolist() if has_hash[b]]
 
     def free(self, request_id: RequestId) -> Ids:
         """Forget the request; return its tables, (groups, n), each row tail first (nulls
