@@ -181,7 +181,7 @@ class ReadPlan:
     calls: tuple[_CallPlan, ...]
 
 
-def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int, table_lo: Sequence[int]) -> _CallPlan:
+def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int, table_lo: np.ndarray) -> _CallPlan:
     """Blocks and mask of rows that share a query count: each row reads the blocks from the one of
     its first key to the one of its last query (padded to the call's widest row with its last block);
     `table_lo[i]`: the first table entry of chunk i that the plan keeps."""
@@ -203,7 +203,7 @@ def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int, table
     elif rule.kind is SpecKind.CHUNKED_LOCAL:
         mask &= (k_pos[:, None, :] // rule.chunk_tokens) == (q_pos[:, :, None] // rule.chunk_tokens)
     attended = mask.any(axis=1).reshape(len(rows), width, block_size).any(axis=2)  # [R, B]
-    span -= np.asarray(table_lo, dtype=np.int64)[table][:, None]  # into the rows' table slices
+    span -= table_lo[table][:, None]  # into the rows' table slices
     return _CallPlan(token_start=rows[0].token_start, rows=len(rows), queries=queries,
                      table_rows=torch.from_numpy(table), span=torch.from_numpy(span),
                      mask=torch.from_numpy(mask[:, None]), attended=torch.from_numpy(attended),
@@ -233,7 +233,7 @@ def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_s
     owner = np.repeat(np.arange(len(spans)), lengths)  # [T]
     positions = np.arange(int(lengths.sum())) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)  # [T]
     slices = tuple((rule.first_key(a) // block_size, (b - 1) // block_size + 1) for a, b in spans)
-    lo = [s[0] for s in slices]
+    lo = np.array([s[0] for s in slices], dtype=np.int64)  # [N]
     rows = _rows(spans, rule)
     calls: list[_CallPlan] = []
     begin = 0
@@ -241,7 +241,7 @@ def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_s
         if i == len(rows) or rows[i].queries != rows[begin].queries or _outgrows(rows[begin], rows[i]):
             calls.append(_call_plan(rows[begin:i], rule, block_size, lo))
             begin = i
-    table_index = positions // block_size - np.array(lo, dtype=np.int64)[owner]
+    table_index = positions // block_size - lo[owner]
     return ReadPlan(rule=rule, block_size=block_size, owner=torch.from_numpy(owner),
                     table_index=torch.from_numpy(table_index), offsets=torch.from_numpy(positions % block_size),
                     table_slices=slices, calls=tuple(calls))
