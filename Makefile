@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench clean redis-server test-vllm
+.PHONY: run test lint typecheck unit bench clean redis-server cc test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[engine,dev]"
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) cc
 	$(VENV)/bin/hybridkv run --kv-server auto --passes 2
 
 lint: $(STAMP)
@@ -19,6 +19,18 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+# The engine's native decode kernel (hybridkv/engine/kernels) is compiled on first use with a C
+# compiler: Debian's gcc, installed here when missing (as root). Without one the engine falls back
+# to the plain-torch attention path, and the kernel tests fail.
+cc:
+	@command -v $${CC:-cc} >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc libc6-dev; \
+	  else \
+	    echo "no C compiler ($${CC:-cc}) and this is not root: run 'sudo apt-get install gcc'" \
+	         "(the engine then uses its plain-torch decode attention)"; \
+	  fi
 
 # The Valkey tier tests start their own redis-server (127.0.0.1, a free port) and need the binary:
 # Debian's redis-server (valkey-server is not packaged), installed here when missing (as root).
@@ -31,7 +43,7 @@ redis-server:
 	         "(the Valkey tier tests skip without it, and fail under CI)"; \
 	  fi
 
-unit: $(STAMP) redis-server
+unit: $(STAMP) redis-server cc
 	$(VENV)/bin/pytest
 
 test: lint typecheck unit

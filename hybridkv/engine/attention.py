@@ -15,6 +15,9 @@ gather whole blocks (one index_select per K and V: a block's K is one contiguous
 block_size * kv_heads * head_dim values) into [rows, keys, kv_heads, head_dim], which SDPA reads
 transposed without a copy; per-row gathers cost ~2x as much on a 700-key decode. A row's first and
 last block may hold keys it does not see; the mask leaves them out.
+Decode calls (one query per row, float32) skip the gather: the native kernel `paged_decode`
+(hybridkv/engine/kernels) reads each row's key slots [key_lo, key_hi) in place, ~4x faster than
+gather + SDPA on the benchmark's 700-key decodes; without a C compiler they take the gather path.
 A call whose rows attend causally to exactly their own new tokens (a prompt's first chunk in a full
 attention group, or one shorter than the window) reads the step's new K/V directly, with no gather
 and no mask (SDPA's causal kernel skips the masked half).
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.core.specs import SpecKind
+from hybridkv.engine.kernels import paged_decode, paged_decode_available
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +91,8 @@ class AttentionCall:
     read_block_ids: torch.Tensor  # [rows, blocks] int64 block id per block slot (padding repeats the last)
     mask: torch.Tensor  # [rows, 1, queries, keys] bool, True = attend; keys = blocks * block_size
     self_causal: bool = False  # row r's keys are its own queries' tokens, mask = causal (keys == queries)
+    key_lo: torch.Tensor | None = None  # [rows] one-query calls: row r attends to key slots [key_lo[r], key_hi[r])
+    key_hi: torch.Tensor | None = None
 
     @property
     def read_blocks(self) -> torch.Tensor:
@@ -159,6 +165,8 @@ class _CallPlan:
     mask: torch.Tensor  # [R, 1, Q, B * block size]
     attended: torch.Tensor  # [R, B] blocks at least one query of the row attends to
     self_causal: bool  # every row's keys are its own queries' positions under a plain causal mask
+    key_lo: torch.Tensor | None  # [R] one-query rows: their keys are the slots [key_lo, key_hi)
+    key_hi: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,10 +212,13 @@ def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int, table
         mask &= (k_pos[:, None, :] // rule.chunk_tokens) == (q_pos[:, :, None] // rule.chunk_tokens)
     attended = mask.any(axis=1).reshape(len(rows), width, block_size).any(axis=2)  # [R, B]
     span -= table_lo[table][:, None]  # into the rows' table slices
+    key_lo = key_hi = None
+    if queries == 1:  # one query: its keys are one run of slots (what the decode kernel reads)
+        key_lo, key_hi = torch.from_numpy(k_start - first * block_size), torch.from_numpy(end - first * block_size)
     return _CallPlan(token_start=rows[0].token_start, rows=len(rows), queries=queries,
                      table_rows=torch.from_numpy(table), span=torch.from_numpy(span),
                      mask=torch.from_numpy(mask[:, None]), attended=torch.from_numpy(attended),
-                     self_causal=all(_self_causal(r, rule) for r in rows))
+                     self_causal=all(_self_causal(r, rule) for r in rows), key_lo=key_lo, key_hi=key_hi)
 
 
 def _self_causal(row: _Row, rule: AttentionRule) -> bool:
@@ -278,7 +289,8 @@ def groups_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[Sequence[int
         GroupMetadata(write_blocks=write_blocks[g], write_offsets=plan.offsets, write_rows=write_rows[g],
                       calls=tuple(AttentionCall(token_start=call.token_start, rows=call.rows, queries=call.queries,
                                                 block_size=plan.block_size, read_block_ids=blocks[g],
-                                                mask=call.mask, self_causal=call.self_causal)
+                                                mask=call.mask, self_causal=call.self_causal,
+                                                key_lo=call.key_lo, key_hi=call.key_hi)
                                   for call, blocks in zip(plan.calls, reads, strict=True)))
         for g in range(len(block_tables))
     ]
@@ -342,6 +354,12 @@ def _attend_self_causal(
     return o.transpose(1, 2).reshape(rows * queries, q.shape[1], q.shape[2])  # [R*Q, H, D]
 
 
+def _kernel_reads(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """True when the native decode kernel can read this layer's cache in place (float32, contiguous)."""
+    return (q.dtype == torch.float32 and cache.dtype == torch.float32 and cache.is_contiguous()
+            and paged_decode_available())
+
+
 def _attend(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -353,6 +371,9 @@ def _attend(
 ) -> torch.Tensor:
     rows, queries = call.rows, call.queries
     heads, head_dim = q.shape[1], q.shape[2]
+    if call.key_lo is not None and call.key_hi is not None and _kernel_reads(q, cache):
+        return paged_decode(q, cache, call.read_block_ids, call.key_lo, call.key_hi, scale=scale,
+                            softcap=softcap, sinks=sinks)
     kv_heads = cache.shape[3]
     groups = heads // kv_heads
     keys = call.mask.shape[-1]
