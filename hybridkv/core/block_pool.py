@@ -228,7 +228,7 @@ class BlockPool:
         handful of blocks, else array slices."""
         total = sum(counts)
         if total <= FEW:
-            return self._allocate_few(counts, total)
+            return self.allocate_few(counts, total)
         ids = self._policy.pop(total)
         if np.count_nonzero(self.has_hash[ids]):
             self._evict(ids)
@@ -241,7 +241,8 @@ class BlockPool:
             start += count
         return out
 
-    def _allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
+    def allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
+        """`allocate_groups` for a handful of blocks (`total` = sum of `counts`), as lists."""
         listed = self._policy.pop_few(total)
         has_hash, ref_cnt, group_of = self.has_hash, self.ref_cnt, self.group_of
         out: list[list[int]] = []
@@ -250,8 +251,8 @@ class BlockPool:
             blocks = listed[start : start + count]
             start += count
             for block in blocks:
-                if has_hash[block]:
-                    self._drop_hash(block)
+                if has_hash.item(block):
+                    self._evict_one(block)
                 ref_cnt[block] = 1
                 group_of[block] = group_id
             out.append(blocks)
@@ -388,10 +389,15 @@ class BlockPool:
                 else:
                     grid[: blocks.shape[1], list(group_ids)] = blocks.T
             ids = grid.ravel()
-        ids = ids[ids != NULL]
-        refs = self.ref_cnt[ids] - 1
+        self.release_blocks(ids[ids != NULL])
+
+    def release_blocks(self, ids: Ids) -> None:
+        """Drop one reference to each of `ids` (real blocks, each once, in release order) and
+        release those that reach 0, in that order."""
+        refs = self.ref_cnt[ids]
+        refs -= 1
         self.ref_cnt[ids] = refs
-        released = ids[refs == 0]
+        released = ids[refs == 0] if np.count_nonzero(refs) else ids
         if len(released):
             self._policy.release(released)
 
@@ -419,6 +425,40 @@ class BlockPool:
         if self._events_on:
             for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
                 self._record_stored(group_id, row, hashes, start, end, token_ids)
+
+    def release_cached_blocks(self, ids: Ids) -> None:
+        """`release_blocks` of blocks that all carry a hash (the policy need not check)."""
+        refs = self.ref_cnt[ids]
+        refs -= 1
+        self.ref_cnt[ids] = refs
+        released = ids[refs == 0] if np.count_nonzero(refs) else ids
+        if len(released):
+            self._policy.release_cached(released)
+
+    def cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
+                       position: int, token_ids: Sequence[int]) -> None:
+        """`cache_rows` of one position: `blocks[i]` (table entry `position` of group
+        `group_ids[i]`, one block size) under `hashes[position]`, with one dict operation for all."""
+        key = hashes[position]
+        pmap = self._place[group_ids[0]][0]
+        has_hash, slot_of, primaries, place = self.has_hash, self.slot_of, pmap.blocks, self._place
+        slot = 0
+        for group_id, block in zip(group_ids, blocks, strict=True):
+            if block == NULL or has_hash.item(block):
+                continue
+            if not slot:
+                slot = pmap.slot_for(key)
+            has_hash[block] = True
+            slot_of[block] = slot
+            col = place[group_id][1]
+            if primaries.item(col, slot) == NULL:
+                primaries[col, slot] = block
+                pmap.count[slot] += 1
+            else:
+                pmap.add_dup(col, slot, key, block)
+        if self._events_on:
+            for group_id, block in zip(group_ids, blocks, strict=True):
+                self._record_stored(group_id, [block], hashes, position, position + 1, token_ids)
 
     def _cache_fresh(self, group_ids: Sequence[int], chosen: Ids, keys: Sequence[BlockHash]) -> bool:
         """The common case in bulk: real blocks without a hash, each key new to every group and
@@ -463,6 +503,19 @@ class BlockPool:
                 self._drop_hash(block)
 
     # -- slow path ----------------------------------------------------------------------------
+
+    def _evict_one(self, block: int) -> None:
+        """`_drop_hash` of a popped block (scalar reads; the common case without copies or events inline)."""
+        slot = self.slot_of.item(block)
+        pmap, col = self._place[self.group_of.item(block)]
+        if self._events_on or pmap.waiting.item(col, slot) or pmap.blocks.item(col, slot) != block:
+            self._drop_hash(block)
+            return
+        pmap.blocks[col, slot] = NULL
+        pmap.release_one(slot)
+        self.slot_of[block] = 0
+        self.has_hash[block] = False
+        self.evictions += 1
 
     def _drop_hash(self, block: int) -> None:
         """Remove `block` (which carries a hash) from its group's prefix map."""

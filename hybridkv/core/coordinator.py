@@ -28,21 +28,29 @@ Allocation runs in phases so that a refusal changes nothing:
     2. release: out-of-window / finished-chunk / old-state blocks, all groups interleaved tail first
     3. touch:   hit blocks of every group (before any pop, so no group pops another's hit)
     4. allocate new blocks for every group in one pop (group 0's first), then extend the tables
+
+The decode path (`decode`): a running request's step that adds at most one entry per group
+(a decode step, a short chunk) runs the same phases in one function over the tables directly,
+for every group at once: a few integer tests per manager, one pop of one block per group when
+a block boundary is crossed, one array pass (or, for one position, one list) for the blocks that
+left a window, one dict operation per newly full position, and the new no-op bounds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from hybridkv.core.block_pool import BlockPool
+from hybridkv.core.block_pool import FEW, NULL, BlockPool
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.eviction import Ids
 from hybridkv.core.ids import BlockHash, RequestId
 from hybridkv.core.request import KVRequest
-from hybridkv.core.single_type_manager import EMPTY, SingleTypeManager
+from hybridkv.core.single_type_manager import EMPTY, SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
+#: `decode`'s plan per manager: (manager, table, keep from, grows by one entry, that entry is real)
+_DecodeStep = tuple[SingleTypeManager, Table, int, bool, bool]
 NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
 
 
@@ -65,13 +73,17 @@ class KVCacheCoordinator:
         self.num_groups = len(self.groups)
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
-        self._allocated_tokens: dict[RequestId, int] = {}
+        #: rid -> token slots its tables hold (the running requests; the facade's no-op path reads and raises it)
+        self.allocated: dict[RequestId, int] = {}
         #: rid -> [F, T]: an allocate starting at <= F with <= T slots is a no-op (`quiet_bounds`)
         self.quiet: dict[RequestId, list[int]] = {}
         # Managers whose hits wait a step when cached in this one (state groups in a caching mode).
         self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
         # Managers that may release leading blocks as a request advances.
         self._skipping = tuple(m for m in managers if m.skips_blocks)
+        #: Every manager follows the base table rules (and serves ascending group ids): `decode` applies.
+        self.decodes = all(m.plain_tables and list(m.group_ids) == sorted(m.group_ids) for m in managers)
+        self._no_entries: tuple[tuple[int, ...], ...] = tuple(() for _ in self.groups)
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -82,18 +94,13 @@ class KVCacheCoordinator:
     # -- allocation -----------------------------------------------------------------------------
 
     def is_running(self, request_id: RequestId) -> bool:
-        return request_id in self._allocated_tokens
+        return request_id in self.allocated
 
     def running_requests(self) -> list[RequestId]:
-        return list(self._allocated_tokens)
+        return list(self.allocated)
 
     def allocated_tokens(self, request_id: RequestId) -> int:
-        return self._allocated_tokens.get(request_id, 0)
-
-    def note_slots(self, request_id: RequestId, total_tokens: int) -> None:
-        """A fast-path allocate: the request's tables already cover `total_tokens` slots."""
-        if total_tokens > self._allocated_tokens[request_id]:
-            self._allocated_tokens[request_id] = total_tokens
+        return self.allocated.get(request_id, 0)
 
     def _by_manager(self, hits: GroupBlocks | None) -> list[list[list[int]] | None]:
         if not hits:
@@ -117,7 +124,7 @@ class KVCacheCoordinator:
             if need > pool.num_free:
                 return None
         counts = [0] * self.num_groups
-        if rid in self._allocated_tokens:  # running: its bound is exactly its new blocks
+        if rid in self.allocated:  # running: its bound is exactly its new blocks
             released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
             if any(part.size for _, part in released):
                 pool.free_tables(released)
@@ -143,8 +150,119 @@ class KVCacheCoordinator:
             for g, row in zip(m.group_ids, m.allocate_new_blocks(request, first_new, total_tokens, blocks),
                               strict=True):
                 new[g] = row
-        self._allocated_tokens[rid] = max(total_tokens, self._allocated_tokens.get(rid, 0))
+        self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
+
+    def decode(self, request: KVRequest, first_new: int, end: int,
+               hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]]) -> tuple[tuple[int, ...], ...] | None:
+        """`allocate` + `cache_blocks` + `update_quiet` of a running request's step [first_new,
+        end) without hits, lookahead or external tokens (only when `decodes`): the new entries
+        per group, as ints. None, with nothing changed, where the general path must run: a group
+        needs more than one new entry, or the pool may be too tight (it counts exactly)."""
+        rid = request.request_id
+        steps: list[_DecodeStep] = []
+        counts: list[int] | None = None
+        releasing = 0
+        for m in self.managers:  # 1. count
+            table = m.table_of[rid]
+            old = table.length
+            new_len = -(-end // m.block_size)
+            if new_len > old + 1:
+                return None
+            keep = m.first_needed_block(first_new) if m.skips_blocks else 0
+            real = new_len > old and old >= keep
+            if real:
+                if counts is None:
+                    counts = [0] * self.num_groups
+                for g in m.group_ids:
+                    counts[g] = 1
+            if keep > table.num_skipped < old:
+                releasing += 1
+            steps.append((m, table, keep, new_len > old, real))
+        pool = self.pool
+        if counts is not None and sum(counts) > pool.num_free:  # (exact count: the general path)
+            return None
+        if releasing > 1:  # 2. release (several managers: interleaved position by position)
+            pool.free_tables([(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping])
+        elif releasing:
+            for _, table, keep, _, _ in steps:
+                if keep > table.num_skipped < table.length:
+                    self._release_leading(table, min(keep, table.length))
+        fresh = None  # 3. pop (lists of ints)
+        if counts is not None:
+            total = sum(counts)
+            fresh = (pool.allocate_few(counts, total) if total <= FEW
+                     else [blocks.tolist() for blocks in pool.allocate_groups(counts)])
+        out = self._extend(request, steps, fresh, end, hashes_of)  # 4. extend, cache, bounds
+        if end > self.allocated[rid]:
+            self.allocated[rid] = end
+        return out
+
+    def _extend(self, request: KVRequest, steps: list[_DecodeStep], fresh: list[list[int]] | None,
+                end: int, hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]]) -> tuple[tuple[int, ...], ...]:
+        """`decode`'s last phases: append each manager's new entry (a fresh block, or null),
+        cache the newly full blocks, set the request's no-op bounds; the new entries per group."""
+        out = list(self._no_entries)
+        hashes = None
+        num_tokens = min(end, request.num_tokens)
+        first = total = 1 << 62
+        for m, table, _, grows, real in steps:
+            old = table.length
+            size = m.block_size
+            if grows:  # one new entry per group: a fresh block, or null
+                if old == table.ids.shape[1]:
+                    table.grow(old + 1)
+                if real and fresh is not None:
+                    entry = [fresh[g][0] for g in m.group_ids]
+                    table.ids[:, old] = entry
+                    for g, block in zip(m.group_ids, entry, strict=True):
+                        out[g] = (block,)
+                else:
+                    for g in m.group_ids:
+                        out[g] = (NULL,)
+                table.length = old + 1
+                if table.num_skipped == old:
+                    table.num_skipped = old if real else old + 1
+            if num_tokens // size > table.num_cached:
+                hashes = hashes or hashes_of(request)
+                self._cache_table(m, table, hashes[size], num_tokens // size, request.token_ids)
+            bound = m.quiet_first(table.num_skipped)
+            first = bound if bound < first else first
+            bound = min(table.length, table.num_cached + 1) * size - 1
+            total = bound if bound < total else total
+        self.quiet[request.request_id] = [first, total]
+        return tuple(out)
+
+    def _release_leading(self, table: Table, keep: int) -> None:
+        """Replace entries [num_skipped, keep) by null and release their blocks, tail first,
+        the groups of each position in ascending order (as `free_tables` orders one manager's)."""
+        ids = table.ids
+        done = table.num_skipped
+        if keep - done == 1:
+            column = ids[:, done].tolist()
+            ids[:, done] = NULL
+            self.pool.free(column)
+        else:
+            # Base table rules: the entries from num_skipped on are real (nulls only lead), and the
+            # ones below num_cached all carry a hash (held blocks lose none).
+            part = ids[:, done:keep]
+            order = part[:, ::-1].T.flatten()  # (a copy)
+            part[:] = NULL
+            if keep <= table.num_cached:
+                self.pool.release_cached_blocks(order)
+            else:
+                self.pool.release_blocks(order)
+        table.num_skipped = keep
+
+    def _cache_table(self, manager: SingleTypeManager, table: Table, block_hashes: Sequence[BlockHash],
+                     num_full: int, token_ids: Sequence[int]) -> None:
+        """`manager.cache_blocks` for the base table rules: entries [num_cached, num_full)."""
+        start = table.num_cached
+        if num_full == start + 1:
+            self.pool.cache_position(manager.group_ids, table.ids[:, start].tolist(), block_hashes, start, token_ids)
+        else:
+            self.pool.cache_rows(manager.group_ids, table.ids, block_hashes, start, num_full, token_ids)
+        table.num_cached = num_full
 
     def update_quiet(self, request_id: RequestId) -> None:
         """Recompute the request's no-op bounds (after an allocate and its caching)."""
@@ -177,7 +295,7 @@ class KVCacheCoordinator:
         no valid KV: their hashes are dropped first, so no later lookup can hit them.
         """
         rid = request.request_id
-        allocated = self._allocated_tokens.pop(rid, None)
+        allocated = self.allocated.pop(rid, None)
         if allocated is None:
             return
         del self.quiet[rid]

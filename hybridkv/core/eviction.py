@@ -45,7 +45,8 @@ class EvictionPolicy(Protocol):
     just dropped to 0, in release order (a request's tail first). `ordered()` lists its blocks in
     eviction order, checking its own structure and raising `IntegrityError` on a broken one.
     The `_few` variants do the same on Python lists, for the handful of blocks of a decode step
-    (no array call overhead).
+    (no array call overhead); `release_cached` is `release` of blocks that all hold cached
+    content (the caller knows: no per-block check).
     """
 
     num_free: int
@@ -61,6 +62,8 @@ class EvictionPolicy(Protocol):
     def release(self, ids: Ids) -> None: ...
 
     def release_few(self, ids: list[int]) -> None: ...
+
+    def release_cached(self, ids: Ids) -> None: ...
 
     def ordered(self) -> list[int]: ...
 
@@ -82,7 +85,8 @@ class LRUPolicy:
     def __init__(self, num_blocks: int, has_content: NDArray[np.bool_]) -> None:
         self._content = has_content
         self._front: list[int] = []
-        self._queue = np.zeros(2 * num_blocks + 64, np.int64)
+        self._queue = np.zeros(4 * num_blocks + 64, np.int64)  # (room: compacted every >= 3 * num_blocks releases)
+        self._index = np.arange(len(self._queue), dtype=np.int64)  # _index[i] = i: positions to write
         self._queue[: num_blocks - 1] = np.arange(1, num_blocks)
         self._pos = np.full(num_blocks, -1, np.int64)
         self._pos[1:] = np.arange(num_blocks - 1)
@@ -189,14 +193,21 @@ class LRUPolicy:
         if np.count_nonzero(content) != len(ids):  # (count_nonzero: no ufunc reduce, ~0.5 us)
             self._front += ids[~content].tolist()
             ids = ids[content]
+        if len(ids):
+            self._append(ids)
+
+    def release_cached(self, ids: Ids) -> None:
+        self.num_free += len(ids)
+        self._append(ids)
+
+    def _append(self, ids: Ids) -> None:
+        """Put cached blocks at the back, in order."""
         count = len(ids)
-        if not count:
-            return
         if self._tail + count > len(self._queue):
             self._compact(count)
         tail = self._tail
         self._queue[tail : tail + count] = ids
-        self._pos[ids] = np.arange(tail, tail + count)
+        self._pos[ids] = self._index[tail : tail + count]
         self._tail = tail + count
 
     def _compact(self, room: int) -> None:
@@ -207,8 +218,9 @@ class LRUPolicy:
         size = max(len(self._queue), 2 * (len(live) + room))
         if size > len(self._queue):
             self._queue = np.zeros(size, np.int64)
+            self._index = np.arange(size, dtype=np.int64)
         self._queue[: len(live)] = live
-        self._pos[live] = np.arange(len(live))
+        self._pos[live] = self._index[: len(live)]
         self._head, self._tail, self._holes = 0, len(live), 0
 
     def ordered(self) -> list[int]:

@@ -193,6 +193,7 @@ class KVCacheManager:
         self._block_sizes = self._coordinator.block_sizes
         self._empty_hit = tuple(() for _ in config.groups)
         self._no_new_blocks: tuple[tuple[BlockId, ...], ...] = self._empty_hit
+        self._decodes = self._caching and self._coordinator.decodes
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -250,13 +251,19 @@ class KVCacheManager:
             )
         coordinator = self._coordinator
         computed = request.num_computed_tokens
-        if hit is None and not num_lookahead_tokens and not num_external_tokens:  # the decode fast path
-            quiet = coordinator.quiet.get(request.request_id)
+        if hit is None and not num_lookahead_tokens and not num_external_tokens:  # a running request's step
+            slots = coordinator.allocated.get(request.request_id)  # None: not running
             end = computed + num_new_tokens
-            if (quiet is not None and computed <= quiet[0] and end <= quiet[1] and end <= self.max_model_len
-                    and computed <= coordinator.allocated_tokens(request.request_id)):
-                coordinator.note_slots(request.request_id, end)
-                return self._no_new_blocks
+            if slots is not None and computed <= slots and end <= self.max_model_len:
+                quiet = coordinator.quiet[request.request_id]
+                if computed <= quiet[0] and end <= quiet[1]:  # no new entry, release or caching
+                    if end > slots:
+                        coordinator.allocated[request.request_id] = end
+                    return self._no_new_blocks
+                if self._decodes and caching is CacheTiming.IMMEDIATE:  # one new entry per group at most
+                    entries = coordinator.decode(request, computed, end, self._hashes)
+                    if entries is not None:
+                        return entries  # type: ignore[return-value]  # block ids
         running = coordinator.is_running(request.request_id)
         hit_blocks: GroupBlocks | None = None
         hit_tokens = 0

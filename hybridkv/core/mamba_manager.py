@@ -40,6 +40,7 @@ class MambaManager(SingleTypeManager):
     """Mamba-style recurrent state (Mamba1/2, Gated DeltaNet); see the module docstring."""
 
     defers_same_step_hits = True
+    plain_tables = False
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
                  mode: MambaMode) -> None:

@@ -119,6 +119,7 @@ class CrossAttentionManager(SingleTypeManager):
     """Cross attention: `request.num_encoder_tokens` slots, allocated once, never cached."""
 
     skips_blocks = False
+    plain_tables = False
 
     def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
         return NEVER, NEVER

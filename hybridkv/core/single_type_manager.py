@@ -90,6 +90,10 @@ class SingleTypeManager(ABC):
     defers_same_step_hits = False
     #: `first_needed_block` can be above 0 (False: `remove_skipped_blocks` never releases).
     skips_blocks = True
+    #: The table rules of this base class hold: `table_length` is cdiv(slots, B), new entries are
+    #: null before `first_needed_block` and real from there, `cache_blocks` caches every full
+    #: block. The coordinator's decode path (`KVCacheCoordinator.decode`) serves only such managers.
+    plain_tables = True
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
@@ -103,6 +107,8 @@ class SingleTypeManager(ABC):
         self._null = NULL
         self.view = pool.groups_view(self.group_ids)
         self._tables: dict[RequestId, Table] = {}
+        #: the running requests' tables (read and advanced by the coordinator's decode path)
+        self.table_of: Mapping[RequestId, Table] = self._tables
         self._nothing: Ids = np.zeros((self.num_groups, 0), np.int64)
 
     # -- rules ----------------------------------------------------------------------------------

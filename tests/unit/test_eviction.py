@@ -1,5 +1,6 @@
 """The LRU free queue against a plain-list model of vLLM's queue, through holes and compactions,
-with the array and the block-by-block (`_few`) variants of each operation mixed."""
+with the array and the block-by-block (`_few`) variants of each operation mixed (and
+`release_cached`, for blocks that all hold content)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,12 @@ def test_lru_policy_matches_the_list_model(seed: int) -> None:
             rng.shuffle(held)
             k = rng.randint(1, len(held))
             ids, held = held[:k], held[k:]
-            flags = [rng.random() < 0.7 for _ in ids]
+            all_cached = rng.random() < 0.25
+            flags = [all_cached or rng.random() < 0.7 for _ in ids]
             content[ids] = flags
-            if rng.random() < 0.5:
+            if all_cached:
+                policy.release_cached(np.array(ids, np.int64))
+            elif rng.random() < 0.5:
                 policy.release_few(ids)
             else:
                 policy.release(np.array(ids, np.int64))
