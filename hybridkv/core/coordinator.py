@@ -192,7 +192,7 @@ class KVCacheCoordinator:
         if counts is not None:
             total = sum(counts)
             fresh = (pool.allocate_few(counts, total) if total <= FEW
-                     else [blocks.tolist() for blocks in pool.allocate_groups(counts)])
+                     else [list(map(int, blocks)) for blocks in pool.allocate_groups(counts)])
         out = self._extend(request, steps, fresh, end, hashes_of)  # 4. extend, cache, bounds
         if end > self.allocated[rid]:
             self.allocated[rid] = end
