@@ -33,6 +33,16 @@ LAYOUTS: dict[str, list[KVCacheGroupSpec]] = {
         make_group(kind="sliding", block_size=4, window_tokens=9),
     ],
     "sliding_only": [make_group(kind="sliding", block_size=2, window_tokens=5)],
+    # the decode path with more than FEW groups (a boundary step pops 9 blocks), and with several
+    # managers releasing in one step
+    "many_groups": [make_group(kind="full", block_size=4)]
+    + [make_group(kind="sliding", block_size=4, window_tokens=7) for _ in range(8)],
+    "windows+chunked": [
+        make_group(kind="full", block_size=4),
+        make_group(kind="sliding", block_size=4, window_tokens=6),
+        make_group(kind="sliding", block_size=4, window_tokens=11),
+        make_group(kind="chunked", block_size=4, chunk_tokens=8),
+    ],
 }
 #: Layouts with a state group run in both modes ("[all]": MambaCacheMode.ALL).
 CASES = [*sorted(LAYOUTS), "full+mamba[all]", "mixed[all]"]
