@@ -47,10 +47,10 @@ def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tens
     return out
 
 
-def paged_case(rule: AttentionRule, *, heads: int, kv_heads: int, block_size: int, seed: int):
+def paged_case(rule: AttentionRule, *, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
     """Decode rows of different lengths whose K/V live in scattered blocks of one cache."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim, positions = 16, [0, 5, 23, 24, 47, 70, 96, 130]
+    positions = [0, 5, 23, 24, 47, 70, 96, 130]
     cache = torch.randn(160, 2, block_size, kv_heads, head_dim, generator=gen)
     free = (torch.randperm(159, generator=gen) + 1).tolist()  # block 0 is the null block
     chunks, keys, values = [], [], []
@@ -66,13 +66,17 @@ def paged_case(rule: AttentionRule, *, heads: int, kv_heads: int, block_size: in
 
 
 @pytest.mark.parametrize("rule_name", sorted(RULES))
-@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(4, 2, 16), (3, 3, 8), (8, 1, 4)])
+# head_dim 64: the kernel's vector paths (dot: multiples of 16, accumulate: of 64); 16: vector dot, scalar
+# accumulate; 24: scalar both
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(4, 2, 64, 16), (3, 3, 16, 8), (8, 1, 24, 4)])
 @pytest.mark.parametrize("extras", ["plain", "softcap", "sinks"])
 def test_decode_matches_the_float64_reference_on_both_paths(
-    rule_name: str, heads: int, kv_heads: int, block_size: int, extras: str, monkeypatch: pytest.MonkeyPatch
+    rule_name: str, heads: int, kv_heads: int, head_dim: int, block_size: int, extras: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rule = RULES[rule_name]
-    q, cache, meta, keys, values, positions = paged_case(rule, heads=heads, kv_heads=kv_heads,
+    q, cache, meta, keys, values, positions = paged_case(rule, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                                          block_size=block_size, seed=heads + block_size)
     softcap = 3.0 if extras == "softcap" else None
     sinks = torch.linspace(-1.0, 2.0, heads) if extras == "sinks" else None

@@ -9,7 +9,8 @@
  *     out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + (sinks ? exp(sink_h - m) : 0))
  *
  * with m the max of the scores (and the sink). Work item = one row: it reads its K and V slots in
- * order (a block's slots are one contiguous run). Rows run on `threads` OpenMP threads.
+ * order (a block's slots are one contiguous run). Rows run on `threads` OpenMP threads, dealt round
+ * robin (the runner orders decodes by length: contiguous ranges would give one thread the long rows).
  */
 #include <float.h>
 #include <math.h>
@@ -18,6 +19,54 @@
 #include <string.h>
 
 #define MAX_HEADS 256
+
+typedef float v8 __attribute__((vector_size(32)));  /* 8 floats: one AVX2 register (GCC vector extension) */
+
+static inline v8 load8(const float *p) {
+    v8 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+/* ask for the n floats at p while this block computes (blocks are scattered: no hardware stream) */
+static inline void prefetch(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+/* a . b over n floats; two accumulators hide the FMA latency */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    int64_t d = 0;
+    float tail = 0.0f;
+    if (n % 16 == 0) {
+        v8 acc0 = {0}, acc1 = {0};
+        for (; d < n; d += 16) {
+            acc0 += load8(a + d) * load8(b + d);
+            acc1 += load8(a + d + 8) * load8(b + d + 8);
+        }
+        acc0 += acc1;
+        for (int i = 0; i < 8; ++i) tail += acc0[i];
+        return tail;
+    }
+    for (; d < n; ++d) tail += a[d] * b[d];
+    return tail;
+}
+
+/* o[0..n) += sum_s p[s] * v[s * stride + 0..n), 64 floats of o at a time held in registers */
+static inline void accumulate(float *restrict o, const float *restrict p, const float *restrict v, int64_t slots,
+                              int64_t stride, int64_t n) {
+    int64_t d = 0;
+    for (; n % 64 == 0 && d < n; d += 64) {
+        v8 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = load8(o + d + 8 * i);
+        for (int64_t s = 0; s < slots; ++s) {
+            const float *vs = v + s * stride + d;
+            for (int i = 0; i < 8; ++i) acc[i] += p[s] * load8(vs + 8 * i);
+        }
+        memcpy(o + d, acc, sizeof acc);
+    }
+    for (; d < n; ++d)
+        for (int64_t s = 0; s < slots; ++s) o[d] += p[s] * v[s * stride + d];
+}
 
 static void attend_row(const float *restrict q, const float *restrict cache, const int64_t *restrict ids,
                        int64_t lo, int64_t hi, float *restrict out, float *restrict scores, int64_t heads,
@@ -33,14 +82,10 @@ static void attend_row(const float *restrict q, const float *restrict cache, con
         const int64_t j0 = b * block_size > lo ? b * block_size : lo;
         const int64_t j1 = (b + 1) * block_size < hi ? (b + 1) * block_size : hi;
         const float *k = cache + ids[b] * 2 * kv_stride + (j0 - b * block_size) * token_stride;
-        for (int64_t j = j0; j < j1; ++j, k += token_stride) {
-            for (int64_t h = 0; h < heads; ++h) {
-                const float *qh = q + h * head_dim, *kh = k + (h / groups) * head_dim;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-                scores[h * n + (j - lo)] = dot * scale;
-            }
-        }
+        if ((b + 1) * block_size < hi) prefetch(cache + ids[b + 1] * 2 * kv_stride, kv_stride);
+        for (int64_t j = j0; j < j1; ++j, k += token_stride)
+            for (int64_t h = 0; h < heads; ++h)
+                scores[h * n + (j - lo)] = dot(q + h * head_dim, k + (h / groups) * head_dim, head_dim) * scale;
     }
     for (int64_t h = 0; h < heads; ++h) {
         float *sh = scores + h * n, mh = sinks ? sinks[h] : -FLT_MAX;
@@ -60,13 +105,10 @@ static void attend_row(const float *restrict q, const float *restrict cache, con
         const int64_t j0 = b * block_size > lo ? b * block_size : lo;
         const int64_t j1 = (b + 1) * block_size < hi ? (b + 1) * block_size : hi;
         const float *v = cache + (ids[b] * 2 + 1) * kv_stride + (j0 - b * block_size) * token_stride;
-        for (int64_t j = j0; j < j1; ++j, v += token_stride) {
-            for (int64_t h = 0; h < heads; ++h) {
-                const float p = scores[h * n + (j - lo)], *vh = v + (h / groups) * head_dim;
-                float *o = out + h * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += p * vh[d];
-            }
-        }
+        if ((b + 1) * block_size < hi) prefetch(cache + (ids[b + 1] * 2 + 1) * kv_stride, kv_stride);
+        for (int64_t h = 0; h < heads; ++h)
+            accumulate(out + h * head_dim, scores + h * n + (j0 - lo), v + (h / groups) * head_dim, j1 - j0,
+                       token_stride, head_dim);
     }
     for (int64_t h = 0; h < heads; ++h) {
         const float inv = 1.0f / total[h];
@@ -88,7 +130,7 @@ int paged_decode_f32(const float *q, const float *cache, const int64_t *block_id
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *scores = malloc((size_t)(heads * widest) * sizeof(float));
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)
         for (int64_t r = 0; r < rows; ++r) {
             if (!scores) {
                 failed = 1;

@@ -107,6 +107,8 @@ class DecoderForCausalLM(CausalLM):
         self.layer_types = list(layer_types)
         self._model_name = model_name
         self.add_module(model_name, model)
+        # decided once: the last layer's class declares whether it keeps only the sampled rows itself
+        self._narrows = bool(model.layers and getattr(model.layers[-1], "narrows_to_sample_rows", False))
         self.ropes = dict(ropes)  # layer type -> rope (no weights to load or cast)
         self.tied = tied
         if not tied:
@@ -134,7 +136,7 @@ class DecoderForCausalLM(CausalLM):
         cos_sin: dict[RotaryEmbedding, CosSin] = {rope: rope.cos_sin(positions) for rope in self.ropes.values()}
         layers = self.model.layers
         last = layers[len(layers) - 1]
-        narrows = getattr(last, "narrows_to_sample_rows", False) and ctx.sample_rows is not None
+        narrows = self._narrows and ctx.sample_rows is not None
         for layer, kind in zip(layers, self.layer_types, strict=True):
             rope = self.ropes[kind]
             x = layer(x, rope, cos_sin[rope], replace(ctx, narrow=True) if narrows and layer is last else ctx)
