@@ -238,7 +238,9 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, 
     if d:
         blocks = meta.decode_blocks  # index_select / index_copy_: ~4x faster than [blocks] indexing here
         window = torch.cat([conv_state.index_select(0, blocks).to(x.dtype), x[:d, None, :]], dim=1)  # [D, K, C]
-        _shifted_sum([window[:, j] for j in range(kernel)], taps, bias, out=out[:d])
+        torch.sum(window * taps, dim=1, out=out[:d])  # one multiply and one sum: fewer ops than K shifted ones
+        if bias is not None:
+            out[:d] += bias
         conv_state.index_copy_(0, blocks, window[:, 1:].to(conv_state.dtype))
     for seq in meta.sequences:
         a, n = seq.token_start, seq.num_tokens

@@ -49,15 +49,17 @@ def recurrent_step(inputs: Sequence[torch.Tensor], state: torch.Tensor) -> tuple
     """One token for each of D sequences: q, k [D, Hk, Dk], v [D, H, Dv], g, beta [D, H]; state [D, H, Dv, Dk],
     updated in place and returned.
 
-    Value head h reads key head h // (H / Hk). The products with k and q are `vecdot`s over Dk (a
-    batched matrix-vector product per head is ~4x slower here)."""
+    Value head h reads key head h // r (r = H / Hk): the state is viewed as [D, Hk, r, Dv, Dk] so each
+    key head's q and k broadcast over its r value heads. The products with k and q are `vecdot`s over
+    Dk (a batched matrix-vector product per head is ~4x slower here)."""
     q, k, v, g, beta = inputs
-    repeat = v.shape[1] // k.shape[1]
-    q, k = (t.repeat_interleave(repeat, dim=1)[:, :, None] for t in (q, k))  # [D, H, 1, Dk] per value head
+    d, key_heads = k.shape[0], k.shape[1]
+    grouped = state.view(d, key_heads, -1, *state.shape[2:])  # [D, Hk, r, Dv, Dk]
+    q, k = q[:, :, None, None], k[:, :, None, None]  # [D, Hk, 1, 1, Dk]
     state.mul_(g.exp()[..., None, None])  # decayed: a S
-    delta = (v - torch.linalg.vecdot(state, k)).mul_(beta[..., None])  # [D, H, Dv] beta (v - a S k)
-    state.addcmul_(delta[..., None], k)  # += delta k^T: [D, H, Dv, Dk]
-    return torch.linalg.vecdot(state, q), state  # [D, H, Dv], [D, H, Dv, Dk]
+    delta = (v.view(grouped.shape[:-1]) - torch.linalg.vecdot(grouped, k)).mul_(beta.view(*grouped.shape[:3], 1))
+    grouped.addcmul_(delta[..., None], k)  # += beta (v - a S k) k^T: [D, Hk, r, Dv, Dk]
+    return torch.linalg.vecdot(grouped, q).view(v.shape), state  # [D, H, Dv], [D, H, Dv, Dk]
 
 
 def decay_exp(x: torch.Tensor) -> torch.Tensor:
@@ -159,6 +161,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the weight inside the fused norm, the gate applied in place
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).mul_(F.silu(gate))
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         y = self.weight * y.to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
@@ -184,7 +188,7 @@ class GatedDeltaNet(nn.Module):
             raise ConfigError(f"linear_num_value_heads = {self.v_heads} must be a multiple of "
                               f"linear_num_key_heads = {self.k_heads}")
         self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
-        conv_channels = 2 * self.key_size + self.value_size
+        self.conv_channels = conv_channels = 2 * self.key_size + self.value_size
         kernel = int(config_value(config, "linear_conv_kernel_dim", 4))
         self.conv1d = nn.Conv1d(conv_channels, conv_channels, kernel, groups=conv_channels, bias=False)
         self.act = activation(str(config_value(config, "hidden_act", "silu")))
@@ -212,7 +216,7 @@ class GatedDeltaNet(nn.Module):
         cache, meta = ctx.state_cache(self.layer), ctx.state_metadata(self.layer)
         conv = self.act(causal_conv(mixed, cache.conv, meta, self.conv1d.weight[:, 0, :], None))  # [T, C]
         conv = conv.float()
-        # q and k normalised together, q also scaled by Dk^-0.5: [T, 2 Hk, Dk], the scans repeat them per value head
+        # q and k normalised together, q also scaled by Dk^-0.5: [T, 2 Hk, Dk]; the scans share them across value heads
         qk = l2_normalize(conv[:, : 2 * self.key_size].view(t, 2 * self.k_heads, self.k_dim), self.qk_scale)
         q, k = qk[:, : self.k_heads], qk[:, self.k_heads :]  # [T, Hk, Dk] each
         v = conv[:, 2 * self.key_size :].reshape(t, self.v_heads, self.v_dim)  # [T, Hv, Dv]
@@ -223,7 +227,13 @@ class GatedDeltaNet(nn.Module):
 
 
 class SplitProjections(GatedDeltaNet):
-    """Qwen3.5: `in_proj_qkv` (q, k, v channel blocks), `in_proj_z`, `in_proj_b`, `in_proj_a`."""
+    """Qwen3.5: `in_proj_qkv` (q, k, v channel blocks), `in_proj_z`, `in_proj_b`, `in_proj_a`.
+
+    The four weights are row blocks of one stacked tensor [2*Hk*Dk + 2*Hv*Dv + 2*Hv, hidden] (each
+    parameter a view of it, so loading writes into it and no copy is kept): the four projections
+    run as one matmul. Should a parameter stop being such a view (replaced, or `.to()` another
+    dtype), the stack is rebuilt from the four (and rebuilt again whenever one is written to).
+    """
 
     def __init__(self, config: Mapping[str, Any], layer: int) -> None:
         super().__init__(config, layer)
@@ -232,10 +242,34 @@ class SplitProjections(GatedDeltaNet):
         self.in_proj_z = nn.Linear(hidden, self.value_size, bias=False)
         self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+        projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        self._stacked = torch.cat([p.weight.detach() for p in projections])  # [out channels, hidden]
+        offset = 0
+        for p in projections:
+            p.weight = nn.Parameter(self._stacked[offset : offset + p.out_features])  # a view: shares the stack
+            offset += p.out_features
+        self._rebuilt: tuple[tuple[tuple[int, int], ...], torch.Tensor] | None = None
+
+    def stacked_weight(self) -> torch.Tensor:
+        """The four projection weights stacked [2*Hk*Dk + 2*Hv*Dv + 2*Hv, hidden] (see the class docstring)."""
+        weights = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
+        stacked, offset = self._stacked, 0
+        views = True
+        for w in weights:
+            views = views and w.dtype == stacked.dtype and w.data_ptr() == stacked[offset].data_ptr()
+            offset += w.shape[0]
+        if views:
+            return stacked
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        if self._rebuilt is None or self._rebuilt[0] != key:
+            self._rebuilt = key, torch.cat([w.detach() for w in weights])
+        return self._rebuilt[1]
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        z = self.in_proj_z(x).view(x.shape[0], self.v_heads, self.v_dim)  # [T, Hv, Dv]
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        t = x.shape[0]
+        out = F.linear(x, self.stacked_weight())  # [T, conv channels + Hv*Dv + 2 Hv]
+        mixed, z, b, a = torch.split(out, [self.conv_channels, self.value_size, self.v_heads, self.v_heads], dim=-1)
+        return mixed, z.view(t, self.v_heads, self.v_dim), b, a  # z [T, Hv, Dv]
 
 
 class FusedProjections(GatedDeltaNet):

@@ -65,11 +65,13 @@ class GatedRMSNorm(nn.Module):
         """y, z [T, dim] -> [T, dim] float32."""
         y, gate = y.float(), F.silu(z.float())
         if not self.norm_before_gate:
-            y = y * gate
-        g = y.view(y.shape[0], self.groups, -1)  # [T, G, dim/G]
-        g = F.rms_norm(g, (g.shape[-1],), None, self.eps)
-        y = g.view_as(y) * self.weight.float()
-        return y * gate if self.norm_before_gate else y
+            y = gate.mul_(y)  # the gate is a new tensor: y * gate in place
+        if self.groups == 1:  # one group: the weight inside the fused norm
+            y = F.rms_norm(y, (y.shape[-1],), self.weight.float(), self.eps)
+        else:
+            g = F.rms_norm(y.view(y.shape[0], self.groups, -1), (y.shape[-1] // self.groups,), None, self.eps)
+            y = g.view_as(y).mul_(self.weight.float())  # [T, G, dim/G] normalised, then weighted
+        return y.mul_(gate) if self.norm_before_gate else y
 
 
 class Mamba2Mixer(nn.Module):
@@ -101,6 +103,12 @@ class Mamba2Mixer(nn.Module):
             gated = self.mix(zxbcdt, ctx, slot)  # [T, I]
         return self.out_proj(gated.to(x.dtype))  # type: ignore[no-any-return]
 
+    def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
+        """softplus(dt + dt_bias) [T, H] clamped to `time_step_limit` ((0, inf), the default, clamps nothing)."""
+        low, high = self.dims.time_step_limit
+        dt = F.softplus(dt + self.dt_bias.float())
+        return dt if (low, high) == (0.0, float("inf")) else dt.clamp_(low, high)
+
     def mix(self, zxbcdt: torch.Tensor, ctx: ForwardContext, slot: int) -> torch.Tensor:
         """zxbcdt [T, I + conv_dim + H] -> the gated, normalised SSD outputs [T, I] float32 (states stored)."""
         d, t = self.dims, zxbcdt.shape[0]
@@ -111,7 +119,7 @@ class Mamba2Mixer(nn.Module):
         gn = d.n_groups * d.state_size
         xs, b, c = torch.split(xbc, [d.intermediate, gn, gn], dim=-1)
         inputs = (xs.reshape(t, d.num_heads, d.head_dim),  # [T, H, P]
-                  F.softplus(dt + self.dt_bias.float()).clamp(*d.time_step_limit),  # [T, H]
+                  self._time_step(dt),  # [T, H]
                   b.reshape(t, d.n_groups, d.state_size), c.reshape(t, d.n_groups, d.state_size))  # [T, G, N]
         a, skip = -torch.exp(self.A_log.float()), self.D.float()
         y = scan_states(meta, cache.recurrent, inputs,

@@ -95,13 +95,17 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
 def mamba2_step(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
                 d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row. x [R, H, P], dt [R, H], b/c [R, G, N], state [R, H, P, N] (float32: updated in place)
-    -> (y [R, H, P], new state)."""
-    heads = x.shape[1]
+    -> (y [R, H, P], new state).
+
+    The state is viewed as [R, G, H/G, P, N], so each group's B and C broadcast over its heads."""
+    rows, heads, p = x.shape
+    groups, n = b.shape[1], b.shape[2]
     x, dt = x.float(), dt.float()
-    b, c = _per_head(b, heads)[:, :, None], _per_head(c, heads)[:, :, None]  # [R, H, 1, N]
+    b, c = b.float()[:, :, None, None], c.float()[:, :, None, None]  # [R, G, 1, 1, N]
     new = state.float().mul_(torch.exp(dt * a.float()[None, :])[..., None, None])  # decayed [R, H, P, N]
-    new.addcmul_((dt[..., None] * x)[..., None], b)  # + dt x B^T, in place
-    y = torch.linalg.vecdot(new, c).addcmul_(d.float()[None, :, None], x)  # [R, H, P]: S C + D x
+    grouped = new.view(rows, groups, heads // groups, p, n)  # [R, G, H/G, P, N]
+    grouped.addcmul_((dt[..., None] * x).view(*grouped.shape[:-1], 1), b)  # + dt x B^T, in place
+    y = torch.linalg.vecdot(grouped, c).view(rows, heads, p).addcmul_(d.float()[None, :, None], x)  # S C + D x
     return y, new
 
 
