@@ -49,8 +49,8 @@ from hybridkv.core.request import KVRequest
 from hybridkv.core.single_type_manager import EMPTY, SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
-#: `decode`'s plan per manager: (manager, table, keep from, grows by one entry, that entry is real)
-_DecodeStep = tuple[SingleTypeManager, Table, int, bool, bool]
+#: `decode`'s plan per manager: (index of its bounds, manager, table, keep from, grows by one entry, that entry is real)
+_DecodeStep = tuple[int, SingleTypeManager, Table, int, bool, bool]
 NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
 
 
@@ -75,7 +75,8 @@ class KVCacheCoordinator:
         self.lcm_block_size = math.lcm(*self.block_sizes)
         #: rid -> token slots its tables hold (the running requests; the facade's no-op path reads and raises it)
         self.allocated: dict[RequestId, int] = {}
-        #: rid -> [F, T]: an allocate starting at <= F with <= T slots is a no-op (`quiet_bounds`)
+        #: rid -> [F, T, F_0, T_0, F_1, T_1, ...]: an allocate starting at <= F with <= T slots is a
+        #: no-op (`quiet_bounds`); (F_i, T_i) are manager i's own bounds, (F, T) their minimum
         self.quiet: dict[RequestId, list[int]] = {}
         # Managers whose hits wait a step when cached in this one (state groups in a caching mode).
         self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
@@ -160,32 +161,36 @@ class KVCacheCoordinator:
         per group, as ints. None, with nothing changed, where the general path must run: a group
         needs more than one new entry, or the pool may be too tight (it counts exactly)."""
         rid = request.request_id
+        bounds = self.quiet[rid]
         steps: list[_DecodeStep] = []
         counts: list[int] | None = None
         releasing = 0
-        for m in self.managers:  # 1. count
-            table = m.table_of[rid]
-            old = table.length
-            new_len = -(-end // m.block_size)
-            if new_len > old + 1:
-                return None
-            keep = m.first_needed_block(first_new) if m.skips_blocks else 0
-            real = new_len > old and old >= keep
-            if real:
-                if counts is None:
-                    counts = [0] * self.num_groups
-                for g in m.group_ids:
-                    counts[g] = 1
-            if keep > table.num_skipped < old:
-                releasing += 1
-            steps.append((m, table, keep, new_len > old, real))
+        at = 2
+        for m in self.managers:  # 1. count (a manager whose own no-op bounds hold changes nothing)
+            if first_new > bounds[at] or end > bounds[at + 1]:
+                table = m.table_of[rid]
+                old = table.length
+                grows = -(-end // m.block_size) - old
+                if grows > 1:
+                    return None
+                keep = m.first_needed_block(first_new) if m.skips_blocks else 0
+                real = grows == 1 and old >= keep
+                if real:
+                    if counts is None:
+                        counts = [0] * self.num_groups
+                    for g in m.group_ids:
+                        counts[g] = 1
+                if keep > table.num_skipped < old:
+                    releasing += 1
+                steps.append((at, m, table, keep, grows == 1, real))
+            at += 2
         pool = self.pool
         if counts is not None and sum(counts) > pool.num_free:  # (exact count: the general path)
             return None
         if releasing > 1:  # 2. release (several managers: interleaved position by position)
             pool.free_tables([(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping])
         elif releasing:
-            for _, table, keep, _, _ in steps:
+            for _, _, table, keep, _, _ in steps:
                 if keep > table.num_skipped < table.length:
                     self._release_leading(table, min(keep, table.length))
         fresh = None  # 3. pop (lists of ints)
@@ -193,20 +198,20 @@ class KVCacheCoordinator:
             total = sum(counts)
             fresh = (pool.allocate_few(counts, total) if total <= FEW
                      else [list(map(int, blocks)) for blocks in pool.allocate_groups(counts)])
-        out = self._extend(request, steps, fresh, end, hashes_of)  # 4. extend, cache, bounds
+        out = self._extend(request, steps, fresh, end, hashes_of, bounds)  # 4. extend, cache, bounds
         if end > self.allocated[rid]:
             self.allocated[rid] = end
         return out
 
-    def _extend(self, request: KVRequest, steps: list[_DecodeStep], fresh: list[list[int]] | None,
-                end: int, hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]]) -> tuple[tuple[int, ...], ...]:
+    def _extend(self, request: KVRequest, steps: list[_DecodeStep], fresh: list[list[int]] | None, end: int,
+                hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]],
+                bounds: list[int]) -> tuple[tuple[int, ...], ...]:
         """`decode`'s last phases: append each manager's new entry (a fresh block, or null),
-        cache the newly full blocks, set the request's no-op bounds; the new entries per group."""
+        cache the newly full blocks, update the no-op bounds; the new entries per group."""
         out = list(self._no_entries)
         hashes = None
         num_tokens = min(end, request.num_tokens)
-        first = total = 1 << 62
-        for m, table, _, grows, real in steps:
+        for at, m, table, _, grows, real in steps:
             old = table.length
             size = m.block_size
             if grows:  # one new entry per group: a fresh block, or null
@@ -226,11 +231,10 @@ class KVCacheCoordinator:
             if num_tokens // size > table.num_cached:
                 hashes = hashes or hashes_of(request)
                 self._cache_table(m, table, hashes[size], num_tokens // size, request.token_ids)
-            bound = m.quiet_first(table.num_skipped)
-            first = bound if bound < first else first
-            bound = min(table.length, table.num_cached + 1) * size - 1
-            total = bound if bound < total else total
-        self.quiet[request.request_id] = [first, total]
+            bounds[at] = m.quiet_first(table.num_skipped)
+            bounds[at + 1] = min(table.length, table.num_cached + 1) * size - 1
+        bounds[0] = min(bounds[2::2])
+        bounds[1] = min(bounds[3::2])
         return tuple(out)
 
     def _release_leading(self, table: Table, keep: int) -> None:
@@ -246,7 +250,7 @@ class KVCacheCoordinator:
             # Base table rules: the entries from num_skipped on are real (nulls only lead), and the
             # ones below num_cached all carry a hash (held blocks lose none).
             part = ids[:, done:keep]
-            order = part[:, ::-1].T.flatten()  # (a copy)
+            order = part[:, ::-1].flatten("F")  # position by position from the tail (a copy)
             part[:] = NULL
             if keep <= table.num_cached:
                 self.pool.release_cached_blocks(order)
@@ -266,14 +270,12 @@ class KVCacheCoordinator:
 
     def update_quiet(self, request_id: RequestId) -> None:
         """Recompute the request's no-op bounds (after an allocate and its caching)."""
-        first = total = 1 << 62
+        bounds = [0, 0]
         for manager in self.managers:
-            f, t = manager.quiet_bounds(request_id)
-            if f < first:
-                first = f
-            if t < total:
-                total = t
-        self.quiet[request_id] = [first, total]
+            bounds += manager.quiet_bounds(request_id)
+        bounds[0] = min(bounds[2::2])
+        bounds[1] = min(bounds[3::2])
+        self.quiet[request_id] = bounds
 
     def new_step(self) -> None:
         for manager in self._deferring:
