@@ -324,9 +324,10 @@ class BlockPool:
             revived = []
             for block in order:
                 if block != NULL:
-                    if not refs[block]:
+                    held = refs.item(block)
+                    if not held:
                         revived.append(block)
-                    refs[block] += 1
+                    refs[block] = held + 1
             if revived:
                 self._policy.remove_few(revived)
             return
@@ -346,11 +347,12 @@ class BlockPool:
             blocks = blocks.tolist()
         released: list[int] = []
         refs = self.ref_cnt
-        for block in blocks:
+        for block in blocks:  # (scalar reads with .item(): no numpy scalar objects)
             if block == NULL:
                 continue
-            refs[block] -= 1
-            if not refs[block]:
+            left = refs.item(block) - 1
+            refs[block] = left
+            if not left:
                 released.append(block)
         if released:
             self._policy.release_few(released)

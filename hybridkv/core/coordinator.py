@@ -80,6 +80,7 @@ class KVCacheCoordinator:
         self.quiet: dict[RequestId, list[int]] = {}
         # Managers whose hits wait a step when cached in this one (state groups in a caching mode).
         self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
+        self.may_defer = bool(self._deferring)  # `defers` can be True at all
         # Managers that may release leading blocks as a request advances.
         self._skipping = tuple(m for m in managers if m.skips_blocks)
         #: Every manager follows the base table rules (and serves ascending group ids): `decode` applies.
@@ -357,16 +358,18 @@ class HybridCoordinator(KVCacheCoordinator):
                 first[g] = got
             length = min(length, got) // step * step
             found.append((cls, hits))
-        answers: dict[int, tuple[int, list[list[int]]]] = {}
+        others = self._others
+        answers: list[tuple[int, list[list[int]]] | None] = [None] * len(others)  # (tokens, hits) per class
         settled = False
         while not settled:
             settled = True
-            for i, cls in enumerate(self._others):
-                if i in answers and answers[i][0] == length:
+            for i, cls in enumerate(others):
+                answer = answers[i]
+                if answer is not None and answer[0] == length:
                     continue
                 hits = _find(cls, hashes, length)
                 got = len(hits[0]) * cls.block_size
-                if i not in answers:
+                if answer is None:
                     for g in cls.group_ids:
                         first[g] = got
                 answers[i] = (got, hits)
@@ -374,13 +377,15 @@ class HybridCoordinator(KVCacheCoordinator):
                 if got < length:
                     length = got // step * step
                     settled = False
-            if any(a[0] != length for a in answers.values()):
+            if settled and any(a is None or a[0] != length for a in answers):
                 settled = False
-        blocks: GroupBlocks = [[] for _ in self.groups]
+        blocks: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
         for cls, hits in found:
+            cut = length // cls.block_size
             for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                blocks[g] = group_hits[: length // cls.block_size]
-        for i, cls in enumerate(self._others):
-            for g, group_hits in zip(cls.group_ids, answers[i][1], strict=True):
+                blocks[g] = group_hits[:cut]
+        for cls, answer in zip(others, answers, strict=True):
+            assert answer is not None
+            for g, group_hits in zip(cls.group_ids, answer[1], strict=True):
                 blocks[g] = group_hits
         return blocks, length, first

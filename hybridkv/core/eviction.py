@@ -157,8 +157,8 @@ class LRUPolicy:
         queue = self._queue
         pos = self._pos
         for block in ids:
-            index = pos[block]
-            assert queue[index] == block, f"block {block} is not at its free-queue position"
+            index = pos.item(block)
+            assert queue.item(index) == block, f"block {block} is not at its free-queue position"
             queue[index] = 0
         self._holes += len(ids)
         self.num_free -= len(ids)
@@ -172,7 +172,7 @@ class LRUPolicy:
         pos = self._pos
         tail = self._tail
         for block in ids:
-            if content[block]:
+            if content.item(block):
                 queue[tail] = block
                 pos[block] = tail
                 tail += 1
@@ -197,8 +197,14 @@ class LRUPolicy:
             self._append(ids)
 
     def release_cached(self, ids: Ids) -> None:
-        self.num_free += len(ids)
-        self._append(ids)
+        count = len(ids)
+        self.num_free += count
+        if self._tail + count > len(self._queue):
+            self._compact(count)
+        tail = self._tail
+        self._queue[tail : tail + count] = ids
+        self._pos[ids] = self._index[tail : tail + count]
+        self._tail = tail + count
 
     def _append(self, ids: Ids) -> None:
         """Put cached blocks at the back, in order."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import add
 from typing import cast
 
 from hybridkv.core.block_pool import NULL, BlockPool, KVEvent, KVEvents
@@ -216,14 +217,14 @@ class KVCacheManager:
         if not self._caching or max_length < self._coordinator.lcm_block_size:
             return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
                             pool_epoch=self._pool.evictions)
-        hits, num_tokens, first = self._coordinator.find_longest_cache_hit(self._hashes(request), max_length)
+        coordinator = self._coordinator
+        hits, num_tokens, first = coordinator.find_longest_cache_hit(self._hashes(request), max_length)
         self._hit_tokens += num_tokens
-        group_hits = self._group_hit_tokens
-        for g, tokens in enumerate(first):
-            group_hits[g] += tokens
+        self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=tuple(map(tuple, hits)),  # type: ignore[arg-type]  # ids
-                        deferred=bool(num_tokens) and self._coordinator.defers(hits), pool_epoch=self._pool.evictions)
+                        deferred=bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits),
+                        pool_epoch=self._pool.evictions)
 
     # -- allocate / cache / free ----------------------------------------------------------------
 
