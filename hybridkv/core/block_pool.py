@@ -31,19 +31,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import Enum
 from itertools import chain
 
 import numpy as np
 from numpy.typing import NDArray
 
 from hybridkv.core.errors import ConfigError, IntegrityError
+from hybridkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
 from hybridkv.core.eviction import Ids, PolicyFactory
 from hybridkv.core.ids import BlockHash, GroupId
 from hybridkv.core.planner import KVCacheGroupSpec
 from hybridkv.core.prefix_map import GroupsView, PrefixMap
-from hybridkv.core.specs import SpecKind
 
 __all__ = [
     "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
@@ -55,44 +53,6 @@ NULL = 0  # the null block's id
 #: Up to this many blocks an operation runs block by block on the arrays (a decode step's
 #: handful: no array call overhead); from here on, in array operations.
 FEW = 8
-
-
-class KVEvents(Enum):
-    """Whether the pool records KV events (for a connector or an external index)."""
-
-    OFF = "off"
-    ON = "on"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BlockStored:
-    """Contiguous full blocks of one group were cached; `parent_hash` precedes the first."""
-
-    group_id: GroupId
-    kind: SpecKind
-    window_tokens: int
-    block_size: int
-    block_hashes: tuple[BlockHash, ...]
-    parent_hash: BlockHash | None
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BlockRemoved:
-    """Cached blocks of one group were evicted (their content is gone)."""
-
-    group_id: GroupId
-    kind: SpecKind
-    window_tokens: int
-    block_hashes: tuple[BlockHash, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AllBlocksCleared:
-    """The whole prefix cache was reset."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def interleave(lists: Sequence[Sequence[int]]) -> list[int]:

@@ -265,23 +265,8 @@ class KVCacheManager:
                     entries = coordinator.decode(request, computed, end, self._hashes)
                     if entries is not None:
                         return entries  # type: ignore[return-value]  # block ids
-        running = coordinator.is_running(request.request_id)
-        hit_blocks: GroupBlocks | None = None
-        hit_tokens = 0
-        if hit is not None and hit.num_tokens:
-            hit_blocks = self._resolve_hit(request, hit, running)
-            hit_tokens = hit.num_tokens
-        elif computed and not running:
-            raise AllocationError(
-                f"request {request.request_id!r} has num_computed_tokens={computed} but holds no blocks; "
-                "expected 0 for a new or preempted request (pass loaded KV as num_external_tokens)"
-            )
-        elif computed > coordinator.allocated_tokens(request.request_id):
-            raise AllocationError(
-                f"request {request.request_id!r} has num_computed_tokens={computed} but holds slots for only "
-                f"{coordinator.allocated_tokens(request.request_id)} tokens; expected at most that many "
-                "(advance num_computed_tokens to the end of the step that ran, not further)"
-            )
+        hit_blocks = self._check_start(request, hit)
+        hit_tokens = hit.num_tokens if hit is not None else 0
         first_new = computed + hit_tokens + num_external_tokens
         end = first_new + num_new_tokens
         total = end + num_lookahead_tokens
@@ -418,6 +403,26 @@ class KVCacheManager:
             if known is None or len(known) < num_tokens // size:
                 self._hasher.update(request, size)
         return hashes
+
+    def _check_start(self, request: KVRequest, hit: CacheHit | None) -> GroupBlocks | None:
+        """The hit's blocks per group (None without a hit) once the request's state agrees with
+        them; `AllocationError` where it contradicts the step (the general path of `allocate`)."""
+        running = self._coordinator.is_running(request.request_id)
+        computed = request.num_computed_tokens
+        if hit is not None and hit.num_tokens:
+            return self._resolve_hit(request, hit, running)
+        if computed and not running:
+            raise AllocationError(
+                f"request {request.request_id!r} has num_computed_tokens={computed} but holds no blocks; "
+                "expected 0 for a new or preempted request (pass loaded KV as num_external_tokens)"
+            )
+        if computed > self._coordinator.allocated_tokens(request.request_id):
+            raise AllocationError(
+                f"request {request.request_id!r} has num_computed_tokens={computed} but holds slots for only "
+                f"{self._coordinator.allocated_tokens(request.request_id)} tokens; expected at most that many "
+                "(advance num_computed_tokens to the end of the step that ran, not further)"
+            )
+        return None
 
     def _resolve_hit(self, request: KVRequest, hit: CacheHit, running: bool) -> GroupBlocks:
         if hit.request_id != request.request_id:
