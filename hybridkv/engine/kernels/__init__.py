@@ -1,12 +1,14 @@
 """Native kernels for the reference engine, built on first use with the system's C compiler.
 
-Only one so far: `paged_decode`, decode attention that reads the paged KV cache in place
-(`paged_decode.c`). torch has no CPU op that reads K/V through a block table, so the plain-torch
-path gathers each row's blocks into a contiguous copy and runs SDPA on it; for a decode row that
-is the whole cost (a 700-key full-attention decode of the Gemma 3 benchmark: ~5 ms of gather and
-~8 ms of SDPA for 32 rows, where the kernel reads each K and V row once).
+- `paged_decode` (`paged_decode.c`): decode attention that reads the paged KV cache in place.
+  torch has no CPU op that reads K/V through a block table, so the plain-torch path gathers each
+  row's blocks into a contiguous copy and runs SDPA on it; for a decode row that is the whole
+  cost (a 700-key full-attention decode of the Gemma 3 benchmark: ~5 ms of gather and ~8 ms of
+  SDPA for 32 rows, where the kernel reads each K and V row once).
+- `rms_norm` (`rms_norm.c`): RMSNorm in one pass per row, where torch's CPU `F.rms_norm` runs six
+  separate ops (12% of a one-thread Gemma 3 benchmark pass).
 
-The shared object is compiled with `$CC` (default `cc`) into `$HYBRIDKV_KERNEL_CACHE` (default
+The shared object (every `*.c` here) is compiled with `$CC` (default `cc`) into `$HYBRIDKV_KERNEL_CACHE` (default
 `~/.cache/hybridkv/kernels`), named by a hash of the source, the flags and the CPU's features
 (it is built with `-march=native`), so a rebuild happens only when one of them changes (~1 s).
 OpenMP threads come from the libgomp that torch has already loaded: one thread pool, not two.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
+_SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-Wl,-z,defs")
 _LIBS = ("-lmvec", "-lm")  # glibc's vector math: expf / tanhf 8 floats at a time
 _I64 = ctypes.c_int64
@@ -51,7 +53,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic for
         partial = Path(tmp) / target.name  # concurrent first uses (pytest-xdist, several engines)
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial), *_LIBS],
+        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(partial), *_LIBS],
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise OSError(f"{compiler} failed (exit {result.returncode}): {result.stderr.strip()[:2000]}")
@@ -64,10 +66,10 @@ def _library() -> ctypes.CDLL | None:
     if not kernels_enabled():
         return None
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS + _LIBS).encode(), compiler.encode(),
-                                     _cpu_features().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in _SOURCES), " ".join(_FLAGS + _LIBS).encode(),
+                                     compiler.encode(), _cpu_features().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("HYBRIDKV_KERNEL_CACHE", Path.home() / ".cache" / "hybridkv" / "kernels"))
-    target = cache / f"paged_decode-{key}.so"
+    target = cache / f"hybridkv_kernels-{key}.so"
     try:
         if not target.exists():
             _build(compiler, target)
@@ -79,12 +81,40 @@ def _library() -> ctypes.CDLL | None:
     lib.paged_decode_f32.restype = ctypes.c_int
     lib.paged_decode_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                                      ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int]
+    lib.rms_norm_f32.restype = None
+    lib.rms_norm_f32.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
     return lib
 
 
-def paged_decode_available() -> bool:
-    """True when the decode kernel is built and loaded (see the module docstring)."""
+def kernels_available() -> bool:
+    """True when the kernels are built and loaded (see the module docstring)."""
     return _library() is not None
+
+
+paged_decode_available = kernels_available
+
+
+def _loaded() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("a native kernel was called while the kernels are unavailable; "
+                           "check kernels_available() first")
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight, for float32 x [..., dim] and weight [dim] (or None).
+
+    Call only when `kernels_available()`; no autograd (the engine runs under inference mode).
+    """
+    lib = _loaded()
+    x = x.contiguous()
+    w = None if weight is None else weight.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.rms_norm_f32(x.data_ptr(), None if w is None else w.data_ptr(), out.data_ptr(), x.numel() // max(dim, 1),
+                     dim, eps, torch.get_num_threads())
+    return out
 
 
 def paged_decode(
@@ -103,12 +133,9 @@ def paged_decode(
     q [R, H, D] float32; cache [num_blocks, 2, block_size, KVH, D] float32 (contiguous);
     block_ids [R, B] int64; key_lo / key_hi [R] int64 (slot j = offset j % block_size of block
     block_ids[r, j // block_size]); sinks [H] float32 or None. Returns [R, H, D].
-    Call only when `paged_decode_available()`.
+    Call only when `kernels_available()`.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("paged_decode called while the native kernels are unavailable; "
-                           "check paged_decode_available() first")
+    lib = _loaded()
     rows, heads, head_dim = q.shape
     q = q.contiguous()
     block_ids, key_lo, key_hi = block_ids.contiguous(), key_lo.contiguous(), key_hi.contiguous()

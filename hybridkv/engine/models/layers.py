@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.core.errors import ConfigError
+from hybridkv.engine.kernels import kernels_available, rms_norm
 from hybridkv.engine.models.base import ForwardContext, config_value, head_dim_of
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -78,10 +79,11 @@ class RMSNorm(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.zeros(dim)) if with_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm runs the same float32 ops (x * rsqrt(mean(x^2) + eps) * w) in one call: fewer dispatches
         w = None if self.weight is None else self.weight.float()
         if w is not None and self.unit_offset:
             w = 1.0 + w
+        if x.dtype == torch.float32 and not torch.is_grad_enabled() and kernels_available():
+            return rms_norm(x, w, self.eps)  # one pass per row (torch's CPU F.rms_norm is six ops)
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 
 

@@ -1,5 +1,6 @@
-"""The native decode kernel against a float64 reference written from the attention rule itself
-(keys by position, no block tables, no masks), and against the plain-torch gather path."""
+"""The native kernels against float64 references: the decode kernel against one written from the
+attention rule itself (keys by position, no block tables, no masks) and against the plain-torch
+gather path; the RMSNorm kernel against the formula, and the model layer on both paths."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from hybridkv.core.specs import SpecKind
 from hybridkv.engine import attention
 from hybridkv.engine.attention import AttentionRule, ScheduledChunk, build_group_metadata, paged_attention
-from hybridkv.engine.kernels import paged_decode_available
+from hybridkv.engine.kernels import paged_decode_available, rms_norm
+from hybridkv.engine.models import layers
+from hybridkv.engine.models.layers import RMSNorm
 
 RULES = {
     "full": AttentionRule(kind=SpecKind.FULL),
@@ -99,3 +102,32 @@ def test_decode_rows_read_exactly_their_key_slots() -> None:
     assert call.read_block_ids.tolist() == [[5, 5], [1, 2]]
     assert call.key_lo is not None and call.key_hi is not None
     assert call.key_lo.tolist() == [0, 0] and call.key_hi.tolist() == [3, 6]
+
+
+@pytest.mark.parametrize("shape", [(7, 256), (3, 5, 64), (4, 60), (1, 3)])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_kernel_matches_the_formula(shape: tuple[int, ...], with_weight: bool) -> None:
+    # dim 256 / 64: the vector sum of squares; 60 and 3: its scalar tail
+    gen = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x = torch.randn(*shape, generator=gen) * 3.0
+    w = torch.randn(shape[-1], generator=gen) if with_weight else None
+    xd = x.double()
+    want = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6)
+    if w is not None:
+        want = want * w.double()
+    torch.testing.assert_close(rms_norm(x, w, 1e-6).double(), want, atol=2e-6, rtol=2e-6)
+
+
+def test_the_norm_layer_gives_the_same_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    norm = RMSNorm(96, eps=1e-5, unit_offset=True)  # Gemma: the weight is an offset from 1
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-0.5, 0.5, 96))  # type: ignore[union-attr]
+    x = torch.randn(2, 9, 96)
+    with torch.inference_mode():
+        fast = norm(x)
+        monkeypatch.setattr(layers, "kernels_available", lambda: False)
+        plain = norm(x)
+    xd = x.double()
+    want = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * (1.0 + torch.linspace(-0.5, 0.5, 96).double())
+    torch.testing.assert_close(fast.double(), want, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(plain.double(), want, atol=2e-6, rtol=2e-6)
