@@ -4,6 +4,7 @@ gather path; the RMSNorm kernel against the formula, and the model layer on both
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from hybridkv.core.specs import SpecKind
 from hybridkv.engine import attention
 from hybridkv.engine.attention import AttentionRule, ScheduledChunk, build_group_metadata, paged_attention
-from hybridkv.engine.kernels import paged_decode_available, rms_norm
+from hybridkv.engine.kernels import gated_act, paged_decode_available, rms_norm
 from hybridkv.engine.models import layers
 from hybridkv.engine.models.layers import RMSNorm
 
@@ -131,3 +132,24 @@ def test_the_norm_layer_gives_the_same_on_both_paths(monkeypatch: pytest.MonkeyP
     want = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * (1.0 + torch.linspace(-0.5, 0.5, 96).double())
     torch.testing.assert_close(fast.double(), want, atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(plain.double(), want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "silu"])
+def test_gated_act_kernel_matches_the_formula_including_far_tails(act: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate = torch.cat([torch.randn(4099, generator=gen) * 6.0,  # odd length: the kernel's scalar tail
+                      torch.tensor([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 90.0, -90.0, 500.0, -500.0])])
+    up = torch.randn(gate.shape, generator=gen)
+    g = gate.double()
+    if act == "silu":
+        want = g / (1.0 + torch.exp(-g)) * up.double()
+    else:
+        want = 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3))) * up.double()
+    torch.testing.assert_close(gated_act(gate, up, act).double(), want, atol=1e-6, rtol=1e-5)
+
+
+def test_gated_act_rejects_what_it_cannot_compute() -> None:
+    with pytest.raises(ValueError, match="unsupported activation 'relu'"):
+        gated_act(torch.zeros(3), torch.zeros(3), "relu")
+    with pytest.raises(ValueError, match=r"gate \(3,\) and up \(4,\)"):
+        gated_act(torch.zeros(3), torch.zeros(4), "silu")

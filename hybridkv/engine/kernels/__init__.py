@@ -7,6 +7,7 @@
   SDPA for 32 rows, where the kernel reads each K and V row once).
 - `rms_norm` (`rms_norm.c`): RMSNorm in one pass per row, where torch's CPU `F.rms_norm` runs six
   separate ops (12% of a one-thread Gemma 3 benchmark pass).
+- `gated_act` (`gated_act.c`): act(gate) * up of a gated MLP in one pass (GELU-tanh, SiLU).
 
 The shared object (every `*.c` here) is compiled with `$CC` (default `cc`) into `$HYBRIDKV_KERNEL_CACHE` (default
 `~/.cache/hybridkv/kernels`), named by a hash of the source, the flags and the CPU's features
@@ -30,8 +31,9 @@ from pathlib import Path
 import torch
 
 _SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+_HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-Wl,-z,defs")
-_LIBS = ("-lmvec", "-lm")  # glibc's vector math: expf / tanhf 8 floats at a time
+_LIBS = ("-lm",)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -66,8 +68,9 @@ def _library() -> ctypes.CDLL | None:
     if not kernels_enabled():
         return None
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in _SOURCES), " ".join(_FLAGS + _LIBS).encode(),
-                                     compiler.encode(), _cpu_features().encode()])).hexdigest()[:16]
+    parts = [*(source.read_bytes() for source in _SOURCES + _HEADERS), " ".join(_FLAGS + _LIBS).encode(),
+             compiler.encode(), _cpu_features().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     cache = Path(os.environ.get("HYBRIDKV_KERNEL_CACHE", Path.home() / ".cache" / "hybridkv" / "kernels"))
     target = cache / f"hybridkv_kernels-{key}.so"
     try:
@@ -81,6 +84,8 @@ def _library() -> ctypes.CDLL | None:
     lib.paged_decode_f32.restype = ctypes.c_int
     lib.paged_decode_f32.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                                      ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int]
+    lib.gated_act_f32.restype = None
+    lib.gated_act_f32.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_int, ctypes.c_int]
     lib.rms_norm_f32.restype = None
     lib.rms_norm_f32.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
     return lib
@@ -100,6 +105,26 @@ def _loaded() -> ctypes.CDLL:
         raise RuntimeError("a native kernel was called while the kernels are unavailable; "
                            "check kernels_available() first")
     return lib
+
+
+GATED_ACTS = {"gelu_pytorch_tanh": 0, "silu": 1}  # HF activation name -> the kernel's code
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up elementwise, for float32 tensors of one shape and `act` in `GATED_ACTS`.
+
+    Call only when `kernels_available()`; no autograd (the engine runs under inference mode).
+    """
+    code = GATED_ACTS.get(act)
+    if code is None:
+        raise ValueError(f"gated_act: unsupported activation {act!r}; supported: {', '.join(GATED_ACTS)}")
+    if gate.shape != up.shape:
+        raise ValueError(f"gated_act: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    lib = _loaded()
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    lib.gated_act_f32(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), code, torch.get_num_threads())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -13,20 +13,11 @@
  * robin (the runner orders decodes by length: contiguous ranges would give one thread the long rows).
  */
 #include <float.h>
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "vec.h"
 
 #define MAX_HEADS 256
-
-typedef float v8 __attribute__((vector_size(32)));  /* 8 floats: one AVX2 register (GCC vector extension) */
-
-static inline v8 load8(const float *p) {
-    v8 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
 
 /* ask for the n floats at p while this block computes (blocks are scattered: no hardware stream) */
 static inline void prefetch(const float *p, int64_t n) {
@@ -89,13 +80,13 @@ static void attend_row(const float *restrict q, const float *restrict cache, con
     }
     for (int64_t h = 0; h < heads; ++h) {
         float *sh = scores + h * n, mh = sinks ? sinks[h] : -FLT_MAX;
-        if (softcap > 0.0f)
-            for (int64_t j = 0; j < n; ++j) sh[j] = softcap * tanhf(sh[j] / softcap);
+        if (softcap > 0.0f) /* softcap tanh(s / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) */
+            for (int64_t j = 0; j < n; ++j) sh[j] = softcap * (1.0f - 2.0f / (exp_f32(2.0f * sh[j] / softcap) + 1.0f));
         for (int64_t j = 0; j < n; ++j) mh = sh[j] > mh ? sh[j] : mh;
-        float sum = sinks ? expf(sinks[h] - mh) : 0.0f;
+        float sum = sinks ? exp_f32(sinks[h] - mh) : 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
-            sh[j] = expf(sh[j] - mh);
+            sh[j] = exp_f32(sh[j] - mh);
             sum += sh[j];
         }
         total[h] = sum;

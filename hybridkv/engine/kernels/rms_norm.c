@@ -5,17 +5,7 @@
  * here a row is read once for its sum of squares and once for the scaled write (it stays in L1).
  * Rows run on `threads` OpenMP threads when the tensor is large enough to pay for the fork.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
+#include "vec.h"
 
 static void norm_row(const float *restrict x, const float *restrict w, float *out, int64_t dim, float eps) {
     int64_t d = 0;

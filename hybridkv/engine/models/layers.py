@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.core.errors import ConfigError
-from hybridkv.engine.kernels import kernels_available, rms_norm
+from hybridkv.engine.kernels import GATED_ACTS, gated_act, kernels_available, rms_norm
 from hybridkv.engine.models.base import ForwardContext, config_value, head_dim_of
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -63,10 +63,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.gate_proj(x))  # [T, I], a new tensor: multiplied in place
-        return self.down_proj(h.mul_(self.up_proj(x)))  # type: ignore[no-any-return]
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I] each
+        if (gate.dtype == torch.float32 and self.act_name in GATED_ACTS and not torch.is_grad_enabled()
+                and kernels_available()):
+            return self.down_proj(gated_act(gate, up, self.act_name))  # type: ignore[no-any-return]
+        return self.down_proj(self.act(gate).mul_(up))  # type: ignore[no-any-return]
 
 
 class RMSNorm(nn.Module):
