@@ -406,7 +406,7 @@ class LLM:
         tokens.update({w.request.request_id: w.start_pos + w.num_tokens for w in out.work})
         uniform = sum(math.ceil(t / block) * block for t in tokens.values()) * self._uniform_bytes_per_token
         stats.peak_uniform_kv_bytes = max(stats.peak_uniform_kv_bytes, uniform)
-        held = sum(1 for rid in tokens for table in self.manager.block_ids(rid) for b in table if b != NULL_BLOCK_ID)
+        held = sum(len(table) - table.count(NULL_BLOCK_ID) for rid in tokens for table in self.manager.block_ids(rid))
         stats.peak_unshared_kv_bytes = max(stats.peak_unshared_kv_bytes, held * config.bytes_per_block)
 
     def _output(self, request: Request) -> RequestOutput:
