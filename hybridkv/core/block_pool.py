@@ -356,12 +356,16 @@ class BlockPool:
     def release_blocks(self, ids: Ids) -> None:
         """Drop one reference to each of `ids` (real blocks, each once, in release order) and
         release those that reach 0, in that order."""
+        released = self._unref(ids)
+        if len(released):
+            self._policy.release(released)
+
+    def _unref(self, ids: Ids) -> Ids:
+        """Drop one reference to each of `ids`; the ones that reach 0, in order."""
         refs = self.ref_cnt[ids]
         refs -= 1
         self.ref_cnt[ids] = refs
-        released = ids[refs == 0] if np.count_nonzero(refs) else ids
-        if len(released):
-            self._policy.release(released)
+        return ids[refs == 0] if np.count_nonzero(refs) else ids
 
     def cache_blocks(
         self,
@@ -390,10 +394,7 @@ class BlockPool:
 
     def release_cached_blocks(self, ids: Ids) -> None:
         """`release_blocks` of blocks that all carry a hash (the policy need not check)."""
-        refs = self.ref_cnt[ids]
-        refs -= 1
-        self.ref_cnt[ids] = refs
-        released = ids[refs == 0] if np.count_nonzero(refs) else ids
+        released = self._unref(ids)
         if len(released):
             self._policy.release_cached(released)
 

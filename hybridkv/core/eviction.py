@@ -197,14 +197,8 @@ class LRUPolicy:
             self._append(ids)
 
     def release_cached(self, ids: Ids) -> None:
-        count = len(ids)
-        self.num_free += count
-        if self._tail + count > len(self._queue):
-            self._compact(count)
-        tail = self._tail
-        self._queue[tail : tail + count] = ids
-        self._pos[ids] = self._index[tail : tail + count]
-        self._tail = tail + count
+        self.num_free += len(ids)
+        self._append(ids)
 
     def _append(self, ids: Ids) -> None:
         """Put cached blocks at the back, in order."""
