@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,6 +93,18 @@ class StateMetadata:
     num_decodes: int
     decode_blocks: torch.Tensor  # [num_decodes] int64 running block of each decode
     sequences: tuple[StateSequence, ...]
+    # the same as the native scans read it (`engine/kernels/state_scan.c`), built once per step:
+    plan: torch.Tensor = field(init=False)  # [D + S, 5] int64: (first token, tokens, block, checkpoints from, to)
+    plan_checkpoints: torch.Tensor = field(init=False)  # [K, 2] int64: (tokens into the sequence, block)
+
+    def __post_init__(self) -> None:
+        rows = [(i, 1, block, 0, 0) for i, block in enumerate(self.decode_blocks.tolist())]
+        points: list[tuple[int, int]] = []
+        for seq in self.sequences:
+            rows.append((seq.token_start, seq.num_tokens, seq.block, len(points), len(points) + len(seq.checkpoints)))
+            points.extend(seq.checkpoints)
+        object.__setattr__(self, "plan", torch.tensor(rows, dtype=torch.int64).view(-1, 5))
+        object.__setattr__(self, "plan_checkpoints", torch.tensor(points, dtype=torch.int64).view(-1, 2))
 
 
 def _torch_dtype(name: str, layer: int) -> torch.dtype:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -67,14 +67,30 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def one_thread() -> AbstractContextManager[None]:
+_outer: list[int] = []  # the settings that enclosing `one_thread` blocks replaced, innermost last
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
     """Run the block on one torch thread (the previous setting restored after).
 
     The state layers' scans and conv are many mid-sized ops (a 1024-token Gated DeltaNet scan is
     ~100 ops on tensors of ~1 MB); a second thread's wake-up and join per op cost more than it
     saves: the scan took 2x as long on two threads as on one (measured on the 2-core CI machine kind).
+    A native kernel inside the block still gets the step's threads (`step_threads`).
     """
-    return torch_threads(1)
+    _outer.append(torch.get_num_threads())
+    try:
+        with torch_threads(1):
+            yield
+    finally:
+        _outer.pop()
+
+
+def step_threads() -> int:
+    """The step's torch thread setting, also inside `one_thread`: for native kernels, whose one
+    OpenMP loop pays a single fork and join where a torch op sequence pays one per op."""
+    return _outer[-1] if _outer else torch.get_num_threads()
 
 
 class StepThreads:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridkv.engine import kernels
 from hybridkv.engine.models.jamba import mamba1_dims
 from hybridkv.engine.models.mamba1_mixer import Mamba1Mixer
 from hybridkv.engine.models.mamba2_mixer import Mamba2Mixer
@@ -67,8 +68,13 @@ def _states_after(reference: Any, config: Any, x: torch.Tensor) -> tuple[torch.T
     return conv[:, 1:], cache.get_recurrent_state(0, state_idx=0)[0]
 
 
-@pytest.mark.parametrize("kind", ["bamba", "jamba"])
-def test_decodes_and_a_checkpointed_chunk_in_one_call_match_transformers(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "path"), [("bamba", "kernel"), ("bamba", "torch"), ("jamba", "torch")])
+def test_decodes_and_a_checkpointed_chunk_in_one_call_match_transformers(kind: str, path: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "torch":  # the plain-torch chunked scan and step (no compiler, HYBRIDKV_KERNELS=0, non-float32 states)
+        monkeypatch.setattr(kernels, "state_scan_supported", lambda state: False)
+    elif not kernels.state_scan_supported(torch.zeros(1)):
+        pytest.skip("the native kernels are off")
     reference, ours, config = _pair(kind)
     generator = torch.Generator().manual_seed(1)
     hidden = config.hidden_size

@@ -20,6 +20,7 @@ import torch
 from hybridkv.core.kv_cache_manager import PrefixCaching
 from hybridkv.core.planner import KVCacheGroupSpec
 from hybridkv.core.specs import SpecKind
+from hybridkv.engine import kernels
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 from tests.engine.conftest import hf_greedy, prompts
@@ -59,6 +60,20 @@ def test_prefix_hit_restores_the_state_checkpoint(
     assert state_groups and all(stats.group_hit_tokens[g] >= expected_hit for g in range(len(stats.group_hit_tokens)))
     cold = _cold(path, second)
     assert hit.token_ids == cold.token_ids == hf_greedy(hf_model(path), second, 8)[0]
+
+
+def test_the_plain_torch_scans_restore_the_same_checkpoints(
+    model_dir: Callable[[str], Path], hf_model: Callable[[Path], Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the chunked scan and the decode step in torch (no compiler, HYBRIDKV_KERNELS=0, non-float32 states)
+    monkeypatch.setattr(kernels, "state_scan_supported", lambda state: False)
+    path = model_dir("qwen3_5")
+    first, second = _shared_prefix(56)
+    cached = LLM(str(path), mamba_cache_mode="all", **OPTIONS)
+    cached.generate([first], GREEDY)
+    hit = cached.generate([second], GREEDY)[0]
+    assert hit.metrics.prefix_hit_tokens == 48
+    assert hit.token_ids == hf_greedy(hf_model(path), second, 8)[0]
 
 
 def test_corrupting_the_restored_state_changes_the_outputs(model_dir: Callable[[str], Path]) -> None:

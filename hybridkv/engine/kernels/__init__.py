@@ -8,6 +8,8 @@
 - `rms_norm` (`rms_norm.c`): RMSNorm in one pass per row, where torch's CPU `F.rms_norm` runs six
   separate ops (12% of a one-thread Gemma 3 benchmark pass).
 - `gated_act` (`gated_act.c`): act(gate) * up of a gated MLP in one pass (GELU-tanh, SiLU).
+- `gdn_scan`, `mamba2_scan` (`state_scan.c`): the Gated DeltaNet and Mamba2 recurrences token by
+  token on the paged state in place, for decodes and prefill chunks of one step in one call.
 
 The shared object (every `*.c` here) is compiled with `$CC` (default `cc`) into `$HYBRIDKV_KERNEL_CACHE` (default
 `~/.cache/hybridkv/kernels`), named by a hash of the source, the flags and the CPU's features
@@ -86,6 +88,12 @@ def _library() -> ctypes.CDLL | None:
                                      ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int]
     lib.gated_act_f32.restype = None
     lib.gated_act_f32.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_int, ctypes.c_int]
+    lib.gdn_scan_f32.restype = None
+    lib.gdn_scan_f32.argtypes = [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
+                                 _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
+    lib.mamba2_scan_f32.restype = None
+    lib.mamba2_scan_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64,
+                                    _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
     lib.rms_norm_f32.restype = None
     lib.rms_norm_f32.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
     return lib
@@ -173,4 +181,77 @@ def paged_decode(
     if status != 0:
         raise MemoryError(f"paged_decode: the kernel failed (status {status}: 1 = out of memory, "
                           f"2 = more than 256 query heads, got {heads})")
+    return out
+
+
+def _rows(x: torch.Tensor, name: str) -> int:
+    """The token stride of x [T, heads, dim] whose last two dims are packed (any token stride)."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        raise ValueError(f"{name}: expected float32 [T, heads, dim] with packed heads, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    return x.stride(0)
+
+
+def _state_block_stride(state: torch.Tensor) -> int:
+    """The block stride of a state view [num_blocks, *S] float32 whose block part is packed."""
+    packed = torch.empty(state.shape[1:]).stride()
+    if state.dtype != torch.float32 or state.stride()[1:] != packed:
+        raise ValueError(f"state: expected float32 [num_blocks, *S] with each block packed, got {state.dtype} "
+                         f"strides {state.stride()}")
+    return state.stride(0)
+
+
+def state_scan_supported(state: torch.Tensor) -> bool:
+    """True when the native scans can run on this state view (float32, kernels built)."""
+    return state.dtype == torch.float32 and kernels_available()
+
+
+def gdn_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, plan: torch.Tensor, checkpoints: torch.Tensor, *, threads: int) -> torch.Tensor:
+    """The Gated DeltaNet recurrence over a step's sequences (see `state_scan.c`), states in place.
+
+    q, k [T, Hk, Dk] (normalised, q scaled; one token stride), v [T, H, Dv], g, beta [T, H];
+    state [num_blocks, H, Dv, Dk] float32; plan / checkpoints from `StateMetadata`. Returns o [T, H, Dv].
+    """
+    lib = _loaded()
+    tokens, heads, dv = v.shape
+    key_heads, dk = k.shape[1], k.shape[2]
+    qk_stride = _rows(q, "q")
+    if _rows(k, "k") != qk_stride or q.shape != k.shape:
+        raise ValueError(f"gdn_scan: q {tuple(q.shape)} and k {tuple(k.shape)} must share shape and token stride")
+    if heads % key_heads or state.shape[1:] != (heads, dv, dk):
+        raise ValueError(f"gdn_scan: state {tuple(state.shape)} does not fit v {tuple(v.shape)} and k {tuple(k.shape)}")
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    plan, checkpoints = plan.contiguous(), checkpoints.contiguous()
+    out = torch.empty(tokens, heads, dv)
+    lib.gdn_scan_f32(q.data_ptr(), k.data_ptr(), qk_stride, v.data_ptr(), _rows(v, "v"), g.data_ptr(),
+                     beta.data_ptr(), state.data_ptr(), _state_block_stride(state), plan.data_ptr(), plan.shape[0],
+                     checkpoints.data_ptr(), heads, key_heads, dv, dk, out.data_ptr(), threads)
+    return out
+
+
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
+                d: torch.Tensor, state: torch.Tensor, plan: torch.Tensor, checkpoints: torch.Tensor,
+                threads: int) -> torch.Tensor:
+    """The Mamba2 recurrence over a step's sequences (see `state_scan.c`), states in place.
+
+    x [T, H, P], dt [T, H] (after softplus and clamp), b, c [T, G, N] (one token stride), a, d [H];
+    state [num_blocks, H, P, N] float32; plan / checkpoints from `StateMetadata`. Returns y [T, H, P].
+    """
+    lib = _loaded()
+    tokens, heads, p = x.shape
+    groups, n = b.shape[1], b.shape[2]
+    bc_stride = _rows(b, "b")
+    if _rows(c, "c") != bc_stride or b.shape != c.shape:
+        raise ValueError(f"mamba2_scan: b {tuple(b.shape)} and c {tuple(c.shape)} must share shape and token stride")
+    if heads % groups or state.shape[1:] != (heads, p, n):
+        raise ValueError(f"mamba2_scan: state {tuple(state.shape)} does not fit x {tuple(x.shape)} "
+                         f"and b {tuple(b.shape)}")
+    dt = dt.float().contiguous()
+    a, d = a.float().contiguous(), d.float().contiguous()
+    plan, checkpoints = plan.contiguous(), checkpoints.contiguous()
+    out = torch.empty(tokens, heads, p)
+    lib.mamba2_scan_f32(x.data_ptr(), _rows(x, "x"), b.data_ptr(), c.data_ptr(), bc_stride, dt.data_ptr(),
+                        a.data_ptr(), d.data_ptr(), state.data_ptr(), _state_block_stride(state), plan.data_ptr(),
+                        plan.shape[0], checkpoints.data_ptr(), heads, groups, p, n, out.data_ptr(), threads)
     return out

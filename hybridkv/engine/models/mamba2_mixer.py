@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine import kernels
 from hybridkv.engine.models.base import ForwardContext
 from hybridkv.engine.models.layers import activation
 from hybridkv.engine.models.ssm_scan import mamba2_scan, mamba2_step
 from hybridkv.engine.state_layers import causal_conv, scan_states
-from hybridkv.engine.threads import one_thread
+from hybridkv.engine.threads import one_thread, step_threads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,8 +123,12 @@ class Mamba2Mixer(nn.Module):
                   self._time_step(dt),  # [T, H]
                   b.reshape(t, d.n_groups, d.state_size), c.reshape(t, d.n_groups, d.state_size))  # [T, G, N]
         a, skip = -torch.exp(self.A_log.float()), self.D.float()
-        y = scan_states(meta, cache.recurrent, inputs,
-                        step=lambda i, s: mamba2_step(*i, a=a, d=skip, state=s),
-                        scan=lambda i, s: mamba2_scan(*i, a=a, d=skip, state=s))  # [T, H, P]
+        if kernels.state_scan_supported(cache.recurrent):  # token by token in C, both cores
+            y = kernels.mamba2_scan(*inputs, a=a, d=skip, state=cache.recurrent, plan=meta.plan,
+                                    checkpoints=meta.plan_checkpoints, threads=step_threads())
+        else:
+            y = scan_states(meta, cache.recurrent, inputs,
+                            step=lambda i, s: mamba2_step(*i, a=a, d=skip, state=s),
+                            scan=lambda i, s: mamba2_scan(*i, a=a, d=skip, state=s))  # [T, H, P]
         flat = y.reshape(t, d.intermediate)  # [T, I]
         return self.norm(flat, z) if self.norm is not None else flat * F.silu(z)
