@@ -48,21 +48,32 @@ def check_states(state: torch.Tensor, before: torch.Tensor, expected: dict[int, 
         torch.testing.assert_close(state[block].double(), want, rtol=1e-4, atol=1e-4, msg=f"block {block}")
 
 
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20))))
+
+
 @pytest.mark.parametrize(("heads", "key_heads", "dv", "dk"), [(8, 4, 32, 32), (2, 2, 24, 40), (3, 1, 5, 7)])
 def test_gdn_scan_matches_the_recurrence(heads: int, key_heads: int, dv: int, dk: int) -> None:
     gen = torch.Generator().manual_seed(heads * 100 + dk)
     meta = step_metadata()
-    t = 78
-    qk = torch.nn.functional.normalize(torch.randn(t, 2 * key_heads, dk, generator=gen), dim=-1)
-    conv = torch.randn(t, 3 * heads * dv, generator=gen)  # v is a strided slice, as in the layer
-    v = conv[:, heads * dv : 2 * heads * dv].view(t, heads, dv)
-    q, k = qk[:, :key_heads] * dk**-0.5, qk[:, key_heads:]
-    q = torch.cat([q, k], dim=1)[:, :key_heads]  # a view with the layer's token stride (2 Hk Dk)
-    g = -torch.rand(t, heads, generator=gen) * 3.0
-    g[5, 0] = -2000.0  # a decay far below float32's range: e^g is 0
-    beta = torch.rand(t, heads, generator=gen)
+    t, key_size = 78, key_heads * dk
+    wide = torch.randn(t, 2 * key_size + heads * dv + 5, generator=gen)  # a strided conv output, as from a split
+    conv = wide[:, : 2 * key_size + heads * dv]
+    ab = torch.randn(t, 2 * heads + 3, generator=gen) * 2.0  # raw b and a: strided views
+    b, a = ab[:, :heads], ab[:, heads : 2 * heads]
+    a_log, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+    a_log[0], a[5, 0] = 3.7, 50.0  # g = -e^3.7 * 50 ~ -2000: a decay far below float32's range
     state = paged_state((heads, dv, dk), gen)
     before = state.clone()
+    # the layer's formulas (HF's l2norm with eps 1e-6; g and beta from the raw projections), in float64
+    cd = conv.double()
+    q = cd[:, :key_size].view(t, key_heads, dk)
+    k = cd[:, key_size : 2 * key_size].view(t, key_heads, dk)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    v = cd[:, 2 * key_size :].view(t, heads, dv)
+    g = -a_log.double().exp() * softplus(a.double() + dt_bias.double())
+    beta = torch.sigmoid(b.double())
     expected: dict[int, torch.Tensor] = {}
     want = torch.empty(t, heads, dv, dtype=torch.float64)
     r = heads // key_heads
@@ -72,20 +83,23 @@ def test_gdn_scan_matches_the_recurrence(heads: int, key_heads: int, dv: int, dk
         for i in range(n):
             tok = first + i
             for h in range(heads):
-                qh, kh = q[tok, h // r].double(), k[tok, h // r].double()
-                s[h] *= torch.exp(g[tok, h].double())
-                s[h] += beta[tok, h].double() * torch.outer(v[tok, h].double() - s[h] @ kh, kh)
+                qh, kh = q[tok, h // r], k[tok, h // r]
+                s[h] *= torch.exp(g[tok, h])
+                s[h] += beta[tok, h] * torch.outer(v[tok, h] - s[h] @ kh, kh)
                 want[tok, h] = s[h] @ qh
             if i + 1 in stops:
                 expected[stops[i + 1]] = s.clone()
         expected[block] = s
-    out = kernels.gdn_scan(q, k, v, g, beta, state, meta.plan, meta.plan_checkpoints, threads=2)
+    out = kernels.gdn_scan(conv, a, b, a_log=a_log, dt_bias=dt_bias, key_heads=key_heads, state=state,
+                           plan=meta.plan, checkpoints=meta.plan_checkpoints, threads=2)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     check_states(state, before, expected)
 
 
-@pytest.mark.parametrize(("heads", "groups", "p", "n"), [(8, 1, 32, 64), (4, 2, 16, 24), (3, 3, 5, 7)])
-def test_mamba2_scan_matches_the_recurrence(heads: int, groups: int, p: int, n: int) -> None:
+@pytest.mark.parametrize(("heads", "groups", "p", "n", "limit"),
+                         [(8, 1, 32, 64, (0.0, float("inf"))), (4, 2, 16, 24, (0.001, 2.5)), (3, 3, 5, 7, (0.0, 0.5))])
+def test_mamba2_scan_matches_the_recurrence(heads: int, groups: int, p: int, n: int,
+                                            limit: tuple[float, float]) -> None:
     gen = torch.Generator().manual_seed(heads * 10 + n)
     meta = step_metadata()
     t = 78
@@ -93,12 +107,15 @@ def test_mamba2_scan_matches_the_recurrence(heads: int, groups: int, p: int, n: 
     x = xbc[:, : heads * p].view(t, heads, p)
     b = xbc[:, heads * p : heads * p + groups * n].view(t, groups, n)
     c = xbc[:, heads * p + groups * n :].view(t, groups, n)
-    dt = torch.rand(t, heads, generator=gen)
-    dt[7, 1] = 3000.0  # decays to 0
+    zdt = torch.randn(t, heads + 4, generator=gen) * 2.0
+    dt = zdt[:, 4:]  # the raw projection, a strided slice
+    dt[7, 1] = 3000.0  # decays to 0 (unless the limit clamps the step)
+    dt_bias = torch.randn(heads, generator=gen)
     a = -torch.rand(heads, generator=gen) - 0.1
     d = torch.randn(heads, generator=gen)
     state = paged_state((heads, p, n), gen)
     before = state.clone()
+    step = softplus(dt.double() + dt_bias.double()).clamp(*limit)
     expected: dict[int, torch.Tensor] = {}
     want = torch.empty(t, heads, p, dtype=torch.float64)
     r = heads // groups
@@ -108,14 +125,13 @@ def test_mamba2_scan_matches_the_recurrence(heads: int, groups: int, p: int, n: 
         for i in range(count):
             tok = first + i
             for h in range(heads):
-                bh, ch = b[tok, h // r].double(), c[tok, h // r].double()
-                s[h] = torch.exp(dt[tok, h].double() * a[h].double()) * s[h] + dt[tok, h].double() * torch.outer(
-                    x[tok, h].double(), bh)
-                want[tok, h] = s[h] @ ch + d[h].double() * x[tok, h].double()
+                bh, ch, xh = b[tok, h // r].double(), c[tok, h // r].double(), x[tok, h].double()
+                s[h] = torch.exp(step[tok, h] * a[h].double()) * s[h] + step[tok, h] * torch.outer(xh, bh)
+                want[tok, h] = s[h] @ ch + d[h].double() * xh
             if i + 1 in stops:
                 expected[stops[i + 1]] = s.clone()
         expected[block] = s
-    out = kernels.mamba2_scan(x, dt, b, c, a=a, d=d, state=state, plan=meta.plan,
+    out = kernels.mamba2_scan(x, dt, b, c, dt_bias=dt_bias, dt_limit=limit, a=a, d=d, state=state, plan=meta.plan,
                               checkpoints=meta.plan_checkpoints, threads=2)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     check_states(state, before, expected)
@@ -124,14 +140,14 @@ def test_mamba2_scan_matches_the_recurrence(heads: int, groups: int, p: int, n: 
 def test_the_scans_reject_layouts_they_cannot_read() -> None:
     meta = step_metadata()
     state = torch.zeros(BLOCKS, 2, 4, 4)
-    q = torch.zeros(78, 4, 2)[:, :, :]  # [T, Hk=4, Dk=2] does not fit a state of Dk 4
-    v = torch.zeros(78, 2, 4)
-    with pytest.raises(ValueError, match="does not fit"):
-        kernels.gdn_scan(q, q, v, torch.zeros(78, 2), torch.zeros(78, 2), state, meta.plan, meta.plan_checkpoints,
-                         threads=1)
-    with pytest.raises(ValueError, match="packed heads"):
-        kernels.gdn_scan(torch.zeros(78, 4, 2).transpose(1, 2), torch.zeros(78, 2, 4), v, torch.zeros(78, 2),
-                         torch.zeros(78, 2), state, meta.plan, meta.plan_checkpoints, threads=1)
+    ab = torch.zeros(78, 2)
+    common = dict(a_log=torch.zeros(2), dt_bias=torch.zeros(2), key_heads=1, plan=meta.plan,
+                  checkpoints=meta.plan_checkpoints, threads=1)
+    with pytest.raises(ValueError, match="does not fit"):  # 1 key head of 4 + 2 heads of 4: 16 channels, not 15
+        kernels.gdn_scan(torch.zeros(78, 15), ab, ab, state=state, **common)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="packed values"):
+        kernels.gdn_scan(torch.zeros(16, 78).t(), ab, ab, state=state, **common)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="float32"):
-        kernels.gdn_scan(torch.zeros(78, 1, 4), torch.zeros(78, 1, 4), v, torch.zeros(78, 2), torch.zeros(78, 2),
-                         state.double(), meta.plan, meta.plan_checkpoints, threads=1)
+        kernels.gdn_scan(torch.zeros(78, 16), ab, ab, state=state.double(), **common)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"must be \[78, 2\]"):
+        kernels.gdn_scan(torch.zeros(78, 16), torch.zeros(78, 3), ab, state=state, **common)  # type: ignore[arg-type]

@@ -8,6 +8,8 @@
 - `rms_norm` (`rms_norm.c`): RMSNorm in one pass per row, where torch's CPU `F.rms_norm` runs six
   separate ops (12% of a one-thread Gemma 3 benchmark pass).
 - `gated_act` (`gated_act.c`): act(gate) * up of a gated MLP in one pass (GELU-tanh, SiLU).
+- `causal_conv` (`causal_conv.c`), `gated_rms_norm` (`rms_norm.c`): the state mixers' depthwise
+  conv with its conv states (and SiLU), and their gated norms, each one pass.
 - `gdn_scan`, `mamba2_scan` (`state_scan.c`): the Gated DeltaNet and Mamba2 recurrences token by
   token on the paged state in place, for decodes and prefill chunks of one step in one call.
 
@@ -89,11 +91,18 @@ def _library() -> ctypes.CDLL | None:
     lib.gated_act_f32.restype = None
     lib.gated_act_f32.argtypes = [_PTR, _PTR, _PTR, _I64, ctypes.c_int, ctypes.c_int]
     lib.gdn_scan_f32.restype = None
-    lib.gdn_scan_f32.argtypes = [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
+    lib.gdn_scan_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
                                  _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
     lib.mamba2_scan_f32.restype = None
-    lib.mamba2_scan_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64,
-                                    _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int]
+    lib.mamba2_scan_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, ctypes.c_float,
+                                    _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                                    ctypes.c_int]
+    lib.causal_conv_f32.restype = None
+    lib.causal_conv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
+                                    ctypes.c_int, _PTR, ctypes.c_int]
+    lib.gated_rms_norm_f32.restype = None
+    lib.gated_rms_norm_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_float,
+                                       ctypes.c_int, ctypes.c_int]
     lib.rms_norm_f32.restype = None
     lib.rms_norm_f32.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]
     return lib
@@ -206,37 +215,59 @@ def state_scan_supported(state: torch.Tensor) -> bool:
     return state.dtype == torch.float32 and kernels_available()
 
 
-def gdn_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             state: torch.Tensor, plan: torch.Tensor, checkpoints: torch.Tensor, *, threads: int) -> torch.Tensor:
-    """The Gated DeltaNet recurrence over a step's sequences (see `state_scan.c`), states in place.
+def _token_rows(x: torch.Tensor, name: str) -> int:
+    """The token stride of x [T, n] float32 whose n values are packed (any token stride)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name}: expected float32 [T, n] with packed values, got {x.dtype} {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    return x.stride(0)
 
-    q, k [T, Hk, Dk] (normalised, q scaled; one token stride), v [T, H, Dv], g, beta [T, H];
-    state [num_blocks, H, Dv, Dk] float32; plan / checkpoints from `StateMetadata`. Returns o [T, H, Dv].
+
+GDN_MAX_DK = 512  # state_scan.c keeps a token's normalised q and k on the stack
+
+
+def gdn_scan(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, a_log: torch.Tensor, dt_bias: torch.Tensor,
+             key_heads: int, state: torch.Tensor, plan: torch.Tensor, checkpoints: torch.Tensor,
+             threads: int) -> torch.Tensor:
+    """The Gated DeltaNet layer's recurrence over a step's sequences (see `state_scan.c`), states in place.
+
+    conv [T, 2*Hk*Dk + H*Dv]: the activated conv outputs (q | k | v channel blocks, raw: L2
+    normalisation and the Dk^-0.5 scale happen inside); a, b [T, H]: the raw projections
+    (g = -exp(a_log) softplus(a + dt_bias), beta = sigmoid(b) inside); state [num_blocks, H, Dv, Dk]
+    float32; plan / checkpoints from `StateMetadata`. Returns o [T, H, Dv].
     """
     lib = _loaded()
-    tokens, heads, dv = v.shape
-    key_heads, dk = k.shape[1], k.shape[2]
-    qk_stride = _rows(q, "q")
-    if _rows(k, "k") != qk_stride or q.shape != k.shape:
-        raise ValueError(f"gdn_scan: q {tuple(q.shape)} and k {tuple(k.shape)} must share shape and token stride")
-    if heads % key_heads or state.shape[1:] != (heads, dv, dk):
-        raise ValueError(f"gdn_scan: state {tuple(state.shape)} does not fit v {tuple(v.shape)} and k {tuple(k.shape)}")
-    g, beta = g.float().contiguous(), beta.float().contiguous()
+    tokens, channels = conv.shape
+    heads, dv, dk = state.shape[1:]
+    ab_stride = _token_rows(a, "a")
+    if _token_rows(b, "b") != ab_stride or a.shape != b.shape or a.shape != (tokens, heads):
+        raise ValueError(f"gdn_scan: a {tuple(a.shape)} and b {tuple(b.shape)} must be [{tokens}, {heads}] "
+                         "with one token stride")
+    if heads % key_heads or channels != 2 * key_heads * dk + heads * dv or dk > GDN_MAX_DK:
+        raise ValueError(f"gdn_scan: conv [{tokens}, {channels}] does not fit {key_heads} key heads and the state "
+                         f"{tuple(state.shape)} (expected {2 * key_heads * dk + heads * dv} channels, "
+                         f"Dk <= {GDN_MAX_DK})")
+    a_log, dt_bias = a_log.float().contiguous(), dt_bias.float().contiguous()
     plan, checkpoints = plan.contiguous(), checkpoints.contiguous()
     out = torch.empty(tokens, heads, dv)
-    lib.gdn_scan_f32(q.data_ptr(), k.data_ptr(), qk_stride, v.data_ptr(), _rows(v, "v"), g.data_ptr(),
-                     beta.data_ptr(), state.data_ptr(), _state_block_stride(state), plan.data_ptr(), plan.shape[0],
-                     checkpoints.data_ptr(), heads, key_heads, dv, dk, out.data_ptr(), threads)
+    lib.gdn_scan_f32(conv.data_ptr(), _token_rows(conv, "conv"), a.data_ptr(), b.data_ptr(), ab_stride,
+                     a_log.data_ptr(), dt_bias.data_ptr(), state.data_ptr(), _state_block_stride(state),
+                     plan.data_ptr(), plan.shape[0], checkpoints.data_ptr(), heads, key_heads, dv, dk,
+                     out.data_ptr(), threads)
     return out
 
 
-def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
-                d: torch.Tensor, state: torch.Tensor, plan: torch.Tensor, checkpoints: torch.Tensor,
-                threads: int) -> torch.Tensor:
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, dt_bias: torch.Tensor,
+                dt_limit: tuple[float, float], a: torch.Tensor, d: torch.Tensor, state: torch.Tensor,
+                plan: torch.Tensor, checkpoints: torch.Tensor, threads: int) -> torch.Tensor:
     """The Mamba2 recurrence over a step's sequences (see `state_scan.c`), states in place.
 
-    x [T, H, P], dt [T, H] (after softplus and clamp), b, c [T, G, N] (one token stride), a, d [H];
-    state [num_blocks, H, P, N] float32; plan / checkpoints from `StateMetadata`. Returns y [T, H, P].
+    x [T, H, P], dt [T, H] (the raw projection: the step is clamp(softplus(dt + dt_bias), *dt_limit)
+    inside), b, c [T, G, N] (one token stride), a, d [H]; state [num_blocks, H, P, N] float32;
+    plan / checkpoints from `StateMetadata`. Returns y [T, H, P].
     """
     lib = _loaded()
     tokens, heads, p = x.shape
@@ -244,14 +275,65 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
     bc_stride = _rows(b, "b")
     if _rows(c, "c") != bc_stride or b.shape != c.shape:
         raise ValueError(f"mamba2_scan: b {tuple(b.shape)} and c {tuple(c.shape)} must share shape and token stride")
-    if heads % groups or state.shape[1:] != (heads, p, n):
-        raise ValueError(f"mamba2_scan: state {tuple(state.shape)} does not fit x {tuple(x.shape)} "
-                         f"and b {tuple(b.shape)}")
-    dt = dt.float().contiguous()
-    a, d = a.float().contiguous(), d.float().contiguous()
+    if heads % groups or state.shape[1:] != (heads, p, n) or dt.shape != (tokens, heads):
+        raise ValueError(f"mamba2_scan: state {tuple(state.shape)} and dt {tuple(dt.shape)} do not fit "
+                         f"x {tuple(x.shape)} and b {tuple(b.shape)}")
+    a, d, dt_bias = a.float().contiguous(), d.float().contiguous(), dt_bias.float().contiguous()
+    low, high = (min(max(v, -FLOAT32_MAX), FLOAT32_MAX) for v in dt_limit)  # the kernel assumes finite floats
     plan, checkpoints = plan.contiguous(), checkpoints.contiguous()
     out = torch.empty(tokens, heads, p)
     lib.mamba2_scan_f32(x.data_ptr(), _rows(x, "x"), b.data_ptr(), c.data_ptr(), bc_stride, dt.data_ptr(),
-                        a.data_ptr(), d.data_ptr(), state.data_ptr(), _state_block_stride(state), plan.data_ptr(),
-                        plan.shape[0], checkpoints.data_ptr(), heads, groups, p, n, out.data_ptr(), threads)
+                        _token_rows(dt, "dt"), dt_bias.data_ptr(), low, high, a.data_ptr(), d.data_ptr(),
+                        state.data_ptr(), _state_block_stride(state), plan.data_ptr(), plan.shape[0],
+                        checkpoints.data_ptr(), heads, groups, p, n, out.data_ptr(), threads)
+    return out
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
+                plan: torch.Tensor, checkpoints: torch.Tensor, *, silu: bool, threads: int) -> torch.Tensor:
+    """The depthwise causal conv of a step's sequences (see `causal_conv.c`), conv states stored.
+
+    x [T, C] float32 (any token stride); conv_state [num_blocks, K-1, C] float32 (rows packed);
+    taps [K, C]; bias [C] or None; plan / checkpoints from `StateMetadata`. Returns [T, C] (SiLU'd if `silu`).
+    """
+    lib = _loaded()
+    tokens, channels = x.shape
+    kernel = taps.shape[0]
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(f"causal_conv: expected float32 x [T, C] with packed channels, got {x.dtype} "
+                         f"strides {x.stride()}")
+    if (conv_state.shape[1:] != (kernel - 1, channels) or conv_state.stride(2) != 1
+            or conv_state.dtype != torch.float32):
+        raise ValueError(f"causal_conv: conv state {tuple(conv_state.shape)} {conv_state.dtype} does not fit "
+                         f"{kernel} taps of {channels} channels (expected float32 [blocks, {kernel - 1}, {channels}])")
+    taps = taps.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    plan, checkpoints = plan.contiguous(), checkpoints.contiguous()
+    out = torch.empty(tokens, channels)
+    lib.causal_conv_f32(x.data_ptr(), x.stride(0), conv_state.data_ptr(), conv_state.stride(0), conv_state.stride(1),
+                        taps.data_ptr(), None if bias is None else bias.data_ptr(), channels, kernel, plan.data_ptr(),
+                        plan.shape[0], checkpoints.data_ptr(), int(silu), out.data_ptr(), threads)
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, *, parts: int, eps: float,
+                   gate_first: bool, threads: int) -> torch.Tensor:
+    """x, z [T, parts * dim] float32 (any token stride), weight [dim] (shared by the parts) or
+    [parts * dim]; each part of `dim` channels normalised on its own (see `rms_norm.c`):
+    gate_first: rmsnorm(x * silu(z)) * weight; else rmsnorm(x) * weight * silu(z). Returns [T, parts * dim].
+    """
+    lib = _loaded()
+    tokens, width = x.shape
+    dim = width // parts
+    if z.shape != x.shape or width % parts or x.stride(1) != 1 or z.stride(1) != 1:
+        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)} and z {tuple(z.shape)} must be [T, parts * dim] with "
+                         f"packed channels (parts {parts})")
+    if x.dtype != torch.float32 or z.dtype != torch.float32 or weight.numel() not in (dim, width):
+        raise ValueError(f"gated_rms_norm: expected float32 x, z and a weight of {dim} or {width}, got "
+                         f"{x.dtype}, {z.dtype}, {weight.numel()}")
+    w = weight.float().contiguous()
+    out = torch.empty(tokens, width)
+    lib.gated_rms_norm_f32(x.data_ptr(), x.stride(0), z.data_ptr(), z.stride(0), w.data_ptr(),
+                           dim if w.numel() == width else 0, out.data_ptr(), tokens * parts, parts, dim, eps,
+                           int(gate_first), threads)
     return out

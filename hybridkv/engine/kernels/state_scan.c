@@ -11,9 +11,10 @@
  * L1 across the tokens: one read and one write of each state element per token, where the chunked
  * torch scans run ~100 small ops per segment.
  *
- * Gated DeltaNet, value head h over key head h / (H / Hk), per token (q, k L2-normalised, q scaled):
+ * Gated DeltaNet, value head h over key head h / (H / Hk), per token (q, k L2-normalised here, q
+ * scaled by Dk^-0.5; g and beta from the raw projections here too):
  *     S = exp(g) S;  S += beta (v - S k) k^T;  o = S q          (row by row: S_i is one row of Dk)
- * Mamba2, head h of group h / (H / G), per token (dt after softplus and clamp, A = -exp(A_log)):
+ * Mamba2, head h of group h / (H / G), per token (dt = clamp(softplus(dt + dt_bias)) here, A = -exp(A_log)):
  *     S = exp(dt A) S + dt x B^T;  y = S C + D x                (row by row: S_p is one row of N)
  */
 #include <stdlib.h>
@@ -21,6 +22,7 @@
 #include "vec.h"
 
 #define PLAN_FIELDS 5
+#define GDN_MAX_DK 512
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.0f;
@@ -28,51 +30,72 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
-static void gdn_head(const float *q, const float *k, int64_t qk_stride, const float *v, int64_t v_stride,
-                     const float *g, const float *beta, int64_t heads, int64_t head, float *restrict s,
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(exp_f32(x)); }  /* torch's threshold */
+
+/* The layer's raw inputs of one token and head: q, k L2-normalised (eps 1e-6, as HF's l2norm), q
+ * also scaled by Dk^-0.5, into qn, kn; returns the decay exp(g) and sets *beta. */
+static inline float gdn_inputs(const float *restrict q, const float *restrict k, int64_t dk, float a, float b,
+                               float neg_a, float dt_bias, float *restrict qn, float *restrict kn, float *beta) {
+    const float qs = 1.0f / sqrtf(dot(q, q, dk) + 1e-6f) / sqrtf((float)dk), ks = 1.0f / sqrtf(dot(k, k, dk) + 1e-6f);
+    for (int64_t j = 0; j < dk; ++j) {
+        qn[j] = q[j] * qs;
+        kn[j] = k[j] * ks;
+    }
+    *beta = 1.0f / (1.0f + exp_f32(-b));
+    return exp_f32(neg_a * softplus(a + dt_bias));
+}
+
+static void gdn_head(const float *conv, int64_t conv_stride, int64_t key_size, int64_t key_head, const float *ab_a,
+                     const float *ab_b, int64_t ab_stride, float neg_a, float dt_bias, int64_t head, float *restrict s,
                      int64_t dv, int64_t dk, float *out, int64_t out_stride, int64_t tokens) {
+    float qn[GDN_MAX_DK], kn[GDN_MAX_DK];
     for (int64_t t = 0; t < tokens; ++t) {
-        const float *restrict qt = q + t * qk_stride, *restrict kt = k + t * qk_stride;
-        const float *restrict vt = v + t * v_stride;
+        const float *row_t = conv + t * conv_stride;
+        const float *restrict vt = row_t + 2 * key_size + head * dv;
+        float b;
+        const float decay = gdn_inputs(row_t + key_head * dk, row_t + key_size + key_head * dk, dk,
+                                       ab_a[t * ab_stride], ab_b[t * ab_stride], neg_a, dt_bias, qn, kn, &b);
         float *restrict ot = out + t * out_stride;
-        const float decay = exp_f32(g[t * heads + head]), b = beta[t * heads + head];
         for (int64_t i = 0; i < dv; ++i) {
             float *restrict row = s + i * dk;
             float sk = 0.0f;
             for (int64_t j = 0; j < dk; ++j) {
                 row[j] *= decay;
-                sk += row[j] * kt[j];
+                sk += row[j] * kn[j];
             }
             const float delta = b * (vt[i] - sk);
             float o = 0.0f;
             for (int64_t j = 0; j < dk; ++j) {
-                row[j] += delta * kt[j];
-                o += row[j] * qt[j];
+                row[j] += delta * kn[j];
+                o += row[j] * qn[j];
             }
             ot[i] = o;
         }
     }
 }
 
-/* q, k: token t, key head kh at q + t * qk_stride + kh * dk; v: t, head h at v + t * v_stride + h * dv;
- * g, beta [T, H]; state: block b, head h at state + b * block_stride + h * dv * dk; out [T, H, Dv]. */
-void gdn_scan_f32(const float *q, const float *k, int64_t qk_stride, const float *v, int64_t v_stride,
-                  const float *g, const float *beta, float *state, int64_t block_stride, const int64_t *plan,
+/* conv [T, 2 Hk Dk + H Dv] (token stride conv_stride): the conv's activated q | k | v channels; token
+ * t, key head kh's q at conv + t * conv_stride + kh * dk, its k Hk * dk further, value head h's v at
+ * 2 Hk Dk + h * dv. a, b: token t, head h at a + t * ab_stride + h (the raw projections);
+ * g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b). state: block b, head h at
+ * state + b * block_stride + h * dv * dk; out [T, H, Dv]. Dk <= GDN_MAX_DK. */
+void gdn_scan_f32(const float *conv, int64_t conv_stride, const float *a, const float *b, int64_t ab_stride,
+                  const float *a_log, const float *dt_bias, float *state, int64_t block_stride, const int64_t *plan,
                   int64_t sequences, const int64_t *checkpoints, int64_t heads, int64_t key_heads, int64_t dv,
                   int64_t dk, float *out, int threads) {
-    const int64_t r = heads / key_heads, size = dv * dk;
+    const int64_t r = heads / key_heads, size = dv * dk, key_size = key_heads * dk;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (sequences * heads > 1)
     for (int64_t item = 0; item < sequences * heads; ++item) {
         const int64_t *row = plan + (item / heads) * PLAN_FIELDS, h = item % heads;
         const int64_t first = row[0], tokens = row[1];
         float *s = state + row[2] * block_stride + h * size;
-        const int64_t qk = first * qk_stride + (h / r) * dk;
+        const float neg_a = -exp_f32(a_log[h]);
         int64_t done = 0;
         for (int64_t c = row[3]; c <= row[4]; ++c) {  /* each checkpoint, then the end (c == row[4]) */
             const int64_t until = c < row[4] ? checkpoints[2 * c] : tokens;
             const int64_t t = first + done;
-            gdn_head(q + qk + done * qk_stride, k + qk + done * qk_stride, qk_stride,
-                     v + t * v_stride + h * dv, v_stride, g + t * heads, beta + t * heads, heads, h, s, dv, dk,
+            gdn_head(conv + t * conv_stride, conv_stride, key_size, h / r, a + t * ab_stride + h,
+                     b + t * ab_stride + h, ab_stride, neg_a, dt_bias[h], h, s, dv, dk,
                      out + (t * heads + h) * dv, heads * dv, until - done);
             if (c < row[4]) memcpy(state + checkpoints[2 * c + 1] * block_stride + h * size, s, size * sizeof *s);
             done = until;
@@ -81,13 +104,13 @@ void gdn_scan_f32(const float *q, const float *k, int64_t qk_stride, const float
 }
 
 static void mamba2_head(const float *x, int64_t x_stride, const float *b, const float *c, int64_t bc_stride,
-                        const float *dt,
-                        int64_t heads, int64_t head, float a, float skip, float *restrict s, int64_t p, int64_t n,
-                        float *out, int64_t out_stride, int64_t tokens) {
+                        const float *dt, int64_t dt_stride, float dt_bias, float low, float high, float a, float skip,
+                        float *restrict s, int64_t p, int64_t n, float *out, int64_t out_stride, int64_t tokens) {
     for (int64_t t = 0; t < tokens; ++t) {
         const float *restrict xt = x + t * x_stride, *restrict bt = b + t * bc_stride, *restrict ct = c + t * bc_stride;
         float *restrict ot = out + t * out_stride;
-        const float step = dt[t * heads + head], decay = exp_f32(step * a);
+        const float step = fminf(fmaxf(softplus(dt[t * dt_stride] + dt_bias), low), high);
+        const float decay = exp_f32(step * a);
         for (int64_t i = 0; i < p; ++i) {
             float *restrict row = s + i * n;
             const float input = step * xt[i];
@@ -98,12 +121,14 @@ static void mamba2_head(const float *x, int64_t x_stride, const float *b, const 
 }
 
 /* x: token t, head h at x + t * x_stride + h * p; b, c: t, group gi at b + t * bc_stride + gi * n;
- * dt [T, H]; a, d [H]; state: block b, head h at state + b * block_stride + h * p * n; out [T, H, P]. */
+ * dt: t, head h at dt + t * dt_stride + h, the raw projection: the time step is
+ * clamp(softplus(dt + dt_bias), low, high); a (negative), d [H]; state: block b, head h at
+ * state + b * block_stride + h * p * n; out [T, H, P]. */
 void mamba2_scan_f32(const float *x, int64_t x_stride, const float *b, const float *c, int64_t bc_stride,
-                     const float *dt,
-                     const float *a, const float *d, float *state, int64_t block_stride, const int64_t *plan,
-                     int64_t sequences, const int64_t *checkpoints, int64_t heads, int64_t groups, int64_t p,
-                     int64_t n, float *out, int threads) {
+                     const float *dt, int64_t dt_stride, const float *dt_bias, float low, float high, const float *a,
+                     const float *d, float *state, int64_t block_stride, const int64_t *plan, int64_t sequences,
+                     const int64_t *checkpoints, int64_t heads, int64_t groups, int64_t p, int64_t n, float *out,
+                     int threads) {
     const int64_t r = heads / groups, size = p * n;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (sequences * heads > 1)
     for (int64_t item = 0; item < sequences * heads; ++item) {
@@ -116,8 +141,8 @@ void mamba2_scan_f32(const float *x, int64_t x_stride, const float *b, const flo
             const int64_t until = k < row[4] ? checkpoints[2 * k] : tokens;
             const int64_t t = first + done;
             mamba2_head(x + t * x_stride + h * p, x_stride, b + t * bc_stride + bc, c + t * bc_stride + bc, bc_stride,
-                        dt + t * heads,
-                        heads, h, a[h], d[h], s, p, n, out + (t * heads + h) * p, heads * p, until - done);
+                        dt + t * dt_stride + h, dt_stride, dt_bias[h], low, high, a[h], d[h], s, p, n,
+                        out + (t * heads + h) * p, heads * p, until - done);
             if (k < row[4]) memcpy(state + checkpoints[2 * k + 1] * block_stride + h * size, s, size * sizeof *s);
             done = until;
         }

@@ -162,6 +162,11 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [T, H, dim] -> [T, H, dim]."""
+        if x.dtype == gate.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.kernels_available():
+            t, heads, dim = x.shape
+            return kernels.gated_rms_norm(x.reshape(t, -1), gate.flatten(1), self.weight, parts=heads, eps=self.eps,
+                                          gate_first=False, threads=step_threads()).view(t, heads, dim)
         if x.dtype == torch.float32:  # the weight inside the fused norm, the gate applied in place
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).mul_(F.silu(gate))
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
@@ -215,18 +220,19 @@ class GatedDeltaNet(nn.Module):
         """The projections' outputs (see `project`) -> the gated, normalised outputs [T, Hv, Dv] (states stored)."""
         t = mixed.shape[0]
         cache, meta = ctx.state_cache(self.layer), ctx.state_metadata(self.layer)
-        conv = self.act(causal_conv(mixed, cache.conv, meta, self.conv1d.weight[:, 0, :], None))  # [T, C]
+        conv = causal_conv(mixed, cache.conv, meta, self.conv1d.weight[:, 0, :], None, act=self.act)  # [T, C]
         conv = conv.float()
-        # q and k normalised together, q also scaled by Dk^-0.5: [T, 2 Hk, Dk]; the scans share them across value heads
-        qk = l2_normalize(conv[:, : 2 * self.key_size].view(t, 2 * self.k_heads, self.k_dim), self.qk_scale)
-        q, k = qk[:, : self.k_heads], qk[:, self.k_heads :]  # [T, Hk, Dk] each
-        v = conv[:, 2 * self.key_size :].reshape(t, self.v_heads, self.v_dim)  # [T, Hv, Dv]
-        beta = b.float().sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
-        if kernels.state_scan_supported(cache.recurrent):  # token by token in C, both cores
-            o = kernels.gdn_scan(q, k, v, g, beta, cache.recurrent, meta.plan, meta.plan_checkpoints,
-                                 threads=step_threads())
+        if kernels.state_scan_supported(cache.recurrent):  # token by token in C (norms and gates inside)
+            o = kernels.gdn_scan(conv, a.float(), b.float(), a_log=self.A_log, dt_bias=self.dt_bias,
+                                 key_heads=self.k_heads, state=cache.recurrent, plan=meta.plan,
+                                 checkpoints=meta.plan_checkpoints, threads=step_threads())
         else:
+            # q and k normalised together, q also scaled by Dk^-0.5: [T, 2 Hk, Dk]; the scans share them
+            qk = l2_normalize(conv[:, : 2 * self.key_size].view(t, 2 * self.k_heads, self.k_dim), self.qk_scale)
+            q, k = qk[:, : self.k_heads], qk[:, self.k_heads :]  # [T, Hk, Dk] each
+            v = conv[:, 2 * self.key_size :].reshape(t, self.v_heads, self.v_dim)  # [T, Hv, Dv]
+            beta = b.float().sigmoid()  # [T, Hv]
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv]
             o = scan_states(meta, cache.recurrent, (q, k, v, g, beta), step=recurrent_step, scan=chunked_scan)
         return self.norm(o.to(mixed.dtype), z)  # type: ignore[no-any-return]
 

@@ -67,7 +67,7 @@ class Mamba1Mixer(nn.Module):
         xs, z = self.in_proj(x).float().chunk(2, dim=-1)  # [T, I] each
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
         with one_thread():  # the conv: mid-sized ops a second thread slows down
-            xs = self.act(causal_conv(xs, cache.conv, meta, self.conv1d.weight[:, 0].float(), bias))  # [T, I]
+            xs = causal_conv(xs, cache.conv, meta, self.conv1d.weight[:, 0].float(), bias, act=self.act)  # [T, I]
         dt, b, c = self.x_proj(xs.to(x.dtype)).float().split([d.dt_rank, d.state_size, d.state_size], dim=-1)
         dt = self.dt_layernorm(dt) @ self.dt_proj.weight.float().t()  # [T, I]
         dt = F.softplus(dt + self.dt_proj.bias.float())

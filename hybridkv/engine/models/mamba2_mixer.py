@@ -64,6 +64,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z [T, dim] -> [T, dim] float32."""
+        if y.dtype == z.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.kernels_available():
+            return kernels.gated_rms_norm(y, z, self.weight, parts=self.groups, eps=self.eps,
+                                          gate_first=not self.norm_before_gate, threads=step_threads())
         y, gate = y.float(), F.silu(z.float())
         if not self.norm_before_gate:
             y = gate.mul_(y)  # the gate is a new tensor: y * gate in place
@@ -116,18 +119,18 @@ class Mamba2Mixer(nn.Module):
         cache, meta = ctx.state_cache(slot), ctx.state_metadata(slot)
         z, xbc, dt = torch.split(zxbcdt, [d.intermediate, d.conv_dim, d.num_heads], dim=-1)
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
-        xbc = self.act(causal_conv(xbc, cache.conv, meta, self.conv1d.weight[:, 0].float(), bias))
+        xbc = causal_conv(xbc, cache.conv, meta, self.conv1d.weight[:, 0].float(), bias, act=self.act)
         gn = d.n_groups * d.state_size
         xs, b, c = torch.split(xbc, [d.intermediate, gn, gn], dim=-1)
-        inputs = (xs.reshape(t, d.num_heads, d.head_dim),  # [T, H, P]
-                  self._time_step(dt),  # [T, H]
-                  b.reshape(t, d.n_groups, d.state_size), c.reshape(t, d.n_groups, d.state_size))  # [T, G, N]
+        xs = xs.reshape(t, d.num_heads, d.head_dim)  # [T, H, P]
+        b, c = b.reshape(t, d.n_groups, d.state_size), c.reshape(t, d.n_groups, d.state_size)  # [T, G, N]
         a, skip = -torch.exp(self.A_log.float()), self.D.float()
-        if kernels.state_scan_supported(cache.recurrent):  # token by token in C, both cores
-            y = kernels.mamba2_scan(*inputs, a=a, d=skip, state=cache.recurrent, plan=meta.plan,
-                                    checkpoints=meta.plan_checkpoints, threads=step_threads())
+        if kernels.state_scan_supported(cache.recurrent):  # token by token in C (the time step inside)
+            y = kernels.mamba2_scan(xs, dt, b, c, dt_bias=self.dt_bias, dt_limit=d.time_step_limit, a=a, d=skip,
+                                    state=cache.recurrent, plan=meta.plan, checkpoints=meta.plan_checkpoints,
+                                    threads=step_threads())
         else:
-            y = scan_states(meta, cache.recurrent, inputs,
+            y = scan_states(meta, cache.recurrent, (xs, self._time_step(dt), b, c),
                             step=lambda i, s: mamba2_step(*i, a=a, d=skip, state=s),
                             scan=lambda i, s: mamba2_scan(*i, a=a, d=skip, state=s))  # [T, H, P]
         flat = y.reshape(t, d.intermediate)  # [T, I]
