@@ -24,24 +24,6 @@ static inline void prefetch(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
 }
 
-/* a . b over n floats; two accumulators hide the FMA latency */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    int64_t d = 0;
-    float tail = 0.0f;
-    if (n % 16 == 0) {
-        v8 acc0 = {0}, acc1 = {0};
-        for (; d < n; d += 16) {
-            acc0 += load8(a + d) * load8(b + d);
-            acc1 += load8(a + d + 8) * load8(b + d + 8);
-        }
-        acc0 += acc1;
-        for (int i = 0; i < 8; ++i) tail += acc0[i];
-        return tail;
-    }
-    for (; d < n; ++d) tail += a[d] * b[d];
-    return tail;
-}
-
 /* o[0..n) += sum_s p[s] * v[s * stride + 0..n), 64 floats of o at a time held in registers */
 static inline void accumulate(float *restrict o, const float *restrict p, const float *restrict v, int64_t slots,
                               int64_t stride, int64_t n) {

@@ -24,12 +24,6 @@
 #define PLAN_FIELDS 5
 #define GDN_MAX_DK 512
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
-
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(exp_f32(x)); }  /* torch's threshold */
 
 /* The layer's raw inputs of one token and head: q, k L2-normalised (eps 1e-6, as HF's l2norm), q
@@ -45,32 +39,57 @@ static inline float gdn_inputs(const float *restrict q, const float *restrict k,
     return exp_f32(neg_a * softplus(a + dt_bias));
 }
 
+/* One token on the state rows: S = decay S + delta k^T with delta_i = beta (v_i - decay S_i.k), and
+ * o_i = S_new,i . q = decay S_i.q + delta_i k.q: each row read once for both dots, written once.
+ * Inlined with dk a constant where the caller can (the compiler then keeps a row in registers). */
+static inline __attribute__((always_inline)) void gdn_rows(float *restrict s, const float *restrict qn,
+                                                           const float *restrict kn, const float *restrict vt,
+                                                           float *restrict ot, float decay, float beta, int64_t dv,
+                                                           const int64_t dk) {
+    const float kq = dot(kn, qn, dk);
+    for (int64_t i = 0; i < dv; ++i) {
+        float *restrict row = s + i * dk;
+        float sk, sq;
+        if (dk % 8 == 0) {
+            v8 ak = {0}, aq = {0};
+            for (int64_t j = 0; j < dk; j += 8) {
+                const v8 r = load8(row + j);
+                ak += r * load8(kn + j);
+                aq += r * load8(qn + j);
+            }
+            sk = hsum8(ak), sq = hsum8(aq);
+        } else {
+            sk = 0.0f, sq = 0.0f;
+            for (int64_t j = 0; j < dk; ++j) sk += row[j] * kn[j], sq += row[j] * qn[j];
+        }
+        const float delta = beta * (vt[i] - decay * sk);
+        ot[i] = decay * sq + delta * kq;
+        if (dk % 8 == 0)
+            for (int64_t j = 0; j < dk; j += 8) store8(row + j, load8(row + j) * decay + delta * load8(kn + j));
+        else
+            for (int64_t j = 0; j < dk; ++j) row[j] = row[j] * decay + delta * kn[j];
+    }
+}
+
 static void gdn_head(const float *conv, int64_t conv_stride, int64_t key_size, int64_t key_head, const float *ab_a,
                      const float *ab_b, int64_t ab_stride, float neg_a, float dt_bias, int64_t head, float *restrict s,
                      int64_t dv, int64_t dk, float *out, int64_t out_stride, int64_t tokens) {
     float qn[GDN_MAX_DK], kn[GDN_MAX_DK];
     for (int64_t t = 0; t < tokens; ++t) {
         const float *row_t = conv + t * conv_stride;
-        const float *restrict vt = row_t + 2 * key_size + head * dv;
+        const float *vt = row_t + 2 * key_size + head * dv;
         float b;
         const float decay = gdn_inputs(row_t + key_head * dk, row_t + key_size + key_head * dk, dk,
                                        ab_a[t * ab_stride], ab_b[t * ab_stride], neg_a, dt_bias, qn, kn, &b);
-        float *restrict ot = out + t * out_stride;
-        for (int64_t i = 0; i < dv; ++i) {
-            float *restrict row = s + i * dk;
-            float sk = 0.0f;
-            for (int64_t j = 0; j < dk; ++j) {
-                row[j] *= decay;
-                sk += row[j] * kn[j];
-            }
-            const float delta = b * (vt[i] - sk);
-            float o = 0.0f;
-            for (int64_t j = 0; j < dk; ++j) {
-                row[j] += delta * kn[j];
-                o += row[j] * qn[j];
-            }
-            ot[i] = o;
-        }
+        float *ot = out + t * out_stride;
+        if (dk == 32)
+            gdn_rows(s, qn, kn, vt, ot, decay, b, dv, 32);
+        else if (dk == 64)
+            gdn_rows(s, qn, kn, vt, ot, decay, b, dv, 64);
+        else if (dk == 128)
+            gdn_rows(s, qn, kn, vt, ot, decay, b, dv, 128);
+        else
+            gdn_rows(s, qn, kn, vt, ot, decay, b, dv, dk);
     }
 }
 
@@ -103,20 +122,48 @@ void gdn_scan_f32(const float *conv, int64_t conv_stride, const float *a, const 
     }
 }
 
+/* One token on the state rows: S_i = decay S_i + (step x_i) B, y_i = S_i . C + D x_i (inlined as gdn_rows). */
+static inline __attribute__((always_inline)) void mamba2_rows(float *restrict s, const float *restrict xt,
+                                                              const float *restrict bt, const float *restrict ct,
+                                                              float *restrict ot, float step, float decay, float skip,
+                                                              int64_t p, const int64_t n) {
+    for (int64_t i = 0; i < p; ++i) {
+        float *restrict row = s + i * n;
+        const float input = step * xt[i];
+        float y;
+        if (n % 8 == 0) {
+            v8 acc = {0};
+            for (int64_t j = 0; j < n; j += 8) {
+                const v8 r = load8(row + j) * decay + input * load8(bt + j);
+                store8(row + j, r);
+                acc += r * load8(ct + j);
+            }
+            y = hsum8(acc);
+        } else {
+            y = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+                row[j] = row[j] * decay + input * bt[j];
+                y += row[j] * ct[j];
+            }
+        }
+        ot[i] = y + skip * xt[i];
+    }
+}
+
 static void mamba2_head(const float *x, int64_t x_stride, const float *b, const float *c, int64_t bc_stride,
                         const float *dt, int64_t dt_stride, float dt_bias, float low, float high, float a, float skip,
                         float *restrict s, int64_t p, int64_t n, float *out, int64_t out_stride, int64_t tokens) {
     for (int64_t t = 0; t < tokens; ++t) {
-        const float *restrict xt = x + t * x_stride, *restrict bt = b + t * bc_stride, *restrict ct = c + t * bc_stride;
-        float *restrict ot = out + t * out_stride;
+        const float *xt = x + t * x_stride, *bt = b + t * bc_stride, *ct = c + t * bc_stride;
+        float *ot = out + t * out_stride;
         const float step = fminf(fmaxf(softplus(dt[t * dt_stride] + dt_bias), low), high);
         const float decay = exp_f32(step * a);
-        for (int64_t i = 0; i < p; ++i) {
-            float *restrict row = s + i * n;
-            const float input = step * xt[i];
-            for (int64_t j = 0; j < n; ++j) row[j] = row[j] * decay + input * bt[j];
-            ot[i] = dot(row, ct, n) + skip * xt[i];
-        }
+        if (n == 64)
+            mamba2_rows(s, xt, bt, ct, ot, step, decay, skip, p, 64);
+        else if (n == 128)
+            mamba2_rows(s, xt, bt, ct, ot, step, decay, skip, p, 128);
+        else
+            mamba2_rows(s, xt, bt, ct, ot, step, decay, skip, p, n);
     }
 }
 

@@ -23,6 +23,30 @@ static inline v8 load8(const float *p) {
     return x;
 }
 
+static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+
+static inline float hsum8(v8 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; ++i) s += x[i];
+    return s;
+}
+
+/* a . b over n floats; two accumulators hide the FMA latency */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    int64_t d = 0;
+    float tail = 0.0f;
+    if (n % 16 == 0) {
+        v8 acc0 = {0}, acc1 = {0};
+        for (; d < n; d += 16) {
+            acc0 += load8(a + d) * load8(b + d);
+            acc1 += load8(a + d + 8) * load8(b + d + 8);
+        }
+        return hsum8(acc0 + acc1);
+    }
+    for (; d < n; ++d) tail += a[d] * b[d];
+    return tail;
+}
+
 static inline float exp_f32(float x) {
     x = fminf(fmaxf(x, -87.0f), 88.0f);
     const float n = rintf(x * 1.44269504088896341f);
