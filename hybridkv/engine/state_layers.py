@@ -63,7 +63,7 @@ from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.specs import MambaSpec, SpecKind
 from hybridkv.engine import kernels
-from hybridkv.engine.threads import step_threads
+from hybridkv.engine.threads import kernel_threads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,7 +251,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, 
     if x.dtype == conv_state.dtype == taps.dtype == torch.float32 and kernels.kernels_available():
         fused = act is F.silu
         out = kernels.causal_conv(x, conv_state, taps, None if bias is None else bias.float(), meta.plan,
-                                  meta.plan_checkpoints, silu=fused, threads=step_threads())
+                                  meta.plan_checkpoints, silu=fused, threads=kernel_threads())
         return out if fused else act(out)
     return act(_causal_conv(x, conv_state, meta, taps, bias))
 

@@ -14,6 +14,11 @@ last `interval_s` leaves a core for each of our threads (with half a core to spa
 thread. The rest of the machine = all CPUs' busy time (/proc/stat) minus this process's (os.times);
 where /proc/stat cannot be read, small steps run on one thread. The previous setting is restored
 after each step.
+
+Native kernels (`engine/kernels`) take their thread count from `kernel_threads`: the step's choice,
+also inside `one_thread` blocks and also when OpenMP waits are passive (`passive_waits`), where a
+small step's torch ops run on one thread (every op's parallel region would pay a thread wake-up)
+and only its few kernel calls use the second core.
 """
 
 from __future__ import annotations
@@ -67,30 +72,44 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-_outer: list[int] = []  # the settings that enclosing `one_thread` blocks replaced, innermost last
+_kernel_threads: list[int] = []  # threads for native kernels, innermost setting last (see `kernel_threads`)
+
+
+@contextmanager
+def kernel_threads_as(n: int) -> Iterator[None]:
+    """Native kernels inside the block run on `n` OpenMP threads, whatever torch's setting."""
+    _kernel_threads.append(n)
+    try:
+        yield
+    finally:
+        _kernel_threads.pop()
+
+
+def kernel_threads() -> int:
+    """Threads for a native kernel: the innermost `kernel_threads_as` (a step's choice, kept inside
+    `one_thread`), else torch's setting. One kernel call pays a single OpenMP fork and join where a
+    sequence of torch ops pays one per op, so kernels may use threads that torch ops do not."""
+    return _kernel_threads[-1] if _kernel_threads else torch.get_num_threads()
 
 
 @contextmanager
 def one_thread() -> Iterator[None]:
-    """Run the block on one torch thread (the previous setting restored after).
+    """Run the block on one torch thread (the previous setting restored after); native kernels keep
+    the threads they had (`kernel_threads`).
 
     The state layers' scans and conv are many mid-sized ops (a 1024-token Gated DeltaNet scan is
     ~100 ops on tensors of ~1 MB); a second thread's wake-up and join per op cost more than it
     saves: the scan took 2x as long on two threads as on one (measured on the 2-core CI machine kind).
-    A native kernel inside the block still gets the step's threads (`step_threads`).
     """
-    _outer.append(torch.get_num_threads())
-    try:
-        with torch_threads(1):
-            yield
-    finally:
-        _outer.pop()
+    with kernel_threads_as(kernel_threads()), torch_threads(1):
+        yield
 
 
-def step_threads() -> int:
-    """The step's torch thread setting, also inside `one_thread`: for native kernels, whose one
-    OpenMP loop pays a single fork and join where a torch op sequence pays one per op."""
-    return _outer[-1] if _outer else torch.get_num_threads()
+def passive_waits() -> bool:
+    """True when OpenMP threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, read when
+    torch loaded libgomp). Each region then pays a futex wake-up (~50 us measured here): a small
+    step's ~1,000 torch ops run faster on one thread, its few native kernels still on more."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
 class StepThreads:
@@ -128,5 +147,6 @@ class StepThreads:
         if num_tokens >= SMALL_STEP_TOKENS or threads == 1:
             yield
             return
-        with torch_threads(self.small_step_threads(threads)):
+        n = self.small_step_threads(threads)
+        with kernel_threads_as(n), torch_threads(1 if passive_waits() else n):
             yield

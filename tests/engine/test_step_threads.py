@@ -10,11 +10,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.threads import SMALL_STEP_TOKENS, CpuSample, StepThreads, read_cpu  # noqa: E402
+from hybridkv.engine.threads import (  # noqa: E402
+    SMALL_STEP_TOKENS,
+    CpuSample,
+    StepThreads,
+    kernel_threads,
+    one_thread,
+    read_cpu,
+)
 
 
 @pytest.fixture
-def two_threads() -> Iterator[None]:
+def two_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # spinning waits (libgomp's default); see the passive test
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -42,7 +50,26 @@ class FakeCpu:
 def threads_in_step(policy: StepThreads, tokens: int) -> int:
     with policy(tokens):
         used: int = torch.get_num_threads()
+        assert kernel_threads() == used
     return used
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_with_passive_waits_small_steps_keep_torch_on_one_thread_and_kernels_on_the_chosen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    cpu = FakeCpu()
+    policy = StepThreads(interval_s=0.5, cpus=2, sample=cpu)
+    seen = []
+    for others, tokens in ((0.0, 32), (1.0, 32), (0.0, SMALL_STEP_TOKENS)):
+        cpu.others = others
+        with policy(tokens):
+            inner = [torch.get_num_threads(), kernel_threads()]
+            with one_thread():  # a state mixer's block: torch on one thread, the kernels keep the step's choice
+                inner += [torch.get_num_threads(), kernel_threads()]
+            seen.append(inner)
+    assert seen == [[1, 2, 1, 2], [1, 1, 1, 1], [2, 2, 1, 2]]
+    assert torch.get_num_threads() == 2 and kernel_threads() == 2
 
 
 @pytest.mark.usefixtures("two_threads")

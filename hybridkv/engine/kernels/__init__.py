@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.engine.threads import kernel_threads
+
 _SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 _HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-Wl,-z,defs")
@@ -140,7 +142,7 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     lib = _loaded()
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
-    lib.gated_act_f32(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), code, torch.get_num_threads())
+    lib.gated_act_f32(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), code, kernel_threads())
     return out
 
 
@@ -155,7 +157,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     out = torch.empty_like(x)
     dim = x.shape[-1]
     lib.rms_norm_f32(x.data_ptr(), None if w is None else w.data_ptr(), out.data_ptr(), x.numel() // max(dim, 1),
-                     dim, eps, torch.get_num_threads())
+                     dim, eps, kernel_threads())
     return out
 
 
@@ -186,7 +188,7 @@ def paged_decode(
     status = lib.paged_decode_f32(
         q.data_ptr(), cache.data_ptr(), block_ids.data_ptr(), key_lo.data_ptr(), key_hi.data_ptr(),
         out.data_ptr(), rows, heads, cache.shape[3], head_dim, cache.shape[2], block_ids.shape[1],
-        scale, softcap or 0.0, None if sink_ptr is None else sink_ptr.data_ptr(), torch.get_num_threads())
+        scale, softcap or 0.0, None if sink_ptr is None else sink_ptr.data_ptr(), kernel_threads())
     if status != 0:
         raise MemoryError(f"paged_decode: the kernel failed (status {status}: 1 = out of memory, "
                           f"2 = more than 256 query heads, got {heads})")
@@ -224,6 +226,10 @@ def _token_rows(x: torch.Tensor, name: str) -> int:
 
 
 GDN_MAX_DK = 512  # state_scan.c keeps a token's normalised q and k on the stack
+# Below these sizes a kernel runs on one thread: an OpenMP fork and join costs more than the work
+# saves (with OMP_WAIT_POLICY=PASSIVE, waking a sleeping thread took ~50 us here).
+SCAN_PARALLEL_MIN = 1 << 19  # tokens x heads x state elements per head (~100 us of work)
+CONV_PARALLEL_MIN = 1 << 16  # tokens x channels, as rms_norm.c and gated_act.c
 
 
 def gdn_scan(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, a_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -253,7 +259,7 @@ def gdn_scan(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, a_log: tor
     lib.gdn_scan_f32(conv.data_ptr(), _token_rows(conv, "conv"), a.data_ptr(), b.data_ptr(), ab_stride,
                      a_log.data_ptr(), dt_bias.data_ptr(), state.data_ptr(), _state_block_stride(state),
                      plan.data_ptr(), plan.shape[0], checkpoints.data_ptr(), heads, key_heads, dv, dk,
-                     out.data_ptr(), threads)
+                     out.data_ptr(), threads if tokens * heads * dv * dk >= SCAN_PARALLEL_MIN else 1)
     return out
 
 
@@ -285,7 +291,8 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
     lib.mamba2_scan_f32(x.data_ptr(), _rows(x, "x"), b.data_ptr(), c.data_ptr(), bc_stride, dt.data_ptr(),
                         _token_rows(dt, "dt"), dt_bias.data_ptr(), low, high, a.data_ptr(), d.data_ptr(),
                         state.data_ptr(), _state_block_stride(state), plan.data_ptr(), plan.shape[0],
-                        checkpoints.data_ptr(), heads, groups, p, n, out.data_ptr(), threads)
+                        checkpoints.data_ptr(), heads, groups, p, n, out.data_ptr(),
+                        threads if tokens * heads * p * n >= SCAN_PARALLEL_MIN else 1)
     return out
 
 
@@ -312,7 +319,8 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, taps: torch.Tensor, b
     out = torch.empty(tokens, channels)
     lib.causal_conv_f32(x.data_ptr(), x.stride(0), conv_state.data_ptr(), conv_state.stride(0), conv_state.stride(1),
                         taps.data_ptr(), None if bias is None else bias.data_ptr(), channels, kernel, plan.data_ptr(),
-                        plan.shape[0], checkpoints.data_ptr(), int(silu), out.data_ptr(), threads)
+                        plan.shape[0], checkpoints.data_ptr(), int(silu), out.data_ptr(),
+                        threads if tokens * channels >= CONV_PARALLEL_MIN else 1)
     return out
 
 

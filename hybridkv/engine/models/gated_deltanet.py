@@ -33,7 +33,7 @@ from hybridkv.engine import kernels
 from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.layers import activation
 from hybridkv.engine.state_layers import causal_conv, scan_states
-from hybridkv.engine.threads import one_thread, step_threads
+from hybridkv.engine.threads import kernel_threads, one_thread
 
 CHUNK_TOKENS = 32  # 1.7x faster than 64 on this CPU: the [C, C] products and the solve grow with C
 EXP_FLOOR = -80.0  # log decays below this count as e^-80 (see `decay_exp`)
@@ -166,7 +166,7 @@ class GatedRMSNorm(nn.Module):
         if x.dtype == gate.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.kernels_available():
             t, heads, dim = x.shape
             return kernels.gated_rms_norm(x.reshape(t, -1), gate.flatten(1), self.weight, parts=heads, eps=self.eps,
-                                          gate_first=False, threads=step_threads()).view(t, heads, dim)
+                                          gate_first=False, threads=kernel_threads()).view(t, heads, dim)
         if x.dtype == torch.float32:  # the weight inside the fused norm, the gate applied in place
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).mul_(F.silu(gate))
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
@@ -225,7 +225,7 @@ class GatedDeltaNet(nn.Module):
         if kernels.state_scan_supported(cache.recurrent):  # token by token in C (norms and gates inside)
             o = kernels.gdn_scan(conv, a.float(), b.float(), a_log=self.A_log, dt_bias=self.dt_bias,
                                  key_heads=self.k_heads, state=cache.recurrent, plan=meta.plan,
-                                 checkpoints=meta.plan_checkpoints, threads=step_threads())
+                                 checkpoints=meta.plan_checkpoints, threads=kernel_threads())
         else:
             # q and k normalised together, q also scaled by Dk^-0.5: [T, 2 Hk, Dk]; the scans share them
             qk = l2_normalize(conv[:, : 2 * self.key_size].view(t, 2 * self.k_heads, self.k_dim), self.qk_scale)

@@ -26,7 +26,7 @@ from hybridkv.engine.models.base import ForwardContext
 from hybridkv.engine.models.layers import activation
 from hybridkv.engine.models.ssm_scan import mamba2_scan, mamba2_step
 from hybridkv.engine.state_layers import causal_conv, scan_states
-from hybridkv.engine.threads import one_thread, step_threads
+from hybridkv.engine.threads import kernel_threads, one_thread
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,7 +66,7 @@ class GatedRMSNorm(nn.Module):
         """y, z [T, dim] -> [T, dim] float32."""
         if y.dtype == z.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.kernels_available():
             return kernels.gated_rms_norm(y, z, self.weight, parts=self.groups, eps=self.eps,
-                                          gate_first=not self.norm_before_gate, threads=step_threads())
+                                          gate_first=not self.norm_before_gate, threads=kernel_threads())
         y, gate = y.float(), F.silu(z.float())
         if not self.norm_before_gate:
             y = gate.mul_(y)  # the gate is a new tensor: y * gate in place
@@ -128,7 +128,7 @@ class Mamba2Mixer(nn.Module):
         if kernels.state_scan_supported(cache.recurrent):  # token by token in C (the time step inside)
             y = kernels.mamba2_scan(xs, dt, b, c, dt_bias=self.dt_bias, dt_limit=d.time_step_limit, a=a, d=skip,
                                     state=cache.recurrent, plan=meta.plan, checkpoints=meta.plan_checkpoints,
-                                    threads=step_threads())
+                                    threads=kernel_threads())
         else:
             y = scan_states(meta, cache.recurrent, (xs, self._time_step(dt), b, c),
                             step=lambda i, s: mamba2_step(*i, a=a, d=skip, state=s),
