@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.vllm_engine_run import READY, RESULT
-from hybridkv.engine.kernels import paged_decode_available
+from hybridkv.engine.kernels import kernels_available
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 
@@ -297,7 +297,7 @@ def report(m: Measured, work: Workload, prompts: list[list[int]], *, threads: in
     matches = sum(a == b for a, b in zip(ours, m.hf[0][0], strict=True))
     print(f"workload prompts={work.num_prompts} prompt_tokens={sum(map(len, prompts))} new_tokens={work.new_tokens} "
           f"threads={threads} repeats={len(m.engine)} (medians) load={os.getloadavg()[0]:.2f} "
-          f"decode_attention={'kernel' if paged_decode_available() else 'torch'}")
+          f"decode_attention={'kernel' if kernels_available() else 'torch'}")
     print(f"engine generated_tok_per_s={generated / engine.seconds:.1f} seconds={engine.seconds:.2f} "
           f"cpu_s={engine.cpu_s:.2f} steps={m.steps} preemptions={m.preemptions}")
     print(f"transformers generated_tok_per_s={generated / hf.seconds:.1f} seconds={hf.seconds:.2f} "

@@ -166,6 +166,7 @@ class KVCacheCoordinator:
         steps: list[_DecodeStep] = []
         counts: list[int] | None = None
         releasing = 0
+        release: tuple[Table, int] | None = None  # the one releasing manager's (table, keep)
         at = 2
         for m in self.managers:  # 1. count (a manager whose own no-op bounds hold changes nothing)
             if first_new > bounds[at] or end > bounds[at + 1]:
@@ -183,6 +184,7 @@ class KVCacheCoordinator:
                         counts[g] = 1
                 if keep > table.num_skipped < old:
                     releasing += 1
+                    release = table, keep
                 steps.append((at, m, table, keep, grows == 1, real))
             at += 2
         pool = self.pool
@@ -190,10 +192,8 @@ class KVCacheCoordinator:
             return None
         if releasing > 1:  # 2. release (several managers: interleaved position by position)
             pool.free_tables([(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping])
-        elif releasing:
-            for _, _, table, keep, _, _ in steps:
-                if keep > table.num_skipped < table.length:
-                    self._release_leading(table, min(keep, table.length))
+        elif release is not None:
+            self._release_leading(release[0], min(release[1], release[0].length))
         fresh = None  # 3. pop (lists of ints)
         if counts is not None:
             total = sum(counts)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.core.specs import SpecKind
-from hybridkv.engine.kernels import paged_decode, paged_decode_available
+from hybridkv.engine.kernels import kernels_available, paged_decode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -357,7 +357,7 @@ def _attend_self_causal(
 def _kernel_reads(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """True when the native decode kernel can read this layer's cache in place (float32, contiguous)."""
     return (q.dtype == torch.float32 and cache.dtype == torch.float32 and cache.is_contiguous()
-            and paged_decode_available())
+            and kernels_available())
 
 
 def _attend(

@@ -13,7 +13,7 @@ import torch
 from hybridkv.core.specs import SpecKind
 from hybridkv.engine import attention
 from hybridkv.engine.attention import AttentionRule, ScheduledChunk, build_group_metadata, paged_attention
-from hybridkv.engine.kernels import gated_act, paged_decode_available, rms_norm
+from hybridkv.engine.kernels import gated_act, kernels_available, rms_norm
 from hybridkv.engine.models import layers
 from hybridkv.engine.models.layers import RMSNorm
 
@@ -28,7 +28,7 @@ def test_the_kernel_is_built_where_a_compiler_exists() -> None:
     # CI installs a C compiler (make cc); a missing kernel there is a build failure, not a fallback
     if os.environ.get("HYBRIDKV_KERNELS") == "0":
         pytest.skip("HYBRIDKV_KERNELS=0 turns the kernels off")
-    assert paged_decode_available()
+    assert kernels_available()
 
 
 def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[int],
@@ -87,7 +87,7 @@ def test_decode_matches_the_float64_reference_on_both_paths(
     want = reference(q, keys, values, positions, rule, 0.3, softcap, sinks)
     assert all(call.key_lo is not None for call in meta.calls)  # every call is a decode call
     fast = paged_attention(q, cache, meta, scale=0.3, softcap=softcap, sinks=sinks)
-    monkeypatch.setattr(attention, "paged_decode_available", lambda: False)
+    monkeypatch.setattr(attention, "kernels_available", lambda: False)
     gathered = paged_attention(q, cache, meta, scale=0.3, softcap=softcap, sinks=sinks)
     torch.testing.assert_close(gathered.double(), want, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(fast.double(), want, atol=2e-6, rtol=2e-5)

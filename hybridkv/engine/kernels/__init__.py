@@ -115,8 +115,6 @@ def kernels_available() -> bool:
     return _library() is not None
 
 
-paged_decode_available = kernels_available
-
 
 def _loaded() -> ctypes.CDLL:
     lib = _library()
