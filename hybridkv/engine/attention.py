@@ -237,8 +237,14 @@ def _outgrows(first: _Row, row: _Row) -> bool:
     return keys - first_keys >= _SPLIT_KEYS and keys > _SPLIT_RATIO * first_keys
 
 
-def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_size: int) -> ReadPlan:
-    """The read plan of a step whose chunks compute positions [start, end) (flattened order)."""
+def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_size: int,
+               split_decodes: bool = True) -> ReadPlan:
+    """The read plan of a step whose chunks compute positions [start, end) (flattened order).
+
+    Rows of one query count share a call; a call is split where a row reads many more keys than
+    its first (`_outgrows`: the torch path pads every row to the longest). `split_decodes=False`
+    keeps all one-query rows of a run in one call, for the native decode kernel, which reads each
+    row's own key range and pays one thread fork per call."""
     starts = np.array([a for a, _ in spans], dtype=np.int64)  # [N]
     lengths = np.array([b for _, b in spans], dtype=np.int64) - starts  # [N]
     owner = np.repeat(np.arange(len(spans)), lengths)  # [T]
@@ -249,7 +255,8 @@ def plan_reads(spans: Sequence[tuple[int, int]], *, rule: AttentionRule, block_s
     calls: list[_CallPlan] = []
     begin = 0
     for i in range(1, len(rows) + 1):
-        if i == len(rows) or rows[i].queries != rows[begin].queries or _outgrows(rows[begin], rows[i]):
+        if (i == len(rows) or rows[i].queries != rows[begin].queries
+                or ((split_decodes or rows[begin].queries != 1) and _outgrows(rows[begin], rows[i]))):
             calls.append(_call_plan(rows[begin:i], rule, block_size, lo))
             begin = i
     table_index = positions // block_size - lo[owner]

@@ -29,6 +29,7 @@ from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.specs import AttentionSpec, IndexerSpec, MLASpec, SpecKind
 from hybridkv.engine.attention import AttentionRule, GroupMetadata, groups_metadata, plan_reads
+from hybridkv.engine.kernels import kernels_available
 from hybridkv.engine.loader import torch_dtype
 from hybridkv.engine.mla_attention import latent_view
 from hybridkv.engine.models.base import CausalLM, ForwardContext
@@ -117,6 +118,8 @@ class ModelRunner:
             if rule.kind is not SpecKind.MAMBA:
                 self.plan_groups.setdefault((rule, kv_config.groups[g].block_size), []).append(g)
         self.step_threads = StepThreads()  # threads per step: decodes use every thread only on an idle machine
+        # the decode kernel reads float32 caches: one call for all decode rows (else split by length)
+        self.split_decodes = not (kernels_available() and all(c.dtype == torch.float32 for c in self.kv_caches))
 
     def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
         spec = group.spec_of(layer)
@@ -181,7 +184,7 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))  # [T]
         groups: list[GroupMetadata | None] = [None] * len(self.rules)  # None: a state group
         for (rule, block_size), members in self.plan_groups.items():  # one plan (masks) per rule and block size
-            plan = plan_reads(spans, rule=rule, block_size=block_size)
+            plan = plan_reads(spans, rule=rule, block_size=block_size, split_decodes=self.split_decodes)
             metas = groups_metadata(plan, [[it.block_ids[g] for it in ordered] for g in members])
             for g, meta in zip(members, metas, strict=True):
                 groups[g] = meta

@@ -84,6 +84,21 @@ def test_groups_sharing_a_plan_each_read_their_own_tables() -> None:
     assert a.write_rows.tolist() == [12 * 4 + 0, 22 * 4 + 0, 22 * 4 + 1]  # (block * 2 + K) * block_size + offset
 
 
+def test_decodes_share_one_call_unless_split_by_length() -> None:
+    spans = [(10, 11), (200, 201), (900, 901)]  # three decodes of very different lengths, block size 16
+    split = plan_reads(spans, rule=FULL, block_size=16)
+    assert [c.rows for c in split.calls] == [1, 1, 1]  # each outgrows the one before (padded torch path)
+    one = plan_reads(spans, rule=FULL, block_size=16, split_decodes=False)
+    assert [c.rows for c in one.calls] == [3]
+    call = one.calls[0]
+    assert call.key_lo is not None and call.key_hi is not None
+    assert call.key_lo.tolist() == [0, 0, 0] and call.key_hi.tolist() == [11, 201, 901]  # each row's own keys
+    window = plan_reads(spans, rule=sliding(64), block_size=16, split_decodes=False).calls[0]
+    assert window.key_lo is not None and window.key_hi is not None  # slots count from each row's first block
+    assert window.key_lo.tolist() == [0, (200 - 63) % 16, (900 - 63) % 16]
+    assert (window.key_hi - window.key_lo).tolist() == [11, 64, 64]
+
+
 def test_a_table_shorter_than_the_step_is_an_internal_error() -> None:
     plan = plan_reads([(4, 6)], rule=FULL, block_size=2)
     with pytest.raises(RuntimeError, match="not allocated"):
