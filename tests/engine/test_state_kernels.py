@@ -5,6 +5,7 @@ and prefill chunks in one call, checkpoint blocks, untouched blocks left as they
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -31,6 +32,26 @@ def segments(meta: StateMetadata) -> list[tuple[int, int, int, list[tuple[int, i
     out = [(i, 1, int(b), []) for i, b in enumerate(meta.decode_blocks.tolist())]
     out += [(s.token_start, s.num_tokens, s.block, list(s.checkpoints)) for s in meta.sequences]
     return out
+
+
+def run_reference(meta: StateMetadata, before: torch.Tensor, out_shape: tuple[int, ...],
+                  token: Callable[[torch.Tensor, int, int], torch.Tensor],
+                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Every sequence of the step token by token in float64: `token(s, tok, h)` advances head h's state
+    s [*S] in place for token `tok` and returns its output. Returns the outputs [T, H, ...] and the
+    expected state of every written block (running blocks and checkpoints)."""
+    want = torch.empty(out_shape, dtype=torch.float64)
+    expected: dict[int, torch.Tensor] = {}
+    for first, n, block, points in segments(meta):
+        s = before[block].double().clone()
+        stops = dict(points)
+        for i in range(n):
+            for h in range(s.shape[0]):
+                want[first + i, h] = token(s[h], first + i, h)
+            if i + 1 in stops:
+                expected[stops[i + 1]] = s.clone()
+        expected[block] = s
+    return want, expected
 
 
 def paged_state(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -74,22 +95,15 @@ def test_gdn_scan_matches_the_recurrence(heads: int, key_heads: int, dv: int, dk
     v = cd[:, 2 * key_size :].view(t, heads, dv)
     g = -a_log.double().exp() * softplus(a.double() + dt_bias.double())
     beta = torch.sigmoid(b.double())
-    expected: dict[int, torch.Tensor] = {}
-    want = torch.empty(t, heads, dv, dtype=torch.float64)
     r = heads // key_heads
-    for first, n, block, points in segments(meta):
-        s = before[block].double().clone()
-        stops = dict(points)
-        for i in range(n):
-            tok = first + i
-            for h in range(heads):
-                qh, kh = q[tok, h // r], k[tok, h // r]
-                s[h] *= torch.exp(g[tok, h])
-                s[h] += beta[tok, h] * torch.outer(v[tok, h] - s[h] @ kh, kh)
-                want[tok, h] = s[h] @ qh
-            if i + 1 in stops:
-                expected[stops[i + 1]] = s.clone()
-        expected[block] = s
+
+    def token(s: torch.Tensor, tok: int, h: int) -> torch.Tensor:
+        qh, kh = q[tok, h // r], k[tok, h // r]
+        s *= torch.exp(g[tok, h])
+        s += beta[tok, h] * torch.outer(v[tok, h] - s @ kh, kh)
+        return s @ qh
+
+    want, expected = run_reference(meta, before, (t, heads, dv), token)
     out = kernels.gdn_scan(conv, a, b, a_log=a_log, dt_bias=dt_bias, key_heads=key_heads, state=state,
                            plan=meta.plan, checkpoints=meta.plan_checkpoints, threads=2)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
@@ -116,21 +130,14 @@ def test_mamba2_scan_matches_the_recurrence(heads: int, groups: int, p: int, n: 
     state = paged_state((heads, p, n), gen)
     before = state.clone()
     step = softplus(dt.double() + dt_bias.double()).clamp(*limit)
-    expected: dict[int, torch.Tensor] = {}
-    want = torch.empty(t, heads, p, dtype=torch.float64)
     r = heads // groups
-    for first, count, block, points in segments(meta):
-        s = before[block].double().clone()
-        stops = dict(points)
-        for i in range(count):
-            tok = first + i
-            for h in range(heads):
-                bh, ch, xh = b[tok, h // r].double(), c[tok, h // r].double(), x[tok, h].double()
-                s[h] = torch.exp(step[tok, h] * a[h].double()) * s[h] + step[tok, h] * torch.outer(xh, bh)
-                want[tok, h] = s[h] @ ch + d[h].double() * xh
-            if i + 1 in stops:
-                expected[stops[i + 1]] = s.clone()
-        expected[block] = s
+
+    def token(s: torch.Tensor, tok: int, h: int) -> torch.Tensor:
+        bh, ch, xh = b[tok, h // r].double(), c[tok, h // r].double(), x[tok, h].double()
+        s.mul_(torch.exp(step[tok, h] * a[h].double())).add_(step[tok, h] * torch.outer(xh, bh))
+        return s @ ch + d[h].double() * xh
+
+    want, expected = run_reference(meta, before, (t, heads, p), token)
     out = kernels.mamba2_scan(x, dt, b, c, dt_bias=dt_bias, dt_limit=limit, a=a, d=d, state=state, plan=meta.plan,
                               checkpoints=meta.plan_checkpoints, threads=2)
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
