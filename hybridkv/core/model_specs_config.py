@@ -68,10 +68,13 @@ class SpecOptions:
     tp_size: int = 1
     num_speculative_tokens: int = 0
     indexer: IndexerFormat = IndexerFormat.PACKED_FP8
+    mamba_ssm_dtype: str | None = None  # the recurrent states' dtype, over the config's (vLLM --mamba-ssm-cache-dtype)
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
             normalize_dtype(self.dtype, what="dtype")
+        if self.mamba_ssm_dtype not in (None, "auto"):
+            normalize_dtype(self.mamba_ssm_dtype, what="mamba_ssm_dtype")
         if not isinstance(self.kv_cache_dtype, KVCacheDType):
             raise ConfigError(f"kv_cache_dtype must be a KVCacheDType, got {self.kv_cache_dtype!r}")
         if not isinstance(self.indexer, IndexerFormat):
@@ -272,7 +275,11 @@ class SpecContext:
         return derived_head_dim(self.cfg)
 
     def ssm_dtype(self, *, default: str | None = None) -> str:
-        """Recurrent-state dtype: `mamba_ssm_dtype` / `mamba_ssm_cache_dtype` when set, else the default."""
+        """Recurrent-state dtype: `SpecOptions.mamba_ssm_dtype`, else the config's `mamba_ssm_dtype` /
+        `mamba_ssm_cache_dtype` when set, else the default."""
+        override = self.options.mamba_ssm_dtype
+        if override not in (None, "auto"):
+            return normalize_dtype(override, what="mamba_ssm_dtype")
         value = self.cfg.inherited("mamba_ssm_dtype", "mamba_ssm_cache_dtype")
         if value is None or value == "auto":
             return default or self.dtype

