@@ -65,8 +65,8 @@ def test_prefix_hit_restores_the_state_checkpoint(
 def test_the_plain_torch_scans_restore_the_same_checkpoints(
     model_dir: Callable[[str], Path], hf_model: Callable[[Path], Any], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # the chunked scan and the decode step in torch (no compiler, HYBRIDKV_KERNELS=0, non-float32 states)
-    monkeypatch.setattr(kernels, "state_scan_supported", lambda state: False)
+    # the state mixers' conv, chunked scan, decode step and gated norm in torch (no compiler, HYBRIDKV_KERNELS=0)
+    monkeypatch.setattr(kernels, "kernels_available", lambda: False)
     path = model_dir("qwen3_5")
     first, second = _shared_prefix(56)
     cached = LLM(str(path), mamba_cache_mode="all", **OPTIONS)

@@ -158,3 +158,53 @@ def test_the_scans_reject_layouts_they_cannot_read() -> None:
         kernels.gdn_scan(torch.zeros(78, 16), ab, ab, state=state.double(), **common)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"must be \[78, 2\]"):
         kernels.gdn_scan(torch.zeros(78, 16), torch.zeros(78, 3), ab, state=state, **common)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("silu", "with_bias", "kernel"), [(True, True, 4), (False, False, 4), (True, False, 2)])
+def test_causal_conv_matches_the_formula_and_stores_the_last_inputs(silu: bool, with_bias: bool, kernel: int) -> None:
+    # decodes (1 token: the window is mostly stored rows), a 70-token chunk with checkpoints, a 5-token chunk
+    gen = torch.Generator().manual_seed(kernel * 7 + silu)
+    meta = step_metadata()
+    t, channels = 78, 300  # not a multiple of the kernel's 128-channel work items
+    wide = torch.randn(t, channels + 11, generator=gen)
+    x = wide[:, 5 : 5 + channels]  # a strided slice, as from a projection's split
+    taps = torch.randn(kernel, channels, generator=gen)
+    bias = torch.randn(channels, generator=gen) if with_bias else None
+    pages = torch.randn(BLOCKS, (kernel - 1) * channels + 16, generator=gen)
+    conv_state = pages.as_strided((BLOCKS, kernel - 1, channels), (pages.shape[1], channels, 1), 4)
+    before = conv_state.clone()
+    want = torch.empty(t, channels, dtype=torch.float64)
+    expected: dict[int, torch.Tensor] = {}
+    for first, n, block, points in segments(meta):
+        window = torch.cat([before[block].double(), x[first : first + n].double()])  # [K-1+n, C]
+        for i in range(n):
+            y = sum(taps[j].double() * window[i + j] for j in range(kernel))
+            y = y + (bias.double() if bias is not None else 0.0)
+            want[first + i] = y * torch.sigmoid(y) if silu else y
+        for offset, cp in points:
+            expected[cp] = window[offset : offset + kernel - 1]
+        expected[block] = window[n : n + kernel - 1]
+    out = kernels.causal_conv(x, conv_state, taps, bias, meta.plan, meta.plan_checkpoints, silu=silu, threads=2)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    for block in range(BLOCKS):
+        torch.testing.assert_close(conv_state[block].double(), expected.get(block, before[block].double()),
+                                   rtol=0, atol=0, msg=f"block {block}")
+
+
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("per_part_weight", [True, False])
+def test_gated_rms_norm_matches_the_formula(gate_first: bool, per_part_weight: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    t, parts, dim = 9, 4, 24
+    both = torch.randn(t, 2 * parts * dim + 3, generator=gen) * 3.0
+    x, z = both[:, : parts * dim], both[:, parts * dim + 3 :]  # strided, as from one projection
+    z[0, :5] = torch.tensor([-500.0, 500.0, -90.0, 90.0, 0.0])  # far tails of the gate
+    weight = torch.randn(parts * dim if per_part_weight else dim, generator=gen)
+    eps = 1e-6
+    xd, gate = x.double().view(t, parts, dim), torch.nn.functional.silu(z.double()).view(t, parts, dim)
+    w = weight.double().view(parts, dim) if per_part_weight else weight.double()
+    y = xd * gate if gate_first else xd
+    normed = y / torch.sqrt((y * y).mean(-1, keepdim=True) + eps) * w
+    want = (normed if gate_first else normed * gate).view(t, parts * dim)
+    out = kernels.gated_rms_norm(x, z, weight, parts=parts, eps=eps, gate_first=gate_first, threads=2)
+    torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=2e-6)
