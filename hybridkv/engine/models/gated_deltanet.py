@@ -5,8 +5,11 @@ decay a_t = exp(g_t) and write strength beta_t, the state S [Dv, Dk] evolves as
 
     S_t = a_t S_{t-1} + beta_t (v_t - a_t S_{t-1} k_t) k_t^T        o_t = S_t q_t
 
-Decode uses this recurrence directly; prefill uses the chunked form (32-token chunks, the
-intra-chunk dependency solved as a unit lower-triangular system, one state update per chunk).
+With the native kernels (float32 states) decodes and prefill chunks both run this recurrence
+token by token in C (`kernels.gdn_scan`: a head's state stays in L1, q/k norms and gates inside).
+The plain-torch path (no compiler, other state dtypes) runs it directly for decodes and in the
+chunked form for prefill (32-token chunks, the intra-chunk dependency solved as a unit
+lower-triangular system, one state update per chunk).
 The layer around it:
 
     x [T, hidden] -> q, k, v (one conv channel block), z [T, Hv, Dv], b, a [T, Hv]   (projections)
