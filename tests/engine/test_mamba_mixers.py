@@ -68,7 +68,8 @@ def _states_after(reference: Any, config: Any, x: torch.Tensor) -> tuple[torch.T
     return conv[:, 1:], cache.get_recurrent_state(0, state_idx=0)[0]
 
 
-@pytest.mark.parametrize(("kind", "path"), [("bamba", "kernel"), ("bamba", "torch"), ("jamba", "torch")])
+@pytest.mark.parametrize(("kind", "path"), [("bamba", "kernel"), ("bamba", "torch"), ("jamba", "kernel"),
+                                            ("jamba", "torch")])
 def test_decodes_and_a_checkpointed_chunk_in_one_call_match_transformers(kind: str, path: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "torch":  # the mixer's plain-torch conv, scans and norm (no compiler, HYBRIDKV_KERNELS=0)

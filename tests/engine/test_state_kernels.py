@@ -144,6 +144,34 @@ def test_mamba2_scan_matches_the_recurrence(heads: int, groups: int, p: int, n: 
     check_states(state, before, expected)
 
 
+@pytest.mark.parametrize(("channels", "n"), [(150, 16), (7, 5)])
+def test_mamba1_scan_matches_the_recurrence(channels: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(channels + n)
+    meta = step_metadata()
+    t = 78
+    xz = torch.randn(t, 2 * channels, generator=gen)
+    x = xz[:, :channels]  # strided, as from the in_proj chunk
+    dt = torch.nn.functional.softplus(torch.randn(t, channels, generator=gen))
+    dt[6, 2] = 4000.0  # decays to 0
+    bc = torch.randn(t, 2 * n, generator=gen)
+    b, c = bc[:, :n], bc[:, n:]
+    a = -torch.rand(channels, n, generator=gen) - 0.05
+    d = torch.randn(channels, generator=gen)
+    state = paged_state((channels, n), gen)
+    before = state.clone()
+
+    def token(s: torch.Tensor, tok: int, i: int) -> torch.Tensor:  # channel i's state row [N]
+        step = dt[tok, i].double()
+        s.mul_(torch.exp(step * a[i].double())).add_(step * x[tok, i].double() * b[tok].double())
+        return s @ c[tok].double() + d[i].double() * x[tok, i].double()
+
+    want, expected = run_reference(meta, before, (t, channels), token)
+    out = kernels.mamba1_scan(x, dt, b, c, a=a, d=d, state=state, plan=meta.plan, checkpoints=meta.plan_checkpoints,
+                              threads=2)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+    check_states(state, before, expected)
+
+
 def test_the_scans_reject_layouts_they_cannot_read() -> None:
     meta = step_metadata()
     state = torch.zeros(BLOCKS, 2, 4, 4)

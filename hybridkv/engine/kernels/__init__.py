@@ -10,8 +10,9 @@
 - `gated_act` (`gated_act.c`): act(gate) * up of a gated MLP in one pass (GELU-tanh, SiLU).
 - `causal_conv` (`causal_conv.c`), `gated_rms_norm` (`rms_norm.c`): the state mixers' depthwise
   conv with its conv states (and SiLU), and their gated norms, each one pass.
-- `gdn_scan`, `mamba2_scan` (`state_scan.c`): the Gated DeltaNet and Mamba2 recurrences token by
-  token on the paged state in place, for decodes and prefill chunks of one step in one call.
+- `gdn_scan`, `mamba2_scan`, `mamba1_scan` (`state_scan.c`): the Gated DeltaNet, Mamba2 and Mamba1
+  recurrences token by token on the paged state in place, for decodes and prefill chunks of one
+  step in one call.
 
 The shared object (every `*.c` here) is compiled with `$CC` (default `cc`) into `$HYBRIDKV_KERNEL_CACHE` (default
 `~/.cache/hybridkv/kernels`), named by a hash of the source, the flags and the CPU's features
@@ -99,6 +100,9 @@ def _library() -> ctypes.CDLL | None:
     lib.mamba2_scan_f32.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_float, ctypes.c_float,
                                     _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR,
                                     ctypes.c_int]
+    lib.mamba1_scan_f32.restype = None
+    lib.mamba1_scan_f32.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64,
+                                    _PTR, _I64, _I64, _PTR, ctypes.c_int]
     lib.causal_conv_f32.restype = None
     lib.causal_conv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR,
                                     ctypes.c_int, _PTR, ctypes.c_int]
@@ -291,6 +295,35 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Ten
                         state.data_ptr(), _state_block_stride(state), plan.data_ptr(), plan.shape[0],
                         checkpoints.data_ptr(), heads, groups, p, n, out.data_ptr(),
                         threads if tokens * heads * p * n >= SCAN_PARALLEL_MIN else 1)
+    return out
+
+
+def mamba1_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
+                d: torch.Tensor, state: torch.Tensor, plan: torch.Tensor, checkpoints: torch.Tensor,
+                threads: int) -> torch.Tensor:
+    """The Mamba1 selective scan over a step's sequences (see `state_scan.c`), states in place.
+
+    x, dt [T, I] (dt after softplus; any token strides), b, c [T, N] (one token stride), a [I, N]
+    (negative), d [I]; state [num_blocks, I, N] float32; plan / checkpoints from `StateMetadata`.
+    Returns y [T, I].
+    """
+    lib = _loaded()
+    tokens, channels = x.shape
+    n = b.shape[1]
+    bc_stride = _token_rows(b, "b")
+    if _token_rows(c, "c") != bc_stride or b.shape != c.shape or dt.shape != x.shape:
+        raise ValueError(f"mamba1_scan: b {tuple(b.shape)}, c {tuple(c.shape)} (one token stride) and dt "
+                         f"{tuple(dt.shape)} do not fit x {tuple(x.shape)}")
+    if state.shape[1:] != (channels, n) or a.shape != (channels, n):
+        raise ValueError(f"mamba1_scan: state {tuple(state.shape)} and a {tuple(a.shape)} do not fit "
+                         f"[{channels}, {n}]")
+    a, d = a.float().contiguous(), d.float().contiguous()
+    plan, checkpoints = plan.contiguous(), checkpoints.contiguous()
+    out = torch.empty(tokens, channels)
+    lib.mamba1_scan_f32(x.data_ptr(), _token_rows(x, "x"), dt.data_ptr(), _token_rows(dt, "dt"), b.data_ptr(),
+                        c.data_ptr(), bc_stride, a.data_ptr(), d.data_ptr(), state.data_ptr(),
+                        _state_block_stride(state), plan.data_ptr(), plan.shape[0], checkpoints.data_ptr(), channels,
+                        n, out.data_ptr(), threads if tokens * channels * n >= SCAN_PARALLEL_MIN else 1)
     return out
 
 

@@ -195,3 +195,50 @@ void mamba2_scan_f32(const float *x, int64_t x_stride, const float *b, const flo
         }
     }
 }
+
+/* Mamba1 (Jamba): a decay per channel and state column, channel i with state row S_i [N]:
+ *     S_i = exp(dt_i A_i) * S_i + (dt_i x_i) B;  y_i = S_i . C + D_i x_i
+ * x, dt: token t, channel i at x + t * x_stride + i (dt likewise, dt after softplus); b, c: t at
+ * b + t * bc_stride (N values); a [I, N] (negative), d [I]; state: block b at state + b * block_stride,
+ * [I, N]; out [T, I]. Work items: (sequence, block of MAMBA1_CHANNELS channels). */
+#define MAMBA1_CHANNELS 64
+
+void mamba1_scan_f32(const float *x, int64_t x_stride, const float *dt, int64_t dt_stride, const float *b,
+                     const float *c, int64_t bc_stride, const float *a, const float *d, float *state,
+                     int64_t block_stride, const int64_t *plan, int64_t sequences, const int64_t *checkpoints,
+                     int64_t channels, int64_t n, float *out, int threads) {
+    const int64_t parts = (channels + MAMBA1_CHANNELS - 1) / MAMBA1_CHANNELS;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (sequences * parts > 1)
+    for (int64_t item = 0; item < sequences * parts; ++item) {
+        const int64_t *row = plan + (item / parts) * PLAN_FIELDS;
+        const int64_t lo = (item % parts) * MAMBA1_CHANNELS;
+        const int64_t hi = lo + MAMBA1_CHANNELS < channels ? lo + MAMBA1_CHANNELS : channels;
+        const int64_t first = row[0], tokens = row[1];
+        float *s = state + row[2] * block_stride;
+        int64_t done = 0;
+        for (int64_t k = row[3]; k <= row[4]; ++k) {
+            const int64_t until = k < row[4] ? checkpoints[2 * k] : tokens;
+            for (int64_t t = first + done; t < first + until; ++t) {
+                const float *restrict xt = x + t * x_stride, *restrict dtt = dt + t * dt_stride;
+                const float *restrict bt = b + t * bc_stride, *restrict ct = c + t * bc_stride;
+                float *restrict ot = out + t * channels;
+                for (int64_t i = lo; i < hi; ++i) {
+                    float *restrict si = s + i * n;
+                    const float *restrict ai = a + i * n;
+                    const float step = dtt[i], input = step * xt[i];
+                    float y = 0.0f;
+                    for (int64_t j = 0; j < n; ++j) {
+                        si[j] = exp_f32(step * ai[j]) * si[j] + input * bt[j];
+                        y += si[j] * ct[j];
+                    }
+                    ot[i] = y + d[i] * xt[i];
+                }
+            }
+            if (k < row[4]) {
+                float *target = state + checkpoints[2 * k + 1] * block_stride;
+                memcpy(target + lo * n, s + lo * n, (size_t)((hi - lo) * n) * sizeof *s);
+            }
+            done = until;
+        }
+    }
+}

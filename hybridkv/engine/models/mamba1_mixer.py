@@ -8,7 +8,8 @@
     y * silu(z) --out_proj--> [T, hidden]
 
 States live in the pages of the layer's cache slot (`state_layers.py`): the conv state [K-1, I]
-and the recurrent state [I, N].
+and the recurrent state [I, N]. With the native kernels (float32 states) the scan runs token by
+token in C (`kernels.mamba1_scan`: channel blocks over both cores), else in torch.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.engine import kernels
 from hybridkv.engine.models.base import ForwardContext
 from hybridkv.engine.models.layers import RMSNorm, activation
 from hybridkv.engine.models.ssm_scan import mamba1_scan, mamba1_step
 from hybridkv.engine.state_layers import causal_conv, scan_states
-from hybridkv.engine.threads import one_thread
+from hybridkv.engine.threads import kernel_threads, one_thread
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,8 +75,12 @@ class Mamba1Mixer(nn.Module):
         dt = F.softplus(dt + self.dt_proj.bias.float())
         inputs = (xs, dt, self.b_layernorm(b), self.c_layernorm(c))
         a, skip = -torch.exp(self.A_log.float()), self.D.float()
-        with one_thread():  # the sequential scan: one small op per token
-            y = scan_states(meta, cache.recurrent, inputs,
-                            step=lambda i, s: mamba1_step(*i, a=a, d=skip, state=s),
-                            scan=lambda i, s: mamba1_scan(*i, a=a, d=skip, state=s))  # [T, I]
+        if kernels.state_scan_supported(cache.recurrent):  # token by token in C, both cores
+            y = kernels.mamba1_scan(*inputs, a=a, d=skip, state=cache.recurrent, plan=meta.plan,
+                                    checkpoints=meta.plan_checkpoints, threads=kernel_threads())
+        else:
+            with one_thread():  # the sequential scan: one small op per token
+                y = scan_states(meta, cache.recurrent, inputs,
+                                step=lambda i, s: mamba1_step(*i, a=a, d=skip, state=s),
+                                scan=lambda i, s: mamba1_scan(*i, a=a, d=skip, state=s))  # [T, I]
         return self.out_proj((y * F.silu(z)).to(x.dtype))  # type: ignore[no-any-return]

@@ -10,8 +10,8 @@ States live in the pages of the layer's cache slot (`state_layers.py`): the conv
 (the last K-1 conv inputs) and the recurrent state [H, P, N]. Decodes run together through the
 one-step recurrence, prefill chunks through the chunked SSD scan, split at the block boundaries
 whose checkpoints the step keeps; with the native kernels (float32 states) both run token by token
-in C instead (`kernels.mamba2_scan`, the time step computed inside). The dt clamp applies on both paths (transformers clamps only on
-its chunked path, so prefill and decode would disagree).
+in C instead (`kernels.mamba2_scan`, the time step computed inside). The dt clamp applies on both
+paths (transformers clamps only on its chunked path, so prefill and decode would disagree).
 """
 
 from __future__ import annotations
