@@ -1,6 +1,6 @@
 /* The state mixers' depthwise causal conv1d (kernel K) with its conv states, and the activation.
  *
- * Sequences come as the plan of state_scan.c (first token, tokens, block, checkpoints from, to).
+ * Sequences come as the plan of `plan.h` (first token, tokens, block, checkpoints from, to).
  * A sequence's K-1 previous inputs are rows [K-1, C] of its block in conv_state; for token t
  *
  *     out[t, c] = act(bias[c] + sum_j taps[j, c] * in[t - (K-1) + j, c])      (in[-i] = the stored rows)
@@ -10,9 +10,9 @@
  * front; here each output row reads its K input rows where they are. Work items are (sequence,
  * block of CONV_CHANNELS channels), dealt to OpenMP threads. act: 0 none, 1 SiLU.
  */
+#include "plan.h"
 #include "vec.h"
 
-#define PLAN_FIELDS 5
 #define CONV_CHANNELS 128
 
 /* Input row `t` of the sequence (t < 0: stored row K-1+t of `state`). */
@@ -38,9 +38,8 @@ void causal_conv_f32(const float *x, int64_t x_stride, float *conv_state, int64_
     const int64_t parts = (channels + CONV_CHANNELS - 1) / CONV_CHANNELS;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (sequences * parts > 1)
     for (int64_t item = 0; item < sequences * parts; ++item) {
-        const int64_t *row = plan + (item / parts) * PLAN_FIELDS;
-        const int64_t lo = (item % parts) * CONV_CHANNELS;
-        const int64_t hi = lo + CONV_CHANNELS < channels ? lo + CONV_CHANNELS : channels;
+        int64_t lo, hi;
+        const int64_t *row = plan_item(plan, item, parts, CONV_CHANNELS, channels, &lo, &hi);
         const int64_t first = row[0], tokens = row[1];
         const float *xs = x + first * x_stride;
         float *state = conv_state + row[2] * block_stride;

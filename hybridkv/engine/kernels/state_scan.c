@@ -1,6 +1,6 @@
 /* The recurrences of the state mixers, token by token, on the paged state in place.
  *
- * Both kernels take the step's sequences as one plan: row i of plan [S, 5] int64 is
+ * The kernels take the step's sequences as one plan (`plan.h`): row i of plan [S, 5] int64 is
  * (first token, tokens, running block, first checkpoint, end of its checkpoints); checkpoint j of
  * checkpoints [K, 2] is (tokens into the sequence, block). A sequence's state lives in its running
  * block (the engine has copied or zeroed it before the step) and is advanced there in place; after
@@ -19,9 +19,9 @@
  */
 #include <stdlib.h>
 
+#include "plan.h"
 #include "vec.h"
 
-#define PLAN_FIELDS 5
 #define GDN_MAX_DK 512
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(exp_f32(x)); }  /* torch's threshold */
@@ -210,9 +210,8 @@ void mamba1_scan_f32(const float *x, int64_t x_stride, const float *dt, int64_t 
     const int64_t parts = (channels + MAMBA1_CHANNELS - 1) / MAMBA1_CHANNELS;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (sequences * parts > 1)
     for (int64_t item = 0; item < sequences * parts; ++item) {
-        const int64_t *row = plan + (item / parts) * PLAN_FIELDS;
-        const int64_t lo = (item % parts) * MAMBA1_CHANNELS;
-        const int64_t hi = lo + MAMBA1_CHANNELS < channels ? lo + MAMBA1_CHANNELS : channels;
+        int64_t lo, hi;
+        const int64_t *row = plan_item(plan, item, parts, MAMBA1_CHANNELS, channels, &lo, &hi);
         const int64_t first = row[0], tokens = row[1];
         float *s = state + row[2] * block_stride;
         int64_t done = 0;
