@@ -4,15 +4,18 @@ salts at once."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from hybridkv.connector.client import KVClient, chunk_hashes
+from hybridkv.server.process import ServerProcess
 from tests.server.helpers import FakeEngine, fake_engine, make_group, server_process, start_server_process
 
 CHUNK = 16
@@ -106,6 +109,8 @@ def test_kill_9_mid_store_leaves_no_partial_chunk(tmp_path: Path) -> None:
                     store(c, i, 1)
                 except Exception:
                     break
+                if i == 10:  # the first 11 prompts reach the disk before the kill: some must survive whole
+                    _wait_for_write_behind(server)
                 if i == 20:
                     server.proc.kill()  # SIGKILL while write-behind is still writing
         server.proc.wait()
@@ -114,6 +119,17 @@ def test_kill_9_mid_store_leaves_no_partial_chunk(tmp_path: Path) -> None:
             # every hit is whole and byte-exact (full, window and state agree), and some survived
             hits = [retrieve_matches(c, eng, i, 1, 40) for i in range(30)]
             assert all(h % CHUNK == 0 for h in hits) and max(hits) == 4 * CHUNK
+
+
+def _wait_for_write_behind(server: ServerProcess, timeout_s: float = 30.0) -> None:
+    """Until the server's write-behind queues are empty (its /status)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tiers = json.loads(server.http("/status"))["tiers"]
+        if all(t.get("write_behind_pending", 0) == 0 for t in tiers):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the write-behind did not drain in {timeout_s} s")
 
 
 def _client_process(endpoint: str, salt: str, layout_bytes: bytes, rounds: int, out: mp.Queue[object]) -> None:
