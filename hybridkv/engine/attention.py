@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.core.specs import SpecKind
-from hybridkv.engine.kernels import kernels_available, paged_decode
+from hybridkv.engine import kernels
+from hybridkv.engine.kernels import paged_decode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -363,8 +364,7 @@ def _attend_self_causal(
 
 def _kernel_reads(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """True when the native decode kernel can read this layer's cache in place (float32, contiguous)."""
-    return (q.dtype == torch.float32 and cache.dtype == torch.float32 and cache.is_contiguous()
-            and kernels_available())
+    return cache.is_contiguous() and kernels.usable(q, cache)
 
 
 def _attend(

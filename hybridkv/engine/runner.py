@@ -28,8 +28,8 @@ import torch
 from hybridkv.core.errors import ConfigError
 from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.core.specs import AttentionSpec, IndexerSpec, MLASpec, SpecKind
+from hybridkv.engine import kernels
 from hybridkv.engine.attention import AttentionRule, GroupMetadata, groups_metadata, plan_reads
-from hybridkv.engine.kernels import kernels_available
 from hybridkv.engine.loader import torch_dtype
 from hybridkv.engine.mla_attention import latent_view
 from hybridkv.engine.models.base import CausalLM, ForwardContext
@@ -119,7 +119,7 @@ class ModelRunner:
                 self.plan_groups.setdefault((rule, kv_config.groups[g].block_size), []).append(g)
         self.step_threads = StepThreads()  # threads per step: decodes use every thread only on an idle machine
         # the decode kernel reads float32 caches: one call for all decode rows (else split by length)
-        self.split_decodes = not (kernels_available() and all(c.dtype == torch.float32 for c in self.kv_caches))
+        self.split_decodes = not kernels.usable(*self.kv_caches)
 
     def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
         spec = group.spec_of(layer)

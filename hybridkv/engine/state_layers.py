@@ -248,7 +248,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, meta: StateMetadata, 
     float32 runs in one native call (`kernels.causal_conv`: SiLU fused, other activations after).
     """
     taps = weight.t().contiguous()  # [K, C]: as K shifted multiply-adds, 5x faster than F.conv1d here
-    if x.dtype == conv_state.dtype == taps.dtype == torch.float32 and kernels.kernels_available():
+    if kernels.usable(x, conv_state, taps):
         fused = act is F.silu
         out = kernels.causal_conv(x, conv_state, taps, None if bias is None else bias.float(), meta.plan,
                                   meta.plan_checkpoints, silu=fused, threads=kernel_threads())

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from hybridkv.core.specs import SpecKind
-from hybridkv.engine import attention
+from hybridkv.engine import kernels
 from hybridkv.engine.attention import AttentionRule, ScheduledChunk, build_group_metadata, paged_attention
 from hybridkv.engine.kernels import gated_act, kernels_available, rms_norm
-from hybridkv.engine.models import layers
 from hybridkv.engine.models.layers import RMSNorm
 
 RULES = {
@@ -87,7 +86,7 @@ def test_decode_matches_the_float64_reference_on_both_paths(
     want = reference(q, keys, values, positions, rule, 0.3, softcap, sinks)
     assert all(call.key_lo is not None for call in meta.calls)  # every call is a decode call
     fast = paged_attention(q, cache, meta, scale=0.3, softcap=softcap, sinks=sinks)
-    monkeypatch.setattr(attention, "kernels_available", lambda: False)
+    monkeypatch.setattr(kernels, "kernels_available", lambda: False)
     gathered = paged_attention(q, cache, meta, scale=0.3, softcap=softcap, sinks=sinks)
     torch.testing.assert_close(gathered.double(), want, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(fast.double(), want, atol=2e-6, rtol=2e-5)
@@ -126,7 +125,7 @@ def test_the_norm_layer_gives_the_same_on_both_paths(monkeypatch: pytest.MonkeyP
     x = torch.randn(2, 9, 96)
     with torch.inference_mode():
         fast = norm(x)
-        monkeypatch.setattr(layers, "kernels_available", lambda: False)
+        monkeypatch.setattr(kernels, "kernels_available", lambda: False)
         plain = norm(x)
     xd = x.double()
     want = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * (1.0 + torch.linspace(-0.5, 0.5, 96).double())

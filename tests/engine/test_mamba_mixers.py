@@ -74,7 +74,7 @@ def test_decodes_and_a_checkpointed_chunk_in_one_call_match_transformers(kind: s
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "torch":  # the mixer's plain-torch conv, scans and norm (no compiler, HYBRIDKV_KERNELS=0)
         monkeypatch.setattr(kernels, "kernels_available", lambda: False)
-    elif not kernels.state_scan_supported(torch.zeros(1)):
+    elif not kernels.usable(torch.zeros(1)):
         pytest.skip("the native kernels are off")
     reference, ours, config = _pair(kind)
     generator = torch.Generator().manual_seed(1)

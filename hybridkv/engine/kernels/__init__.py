@@ -120,6 +120,11 @@ def kernels_available() -> bool:
 
 
 
+def usable(*tensors: torch.Tensor) -> bool:
+    """True when the kernels are built and every tensor given is float32 (the kernels' one dtype)."""
+    return all(t.dtype == torch.float32 for t in tensors) and kernels_available()
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     if lib is None:
@@ -207,16 +212,12 @@ def _rows(x: torch.Tensor, name: str) -> int:
 
 def _state_block_stride(state: torch.Tensor) -> int:
     """The block stride of a state view [num_blocks, *S] float32 whose block part is packed."""
-    packed = torch.empty(state.shape[1:]).stride()
-    if state.dtype != torch.float32 or state.stride()[1:] != packed:
+    if state.dtype != torch.float32 or not state[0].is_contiguous():  # a view: no allocation per call
         raise ValueError(f"state: expected float32 [num_blocks, *S] with each block packed, got {state.dtype} "
                          f"strides {state.stride()}")
     return state.stride(0)
 
 
-def state_scan_supported(state: torch.Tensor) -> bool:
-    """True when the native scans can run on this state view (float32, kernels built)."""
-    return state.dtype == torch.float32 and kernels_available()
 
 
 def _token_rows(x: torch.Tensor, name: str) -> int:

@@ -52,7 +52,7 @@ void causal_conv_f32(const float *x, int64_t x_stride, float *conv_state, int64_
                 for (int64_t c = lo; c < hi; ++c) o[c] += w[c] * in[c];
             }
             if (act == 1)
-                for (int64_t c = lo; c < hi; ++c) o[c] = o[c] / (1.0f + exp_f32(-o[c]));
+                for (int64_t c = lo; c < hi; ++c) o[c] = silu_f32(o[c]);
         }
         for (int64_t k = row[3]; k < row[4]; ++k)
             store_rows(xs, x_stride, state, c_stride, kernel, checkpoints[2 * k],

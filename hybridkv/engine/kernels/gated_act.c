@@ -3,12 +3,10 @@
  *     act 0, GELU (tanh approximation): x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
  *     act 1, SiLU:                      x sigmoid(x)
  *
- * with sigmoid(z) = 1 / (1 + exp(-z)) (exp_f32 of vec.h). torch runs each as 3-6 separate passes.
+ * with sigmoid(z) = 1 / (1 + exp(-z)) (sigmoid_f32 of vec.h). torch runs each as 3-6 separate passes.
  * Chunks of the tensor run on `threads` OpenMP threads when it is large enough.
  */
 #include "vec.h"
-
-static inline float sigmoid(float z) { return 1.0f / (1.0f + exp_f32(-z)); }
 
 void gated_act_f32(const float *restrict gate, const float *restrict up, float *restrict out, int64_t n, int act,
                    int threads) {
@@ -20,10 +18,10 @@ void gated_act_f32(const float *restrict gate, const float *restrict up, float *
         if (act == 0) {
             for (int64_t i = start; i < end; ++i) {
                 const float x = gate[i];
-                out[i] = x * sigmoid(c * (x + 0.044715f * x * x * x)) * up[i];
+                out[i] = x * sigmoid_f32(c * (x + 0.044715f * x * x * x)) * up[i];
             }
         } else {
-            for (int64_t i = start; i < end; ++i) out[i] = gate[i] * sigmoid(gate[i]) * up[i];
+            for (int64_t i = start; i < end; ++i) out[i] = silu_f32(gate[i]) * up[i];
         }
     }
 }

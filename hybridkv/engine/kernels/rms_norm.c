@@ -8,19 +8,11 @@
 #include "vec.h"
 
 static void norm_row(const float *restrict x, const float *restrict w, float *out, int64_t dim, float eps) {
-    int64_t d = 0;
-    float ss = 0.0f;
-    if (dim % 8 == 0) {
-        v8 acc = {0};
-        for (; d < dim; d += 8) acc += load8(x + d) * load8(x + d);
-        for (int i = 0; i < 8; ++i) ss += acc[i];
-    }
-    for (; d < dim; ++d) ss += x[d] * x[d];
-    const float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+    const float scale = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
     if (w)
-        for (d = 0; d < dim; ++d) out[d] = (x[d] * scale) * w[d];
+        for (int64_t d = 0; d < dim; ++d) out[d] = (x[d] * scale) * w[d];
     else
-        for (d = 0; d < dim; ++d) out[d] = x[d] * scale;
+        for (int64_t d = 0; d < dim; ++d) out[d] = x[d] * scale;
 }
 
 void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps, int threads) {
@@ -44,7 +36,7 @@ void gated_rms_norm_f32(const float *x, int64_t x_stride, const float *z, int64_
         float *restrict o = out + r * dim;
         float ss = 0.0f;
         for (int64_t d = 0; d < dim; ++d) {
-            const float gate = zr[d] / (1.0f + exp_f32(-zr[d]));
+            const float gate = silu_f32(zr[d]);
             const float y = gate_first ? xr[d] * gate : xr[d];
             o[d] = gate_first ? y : gate;  /* the gate, kept for the second pass */
             ss += y * y;

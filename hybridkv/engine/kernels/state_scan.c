@@ -35,7 +35,7 @@ static inline float gdn_inputs(const float *restrict q, const float *restrict k,
         qn[j] = q[j] * qs;
         kn[j] = k[j] * ks;
     }
-    *beta = 1.0f / (1.0f + exp_f32(-b));
+    *beta = sigmoid_f32(b);
     return exp_f32(neg_a * softplus(a + dt_bias));
 }
 

@@ -1,5 +1,6 @@
 /* Shared helpers of the engine's kernels: 8-float vectors (GCC vector extensions: one AVX2
- * register, or two SSE/NEON ones) and an inlined exp that the compiler vectorizes.
+ * register, or two SSE/NEON ones), a dot product, and an inlined exp (with the sigmoid and SiLU
+ * built on it) that the compiler vectorizes.
  *
  * exp_f32: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two parts, so r is exact to float32),
  * exp(r) by a degree-6 polynomial (Cephes' expf coefficients, relative error ~1e-7 on that range),
@@ -63,5 +64,9 @@ static inline float exp_f32(float x) {
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+static inline float sigmoid_f32(float z) { return 1.0f / (1.0f + exp_f32(-z)); }
+
+static inline float silu_f32(float x) { return x * sigmoid_f32(x); }
 
 #endif

@@ -166,7 +166,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate [T, H, dim] -> [T, H, dim]."""
-        if x.dtype == gate.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.kernels_available():
+        if not torch.is_grad_enabled() and kernels.usable(x, gate):
             t, heads, dim = x.shape
             return kernels.gated_rms_norm(x.reshape(t, -1), gate.flatten(1), self.weight, parts=heads, eps=self.eps,
                                           gate_first=False, threads=kernel_threads()).view(t, heads, dim)
@@ -225,7 +225,7 @@ class GatedDeltaNet(nn.Module):
         cache, meta = ctx.state_cache(self.layer), ctx.state_metadata(self.layer)
         conv = causal_conv(mixed, cache.conv, meta, self.conv1d.weight[:, 0, :], None, act=self.act)  # [T, C]
         conv = conv.float()
-        if kernels.state_scan_supported(cache.recurrent):  # token by token in C (norms and gates inside)
+        if kernels.usable(cache.recurrent):  # token by token in C (norms and gates inside)
             o = kernels.gdn_scan(conv, a.float(), b.float(), a_log=self.A_log, dt_bias=self.dt_bias,
                                  key_heads=self.k_heads, state=cache.recurrent, plan=meta.plan,
                                  checkpoints=meta.plan_checkpoints, threads=kernel_threads())

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.core.errors import ConfigError
-from hybridkv.engine.kernels import GATED_ACTS, gated_act, kernels_available, rms_norm
+from hybridkv.engine import kernels
+from hybridkv.engine.kernels import GATED_ACTS, gated_act, rms_norm
 from hybridkv.engine.models.base import ForwardContext, config_value, head_dim_of
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -67,8 +68,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I] each
-        if (gate.dtype == torch.float32 and self.act_name in GATED_ACTS and not torch.is_grad_enabled()
-                and kernels_available()):
+        if self.act_name in GATED_ACTS and not torch.is_grad_enabled() and kernels.usable(gate, up):
             return self.down_proj(gated_act(gate, up, self.act_name))  # type: ignore[no-any-return]
         return self.down_proj(self.act(gate).mul_(up))  # type: ignore[no-any-return]
 
@@ -86,7 +86,7 @@ class RMSNorm(nn.Module):
         w = None if self.weight is None else self.weight.float()
         if w is not None and self.unit_offset:
             w = 1.0 + w
-        if x.dtype == torch.float32 and not torch.is_grad_enabled() and kernels_available():
+        if not torch.is_grad_enabled() and kernels.usable(x):
             return rms_norm(x, w, self.eps)  # one pass per row (torch's CPU F.rms_norm is six ops)
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 

@@ -75,7 +75,7 @@ class Mamba1Mixer(nn.Module):
         dt = F.softplus(dt + self.dt_proj.bias.float())
         inputs = (xs, dt, self.b_layernorm(b), self.c_layernorm(c))
         a, skip = -torch.exp(self.A_log.float()), self.D.float()
-        if kernels.state_scan_supported(cache.recurrent):  # token by token in C, both cores
+        if kernels.usable(cache.recurrent):  # token by token in C, both cores
             y = kernels.mamba1_scan(*inputs, a=a, d=skip, state=cache.recurrent, plan=meta.plan,
                                     checkpoints=meta.plan_checkpoints, threads=kernel_threads())
         else:

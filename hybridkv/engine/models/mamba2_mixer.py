@@ -65,7 +65,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y, z [T, dim] -> [T, dim] float32."""
-        if y.dtype == z.dtype == torch.float32 and not torch.is_grad_enabled() and kernels.kernels_available():
+        if not torch.is_grad_enabled() and kernels.usable(y, z):
             return kernels.gated_rms_norm(y, z, self.weight, parts=self.groups, eps=self.eps,
                                           gate_first=not self.norm_before_gate, threads=kernel_threads())
         y, gate = y.float(), F.silu(z.float())
@@ -126,7 +126,7 @@ class Mamba2Mixer(nn.Module):
         xs = xs.reshape(t, d.num_heads, d.head_dim)  # [T, H, P]
         b, c = b.reshape(t, d.n_groups, d.state_size), c.reshape(t, d.n_groups, d.state_size)  # [T, G, N]
         a, skip = -torch.exp(self.A_log.float()), self.D.float()
-        if kernels.state_scan_supported(cache.recurrent):  # token by token in C (the time step inside)
+        if kernels.usable(cache.recurrent):  # token by token in C (the time step inside)
             y = kernels.mamba2_scan(xs, dt, b, c, dt_bias=self.dt_bias, dt_limit=d.time_step_limit, a=a, d=skip,
                                     state=cache.recurrent, plan=meta.plan, checkpoints=meta.plan_checkpoints,
                                     threads=kernel_threads())
