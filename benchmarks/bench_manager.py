@@ -39,12 +39,12 @@ from time import perf_counter_ns
 
 from tqdm import tqdm
 
-from hybridkv.core.hashing import BlockHasher
-from hybridkv.core.ids import RequestId
-from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode
-from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.core.request import KVRequest
-from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
+from hybridkv.kvcache.hashing import BlockHasher
+from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.plan.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
 
 try:
     from benchmarks.traces import Trace, make_trace

@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from hybridkv.connector.client import GroupLayout, KVClient, SharedKVBuffers, chunk_hashes, make_layout
-from hybridkv.server.protocol import GroupKind
+from hybridkv.wire import GroupKind
 
 LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\)")
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hybridkv.server.tiers import DiskTier, L2Tier, ValkeyTier
+from hybridkv.cache_server.tiers import DiskTier, L2Tier, ValkeyTier
 
 
 def measure(tier: L2Tier, values: list[bytes]) -> tuple[float, float]:

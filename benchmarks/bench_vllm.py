@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_engine import VOCAB, build_model  # noqa: E402  (the same tiny Gemma 3)
 
-from tests.server.helpers import server_process  # noqa: E402
+from tests.cache_server.helpers import server_process  # noqa: E402
 
 
 def prompt(length: int, seed: int) -> list[int]:

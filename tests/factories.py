@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from hybridkv.core.ids import RequestId
-from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.core.request import KVRequest, MultiModalFeature
-from hybridkv.core.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
+from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.request import KVRequest, MultiModalFeature
+from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.plan.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
 
 _ALIASES = {"sliding": SpecKind.SLIDING_WINDOW, "chunked": SpecKind.CHUNKED_LOCAL}
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from hybridkv.core.errors import ConfigError
+from hybridkv.errors import ConfigError
 
 __all__ = ["CatalogEntry", "catalog", "find"]
 

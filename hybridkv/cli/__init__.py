@@ -14,13 +14,13 @@ Layout of this package (a newcomer finds each command's code beside its siblings
     plan_report.py   plan tables and the documented JSON report
     plan_plot.py     `plan --plot`: capacity vs context length
     run.py           `hybridkv run`
-    serve.py         `hybridkv serve` (the server itself: hybridkv/serve/)
+    serve.py         `hybridkv serve` (the server itself: hybridkv/openai_api/)
 
 Adding a subcommand: write `hybridkv/cli/NAME.py` with one typer command function (keep heavy
 imports such as torch inside the function, so `hybridkv plan` stays light), import the module
 below and register it with ONE line, e.g.
 
-    app.command("server")(server.server_command)
+    app.command("server")(cache_server.server_command)
 
 or, for a subcommand with its own subcommands, `app.add_typer(NAME.app, name="NAME")`.
 The entry point stays `hybridkv.cli:main`; `python -m hybridkv` runs the same `main`.
@@ -33,7 +33,7 @@ from typing import Annotated
 import typer
 
 from hybridkv import __version__
-from hybridkv.cli import plan, run, serve, server
+from hybridkv.cli import cache_server, openai_server, plan, run
 
 # Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column.
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
@@ -56,8 +56,8 @@ def _root(
 # One line per subcommand (see the module docstring).
 app.command("plan")(plan.plan_command)
 app.command("run")(run.run_command)
-app.command("server")(server.server_command)
-app.command("serve")(serve.serve_command)
+app.command("server")(cache_server.server_command)
+app.command("serve")(openai_server.serve_command)
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
+from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
 
 DEFAULTS = EngineConfig.defaults()
 

@@ -13,17 +13,17 @@ import typer
 
 from hybridkv.cli.errors import flags_of, in_flag_words, usage_error
 from hybridkv.cli.tables import stdout_console
-from hybridkv.core.errors import HybridKVError
-from hybridkv.core.model_specs import KVCacheDType, SpecOptions
-from hybridkv.core.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from hybridkv.core.specs import MambaCacheMode
+from hybridkv.errors import HybridKVError
+from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hybridkv.plan.specs import MambaCacheMode
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from hybridkv.cli.plan_report import PlanRequest
-    from hybridkv.core.planner import Plan
-    from hybridkv.core.specs import ModelSpec
+    from hybridkv.plan.planner import Plan
+    from hybridkv.plan.specs import ModelSpec
 
 
 # Option names as the planner's errors spell them -> the flags a user typed.
@@ -112,7 +112,7 @@ def plan_command(
     if json_output:
         reports = [plan_report.plan_to_json(spec, result) for spec, result in plans]
         if vllm:
-            from hybridkv.cli.plan_vllm import vllm_flags
+            from hybridkv.plan.vllm_flags import vllm_flags
 
             for report, (_, result) in zip(reports, plans, strict=True):
                 report["vllm"] = vllm_flags(result).to_json()
@@ -129,7 +129,7 @@ def plan_command(
 
 def _print_vllm_flags(console: Console, plans: list[tuple[ModelSpec, Plan]]) -> None:
     """`plan --vllm`: per model, N and the two command lines (after the capacity report above)."""
-    from hybridkv.cli.plan_vllm import vllm_flags
+    from hybridkv.plan.vllm_flags import vllm_flags
 
     for spec, result in plans:
         flags = vllm_flags(result)

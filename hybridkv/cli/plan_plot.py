@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.cli.plan_report import PlanRequest, make_plan
-from hybridkv.core.errors import ConfigError
+from hybridkv.errors import ConfigError
 
 DEFAULT_LENGTHS_TOKENS: tuple[int, ...] = tuple(1024 * 2**i for i in range(8))  # 1K .. 128K
 

@@ -16,9 +16,9 @@ from rich.console import Console
 
 from hybridkv.catalog import catalog, find
 from hybridkv.cli.tables import SHORT_LAYER_LIST, layer_list, new_table, print_table
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.model_specs import SpecOptions, load_config, model_spec_from_config
-from hybridkv.core.planner import (
+from hybridkv.errors import ConfigError
+from hybridkv.plan.model_specs import SpecOptions, load_config, model_spec_from_config
+from hybridkv.plan.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     GIB,
     KVCacheConfig,
@@ -29,7 +29,7 @@ from hybridkv.core.planner import (
     plan,
     resolve_max_model_len,
 )
-from hybridkv.core.specs import (
+from hybridkv.plan.specs import (
     AttentionSpec,
     CompressedMLASpec,
     IndexerSpec,

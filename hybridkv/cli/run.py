@@ -33,10 +33,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hybridkv.cli import engine_options as opt
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.tables import layer_list, new_table, print_table, stdout_console
-from hybridkv.core.errors import HybridKVError
-from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.workload import Conversation, Turn, builtin_chat, load_jsonl, rounds
+from hybridkv.errors import HybridKVError
+from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any, TypeVar
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import xxhash
 import zmq
 
-from hybridkv.core.errors import HybridKVError
-from hybridkv.server.protocol import (
+from hybridkv.errors import HybridKVError
+from hybridkv.wire import (
     AnyReply,
     BufferLayout,
     ClearReply,
@@ -60,11 +59,12 @@ from hybridkv.server.protocol import (
     UnregisterRequest,
     decode_reply,
     encode,
+    layout_fingerprint,
 )
 
 __all__ = [
     "BufferLayout", "GroupLayout", "KVClient", "Layout", "LookupReply", "Registration", "RetrieveReply",
-    "ServerError", "ServerTimeout", "SharedKVBuffers", "StoreReply", "chunk_hashes", "layout_fingerprint",
+    "ServerError", "ServerTimeout", "SharedKVBuffers", "StoreReply", "chunk_hashes",
     "make_layout",
 ]
 
@@ -97,23 +97,6 @@ def chunk_hashes(token_ids: Sequence[int] | npt.NDArray[np.int64], chunk_tokens:
         parent = xxhash.xxh3_128_digest(parent + tokens[start:start + chunk_tokens].tobytes())
         out.append(parent)
     return out
-
-
-def layout_fingerprint(model: str, groups: Sequence[GroupLayout]) -> str:
-    """What decides the bytes of an object: the model and every group's kind, layers, block, window and
-    page size(s) (not the buffer names, sizes or block counts, which differ between engine processes).
-
-    A group without `layer_page_bytes` is encoded exactly as before that field existed, so the
-    fingerprints of those layouts (and the keys of objects already in an L2 tier) never change."""
-    return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode([model, [_fingerprint_fields(g) for g in groups]]))
-
-
-def _fingerprint_fields(g: GroupLayout) -> dict[str, Any]:
-    fields: dict[str, Any] = {"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
-                              "page_bytes": g.page_bytes, "window_tokens": g.window_tokens}
-    if g.layer_page_bytes is not None:
-        fields["layer_page_bytes"] = list(g.layer_page_bytes)
-    return fields
 
 
 class SharedKVBuffers:

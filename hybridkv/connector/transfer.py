@@ -48,8 +48,8 @@ from hybridkv.connector.base import (
     TransferStats,
 )
 from hybridkv.connector.client import KVClient, Registration, ServerError, chunk_hashes
-from hybridkv.core.errors import ConfigError
-from hybridkv.server.protocol import ErrorCode, GroupKind, Layout
+from hybridkv.errors import ConfigError
+from hybridkv.wire import ErrorCode, GroupKind, Layout
 
 __all__ = ["ServerConnector", "StateSaves"]
 

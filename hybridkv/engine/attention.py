@@ -45,9 +45,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine import kernels
 from hybridkv.engine.kernels import paged_decode
+from hybridkv.plan.specs import SpecKind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,16 +95,6 @@ class AttentionCall:
     key_lo: torch.Tensor | None = None  # [rows] one-query calls: row r attends to key slots [key_lo[r], key_hi[r])
     key_hi: torch.Tensor | None = None
 
-    @property
-    def read_blocks(self) -> torch.Tensor:
-        """[rows, keys] block id of each key slot."""
-        return self.read_block_ids.repeat_interleave(self.block_size, dim=1)
-
-    @property
-    def read_offsets(self) -> torch.Tensor:
-        """[rows, keys] offset of each key slot in its block."""
-        keys = self.read_block_ids.shape[1] * self.block_size
-        return (torch.arange(keys) % self.block_size).expand(self.rows, keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,13 +293,6 @@ def groups_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[Sequence[int
         for g in range(len(block_tables))
     ]
 
-
-def build_group_metadata(
-    chunks: Sequence[ScheduledChunk], *, rule: AttentionRule, block_size: int
-) -> GroupMetadata:
-    """Slot mapping and read plan of one group for a step (chunks in flattened token order)."""
-    plan = plan_reads([(c.start_pos, c.end_pos) for c in chunks], rule=rule, block_size=block_size)
-    return groups_metadata(plan, [[c.block_ids for c in chunks]])[0]
 
 
 def write_kv(cache: torch.Tensor, meta: GroupMetadata, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.kv_cache_manager import MambaCacheMode, PrefixCaching
-from hybridkv.core.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
+from hybridkv.errors import ConfigError
+from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 4096

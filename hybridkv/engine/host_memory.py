@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridkv.core.errors import CapacityError
-from hybridkv.core.planner import GIB
+from hybridkv.errors import CapacityError
+from hybridkv.plan.planner import GIB
 
 MEMINFO = Path("/proc/meminfo")
 

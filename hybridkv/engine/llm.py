@@ -3,7 +3,7 @@
     llm = LLM("path/to/hf_model_dir", max_num_batched_tokens=256)     # or LLM() for the default
     outputs = llm.generate(["Hello", [2, 104, 105]], SamplingParams(max_tokens=16))
 
-Beneath `generate`, the incremental API (continuous batching; engine_core.py): `add_request`
+Beneath `generate`, the incremental API (continuous batching; outputs.py): `add_request`
 queues a request, `step` runs one step and returns each request's new tokens (and its output when
 it finishes), `abort` frees a request's blocks, `has_unfinished` says whether a step has work.
 
@@ -11,7 +11,7 @@ Construction: config.json -> model (models/) + ModelSpec (core.model_specs) -> p
 -> KVCacheManager (core) and ModelRunner (same KVCacheConfig) -> Scheduler.
 
 With `kv_server=URL | "auto"` the KV cache tensors live in shared memory registered with a KV
-cache server (engine/kv_transfer.py); each step then loads the external hits the scheduler
+cache server (engine/kv_offload.py); each step then loads the external hits the scheduler
 allocated before the forward pass and stores the chunks the step completed after it.
 `reset_prefix_cache()` clears only the local prefix cache (`external=True` also the server's).
 """
@@ -32,54 +32,27 @@ import torch
 from hybridkv.catalog import find as find_catalog_entry
 from hybridkv.connector.base import ConnectorMeta, StepWork
 from hybridkv.connector.transfer import StateSaves
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.ids import NULL_BLOCK_ID, BlockId, RequestId
-from hybridkv.core.kv_cache_manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
-from hybridkv.core.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
-from hybridkv.core.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
-from hybridkv.core.request import KVRequest
-from hybridkv.core.specs import ModelSpec, SpecKind
 from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.default_model import ensure_default_model
-from hybridkv.engine.engine_core import LiveRequests, StepOutput
 from hybridkv.engine.host_memory import check_fits
-from hybridkv.engine.kv_transfer import KVTransfer, model_identity
+from hybridkv.engine.kv_offload import KVTransfer, model_identity
 from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
-from hybridkv.engine.request import FinishReason, Request
+from hybridkv.engine.outputs import LiveRequests, RequestMetrics, RequestOutput, StepOutput
+from hybridkv.engine.request import Request
 from hybridkv.engine.runner import ModelRunner, StepItem
 from hybridkv.engine.sampler import SamplingParams, sample, top_logprobs
 from hybridkv.engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from hybridkv.engine.state_layers import StateIO
 from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
+from hybridkv.errors import ConfigError
+from hybridkv.kvcache.ids import NULL_BLOCK_ID, BlockId, RequestId
+from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.plan.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
+from hybridkv.plan.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
+from hybridkv.plan.specs import ModelSpec, SpecKind
 
 Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RequestMetrics:
-    """Timing and cache use of one request (seconds from its arrival in `generate`)."""
-
-    ttft_s: float
-    latency_s: float
-    prefix_hit_tokens: int  # served by the local prefix cache
-    num_preemptions: int
-    external_hit_tokens: int = 0  # loaded from the KV cache server
-    computed_prefill_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
-
-    @property
-    def local_hit_tokens(self) -> int:
-        return self.prefix_hit_tokens
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    metrics: RequestMetrics
-    logprobs: list[dict[int, float]]  # per generated token: top `SamplingParams.logprobs` ids (+ its own) -> logprob
 
 
 @dataclass(slots=True)
@@ -188,7 +161,8 @@ class LLM:
         (ALL mode checkpoints every boundary a step crosses, so chunks need no cut)."""
         state_blocks = {g.block_size for g in self.plan.config.groups if g.kind is SpecKind.MAMBA}
         cfg = self.config
-        if not state_blocks or cfg.prefix_caching is PrefixCaching.OFF or cfg.mamba_cache_mode is MambaCacheMode.ALL:
+        if (not state_blocks or cfg.prefix_caching is PrefixCaching.OFF
+                or cfg.mamba_cache_mode in (MambaCacheMode.ALL, MambaCacheMode.NONE)):
             return 0
         return max(state_blocks)
 

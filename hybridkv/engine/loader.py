@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.model_specs import load_config
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.models.registry import model_class
+from hybridkv.errors import ConfigError
+from hybridkv.plan.model_specs import load_config
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -25,10 +25,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.planner import KVCacheGroupSpec
-from hybridkv.core.specs import IndexerSpec, MLAFormat, MLASpec, dtype_bytes
 from hybridkv.engine.attention import AttentionCall, GroupMetadata
+from hybridkv.errors import ConfigError
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import IndexerSpec, MLAFormat, MLASpec, dtype_bytes
 
 
 def latent_view(buffer: torch.Tensor, spec: MLASpec | IndexerSpec, *, group: KVCacheGroupSpec,

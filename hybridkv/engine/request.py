@@ -12,9 +12,9 @@ from enum import Enum
 
 import torch
 
-from hybridkv.core.ids import RequestId
-from hybridkv.core.request import KVRequest
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.request import KVRequest
 
 
 class RequestStatus(Enum):

@@ -25,9 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.core.specs import AttentionSpec, IndexerSpec, MLASpec, SpecKind
 from hybridkv.engine import kernels
 from hybridkv.engine.attention import AttentionRule, GroupMetadata, groups_metadata, plan_reads
 from hybridkv.engine.loader import torch_dtype
@@ -35,6 +32,9 @@ from hybridkv.engine.mla_attention import latent_view
 from hybridkv.engine.models.base import CausalLM, ForwardContext
 from hybridkv.engine.state_layers import StateCache, StateIO, StateLayers
 from hybridkv.engine.threads import StepThreads
+from hybridkv.errors import ConfigError
+from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.plan.specs import AttentionSpec, IndexerSpec, MLASpec, SpecKind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

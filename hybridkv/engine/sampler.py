@@ -12,7 +12,7 @@ from enum import Enum
 
 import torch
 
-from hybridkv.core.errors import ConfigError
+from hybridkv.errors import ConfigError
 
 
 class EosMode(Enum):

@@ -38,10 +38,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hybridkv.connector.base import KVConnectorScheduler
-from hybridkv.core.errors import CapacityError
-from hybridkv.core.ids import RequestId
-from hybridkv.core.kv_cache_manager import CacheHit, CacheTiming, KVCacheManager
 from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.errors import CapacityError
+from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.manager import CacheHit, CacheTiming, KVCacheManager
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -59,11 +59,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.core.specs import MambaSpec, SpecKind
 from hybridkv.engine import kernels
 from hybridkv.engine.threads import kernel_threads
+from hybridkv.errors import ConfigError
+from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.plan.specs import MambaSpec, SpecKind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.core.errors import ConfigError
+from hybridkv.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -75,16 +75,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from hybridkv.connector.base import ConnectorMeta, LoadSpec, SaveSpec, StepWork
 from hybridkv.connector.client import KVClient
 from hybridkv.connector.transfer import ServerConnector, StateSaves
-from hybridkv.core.errors import ConfigError
-from hybridkv.integrations.vllm_layout import (
+from hybridkv.errors import ConfigError
+from hybridkv.integrations.vllm_staging import (
     LayerPages,
     StagingBuffers,
     group_layouts,
     layer_pages,
-    layout_fingerprint,
     server_layout,
+    vllm_layout_fingerprint,
 )
-from hybridkv.server.protocol import GroupKind, GroupLayout, Layout
+from hybridkv.wire import GroupKind, GroupLayout, Layout
 
 __all__ = ["HybridKVConnector", "HybridKVMetadata"]
 
@@ -233,7 +233,7 @@ def _backends_and_kernel_blocks(vllm_config: Any, kv_cache_config: Any) -> tuple
 def check_state_flags(vllm_config: Any, kv_cache_config: Any, groups: Sequence[GroupLayout],
                       chunk_tokens: int | None = None) -> None:
     """A Mamba / GDN hybrid: raise one ConfigError naming every flag to change, with the flags our planner
-    computes for the model (see `hybridkv.cli.plan_vllm`), unless vLLM runs as the connector needs."""
+    computes for the model (see `hybridkv.plan.vllm_flags`), unless vLLM runs as the connector needs."""
     state = [g.block_tokens for g in groups if g.kind is GroupKind.STATE]
     if not state:
         return
@@ -254,9 +254,9 @@ def check_state_flags(vllm_config: Any, kv_cache_config: Any, groups: Sequence[G
 
 
 def _planned_flags(vllm_config: Any, n: int) -> str:
-    from hybridkv.cli.plan_vllm import vllm_flags
-    from hybridkv.core.model_specs import model_spec_from_config
-    from hybridkv.core.planner import GIB, PlannerOptions, plan
+    from hybridkv.plan.model_specs import model_spec_from_config
+    from hybridkv.plan.planner import GIB, PlannerOptions, plan
+    from hybridkv.plan.vllm_flags import vllm_flags
 
     model_config = vllm_config.model_config
     block = vllm_config.cache_config.block_size
@@ -340,7 +340,7 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         config = self._vllm_config
         backends, kernel_blocks = _backends_and_kernel_blocks(config, self._kv_cache_config)
         model = self.options.model or str(config.model_config.model)
-        fingerprint = layout_fingerprint(model=model, groups=self.groups, kv_cache_config=self._kv_cache_config,
+        fingerprint = vllm_layout_fingerprint(model=model, groups=self.groups, kv_cache_config=self._kv_cache_config,
                                          backends=backends, kernel_block_sizes=kernel_blocks)
         pages = layer_pages(self._kv_cache_config, kv_caches)
         staging = StagingBuffers(num_slots=max(g.num_layers for g in self.groups),

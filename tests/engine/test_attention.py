@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.attention import (
     AttentionRule,
     ScheduledChunk,
-    build_group_metadata,
     groups_metadata,
     paged_attention,
     plan_reads,
     write_kv,
 )
+from hybridkv.plan.specs import SpecKind
+from tests.engine.attention_helpers import build_group_metadata, read_blocks, read_offsets
 
 FULL = AttentionRule(kind=SpecKind.FULL)
 
@@ -33,8 +33,8 @@ def test_sliding_window_reads_only_the_window_and_skips_the_null_block() -> None
     assert meta.write_offsets.tolist() == [0, 1]
     (call,) = meta.calls
     assert (call.rows, call.queries) == (1, 2)
-    assert call.read_blocks.tolist() == [[7, 7, 9, 9]]  # key positions 2, 3, 4, 5
-    assert call.read_offsets.tolist() == [[0, 1, 0, 1]]
+    assert read_blocks(call).tolist() == [[7, 7, 9, 9]]  # key positions 2, 3, 4, 5
+    assert read_offsets(call).tolist() == [[0, 1, 0, 1]]
     assert call.mask[0, 0].tolist() == [[True, True, True, False], [False, True, True, True]]
 
 
@@ -45,8 +45,8 @@ def test_decodes_of_different_lengths_share_one_padded_call() -> None:
     assert (call.rows, call.queries) == (2, 1)
     # whole blocks: row 0 reads blocks 3, 4 (keys 0-2, slot 3 is past its query) padded with its last block
     assert call.read_block_ids.tolist() == [[3, 4, 4], [5, 6, 8]]
-    assert call.read_blocks.tolist() == [[3, 3, 4, 4, 4, 4], [5, 5, 6, 6, 8, 8]]
-    assert call.read_offsets.tolist() == [[0, 1, 0, 1, 0, 1]] * 2
+    assert read_blocks(call).tolist() == [[3, 3, 4, 4, 4, 4], [5, 5, 6, 6, 8, 8]]
+    assert read_offsets(call).tolist() == [[0, 1, 0, 1, 0, 1]] * 2
     assert call.mask[:, 0, 0].tolist() == [[True, True, True, False, False, False], [True] * 5 + [False]]
 
 
@@ -54,7 +54,7 @@ def test_chunked_local_attends_within_the_chunk() -> None:
     rule = AttentionRule(kind=SpecKind.CHUNKED_LOCAL, chunk_tokens=4)
     (call,) = build_group_metadata([ScheduledChunk(start_pos=5, end_pos=7, block_ids=[0, 0, 2, 3])],
                                    rule=rule, block_size=2).calls
-    assert call.read_blocks.tolist() == [[2, 2, 3, 3]]  # keys 4, 5, 6 of chunk [4, 8); slot 7 is never seen
+    assert read_blocks(call).tolist() == [[2, 2, 3, 3]]  # keys 4, 5, 6 of chunk [4, 8); slot 7 is never seen
     assert call.mask[0, 0].tolist() == [[True, True, False, False], [True, True, True, False]]
 
 

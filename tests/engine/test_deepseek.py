@@ -18,14 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.planner import KVCacheGroupSpec
-from hybridkv.core.specs import IndexerSpec, MLAFormat, MLASpec, SpecKind
-from hybridkv.engine.attention import AttentionRule, GroupMetadata, ScheduledChunk, build_group_metadata
+from hybridkv.cache_server.store import StoreConfig
+from hybridkv.engine.attention import AttentionRule, GroupMetadata, ScheduledChunk
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.mla_attention import dsa_select, latent_view
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.server.store import StoreConfig
+from hybridkv.errors import ConfigError
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import IndexerSpec, MLAFormat, MLASpec, SpecKind
+from tests.engine.attention_helpers import build_group_metadata
 from tests.engine.conftest import VOCAB, hf_greedy, prompts
 
 transformers = pytest.importorskip("transformers")
@@ -186,8 +187,8 @@ def test_kv_server_procedure_with_a_group_of_mixed_pages(kind: str, deepseek_dir
     """Latents and indexer keys (pages of two sizes in one group) stored and loaded through the KV cache
     server: run, clear only the local prefix cache, run again; the same tokens as the first run and
     transformers, whole 64-token chunks loaded from the server."""
+    from tests.cache_server.helpers import running_server
     from tests.engine.test_kv_connector import GREEDY, check, procedure
-    from tests.server.helpers import running_server
 
     path = deepseek_dir(kind)
     batch = prompts([150, 101, 70], seed=7)

@@ -26,16 +26,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.model_specs import model_spec_from_config
-from hybridkv.core.planner import KVCacheConfig, PlannerOptions, build_kv_cache_config
-from hybridkv.engine.attention import ScheduledChunk, build_group_metadata
+from hybridkv.engine.attention import ScheduledChunk
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.loader import load_model
 from hybridkv.engine.models.base import CausalLM, ForwardContext
 from hybridkv.engine.models.gemma3n import Gemma3nForCausalLM
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.errors import ConfigError
+from hybridkv.plan.model_specs import model_spec_from_config
+from hybridkv.plan.planner import KVCacheConfig, PlannerOptions, build_kv_cache_config
+from tests.engine.attention_helpers import build_group_metadata
 from tests.engine.conftest import COMMON, WINDOW, hf_greedy, prompts, transformers
 
 S, F = "sliding_attention", "full_attention"

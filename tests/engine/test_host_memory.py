@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.core.errors import CapacityError
 from hybridkv.engine.host_memory import available_bytes, check_fits
+from hybridkv.errors import CapacityError
 
 GIB = 1024**3
 MEMINFO = "MemTotal:       24683584 kB\nMemFree:        12157440 kB\nMemAvailable:   20971520 kB\n"  # 20 GiB free

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.engine.engine_core import StepOutput
 from hybridkv.engine.llm import LLM
+from hybridkv.engine.outputs import StepOutput
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.errors import ConfigError
 from tests.engine.conftest import hf_greedy, prompts
 
 GREEDY = SamplingParams(max_tokens=6, eos=EosMode.IGNORE)

@@ -10,11 +10,12 @@ import os
 import pytest
 import torch
 
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine import kernels
-from hybridkv.engine.attention import AttentionRule, ScheduledChunk, build_group_metadata, paged_attention
+from hybridkv.engine.attention import AttentionRule, ScheduledChunk, paged_attention
 from hybridkv.engine.kernels import gated_act, kernels_available, rms_norm
 from hybridkv.engine.models.layers import RMSNorm
+from hybridkv.plan.specs import SpecKind
+from tests.engine.attention_helpers import build_group_metadata
 
 RULES = {
     "full": AttentionRule(kind=SpecKind.FULL),

@@ -31,6 +31,7 @@ print(json.dumps([o.token_ids for o in outputs]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
 def test_the_plain_torch_engine_matches_transformers(kind: str, model_dir: Callable[[str], Path],
                                                      hf_model: Callable[[Path], Any]) -> None:

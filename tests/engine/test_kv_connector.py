@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from hybridkv.engine.llm import LLM, RequestOutput
+from hybridkv.cache_server.store import StoreConfig
+from hybridkv.engine.llm import LLM
+from hybridkv.engine.outputs import RequestOutput
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.server.store import StoreConfig
+from tests.cache_server.helpers import RunningServer, running_server
 from tests.engine.conftest import hf_greedy, prompts
 from tests.engine.mamba_fixtures import mamba_dir, mamba_hf  # noqa: F401  (fixtures)
 from tests.engine.test_gemma3n import gemma3n_dir  # noqa: F401  (fixture)
-from tests.server.helpers import RunningServer, running_server
 
 CHUNK = 16
 NEW = 6

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.core.kv_cache_manager import PrefixCaching
+from hybridkv.cache_server.registered_layout import RequestError
+from hybridkv.cache_server.store import StoreConfig
+from hybridkv.connector.server_process import start_server_process
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.server.layout import RequestError
-from hybridkv.server.process import start_server_process
-from hybridkv.server.protocol import ErrorCode
-from hybridkv.server.store import StoreConfig
+from hybridkv.kvcache.manager import PrefixCaching
+from hybridkv.wire import ErrorCode
+from tests.cache_server.helpers import running_server
 from tests.engine.conftest import prompts
-from tests.server.helpers import running_server
 
 GREEDY = SamplingParams(max_tokens=5, eos=EosMode.IGNORE)
 OPTIONS = dict(max_model_len=128, kv_server_timeout_s=1.0)
@@ -37,6 +37,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_absent_server_is_logged_once_and_the_engine_serves(model_dir: Callable[[str], Path],
                                                             caplog: pytest.LogCaptureFixture) -> None:
     path = model_dir("gemma3")
@@ -52,6 +53,7 @@ def test_absent_server_is_logged_once_and_the_engine_serves(model_dir: Callable[
     assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_then_restarted_with_its_disk_tier(model_dir: Callable[[str], Path],
                                                                  tmp_path: Path) -> None:
     path = model_dir("gemma3")

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.plan.specs import SpecKind
 from tests.engine.conftest import hf_greedy, prompts
 from tests.engine.mamba_fixtures import MAMBA_KINDS, mamba_dir, mamba_hf  # noqa: F401 (fixtures)
 

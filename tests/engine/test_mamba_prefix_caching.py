@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.core.kv_cache_manager import PrefixCaching
-from hybridkv.core.planner import KVCacheGroupSpec
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.kvcache.manager import PrefixCaching
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import SpecKind
 from tests.engine.conftest import hf_greedy, prompts
 from tests.engine.mamba_fixtures import mamba_dir, mamba_hf  # noqa: F401 (fixtures)
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from hybridkv.core.kv_cache_manager import PrefixCaching
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.kvcache.manager import PrefixCaching
+from hybridkv.plan.specs import SpecKind
 from tests.engine.conftest import WINDOW, hf_greedy, prompts
 
 GREEDY = SamplingParams(max_tokens=8, eos=EosMode.IGNORE)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.core.errors import CapacityError
-from hybridkv.core.ids import RequestId
-from hybridkv.core.kv_cache_manager import KVCacheManager
-from hybridkv.core.model_specs import SpecOptions, model_spec_from_config
-from hybridkv.core.planner import PlannerOptions, build_kv_cache_config
-from hybridkv.core.request import KVRequest
 from hybridkv.engine.request import FinishReason, Request, RequestStatus
 from hybridkv.engine.sampler import EosMode, SamplingParams
 from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
+from hybridkv.errors import CapacityError
+from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.plan.model_specs import SpecOptions, model_spec_from_config
+from hybridkv.plan.planner import PlannerOptions, build_kv_cache_config
 
 BLOCK = 4
 CONFIG = {  # 2 sliding (window 8) + 1 full layer; 1 KiB pages at block size 4

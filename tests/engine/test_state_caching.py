@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.core.kv_cache_manager import PrefixCaching
-from hybridkv.core.planner import KVCacheGroupSpec
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine import kernels
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.kvcache.manager import PrefixCaching
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import SpecKind
 from tests.engine.conftest import hf_greedy, prompts
 
 GREEDY = SamplingParams(max_tokens=8, eos=EosMode.IGNORE, logprobs=1)
@@ -142,7 +142,7 @@ def test_state_pages_are_the_planned_padded_pages(model_dir: Callable[[str], Pat
         for layer in group.layer_indices:
             state = llm.runner.state_caches[layer]
             assert state is not None
-            buffer = llm.runner.buffers[config.tensor_of_layer(layer)]
+            buffer = llm.runner.buffers[next(i for i, tensor in enumerate(config.tensors) if layer in tensor.shared_by)]
             conv, recurrent = state.conv, state.recurrent
             # block b's state starts at byte b * page of its tensor: conv first, the recurrent state after it
             assert conv.stride(0) * conv.element_size() == recurrent.stride(0) * recurrent.element_size() \

@@ -94,7 +94,7 @@ def run_vllm(job: dict[str, Any], tmp_path: Path, *, timeout_s: float = 400) -> 
 
 @pytest.fixture
 def kv_server() -> Iterator[Any]:
-    from tests.server.helpers import server_process
+    from tests.cache_server.helpers import server_process
 
     with server_process("--l1-size-gb", "0.25") as server:
         yield server

@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tests.cache_server.helpers import start_server_process
 from tests.redis_server import free_port
-from tests.server.helpers import start_server_process
 from tests.vllm.conftest import hf_greedy, run_vllm
 from tests.vllm.test_vllm_gemma3 import MAX_TOKENS, PROMPTS, SERVER_HITS, job
 

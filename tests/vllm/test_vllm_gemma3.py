@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hybridkv.core.model_specs import model_spec_from_config
-from hybridkv.core.planner import GIB, PlannerOptions, plan
+from hybridkv.plan.model_specs import model_spec_from_config
+from hybridkv.plan.planner import GIB, PlannerOptions, plan
 from tests.vllm.conftest import hf_greedy, run_vllm, server_metrics
 
 VLLM_KINDS = {"SlidingWindowSpec": "sliding_window", "FullAttentionSpec": "full"}

@@ -35,7 +35,7 @@ def block_size(qwen3_5_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> i
 @pytest.fixture
 def kv_server(block_size: int) -> Iterator[Any]:
     """A `hybridkv server` whose chunk is vLLM's block size (a chunk must hold whole state blocks)."""
-    from tests.server.helpers import server_process
+    from tests.cache_server.helpers import server_process
 
     with server_process("--l1-size-gb", "0.25", "--chunk-size", str(block_size)) as server:
         yield server

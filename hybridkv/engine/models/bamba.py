@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import config_value, head_dim_of
 from hybridkv.engine.models.decoder import FULL, LINEAR, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from hybridkv.engine.models.mamba2_mixer import Mamba2Mixer
 from hybridkv.engine.models.mamba_hybrid import HybridAttention, MixerDecoderLayer, prefixed_mamba2_dims
+from hybridkv.errors import ConfigError
 
 
 def rotary_dim_of(config: Mapping[str, Any], *, default_factor: float = 1.0) -> int:

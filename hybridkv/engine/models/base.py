@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.attention import GroupMetadata, paged_attention, write_kv
 from hybridkv.engine.state_layers import StateCache, StateMetadata
+from hybridkv.errors import ConfigError
+from hybridkv.plan.specs import SpecKind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.models.base import CausalLM, ForwardContext, config_value
 from hybridkv.engine.models.layers import CosSin, RotaryEmbedding
+from hybridkv.errors import ConfigError
+from hybridkv.plan.specs import SpecKind
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

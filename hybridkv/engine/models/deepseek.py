@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.model_specs import IndexerFormat, SpecOptions, model_spec_from_config
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.mla_attention import dsa_select, mla_attention, write_latent
 from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.decoder import FULL, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import CosSin, GatedMLP, RMSNorm, RotaryEmbedding, rope_parameters
+from hybridkv.errors import ConfigError
+from hybridkv.plan.model_specs import IndexerFormat, SpecOptions, model_spec_from_config
+from hybridkv.plan.specs import SpecKind
 
 _DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 

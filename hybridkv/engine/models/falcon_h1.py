@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.models.base import ForwardContext, config_value, head_dim_of
 from hybridkv.engine.models.decoder import FULL, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import CosSin, RMSNorm, RotaryEmbedding, activation
 from hybridkv.engine.models.mamba2_mixer import Mamba2Dims, Mamba2Mixer
 from hybridkv.engine.models.mamba_hybrid import HybridAttention, prefixed_mamba2_dims
+from hybridkv.errors import ConfigError
+from hybridkv.plan.specs import SpecKind
 
 
 def _floats(config: Mapping[str, Any], key: str, count: int) -> list[float]:

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine import kernels
 from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.layers import activation
 from hybridkv.engine.state_layers import causal_conv, scan_states
 from hybridkv.engine.threads import kernel_threads, one_thread
+from hybridkv.errors import ConfigError
 
 CHUNK_TOKENS = 32  # 1.7x faster than 64 on this CPU: the [C, C] products and the solve grow with C
 EXP_FLOOR = -80.0  # log decays below this count as e^-80 (see `decay_exp`)

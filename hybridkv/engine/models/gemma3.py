@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, attend, config_value, head_dim_of
 from hybridkv.engine.models.decoder import FULL, SLIDING, DecoderForCausalLM, DecoderModel, soft_cap
 from hybridkv.engine.models.layers import CosSin, GatedMLP, QKVAttention, RMSNorm, RotaryEmbedding
+from hybridkv.errors import ConfigError
 
 
 def gemma3_layer_types(config: Mapping[str, Any]) -> list[str]:

@@ -30,14 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
-from hybridkv.core.specs import SpecKind
 from hybridkv.engine.attention import paged_attention
 from hybridkv.engine.models.base import CausalLM, ForwardContext, attend, config_value
 from hybridkv.engine.models.decoder import FULL, SLIDING, layer_kinds_of, soft_cap
 from hybridkv.engine.models.gemma3 import gemma_ropes
 from hybridkv.engine.models.gemma3n_layers import Gemma3nAltUp, Gemma3nLaurelBlock, Gemma3nMLP, match_magnitude
 from hybridkv.engine.models.layers import CosSin, RMSNorm, RotaryEmbedding, activation
+from hybridkv.errors import ConfigError
+from hybridkv.plan.specs import SpecKind
 
 # The parts of a multimodal `Gemma3nForConditionalGeneration` checkpoint that the text model does not use.
 _WRAPPER_PREFIX = "model.language_model."

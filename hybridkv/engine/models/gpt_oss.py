@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, attend, config_value
 from hybridkv.engine.models.decoder import FULL, SLIDING, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import CosSin, PreNormDecoderLayer, QKVAttention, RMSNorm, RotaryEmbedding
+from hybridkv.errors import ConfigError
 
 
 class GptOssAttention(QKVAttention):

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, config_value, head_dim_of
 from hybridkv.engine.models.decoder import FULL, LINEAR, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import CosSin, RMSNorm, RotaryEmbedding, activation
 from hybridkv.engine.models.mamba2_mixer import Mamba2Mixer
 from hybridkv.engine.models.mamba_hybrid import HybridAttention, prefixed_mamba2_dims
+from hybridkv.errors import ConfigError
 
 _TYPES = {"mamba": LINEAR, "linear_attention": LINEAR, "attention": FULL, "full_attention": FULL}
 

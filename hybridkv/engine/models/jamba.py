@@ -12,12 +12,12 @@ from typing import Any
 
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import config_value
 from hybridkv.engine.models.decoder import FULL, LINEAR, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import GatedMLP, RMSNorm, RopeLayout, RotaryEmbedding
 from hybridkv.engine.models.mamba1_mixer import Mamba1Dims, Mamba1Mixer
 from hybridkv.engine.models.mamba_hybrid import HybridAttention, MixerDecoderLayer, TopKMoE
+from hybridkv.errors import ConfigError
 
 
 def _every(config: Mapping[str, Any], period_key: str, offset_key: str, period: int, offset: int) -> tuple[int, int]:

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine import kernels
 from hybridkv.engine.kernels import GATED_ACTS, gated_act, rms_norm
 from hybridkv.engine.models.base import ForwardContext, config_value, head_dim_of
+from hybridkv.errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, attend, config_value
 from hybridkv.engine.models.decoder import CHUNKED, FULL, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import (
@@ -32,6 +31,7 @@ from hybridkv.engine.models.layers import (
     RotaryEmbedding,
     activation,
 )
+from hybridkv.errors import ConfigError
 
 
 def _rope_flags(config: Mapping[str, Any], layers: int) -> list[bool]:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, attend, config_value
 from hybridkv.engine.models.layers import CosSin, GatedMLP, QKVAttention, RMSNorm, RotaryEmbedding
 from hybridkv.engine.models.mamba2_mixer import Mamba2Dims
+from hybridkv.errors import ConfigError
 
 
 def _number(value: Any, key: str) -> float:

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.decoder import FULL, LINEAR, MLP, MOE, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.layers import CosSin, RMSNorm, RopeLayout, RotaryEmbedding, activation
 from hybridkv.engine.models.mamba2_mixer import Mamba2Dims, Mamba2Mixer
 from hybridkv.engine.models.mamba_hybrid import HybridAttention, time_step_limit
+from hybridkv.errors import ConfigError
 
 _PATTERN = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 _TYPES = {"mamba": LINEAR, "linear_attention": LINEAR, "attention": FULL, "full_attention": FULL, "mlp": MLP,

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import config_value
 from hybridkv.engine.models.decoder import DecoderForCausalLM
 from hybridkv.engine.models.gated_deltanet import SplitProjections
 from hybridkv.engine.models.layers import GatedMLP
 from hybridkv.engine.models.qwen3_next import SparseMoeBlock, build_hybrid_decoder, split_fused_experts
+from hybridkv.errors import ConfigError
 
 _WRAPPER_PREFIX = "model.language_model."
 _NON_TEXT_PREFIXES = ("model.visual.", "mtp.")

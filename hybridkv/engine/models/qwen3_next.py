@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.core.errors import ConfigError
 from hybridkv.engine.models.base import ForwardContext, attend, config_value
 from hybridkv.engine.models.decoder import FULL, LINEAR, DecoderForCausalLM, DecoderModel
 from hybridkv.engine.models.gated_deltanet import FusedProjections, GatedDeltaNet
 from hybridkv.engine.models.layers import CosSin, GatedMLP, QKVAttention, RMSNorm, RotaryEmbedding
+from hybridkv.errors import ConfigError
 
 
 def hybrid_layer_types(config: Mapping[str, Any]) -> list[str]:

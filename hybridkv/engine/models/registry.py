@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridkv.core.errors import UnsupportedModelError
 from hybridkv.engine.models.bamba import BambaForCausalLM
 from hybridkv.engine.models.base import CausalLM
 from hybridkv.engine.models.deepseek import DeepseekForCausalLM
@@ -20,6 +19,7 @@ from hybridkv.engine.models.llama_like import LlamaLikeForCausalLM
 from hybridkv.engine.models.nemotron_h import NemotronHForCausalLM
 from hybridkv.engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from hybridkv.engine.models.qwen3_next import Qwen3NextForCausalLM
+from hybridkv.errors import UnsupportedModelError
 
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Gemma3ForCausalLM, GptOssForCausalLM, Llama4ForCausalLM, LlamaLikeForCausalLM, Gemma3nForCausalLM,

@@ -43,11 +43,6 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(min=EXP_FLOOR).exp_()
 
 
-def _per_head(bc: torch.Tensor, heads: int) -> torch.Tensor:
-    """B or C [T, G, N] -> [T, H, N] float32: head h reads group h // (H / G)."""
-    return bc.float().repeat_interleave(heads // bc.shape[1], dim=1)
-
-
 def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a: torch.Tensor,
                 d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2 SSD over one segment. x [T, H, P], dt [T, H] (after softplus and clamp), b/c [T, G, N],

@@ -1,0 +1,66 @@
+"""Every option of `hybridkv server`, defined once (the CLI is generated from these fields)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.store import ObjectGroupMode, StoreConfig
+from hybridkv.errors import ConfigError
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 5555  # ZeroMQ control channel; 0 = any free port
+    http_port: int = 8080  # /metrics /status /cache/clear /healthz; 0 = any free port
+    chunk_tokens: int = 256
+    l1_size_gb: float = 2.0
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
+    l2_disk: Path | None = None
+    l2_disk_size_gb: float = 16.0
+    l2_valkey: str | None = None  # redis://host:port[/db] or valkey://...
+    max_message_mib: float = 64.0
+    lock_ttl_s: float = 30.0
+    allow_remote: bool = False  # binding a non-loopback address must be asked for explicitly
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 65535], got {getattr(self, name)}")
+        if self.chunk_tokens <= 0 or self.lock_ttl_s <= 0:
+            raise ConfigError(f"--chunk-size and --lock-ttl-s must be positive, got {self.chunk_tokens} and "
+                              f"{self.lock_ttl_s}")
+        if self.l1_size_gb <= 0 or self.l2_disk_size_gb <= 0 or self.max_message_mib <= 0:
+            raise ConfigError(f"sizes must be positive, got --l1-size-gb {self.l1_size_gb}, --l2-disk-size-gb "
+                              f"{self.l2_disk_size_gb}, --max-message-mib {self.max_message_mib}")
+        if self.l2_valkey is not None and not self.l2_valkey.startswith(("redis://", "valkey://")):
+            raise ConfigError(f"--l2-valkey must be a redis:// or valkey:// URL, got {self.l2_valkey!r}")
+        if not self.is_loopback and not self.allow_remote:
+            raise ConfigError(f"--host {self.host} is not a loopback address; pass --allow-remote to serve the "
+                              "network (the server has no authentication)")
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(chunk_tokens=self.chunk_tokens, l1_bytes=int(self.l1_size_gb * GIB),
+                           eviction_policy=self.eviction_policy, object_groups=self.object_groups,
+                           lock_ttl_s=self.lock_ttl_s)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mib * MIB)

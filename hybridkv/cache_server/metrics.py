@@ -1,0 +1,70 @@
+"""Prometheus metrics of one server (its own registry, so several servers can share a process
+in tests). Tier usage and fault counters are read from the tiers at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hybridkv.cache_server.tiers.base import TierStats
+
+P = "hybridkv_server_"
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        og = ["object_group"]
+        self.requests = Counter(P + "requests", "Control requests handled, by op", ["op"], registry=r)
+        self.errors = Counter(P + "errors", "Error replies, by code", ["code"], registry=r)
+        self.store_requests = Counter(P + "store_requests", "Store requests", registry=r)
+        self.chunks_stored = Counter(P + "chunks_stored", "Chunks committed by every object group", registry=r)
+        self.objects_stored = Counter(P + "objects_stored", "Objects placed in L1", og, registry=r)
+        self.objects_skipped = Counter(P + "objects_skipped", "Objects not needed (all blocks null)", og,
+                                       registry=r)
+        self.refused = Counter(P + "refused_stores", "Objects refused, by reason", [*og, "reason"], registry=r)
+        self.lookups = Counter(P + "lookups", "Lookup requests", registry=r)
+        self.lookup_hit_tokens = Counter(P + "lookup_hit_tokens", "Tokens of lookup hits", registry=r)
+        self.hit_chunks = Counter(P + "lookup_hit_chunks", "Chunks an object group serves in lookup hits", og,
+                                  registry=r)
+        self.retrieves = Counter(P + "retrieves", "Retrieve requests", registry=r)
+        self.retrieved_chunks = Counter(P + "retrieved_chunks", "Chunks copied to engines", og, registry=r)
+        self.bytes_in = Counter(P + "bytes_in", "Page bytes copied from engines", registry=r)
+        self.bytes_out = Counter(P + "bytes_out", "Page bytes copied to engines", registry=r)
+        self.evictions = Counter(P + "l1_evictions", "Objects evicted from L1", registry=r)
+        self.l2_errors = Counter(P + "l2_errors", "L2 operations that failed (I/O, connection)", ["tier"],
+                                 registry=r)
+        self.l2_promotions = Counter(P + "l2_promotions", "Objects read from L2 into L1", ["tier"], registry=r)
+        self.l2_write_dropped = Counter(P + "l2_write_dropped", "Objects not queued for L2 (queue full)",
+                                        ["tier"], registry=r)
+        self.lock_expired = Counter(P + "lock_expired", "Lookups whose locks expired unretrieved", registry=r)
+        self.l1_bytes = Gauge(P + "l1_bytes_used", "Bytes in L1", registry=r)
+        self.l1_objects = Gauge(P + "l1_objects", "Objects in L1", registry=r)
+        self.l1_capacity = Gauge(P + "l1_capacity_bytes", "L1 capacity", registry=r)
+        self.engines = Gauge(P + "registered_engines", "Registered engine instances", registry=r)
+
+    def watch_tiers(self, stats: Callable[[], list[TierStats]]) -> None:
+        self.registry.register(_TierCollector(stats))
+
+
+class _TierCollector(Collector):
+    def __init__(self, stats: Callable[[], list[TierStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        objects = GaugeMetricFamily(P + "tier_objects", "Objects in an L2 tier", labels=["tier"])
+        used = GaugeMetricFamily(P + "tier_bytes_used", "Bytes in an L2 tier", labels=["tier"])
+        corrupt = CounterMetricFamily(P + "tier_corrupt_dropped", "Corrupt or truncated objects dropped",
+                                      labels=["tier"])
+        errors = CounterMetricFamily(P + "tier_errors", "Errors the tier counted itself", labels=["tier"])
+        evicted = CounterMetricFamily(P + "tier_evictions", "Objects a tier removed for room", labels=["tier"])
+        for s in self._stats():
+            objects.add_metric([s.name], s.objects)
+            used.add_metric([s.name], s.bytes_used)
+            corrupt.add_metric([s.name], s.corrupt_dropped)
+            errors.add_metric([s.name], s.errors)
+            evicted.add_metric([s.name], s.evictions)
+        return [objects, used, corrupt, errors, evicted]

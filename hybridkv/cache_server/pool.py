@@ -1,0 +1,165 @@
+"""The L1 memory pool: objects (one per chunk and object group) in a pre-faulted arena.
+
+Accounting is per object (capacity is never divided by the number of groups). An object can be
+locked (a lookup holds it until retrieve, release or a TTL); locked objects are never evicted.
+`put` either places the object, evicting unlocked objects in the policy's order, or changes
+nothing and returns False (the pool is full of locked objects, the object is larger than the
+pool, or `can_reuse` says memory of evicted objects may not be reused yet): the store reports
+that chunk refused.
+
+`can_reuse` exists for the write-behind: an object queued for an L2 tier is handed over as a
+view of the arena, so its memory must not be overwritten before the tier has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hybridkv.cache_server.arena import Arena, aligned
+from hybridkv.cache_server.l1_eviction import EvictionPolicy
+from hybridkv.cache_server.shm import Bytes
+from hybridkv.errors import IntegrityError
+
+
+@dataclass(slots=True)
+class _Entry:
+    offset: int
+    nbytes: int
+    locks: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolStats:
+    objects: int
+    bytes_used: int  # object bytes (their extents are rounded up to 64 bytes)
+    capacity_bytes: int
+    locked_objects: int
+    evictions: int
+
+
+class L1Pool:
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, *,
+                 on_evict: Callable[[bytes, int], None] | None = None,
+                 can_reuse: Callable[[], bool] | None = None) -> None:
+        self._arena = Arena(capacity_bytes)
+        self.capacity_bytes = capacity_bytes
+        self._policy = policy
+        self._entries: dict[bytes, _Entry] = {}
+        self._used = 0  # object bytes
+        self._locked_extent_bytes = 0
+        self._locked_objects = 0
+        self._evictions = 0
+        self._on_evict = on_evict
+        self._can_reuse = can_reuse
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def _view(self, entry: _Entry) -> Bytes:
+        return self._arena.view[entry.offset:entry.offset + entry.nbytes]
+
+    def get(self, key: bytes) -> Bytes | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._policy.touch(key)
+        return self._view(entry)
+
+    def put(self, key: bytes, nbytes: int, fill: Callable[[Bytes], None]) -> bool:
+        """Place a new object of `nbytes` under `key`, written by `fill(view)`; False = nothing placed.
+
+        `key` must not be in the pool. If `fill` raises, the space is given back and the error propagates."""
+        if key in self._entries:
+            raise IntegrityError(f"L1 pool: put of a key already present ({key.hex()})")
+        need = aligned(max(nbytes, 1))
+        if self._locked_extent_bytes + need > self._arena.capacity_bytes:  # even evicting every unlocked object
+            return False
+        offset = self._arena.alloc(need)
+        if offset is None:
+            if self._can_reuse is not None and not self._can_reuse():
+                return False
+            while offset is None:
+                if not self._evict_one():
+                    return False
+                offset = self._arena.alloc(need)
+        entry = _Entry(offset, nbytes)
+        try:
+            fill(self._view(entry))
+        except BaseException:
+            self._arena.free(offset, nbytes)
+            raise
+        self._entries[key] = entry
+        self._policy.insert(key)
+        self._used += nbytes
+        return True
+
+    def _evict_one(self) -> bool:
+        for key in self._policy.order():
+            if not self._entries[key].locks:
+                nbytes = self._entries[key].nbytes
+                self._drop(key)
+                self._evictions += 1
+                if self._on_evict is not None:
+                    self._on_evict(key, nbytes)
+                return True
+        return False
+
+    def evict_one(self) -> bytes | None:
+        """Evict the policy's first unlocked object; its key, or None if every object is locked."""
+        for key in self._policy.order():
+            if not self._entries[key].locks:
+                if self._can_reuse is not None and not self._can_reuse():
+                    return None
+                self._drop(key)
+                self._evictions += 1
+                return key
+        return None
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key)
+        self._policy.remove(key)
+        self._arena.free(entry.offset, entry.nbytes)
+        self._used -= entry.nbytes
+
+    def lock(self, key: bytes) -> bool:
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        if entry.locks == 0:
+            self._locked_extent_bytes += aligned(max(entry.nbytes, 1))
+            self._locked_objects += 1
+        entry.locks += 1
+        self._policy.touch(key)
+        return True
+
+    def unlock(self, key: bytes) -> None:
+        entry = self._entries.get(key)
+        if entry is None or entry.locks == 0:
+            raise IntegrityError(f"L1 pool: unlock of an object that is not locked ({key.hex()})")
+        entry.locks -= 1
+        if entry.locks == 0:
+            self._locked_extent_bytes -= aligned(max(entry.nbytes, 1))
+            self._locked_objects -= 1
+
+    def clear(self) -> int:
+        """Drop every unlocked object (locked ones stay until released); returns how many went."""
+        doomed = [k for k, e in self._entries.items() if not e.locks]
+        for key in doomed:
+            self._drop(key)
+        return len(doomed)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(objects=len(self._entries), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
+                         locked_objects=self._locked_objects, evictions=self._evictions)
+
+    def check_integrity(self) -> None:
+        used = sum(e.nbytes for e in self._entries.values())
+        extents = sum(aligned(max(e.nbytes, 1)) for e in self._entries.values())
+        locked = sum(aligned(max(e.nbytes, 1)) for e in self._entries.values() if e.locks)
+        in_policy = set(self._policy.order())
+        if used != self._used or locked != self._locked_extent_bytes or in_policy != set(self._entries):
+            raise IntegrityError(f"L1 pool: used {self._used} (actual {used}), locked {self._locked_extent_bytes} "
+                                 f"(actual {locked}), {len(in_policy)} keys in the policy vs "
+                                 f"{len(self._entries)} objects")
+        self._arena.check_integrity(extents)

@@ -1,0 +1,233 @@
+"""The server process: the ZeroMQ ROUTER control loop, the HTTP thread, tiers, signals.
+
+Lifecycle (as uvicorn's): startup -> one line saying what it listens on -> serve -> on the first
+SIGINT/SIGTERM stop taking work: the request being handled finishes, requests already queued
+get a SHUTTING_DOWN error reply, the write-behind flushes, tiers close; a second SIGINT forces
+an immediate exit.
+
+Every request gets exactly one reply (its result or an `ErrorReply`): a malformed, truncated,
+unknown or oversized message included, so no client is left waiting. Messages over
+`--max-message-mib` get TOO_LARGE; ZeroMQ itself drops a connection whose message exceeds four
+times that (a guard against memory exhaustion).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+import zmq
+
+from hybridkv.cache_server.config import GIB, ServerConfig
+from hybridkv.cache_server.http import HTTPServer
+from hybridkv.cache_server.registered_layout import RequestError
+from hybridkv.cache_server.store import KVStore
+from hybridkv.cache_server.tiers.base import L2Tier
+from hybridkv.cache_server.tiers.disk import DiskTier
+from hybridkv.cache_server.tiers.valkey import ValkeyTier
+from hybridkv.errors import ConfigError
+from hybridkv.wire import (
+    AnyReply,
+    AnyRequest,
+    ClearReply,
+    ClearRequest,
+    ErrorCode,
+    ErrorReply,
+    LookupReply,
+    LookupRequest,
+    OkReply,
+    ProtocolError,
+    RegisterReply,
+    RegisterRequest,
+    ReleaseRequest,
+    RetrieveReply,
+    RetrieveRequest,
+    StatusReply,
+    StatusRequest,
+    StoreReply,
+    StoreRequest,
+    UnregisterRequest,
+    decode_request,
+    encode,
+)
+
+log = logging.getLogger("hybridkv.cache_server")
+
+POLL_MS = 100
+
+
+def handle(store: KVStore, req: AnyRequest) -> AnyReply:
+    """The reply to one decoded request (errors become an ErrorReply)."""
+    try:
+        return _dispatch(store, req)
+    except RequestError as e:
+        store.metrics.errors.labels(e.code.value).inc()
+        return ErrorReply(req_id=req.req_id, code=e.code, message=str(e))
+    except Exception as e:  # a bug must not kill the loop or leave the client waiting
+        log.exception("internal error handling %s", type(req).__name__)
+        store.metrics.errors.labels(ErrorCode.INTERNAL.value).inc()
+        return ErrorReply(req_id=req.req_id, code=ErrorCode.INTERNAL, message=f"internal error: {e!r}")
+
+
+def _dispatch(store: KVStore, req: AnyRequest) -> AnyReply:
+    rid = req.req_id
+    match req:
+        case RegisterRequest():
+            instance_id, groups = store.register(req.layout)
+            return RegisterReply(req_id=rid, instance_id=instance_id, chunk_tokens=store.config.chunk_tokens,
+                                 object_groups=groups)
+        case LookupRequest():
+            r = store.lookup(req)
+            return LookupReply(req_id=rid, lookup_id=r.lookup_id, hit_tokens=r.hit_tokens,
+                               object_group_hit_tokens=r.object_group_hit_tokens, lock_ttl_s=store.config.lock_ttl_s)
+        case StoreRequest():
+            s = store.store(req)
+            return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals, object_group_bytes=s.object_group_bytes)
+        case RetrieveRequest():
+            got = store.retrieve(req)
+            return RetrieveReply(req_id=rid, retrieved_tokens=got.tokens, bytes_copied=got.bytes_copied,
+                                 object_group_bytes=got.object_group_bytes)
+        case ReleaseRequest():
+            store.release(req.instance_id, req.lookup_id)
+            return OkReply(req_id=rid)
+        case UnregisterRequest():
+            store.unregister(req.instance_id)
+            return OkReply(req_id=rid)
+        case ClearRequest():
+            return ClearReply(req_id=rid, objects_removed=store.clear())
+        case StatusRequest():
+            return StatusReply(req_id=rid, status=store.status())
+    raise RequestError(ErrorCode.UNKNOWN_OP, f"no handler for {type(req).__name__}")
+
+
+class ControlServer:
+    """The ROUTER socket and its loop; `serve()` returns after `stop()` (from any thread)."""
+
+    def __init__(self, store: KVStore, host: str, port: int, max_message_bytes: int) -> None:
+        self.store = store
+        self.max_message_bytes = max_message_bytes
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_message_bytes + 4096)
+        host_part = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
+        try:
+            self._sock.bind(f"tcp://{host_part}:{port if port else '*'}")
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise ConfigError(f"cannot bind the control port {host}:{port}: {e}") from None
+        endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        self.port = int(endpoint.decode().rsplit(":", 1)[1]) if isinstance(endpoint, bytes) else port
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(POLL_MS):
+                self._handle_one()
+        self._drain()
+
+    def _handle_one(self) -> None:
+        frames = self._sock.recv_multipart(copy=True)
+        identity, payload = frames[0], frames[-1]
+        self._sock.send_multipart([identity, encode(self.reply_to(payload, n_frames=len(frames)))])
+
+    def reply_to(self, payload: bytes, *, n_frames: int = 2) -> AnyReply:
+        if n_frames != 2:
+            return self._error(0, ErrorCode.BAD_MESSAGE, f"expected one frame per request, got {n_frames - 1}")
+        if len(payload) > self.max_message_bytes:
+            return self._error(0, ErrorCode.TOO_LARGE, f"message of {len(payload)} bytes exceeds the limit of "
+                               f"{self.max_message_bytes} bytes (--max-message-mib)")
+        try:
+            req = decode_request(payload)
+        except ProtocolError as e:
+            return self._error(e.req_id, e.code, str(e))
+        self.store.metrics.requests.labels(type(req).__name__.removesuffix("Request").lower()).inc()
+        return handle(self.store, req)
+
+    def _error(self, req_id: int, code: ErrorCode, message: str) -> ErrorReply:
+        self.store.metrics.errors.labels(code.value).inc()
+        return ErrorReply(req_id=req_id, code=code, message=message)
+
+    def _drain(self) -> None:
+        """Answer every request already queued with SHUTTING_DOWN, then close the socket."""
+        while self._sock.poll(0):
+            frames = self._sock.recv_multipart()
+            try:
+                req_id = decode_request(frames[-1]).req_id
+            except ProtocolError as e:
+                req_id = e.req_id
+            reply = ErrorReply(req_id=req_id, code=ErrorCode.SHUTTING_DOWN, message="the server is shutting down")
+            self._sock.send_multipart([frames[0], encode(reply)])
+        self._sock.close()
+        self._ctx.term()
+
+
+def build_tiers(config: ServerConfig) -> list[L2Tier]:
+    """The L2 tiers asked for, fastest first: local disk, then the shared Valkey."""
+    tiers: list[L2Tier] = []
+    if config.l2_disk is not None:
+        tiers.append(DiskTier(config.l2_disk, int(config.l2_disk_size_gb * GIB)))
+    if config.l2_valkey is not None:
+        tiers.append(ValkeyTier(config.l2_valkey))
+    return tiers
+
+
+def startup_line(config: ServerConfig, control_port: int, http_port: int, tiers: list[str]) -> str:
+    l2 = ", ".join(tiers) if tiers else "none"
+    return (f"hybridkv server listening on tcp://{config.host}:{control_port} (control) and "
+            f"http://{config.host}:{http_port} (metrics, status); chunk {config.chunk_tokens} tokens, "
+            f"L1 {config.l1_size_gb:g} GiB {config.eviction_policy.value}, object groups "
+            f"{config.object_groups.value}, L2: {l2}")
+
+
+def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM (graceful; a second SIGINT forces)."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.is_loopback:
+        log.warning("binding %s: the server is reachable from the network and has no authentication", config.host)
+    store = KVStore(config.store_config(), build_tiers(config))
+    control = ControlServer(store, config.host, config.port, config.max_message_bytes)
+    http = HTTPServer(store, config.host, config.http_port)
+    http.start()
+    _install_signals(control)
+    line = startup_line(config, control.port, http.port, store.tiers.names)
+    print(line, flush=True)
+    if on_ready is not None:
+        on_ready(line)
+    try:
+        control.serve()
+    finally:
+        http.stop()
+        store.close()
+        log.info("hybridkv server stopped")
+
+
+def _install_signals(control: ControlServer) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if received and signum == signal.SIGINT:
+            print("hybridkv server: second interrupt, exiting now", file=sys.stderr, flush=True)
+            os._exit(130)
+        received.append(signum)
+        print(f"hybridkv server: {signal.Signals(signum).name}, shutting down (interrupt again to force)",
+              file=sys.stderr, flush=True)
+        control.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)

@@ -1,0 +1,491 @@
+"""The server's store: registered engines, the L1 pool, the L2 tiers and the rules of
+design.md section 6 (store a chunk per object group; lookup = the longest prefix every object
+group serves, never the last token; retrieve only what each object group needs).
+
+One lock serialises every operation (the control loop and the HTTP thread both call in); page
+copies run under it at memcpy speed. Every public method raises `RequestError` on bad input
+before it changes anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from hybridkv.cache_server.keys import namespace, object_key
+from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
+from hybridkv.cache_server.l2 import TierSet
+from hybridkv.cache_server.metrics import ServerMetrics
+from hybridkv.cache_server.pool import L1Pool
+from hybridkv.cache_server.registered_layout import (
+    ChunkRules,
+    ObjectGroup,
+    RequestError,
+    object_group_infos,
+    object_groups,
+    validate_layout,
+)
+from hybridkv.cache_server.shm import Bytes, MappedBuffers
+from hybridkv.cache_server.tiers.base import L2Tier
+from hybridkv.wire import (
+    ErrorCode,
+    GroupKind,
+    Layout,
+    LookupRequest,
+    ObjectGroupInfo,
+    Refusal,
+    RetrieveRequest,
+    StoreRequest,
+)
+
+L2_FLUSH_TIMEOUT_S = 10.0
+
+
+class ObjectGroupMode(Enum):
+    SEPARATE = "separate"  # full / each window / each chunked size / each state group
+    ONE = "one"  # every group in one object per chunk
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreConfig:
+    chunk_tokens: int = 256
+    l1_bytes: int = 1 << 30
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
+    lock_ttl_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens <= 0 or self.l1_bytes <= 0 or self.lock_ttl_s <= 0:
+            raise ValueError(f"chunk_tokens, l1_bytes and lock_ttl_s must be positive, got {self.chunk_tokens}, "
+                             f"{self.l1_bytes}, {self.lock_ttl_s}")
+
+
+@dataclass(slots=True, kw_only=True)
+class _Engine:
+    instance_id: int
+    layout: Layout
+    rules: ChunkRules
+    groups: list[ObjectGroup]
+    buffers: MappedBuffers
+    namespaces: dict[tuple[int, str], bytes] = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Lease:
+    instance_id: int
+    cache_salt: str
+    hashes: list[bytes]  # of the hit's chunks
+    locked: list[bytes]
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LookupResult:
+    lookup_id: int  # 0 when nothing is held (no hit)
+    hit_tokens: int
+    object_group_hit_tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreResult:
+    stored: list[bool]
+    refusals: list[Refusal]
+    object_group_bytes: list[int]  # bytes copied from the engine, per object group
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetrieveResult:
+    tokens: int
+    bytes_copied: int
+    object_group_bytes: list[int]  # bytes copied to the engine, per object group
+
+
+class KVStore:
+    def __init__(self, config: StoreConfig, tiers: Sequence[L2Tier] = (), metrics: ServerMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or ServerMetrics()
+        self.metrics.l1_capacity.set(config.l1_bytes)
+        self.tiers = TierSet(tiers, self.metrics)
+        self._pool = L1Pool(config.l1_bytes, make_policy(config.eviction_policy),
+                            on_evict=lambda _k, _n: self.metrics.evictions.inc(),
+                            can_reuse=self._l2_has_everything if len(self.tiers) else None)
+        self.metrics.watch_tiers(self.tiers.stats)
+        self._engines: dict[int, _Engine] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # ---- registration -----------------------------------------------------------------------
+
+    def register(self, layout: Layout) -> tuple[int, list[ObjectGroupInfo]]:
+        validate_layout(layout, self.config.chunk_tokens)
+        buffers = MappedBuffers(layout)
+        separate = self.config.object_groups is ObjectGroupMode.SEPARATE
+        groups = object_groups(layout, self.config.chunk_tokens, separate=separate)
+        with self._lock:
+            instance_id = next(self._ids)
+            self._engines[instance_id] = _Engine(instance_id=instance_id, layout=layout, groups=groups,
+                                                 rules=ChunkRules(layout, self.config.chunk_tokens), buffers=buffers)
+            self.metrics.engines.set(len(self._engines))
+        return instance_id, object_group_infos(groups)
+
+    def unregister(self, instance_id: int) -> None:
+        with self._lock:
+            engine = self._engine(instance_id, None)
+            for lookup_id in [i for i, lease in self._leases.items() if lease.instance_id == instance_id]:
+                self._release(lookup_id)
+            del self._engines[instance_id]
+            engine.buffers.close()
+            self.metrics.engines.set(len(self._engines))
+
+    def _engine(self, instance_id: int, fingerprint: str | None) -> _Engine:
+        engine = self._engines.get(instance_id)
+        if engine is None:
+            raise RequestError(ErrorCode.UNKNOWN_INSTANCE, f"engine instance {instance_id} is not registered "
+                               f"(registered: {sorted(self._engines)}); register again after a server restart")
+        if fingerprint is not None and fingerprint != engine.layout.fingerprint:
+            raise RequestError(ErrorCode.LAYOUT_MISMATCH, f"layout fingerprint {fingerprint!r} differs from the one "
+                               f"instance {instance_id} registered ({engine.layout.fingerprint!r})")
+        return engine
+
+    def _key(self, engine: _Engine, og: ObjectGroup, salt: str, chunk: int, chunk_hash: bytes) -> bytes:
+        ns = engine.namespaces.get((og.index, salt))
+        if ns is None:
+            ns = engine.namespaces[(og.index, salt)] = namespace(engine.layout, og.name, salt)
+        return object_key(ns, chunk, chunk_hash)
+
+    # ---- store ------------------------------------------------------------------------------
+
+    def store(self, req: StoreRequest) -> StoreResult:
+        with self._lock:
+            self._expire_leases()
+            engine = self._engine(req.instance_id, req.fingerprint)
+            self._check_block_ids(engine, req.block_ids, len(req.chunk_hashes), "store")
+            if req.first_chunk < 0:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"first_chunk must be >= 0, got {req.first_chunk}")
+            self.metrics.store_requests.inc()
+            stored, refusals = [], []
+            copied = [0] * len(engine.groups)
+            for i, chunk_hash in enumerate(req.chunk_hashes):
+                chunk = req.first_chunk + i
+                reasons = [(og, self._store_object(engine, og, req, i, chunk_hash, copied)) for og in engine.groups]
+                failed = [Refusal(chunk=chunk, object_group=og.name, reason=r) for og, r in reasons if r]
+                refusals.extend(failed)
+                stored.append(not failed)
+                if not failed:
+                    self.metrics.chunks_stored.inc()
+            self._update_gauges()
+            return StoreResult(stored=stored, refusals=refusals, object_group_bytes=copied)
+
+    def _store_object(self, engine: _Engine, og: ObjectGroup, req: StoreRequest, i: int, chunk_hash: bytes,
+                      copied: list[int]) -> str:
+        """Commit chunk first_chunk + i of `og`; "" when committed or not needed, else the reason."""
+        chunk, rules = req.first_chunk + i, engine.rules
+        pages: list[tuple[int, int]] = []  # (group, block id) in object order
+        for gid in og.groups:
+            bpc = rules.blocks_per_chunk[gid]
+            pages.extend((gid, req.block_ids[gid][i * bpc + b]) for b in rules.kept(gid, chunk))
+        null = [gid for gid, bid in pages if bid == 0]
+        if len(null) == len(pages):
+            self.metrics.objects_skipped.labels(og.name).inc()
+            return ""
+        if null:
+            return self._refuse(og, "null_blocks", f"group {null[0]} has null blocks among the blocks it keeps")
+        key = self._key(engine, og, req.cache_salt, chunk, chunk_hash)
+        if self._pool.get(key) is not None:
+            return ""  # already stored: the same chained hash means the same content
+        nbytes = rules.object_bytes(og, chunk)
+
+        def fill(value: Bytes) -> None:
+            offset = 0
+            for gid, bid in pages:
+                for buffer, page in rules.layer_copies(gid):
+                    value[offset:offset + page] = engine.buffers.page(buffer, bid, page)
+                    offset += page
+
+        if not self._pool.put(key, nbytes, fill):
+            return self._refuse(og, "l1_full", f"L1 cannot place {nbytes} bytes: the pool ({self.config.l1_bytes} "
+                                "bytes) is full of locked objects, too small, or still writing evicted ones to L2")
+        self.metrics.bytes_in.inc(nbytes)
+        copied[og.index] += nbytes
+        self.metrics.objects_stored.labels(og.name).inc()
+        stored = self._pool.get(key)
+        assert stored is not None  # just placed, under the lock
+        self.tiers.write_behind(key, memoryview(stored.data))
+        return ""
+
+    def _l2_has_everything(self) -> bool:
+        """Memory of evicted objects may be reused only once the write-behind handed it to L2."""
+        if self.tiers.flush(timeout_s=L2_FLUSH_TIMEOUT_S):
+            return True
+        self.metrics.l2_errors.labels("write_behind").inc()
+        return False
+
+    def _refuse(self, og: ObjectGroup, reason: str, message: str) -> str:
+        self.metrics.refused.labels(og.name, reason).inc()
+        return message
+
+    def _check_block_ids(self, engine: _Engine, block_ids: list[list[int]], chunks: int, what: str) -> None:
+        layout = engine.layout
+        if len(block_ids) != len(layout.groups):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: block_ids has {len(block_ids)} groups, the layout "
+                               f"has {len(layout.groups)}")
+        for gid, (g, ids) in enumerate(zip(layout.groups, block_ids, strict=True)):
+            if g.kind is GroupKind.CROSS:
+                continue
+            expected = chunks * engine.rules.blocks_per_chunk[gid]
+            if len(ids) != expected:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: group {gid} has {len(ids)} block ids, expected "
+                                   f"{expected} ({chunks} chunks of {self.config.chunk_tokens} tokens / block size "
+                                   f"{g.block_tokens})")
+            engine.buffers.check_block_ids(f"{what}, group {gid}", ids)
+
+    # ---- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, req: LookupRequest) -> LookupResult:
+        with self._lock:
+            self._expire_leases()
+            engine = self._engine(req.instance_id, req.fingerprint)
+            self.metrics.lookups.inc()
+            if req.num_tokens < 0:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"num_tokens must be >= 0, got {req.num_tokens}")
+            max_chunks = min(len(req.chunk_hashes), max(0, req.num_tokens - 1) // self.config.chunk_tokens)
+            hashes = req.chunk_hashes[:max_chunks]
+            keys = [[self._key(engine, og, req.cache_salt, j, h) for j, h in enumerate(hashes)] for og in engine.groups]
+            where = self._where(engine, keys)
+            while True:
+                hit, per_group = self._hit(engine, [[w is not None for w in ws] for ws in where], max_chunks)
+                locked = self._lock_hit(engine, keys, where, hit)
+                if locked is not None:
+                    break
+            lookup_id = 0
+            if hit:
+                lookup_id = next(self._ids)
+                self._leases[lookup_id] = _Lease(instance_id=req.instance_id, cache_salt=req.cache_salt,
+                                                 hashes=hashes[:hit], locked=locked,
+                                                 expires_at=time.monotonic() + self.config.lock_ttl_s)
+            chunk = self.config.chunk_tokens
+            self.metrics.lookup_hit_tokens.inc(hit * chunk)
+            for og in engine.groups:
+                self.metrics.hit_chunks.labels(og.name).inc(hit - self._first_needed(engine, og, hit))
+            self._update_gauges()
+            return LookupResult(lookup_id=lookup_id, hit_tokens=hit * chunk,
+                                object_group_hit_tokens=[c * chunk for c in per_group])
+
+    def _where(self, engine: _Engine, keys: list[list[bytes]]) -> list[list[int | None]]:
+        """Per object group and chunk: -1 in L1 (or an empty object), a tier index, or None."""
+        where: list[list[int | None]] = []
+        for og, og_keys in zip(engine.groups, keys, strict=True):
+            where.append([-1 if k in self._pool or engine.rules.object_bytes(og, j) == 0 else None
+                          for j, k in enumerate(og_keys)])
+        if len(self.tiers):
+            missing = [(o, j) for o, ws in enumerate(where) for j, w in enumerate(ws) if w is None]
+            found = self.tiers.where([keys[o][j] for o, j in missing])
+            for (o, j), tier in zip(missing, found, strict=True):
+                where[o][j] = tier
+        return where
+
+    def _first_needed(self, engine: _Engine, og: ObjectGroup, hit_chunks: int) -> int:
+        return min(engine.rules.first_needed_chunk(gid, hit_chunks) for gid in og.groups)
+
+    def _hit(self, engine: _Engine, present: list[list[bool]], max_chunks: int) -> tuple[int, list[int]]:
+        """(longest prefix in chunks every object group serves, each object group's own longest)."""
+        prefix = [list(itertools.accumulate(p, initial=0)) for p in present]
+
+        def serves(o: int, c: int) -> bool:
+            lo = self._first_needed(engine, engine.groups[o], c)
+            return prefix[o][c] - prefix[o][lo] == c - lo
+
+        per_group = [next(c for c in range(max_chunks, -1, -1) if serves(o, c)) for o in range(len(present))]
+        hit = next(c for c in range(min(per_group, default=max_chunks), -1, -1)
+                   if all(serves(o, c) for o in range(len(present))))
+        return hit, per_group
+
+    def _lock_hit(self, engine: _Engine, keys: list[list[bytes]], where: list[list[int | None]],
+                  hit: int) -> list[bytes] | None:
+        """Lock every object the hit needs, reading L2 objects into L1 first; None (with `where`
+        updated and nothing left locked) when an object could not be had: look again."""
+        needed = [(o, j) for o, og in enumerate(engine.groups) for j in range(self._first_needed(engine, og, hit), hit)
+                  if engine.rules.object_bytes(og, j)]
+        locked: list[bytes] = []
+        for o, j in sorted(needed, key=lambda n: where[n[0]][n[1]] != -1):  # L1 first: promotion must not evict them
+            key = keys[o][j]
+            if where[o][j] != -1 and not self._promote(engine, o, j, key, where[o][j]):
+                where[o][j] = None
+                for k in locked:
+                    self._pool.unlock(k)
+                return None
+            if not self._pool.lock(key):  # cannot happen: L1 objects leave only under this lock
+                where[o][j] = None
+                for k in locked:
+                    self._pool.unlock(k)
+                return None
+            locked.append(key)
+        return locked
+
+    def _promote(self, engine: _Engine, o: int, chunk: int, key: bytes, tier: int | None) -> bool:
+        if tier is None:
+            return False
+        expected = engine.rules.object_bytes(engine.groups[o], chunk)
+        value = self.tiers.get(tier, key, expected)
+        if value is None:
+            return False
+
+        def fill(view: Bytes) -> None:
+            view[:] = np.frombuffer(value, dtype=np.uint8)
+
+        return self._pool.put(key, len(value), fill)
+
+    # ---- retrieve, release ------------------------------------------------------------------
+
+    def retrieve(self, req: RetrieveRequest) -> RetrieveResult:
+        """Copy the lookup's hit (or its first num_tokens) into the engine's blocks.
+        The lookup is consumed (its locks released) whether or not the copy succeeds."""
+        with self._lock:
+            self._expire_leases()
+            engine = self._engine(req.instance_id, req.fingerprint)
+            lease = self._leases.get(req.lookup_id)
+            if lease is None or lease.instance_id != req.instance_id:
+                raise RequestError(ErrorCode.UNKNOWN_LOOKUP, f"lookup {req.lookup_id} is not held by instance "
+                                   f"{req.instance_id} (retrieved, released, expired, or never made)")
+            try:
+                tokens, copies = self._plan_retrieve(engine, lease, req)
+                per_group = [0] * len(engine.groups)
+                for og_index, value, offset, buffer, dst, nbytes in copies:
+                    engine.buffers.page(buffer, dst, nbytes)[:] = value[offset:offset + nbytes]
+                    per_group[og_index] += nbytes
+            finally:
+                self._release(req.lookup_id)
+            copied = sum(per_group)
+            self.metrics.retrieves.inc()
+            self.metrics.bytes_out.inc(copied)
+            return RetrieveResult(tokens=tokens, bytes_copied=copied, object_group_bytes=per_group)
+
+    def _plan_retrieve(self, engine: _Engine, lease: _Lease,
+                       req: RetrieveRequest) -> tuple[int, list[tuple[int, Bytes, int, int, int, int]]]:
+        chunk_tokens, rules = self.config.chunk_tokens, engine.rules
+        tokens = len(lease.hashes) * chunk_tokens if req.num_tokens == -1 else req.num_tokens
+        if tokens % chunk_tokens or not 0 <= tokens <= len(lease.hashes) * chunk_tokens:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve num_tokens {req.num_tokens} must be a multiple of "
+                               f"{chunk_tokens} and at most the hit ({len(lease.hashes) * chunk_tokens})")
+        hit = tokens // chunk_tokens
+        if not 0 <= req.skip_tokens <= tokens:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve skip_tokens {req.skip_tokens} must be in "
+                               f"[0, {tokens}] (the tokens retrieved)")
+        self._check_block_ids(engine, req.block_ids, hit, "retrieve")
+        copies: list[tuple[int, Bytes, int, int, int, int]] = []
+        for og in engine.groups:
+            for j in range(self._first_needed(engine, og, hit), hit):
+                if not rules.object_bytes(og, j) or not self._wanted(engine, og, j, hit, req.skip_tokens):
+                    continue
+                value = self._pool.get(self._key(engine, og, lease.cache_salt, j, lease.hashes[j]))
+                if value is None:
+                    raise RequestError(ErrorCode.BAD_REQUEST, f"chunk {j} of object group {og.name} is no longer "
+                                       "cached; retrieve the whole hit or look up again")
+                self.metrics.retrieved_chunks.labels(og.name).inc()
+                for gid in og.groups:
+                    g, bpc = engine.layout.groups[gid], rules.blocks_per_chunk[gid]
+                    for b in rules.needed(gid, j, hit):
+                        if j * chunk_tokens + (b + 1) * g.block_tokens <= req.skip_tokens:
+                            continue  # the engine holds this block already (its own prefix hit)
+                        dst = req.block_ids[gid][j * bpc + b]
+                        if dst == 0:
+                            raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve: group {gid} needs block {b} of "
+                                               f"chunk {j} but its block id is the null block 0")
+                        offset = rules.block_offset(og, j, gid, b)
+                        for buffer, page in rules.layer_copies(gid):
+                            copies.append((og.index, value, offset, buffer, dst, page))
+                            offset += page
+        return tokens, copies
+
+    def _wanted(self, engine: _Engine, og: ObjectGroup, chunk: int, hit: int, skip_tokens: int) -> bool:
+        """Whether chunk `chunk` of `og` has a needed block that ends after `skip_tokens`."""
+        start = chunk * self.config.chunk_tokens
+        for gid in og.groups:
+            size = engine.layout.groups[gid].block_tokens
+            needed = engine.rules.needed(gid, chunk, hit)
+            if needed and start + needed.stop * size > skip_tokens:
+                return True
+        return False
+
+    def release(self, instance_id: int, lookup_id: int) -> None:
+        with self._lock:
+            self._engine(instance_id, None)
+            lease = self._leases.get(lookup_id)
+            if lease is None or lease.instance_id != instance_id:
+                raise RequestError(ErrorCode.UNKNOWN_LOOKUP,
+                                   f"lookup {lookup_id} is not held by instance {instance_id}")
+            self._release(lookup_id)
+
+    def _release(self, lookup_id: int) -> None:
+        for key in self._leases.pop(lookup_id).locked:
+            self._pool.unlock(key)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for lookup_id in [i for i, lease in self._leases.items() if lease.expires_at <= now]:
+            self._release(lookup_id)
+            self.metrics.lock_expired.inc()
+
+    # ---- housekeeping -----------------------------------------------------------------------
+
+    def clear(self) -> int:
+        """Drop every object of L1 and every L2 tier (held lookups are released)."""
+        with self._lock:
+            for lookup_id in list(self._leases):
+                self._release(lookup_id)
+            self.tiers.clear()  # first: it flushes the write-behind, which reads L1 memory
+            removed = self._pool.clear()
+            self._update_gauges()
+            return removed
+
+    def evict_one(self) -> bytes | None:
+        """Evict L1's first unlocked object (tests and memory pressure); its key or None."""
+        with self._lock:
+            return self._pool.evict_one()
+
+    def _update_gauges(self) -> None:
+        stats = self._pool.stats()
+        self.metrics.l1_bytes.set(stats.bytes_used)
+        self.metrics.l1_objects.set(stats.objects)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._pool.check_integrity()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            pool = self._pool.stats()
+            engines = [{"instance_id": e.instance_id, "model": e.layout.model, "rank": e.layout.rank,
+                        "world_size": e.layout.world_size, "fingerprint": e.layout.fingerprint,
+                        "groups": [{"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
+                                    "window_tokens": g.window_tokens, "page_bytes": g.page_bytes}
+                                   for g in e.layout.groups],
+                        "object_groups": [{"name": og.name, "groups": list(og.groups)} for og in e.groups]}
+                       for e in self._engines.values()]
+            held = len(self._leases)
+        tiers = [{"name": "l1", "objects": pool.objects, "bytes_used": pool.bytes_used,
+                  "capacity_bytes": pool.capacity_bytes, "evictions": pool.evictions,
+                  "locked_objects": pool.locked_objects}]
+        pending = self.tiers.pending()
+        tiers += [{"name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
+                   "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
+                   "write_behind_pending": pending.get(s.name, 0)} for s in self.tiers.stats()]
+        return {"chunk_tokens": self.config.chunk_tokens, "object_groups": self.config.object_groups.value,
+                "eviction_policy": self.config.eviction_policy.value, "held_lookups": held,
+                "engines": engines, "tiers": tiers}
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what the write-behind still holds, close the tiers and unmap every engine's buffers."""
+        self.tiers.close(timeout_s)
+        with self._lock:
+            for engine in self._engines.values():
+                engine.buffers.close()
+            self._engines.clear()

@@ -1,0 +1,65 @@
+"""`hybridkv server`: the KV cache server process (design.md section 6).
+
+Registered in `hybridkv/cli/__init__.py` as `app.command("server")(server.server_command)`.
+Every option's default is `ServerConfig`'s, so each is defined once. It never imports torch or
+the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hybridkv.cache_server.config import ServerConfig
+from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.store import ObjectGroupMode
+from hybridkv.cli.errors import usage_error
+from hybridkv.errors import HybridKVError
+
+_D = ServerConfig()
+
+
+def server_command(
+    host: Annotated[str, typer.Option("--host", help="bind address (loopback unless --allow-remote)")] = _D.host,
+    port: Annotated[int, typer.Option("--port", help="ZeroMQ control port (0: any free port)")] = _D.port,
+    http_port: Annotated[int, typer.Option("--http-port", help="HTTP port of /metrics, /status, /cache/clear, "
+                                           "/healthz (0: any free port)")] = _D.http_port,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per chunk: a multiple of every "
+                                            "group's block size")] = _D.chunk_tokens,
+    l1_size_gb: Annotated[float, typer.Option("--l1-size-gb", help="L1 memory pool in GiB")] = _D.l1_size_gb,
+    eviction_policy: Annotated[EvictionPolicyName, typer.Option(
+        "--eviction-policy", help="which stored chunk L1 drops first when full")] = _D.eviction_policy,
+    separate_object_groups: Annotated[bool, typer.Option(
+        "--separate-object-groups/--no-separate-object-groups",
+        help="one object group per window class (on) or one for every group")] = True,
+    l2_disk: Annotated[Path | None, typer.Option("--l2-disk", help="directory of the L2 disk tier")] = _D.l2_disk,
+    l2_disk_size_gb: Annotated[float, typer.Option(
+        "--l2-disk-size-gb", help="capacity of the L2 disk tier in GiB")] = _D.l2_disk_size_gb,
+    l2_valkey: Annotated[str | None, typer.Option("--l2-valkey", help="redis:// or valkey:// URL of a shared "
+                                                  "L2 tier (write-behind, read-through)")] = _D.l2_valkey,
+    max_message_mib: Annotated[float, typer.Option("--max-message-mib", help="largest control message")] = (
+        _D.max_message_mib),
+    lock_ttl_s: Annotated[float, typer.Option("--lock-ttl-s", help="how long a lookup holds its chunks")] = (
+        _D.lock_ttl_s),
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow a non-loopback --host "
+                                               "(no authentication!)")] = _D.allow_remote,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = _D.log_level,
+) -> None:
+    """Run the KV cache server: every group's pages, memory / disk / Valkey tiers, metrics."""
+    from hybridkv.cache_server.service import run_server
+
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise usage_error(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    try:
+        config = ServerConfig(
+            host=host, port=port, http_port=http_port, chunk_tokens=chunk_size, l1_size_gb=l1_size_gb,
+            eviction_policy=eviction_policy,
+            object_groups=ObjectGroupMode.SEPARATE if separate_object_groups else ObjectGroupMode.ONE,
+            l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_valkey=l2_valkey, max_message_mib=max_message_mib,
+            lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, log_level=log_level.lower(),
+        )
+        run_server(config)
+    except (HybridKVError, OSError) as e:
+        raise usage_error(str(e)) from None

@@ -1,0 +1,79 @@
+"""`hybridkv serve`: an OpenAI-compatible HTTP server on the reference engine (hybridkv/openai_api/).
+
+Registered in `hybridkv/cli/__init__.py` as `app.command("serve")(serve.serve_command)`. The
+engine options are `hybridkv run`'s (EngineConfig's defaults); torch loads only when the command
+runs. The model loads and the address is bound before the server says it is ready, so a bad
+option, a missing model or a port in use is one `error:` line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from hybridkv.cli import engine_options as opt
+from hybridkv.cli.errors import flags_of, usage_error
+from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
+from hybridkv.errors import HybridKVError
+
+SERVE_FLAGS = flags_of([*EngineConfig.option_names(), "host", "port"], num_threads="--threads")
+
+
+def serve_command(
+    model: opt.Model = DEFAULT_MODEL_NAME,
+    host: Annotated[str, typer.Option("--host", help="bind address (loopback unless --allow-remote)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="HTTP port (0: any free port)")] = 8000,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="the model name clients send (default: --model)")] = None,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow a non-loopback --host "
+                                               "(no authentication!)")] = False,
+    graceful_s: Annotated[float, typer.Option("--graceful-s", help="on Ctrl-C / SIGTERM, seconds the requests in "
+                                              "flight may take to finish")] = 30.0,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = "info",
+    kv_server: opt.KVServer = opt.DEFAULTS["kv_server"],
+    kv_server_timeout_s: opt.KVServerTimeout = opt.DEFAULTS["kv_server_timeout_s"],
+    kv_cache_memory_gib: opt.KVCacheMemoryGiB = opt.DEFAULTS["kv_cache_memory_gib"],
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = opt.DEFAULTS["max_num_batched_tokens"],
+    max_num_seqs: opt.MaxNumSeqs = opt.DEFAULTS["max_num_seqs"],
+    max_model_len: opt.MaxModelLen = opt.DEFAULTS["max_model_len"],
+    block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
+    prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
+    mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
+    seed: opt.Seed = opt.DEFAULTS["seed"],
+    num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
+) -> None:
+    """Serve the model over OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /metrics.
+
+    Streaming (SSE) and not; the engine batches every request in flight (continuous batching)
+    over the hybrid KV cache with prefix caching. Ctrl-C stops gracefully.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `hybridkv run`: idle OpenMP threads sleep
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise usage_error(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    if graceful_s < 0:
+        raise usage_error(f"--graceful-s must be >= 0, got {graceful_s}")
+    try:
+        from hybridkv.openai_api.http_server import ServeServer, check_host
+
+        check_host(host, allow_remote=allow_remote)
+        options = opt.engine_options(
+            kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+            prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
+            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s)
+        from hybridkv.engine.llm import LLM
+
+        llm = LLM(model, **options)
+        try:
+            server = ServeServer(llm, host=host, port=port, model_name=served_model_name or model,
+                                 allow_remote=allow_remote, graceful_s=graceful_s, log_level=log_level.lower())
+        except BaseException:
+            llm.close()  # a KV cache server started for "auto" goes with it
+            raise
+    except HybridKVError as exc:
+        raise usage_error(str(exc), SERVE_FLAGS) from None
+    typer.echo(f"hybridkv serve: {served_model_name or model} on {server.url} (max_model_len {llm.max_model_len}); "
+               "Ctrl-C to stop", err=True)
+    server.run()

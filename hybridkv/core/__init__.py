@@ -1,1 +1,0 @@
-"""Pure-Python core (no torch): specs, planner, hashing, block pool, managers, coordinator."""

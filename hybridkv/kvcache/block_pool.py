@@ -1,0 +1,561 @@
+"""The block pool: the state of every physical block, the free blocks, and the prefix-cache map.
+
+One pool serves all KV cache groups; a block id belongs to one group at a time (its group is
+set when it is allocated). Block 0 is the null block: the placeholder for positions a group
+does not keep (tokens out of a sliding window, finished local-attention chunks, old Mamba
+states). It is never freed, cached or evicted, and the bulk operations skip it.
+
+A block is its id; its state lives in arrays indexed by id, so releasing or allocating a run
+of blocks is a few numpy operations rather than a Python step per block:
+
+    ref_cnt:     int64 array      how many request tables hold the block
+    group_of:    int64 array      the group it was last allocated to (-1: never)
+    slot_of:     int64 array      its slot in its block size's prefix map (0: not cached);
+                                  its hash is the slot's key (`hash_of`)
+    has_hash:    bool array       slot_of[i] != 0 (what the eviction policy reads)
+    free:        the eviction policy's queue of ids with ref_cnt 0 (front = reused first)
+    maps:        per block size, hash -> slot -> block per group (`prefix_map.py`; the
+                 prefix-cache key is (hash, group))
+
+- `allocate` pops blocks from the policy and drops any stale hash of a popped block (eviction).
+- `touch` takes hit blocks back from the free queue and raises their ref count.
+- `free` lowers ref counts in the order given (a request's tail first) and releases blocks that
+  reach 0 to the policy; they keep their hash until reused, so they can still be hit.
+- Identical content may be cached in two blocks (two requests computed it concurrently); the
+  first stays in the map, later ones wait in a side table and are promoted when it is evicted.
+
+The null block's ref count is `NULL_REF_CNT` and never changes (touch and release skip id 0).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from itertools import chain
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hybridkv.errors import ConfigError, IntegrityError
+from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
+from hybridkv.kvcache.free_queue import Ids, PolicyFactory
+from hybridkv.kvcache.ids import BlockHash, GroupId
+from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
+from hybridkv.plan.planner import KVCacheGroupSpec
+
+__all__ = [
+    "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
+    "KVEvent", "KVEvents",
+]
+
+NULL_REF_CNT = 1 << 62
+NULL = 0  # the null block's id
+#: Up to this many blocks an operation runs block by block on the arrays (a decode step's
+#: handful: no array call overhead); from here on, in array operations.
+FEW = 8
+
+
+def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
+    """`lists[0][0], lists[1][0], ..., lists[0][1], lists[1][1], ...`, skipping exhausted lists.
+
+    Built from `zip` over the rows all remaining lists still have (a few slices per distinct
+    length, no per-block test).
+    """
+    rest = [blocks for blocks in lists if blocks]
+    if len(rest) == 1:
+        return list(rest[0])
+    out: list[int] = []
+    start = 0
+    while rest:
+        stop = min(map(len, rest))
+        if len(rest) == 1:
+            out += rest[0][start:]
+            break
+        out += chain.from_iterable(zip(*(blocks[start:stop] for blocks in rest), strict=True))
+        rest = [blocks for blocks in rest if len(blocks) > stop]
+        start = stop
+    return out
+
+
+class BlockPool:
+    """All blocks of all groups; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        groups: Sequence[KVCacheGroupSpec],
+        policy_factory: PolicyFactory,
+        events: KVEvents = KVEvents.OFF,
+    ) -> None:
+        if num_blocks < 2:
+            raise ConfigError(f"a block pool needs the null block and at least one usable block, "
+                              f"got num_blocks={num_blocks}; expected >= 2")
+        self.num_blocks = num_blocks
+        self.null_block = NULL
+        self.ref_cnt = np.zeros(num_blocks, np.int64)
+        self.ref_cnt[NULL] = NULL_REF_CNT
+        self.group_of = np.full(num_blocks, -1, np.int64)
+        self.has_hash = np.zeros(num_blocks, np.bool_)
+        self._groups = tuple(groups)
+        self._group_ids = np.arange(len(self._groups), dtype=np.int64)
+        self._policy = policy_factory(num_blocks, self.has_hash)
+        self.slot_of = np.zeros(num_blocks, np.int64)
+        by_size: dict[int, list[int]] = {}
+        for g, spec in enumerate(self._groups):
+            by_size.setdefault(spec.block_size, []).append(g)
+        self._pmaps = [PrefixMap(ids, num_blocks) for ids in by_size.values()]
+        #: per group: (its prefix map, its column there)
+        self._place = [(m, m.group_ids.index(g)) for g in range(len(self._groups))
+                       for m in self._pmaps if g in m.group_ids]
+        self._col_of = np.array([col for _, col in self._place], np.int64)
+        self._events_on = events is KVEvents.ON
+        self._events: list[KVEvent] = []
+        # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
+        self.evictions = 0
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with ref count 0 (cached or not): what `allocate` can hand out."""
+        return self._policy.num_free
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    def cached_map(self, group_id: int) -> dict[BlockHash, int]:
+        """The hash -> block id map of one group (a copy, built now: for tests and inspection)."""
+        pmap, col = self._place[group_id]
+        return pmap.snapshot(col)
+
+    def hash_of(self, block: int) -> BlockHash | None:
+        """The cached hash of `block`, None if it carries none."""
+        slot = self.slot_of.item(block)
+        if not slot:
+            return None
+        key: BlockHash = self._place[self.group_of.item(block)][0].key[slot]
+        return key
+
+    @property
+    def block_hash(self) -> NDArray[np.object_]:
+        """Every block's cached hash or None, as a new object array (for checks and tests; the hot
+        path keeps no per-block hash: a block's hash is its slot's key)."""
+        out: NDArray[np.object_] = np.full(self.num_blocks, None, object)
+        for pmap in self._pmaps:
+            ids = np.flatnonzero(np.isin(self.group_of, pmap.group_ids) & (self.slot_of != 0))
+            out[ids] = pmap.key[self.slot_of[ids]]
+        return out
+
+    def groups_view(self, group_ids: Sequence[int]) -> GroupsView:
+        """What the hit rule of `group_ids` (one block size) reads: their columns of the prefix map."""
+        pmap = self._place[group_ids[0]][0]
+        if any(self._place[g][0] is not pmap for g in group_ids):
+            raise ConfigError(f"groups {list(group_ids)} do not share one block size; expected one prefix map")
+        return pmap.view([self._place[g][1] for g in group_ids])
+
+    def usage(self) -> float:
+        """Fraction of usable blocks held by at least one request."""
+        return 1.0 - self._policy.num_free / self.usable_blocks
+
+    def group_usage(self) -> tuple[int, ...]:
+        """Blocks held by at least one request, per group (counted now: one array pass)."""
+        held = self.ref_cnt > 0
+        held[NULL] = False
+        return tuple(np.bincount(self.group_of[held], minlength=len(self._groups)).tolist())
+
+    def free_order(self) -> list[int]:
+        """Free block ids in eviction order (front first)."""
+        return self._policy.ordered()
+
+    def take_events(self) -> list[KVEvent]:
+        """Return and forget the events recorded since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    # -- hot path -----------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int, group_id: int) -> list[int]:
+        """Pop `num_blocks` blocks for `group_id` (the caller checked `num_free`), ref count 1."""
+        counts = [0] * len(self._groups)
+        counts[group_id] = num_blocks
+        blocks = self.allocate_groups(counts)[group_id]
+        return blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
+
+    def allocate_groups(self, counts: Sequence[int]) -> list[list[int]] | list[Ids]:
+        """`allocate(counts[g], g)` for every group g, in group order, in one pop: lists for a
+        handful of blocks, else array slices."""
+        total = sum(counts)
+        if total <= FEW:
+            return self.allocate_few(counts, total)
+        ids = self._policy.pop(total)
+        if np.count_nonzero(self.has_hash[ids]):
+            self._evict(ids)
+        self.ref_cnt[ids] = 1
+        self.group_of[ids] = np.repeat(self._group_ids, counts)
+        out: list[Ids] = []
+        start = 0
+        for count in counts:
+            out.append(ids[start : start + count])
+            start += count
+        return out
+
+    def allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
+        """`allocate_groups` for a handful of blocks (`total` = sum of `counts`), as lists."""
+        listed = self._policy.pop_few(total)
+        has_hash, ref_cnt, group_of = self.has_hash, self.ref_cnt, self.group_of
+        out: list[list[int]] = []
+        start = 0
+        for group_id, count in enumerate(counts):
+            blocks = listed[start : start + count]
+            start += count
+            for block in blocks:
+                if has_hash.item(block):
+                    self._evict_one(block)
+                ref_cnt[block] = 1
+                group_of[block] = group_id
+            out.append(blocks)
+        return out
+
+    def _evict(self, ids: Ids) -> None:
+        """Drop the stale hashes of popped blocks (some carry one)."""
+        evicted = ids[self.has_hash[ids]]
+        self.has_hash[evicted] = False
+        if self._events_on:  # one event per block, in pop order
+            self._unmap(evicted.tolist())
+            return
+        groups = self.group_of[evicted]
+        for pmap in self._pmaps:
+            ids = evicted
+            if len(self._pmaps) > 1:
+                ids = evicted[np.isin(groups, pmap.group_ids)]
+                if not len(ids):
+                    continue
+            slots = self.slot_of[ids]
+            cols = self._col_of[groups] if len(self._pmaps) == 1 else self._col_of[self.group_of[ids]]
+            if pmap.dups[0] or (len(pmap.dups) > 1 and any(pmap.dups)):
+                # a hash with copies (to promote or drop), or a waiting copy itself: block by block
+                copied = pmap.waiting[cols, slots] | (pmap.blocks[cols, slots] != ids)
+                if np.count_nonzero(copied):
+                    self._unmap(ids[copied].tolist())
+                    keep = ~copied
+                    ids, slots, cols = ids[keep], slots[keep], cols[keep]
+            # every block is its slot's block in its group, without copies
+            pmap.blocks[cols, slots] = NULL
+            self.slot_of[ids] = 0
+            pmap.release(slots)
+            self.evictions += len(ids)
+
+    def _unmap(self, blocks: list[int]) -> None:
+        """Remove `blocks` (each carries a hash) from their groups' prefix maps and forget their
+        hashes (the caller clears `has_hash`)."""
+        slot_of = self.slot_of
+        group_of = self.group_of
+        for block in blocks:  # scalar reads with .item(): no numpy scalar objects
+            group_id = group_of.item(block)
+            pmap, col = self._place[group_id]
+            slot = slot_of.item(block)
+            block_hash = pmap.key[slot]
+            if pmap.blocks.item(col, slot) != block:  # a waiting copy
+                pmap.take_dup(col, slot, block_hash, block)
+            elif pmap.waiting.item(col, slot):  # a waiting copy becomes the primary
+                pmap.blocks[col, slot] = pmap.take_dup(col, slot, block_hash, None)
+            else:
+                pmap.blocks[col, slot] = NULL
+                pmap.release_one(slot)
+            if self._events_on:
+                self._record_removed(group_id, block_hash)
+            slot_of[block] = 0
+        self.evictions += len(blocks)
+
+    def touch(self, blocks: Sequence[int], group_id: int) -> None:
+        """Take hit blocks of `group_id` (each once; null entries skipped): raise ref counts,
+        pull free ones out of the queue."""
+        tables: list[Sequence[int]] = [[] for _ in self._groups]
+        tables[group_id] = blocks
+        self.touch_groups(tables)
+
+    def touch_groups(self, tables: Sequence[Sequence[int]]) -> None:
+        """`touch(tables[g], g)` for every group g."""
+        order = list(chain.from_iterable(tables))
+        if len(order) <= FEW:
+            refs = self.ref_cnt
+            revived = []
+            for block in order:
+                if block != NULL:
+                    held = refs.item(block)
+                    if not held:
+                        revived.append(block)
+                    refs[block] = held + 1
+            if revived:
+                self._policy.remove_few(revived)
+            return
+        ids = np.array(order, np.int64)
+        if NULL in order:
+            ids = ids[ids != NULL]
+        refs = self.ref_cnt[ids]
+        self.ref_cnt[ids] = refs + 1
+        revived = ids[refs == 0]
+        if len(revived):
+            self._policy.remove(revived)
+
+    def free(self, blocks: Sequence[int] | Ids) -> None:
+        """Drop one reference to each block, in order (a block may repeat: one reference per
+        occurrence); release those that reach 0, in the order they reach it."""
+        if isinstance(blocks, np.ndarray):
+            blocks = blocks.tolist()
+        released: list[int] = []
+        refs = self.ref_cnt
+        for block in blocks:  # (scalar reads with .item(): no numpy scalar objects)
+            if block == NULL:
+                continue
+            left = refs.item(block) - 1
+            refs[block] = left
+            if not left:
+                released.append(block)
+        if released:
+            self._policy.release_few(released)
+
+    def free_tables(self, parts: Sequence[tuple[Sequence[int], Ids]]) -> None:
+        """Drop one reference to every block of `parts` and release those that reach 0
+        position by position across groups: the k-th block from the tail of every group before
+        the (k+1)-th of any. Each part is (group ids, blocks): row i of `blocks` (a (groups, n)
+        array) holds blocks of group `group_ids[i]`, tail first, each block once, null entries
+        allowed.
+
+        Releasing position k of every group before position k-1 of any makes the global LRU
+        evict a position from all groups together, so identical groups do not lose hits one
+        group at a time. The order is one array: row k of a (longest, groups) grid holds the
+        k-th entry from the tail of each group (null where a group is shorter), read row by row.
+        """
+        total = sum(blocks.size for _, blocks in parts)
+        if not total:
+            return
+        if total <= FEW:
+            lists: list[list[int]] = [[] for _ in self._groups]
+            for group_ids, blocks in parts:
+                for group_id, row in zip(group_ids, blocks.tolist(), strict=True):
+                    lists[group_id] = row
+            self.free(interleave(lists))
+            return
+        filled = [(group_ids, blocks) for group_ids, blocks in parts if blocks.size]
+        if len(filled) == 1 and list(filled[0][0]) == sorted(filled[0][0]):  # the grid without the other groups
+            ids = filled[0][1].T.ravel()
+        else:
+            grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), len(self._groups)), np.int64)
+            for group_ids, blocks in filled:
+                first = group_ids[0]
+                if group_ids[-1] - first == len(group_ids) - 1:  # consecutive groups: a slice, not a gather
+                    grid[: blocks.shape[1], first : first + len(group_ids)] = blocks.T
+                else:
+                    grid[: blocks.shape[1], list(group_ids)] = blocks.T
+            ids = grid.ravel()
+        self.release_blocks(ids[ids != NULL])
+
+    def release_blocks(self, ids: Ids) -> None:
+        """Drop one reference to each of `ids` (real blocks, each once, in release order) and
+        release those that reach 0, in that order."""
+        released = self._unref(ids)
+        if len(released):
+            self._policy.release(released)
+
+    def _unref(self, ids: Ids) -> Ids:
+        """Drop one reference to each of `ids`; the ones that reach 0, in order."""
+        refs = self.ref_cnt[ids]
+        refs -= 1
+        self.ref_cnt[ids] = refs
+        return ids[refs == 0] if np.count_nonzero(refs) else ids
+
+    def cache_blocks(
+        self,
+        group_id: int,
+        table: Sequence[int] | Ids,
+        hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+        token_ids: Sequence[int],
+    ) -> None:
+        """Cache the non-null blocks `table[start:end]` under `hashes[start:end]` in `group_id`."""
+        self.cache_rows((group_id,), np.asarray(table, np.int64).reshape(1, -1), hashes, start, end, token_ids)
+
+    def cache_rows(self, group_ids: Sequence[int], rows: Ids, hashes: Sequence[BlockHash], start: int, end: int,
+                   token_ids: Sequence[int]) -> None:
+        """`cache_blocks(group_ids[i], rows[i], ...)` for every i (groups of one block size)."""
+        chosen = rows[:, start:end]
+        keys = hashes[start:end]
+        if chosen.size <= FEW or not self._cache_fresh(group_ids, chosen, keys):
+            pmap, _ = self._place[group_ids[0]]
+            for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
+                self._cache_one_by_one(pmap, self._place[group_id][1], row, keys)
+        if self._events_on:
+            for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
+                self._record_stored(group_id, row, hashes, start, end, token_ids)
+
+    def release_cached_blocks(self, ids: Ids) -> None:
+        """`release_blocks` of blocks that all carry a hash (the policy need not check)."""
+        released = self._unref(ids)
+        if len(released):
+            self._policy.release_cached(released)
+
+    def cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
+                       position: int, token_ids: Sequence[int]) -> None:
+        """`cache_rows` of one position: `blocks[i]` (table entry `position` of group
+        `group_ids[i]`, one block size) under `hashes[position]`, with one dict operation for all."""
+        key = hashes[position]
+        pmap = self._place[group_ids[0]][0]
+        has_hash, slot_of, primaries, place = self.has_hash, self.slot_of, pmap.blocks, self._place
+        slot = 0
+        for group_id, block in zip(group_ids, blocks, strict=True):
+            if block == NULL or has_hash.item(block):
+                continue
+            if not slot:
+                slot = pmap.slot_for(key)
+            has_hash[block] = True
+            slot_of[block] = slot
+            col = place[group_id][1]
+            if primaries.item(col, slot) == NULL:
+                primaries[col, slot] = block
+                pmap.count[slot] += 1
+            else:
+                pmap.add_dup(col, slot, key, block)
+        if self._events_on:
+            for group_id, block in zip(group_ids, blocks, strict=True):
+                self._record_stored(group_id, [block], hashes, position, position + 1, token_ids)
+
+    def _cache_fresh(self, group_ids: Sequence[int], chosen: Ids, keys: Sequence[BlockHash]) -> bool:
+        """The common case in bulk: real blocks without a hash, each key new to every group and
+        not repeated (one dict operation per key for all groups); False (nothing done) otherwise."""
+        if (chosen.shape[1] != len(keys) or np.count_nonzero(chosen) != chosen.size
+                or np.count_nonzero(self.has_hash[chosen])):
+            return False
+        pmap, _ = self._place[group_ids[0]]
+        slots = pmap.slots_for(keys)
+        cols = self._col_of[list(group_ids)][:, None]
+        if np.count_nonzero(pmap.blocks[cols, slots]) or len(set(slots.tolist())) != len(keys):
+            return False  # (the slots stay: the one-by-one pass finds them)
+        pmap.blocks[cols, slots] = chosen
+        pmap.count[slots] += len(group_ids)
+        self.slot_of[chosen] = slots
+        self.has_hash[chosen] = True
+        return True
+
+    def _cache_one_by_one(self, pmap: PrefixMap, col: int, blocks: list[int], keys: Sequence[BlockHash]) -> None:
+        """Cache each real block without a hash; a key its group already holds makes it a waiting copy."""
+        has_hash = self.has_hash
+        slot_of = self.slot_of
+        primaries = pmap.blocks
+        for block, key in zip(blocks, keys, strict=True):
+            if block == NULL or has_hash.item(block):
+                continue
+            slot = pmap.slot_for(key)
+            has_hash[block] = True
+            slot_of[block] = slot
+            if primaries.item(col, slot) == NULL:
+                primaries[col, slot] = block
+                pmap.count[slot] += 1
+            else:
+                pmap.add_dup(col, slot, key, block)
+
+    def uncache(self, blocks: Sequence[int]) -> None:
+        """Drop the cached hash of `blocks` (held blocks whose KV was never written, e.g. a step
+        that was allocated and then preempted): no later lookup can hit them, a `BlockRemoved`
+        event is recorded, and hits taken before are re-verified (`evictions` grows)."""
+        for block in blocks:
+            if self.has_hash.item(block):
+                self._drop_hash(block)
+
+    # -- slow path ----------------------------------------------------------------------------
+
+    def _evict_one(self, block: int) -> None:
+        """`_drop_hash` of a popped block (scalar reads; the common case without copies or events inline)."""
+        slot = self.slot_of.item(block)
+        pmap, col = self._place[self.group_of.item(block)]
+        if self._events_on or pmap.waiting.item(col, slot) or pmap.blocks.item(col, slot) != block:
+            self._drop_hash(block)
+            return
+        pmap.blocks[col, slot] = NULL
+        pmap.release_one(slot)
+        self.slot_of[block] = 0
+        self.has_hash[block] = False
+        self.evictions += 1
+
+    def _drop_hash(self, block: int) -> None:
+        """Remove `block` (which carries a hash) from its group's prefix map."""
+        self._unmap([block])
+        self.has_hash[block] = False
+
+    def _record_removed(self, group_id: int, block_hash: BlockHash) -> None:
+        spec = self._groups[group_id]
+        self._events.append(BlockRemoved(group_id=GroupId(group_id), kind=spec.kind,
+                                         window_tokens=spec.window_tokens, block_hashes=(block_hash,)))
+
+    def _record_stored(self, group_id: int, blocks: Sequence[int], hashes: Sequence[BlockHash],
+                       start: int, end: int, token_ids: Sequence[int]) -> None:
+        """`blocks` = the table's entries [start, end)."""
+        spec = self._groups[group_id]
+        size = spec.block_size
+        run_start = start
+        for i in range(start, end + 1):
+            if i < end and blocks[i - start] != NULL:
+                continue
+            if i > run_start:
+                self._events.append(BlockStored(
+                    group_id=GroupId(group_id), kind=spec.kind, window_tokens=spec.window_tokens,
+                    block_size=size, block_hashes=tuple(hashes[run_start:i]),
+                    parent_hash=hashes[run_start - 1] if run_start else None,
+                    token_ids=tuple(token_ids[run_start * size : i * size]),
+                ))
+            run_start = i + 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block but null is in use."""
+        if self._policy.num_free != self.usable_blocks:
+            return False
+        for pmap in self._pmaps:
+            pmap.clear()
+        self.slot_of[:] = 0
+        self.has_hash[:] = False
+        self.evictions += 1
+        if self._events_on:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def check_integrity(self, expected_refs: Mapping[int, int]) -> None:
+        """Raise `IntegrityError` with the actual numbers if any pool invariant is broken.
+
+        `expected_refs[block_id]` is how many request tables hold the block (the managers
+        count them); every other non-null block must be free.
+        """
+        free_ids = self._policy.ordered()
+        if len(free_ids) != self._policy.num_free:
+            raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {self._policy.num_free}")
+        repeated = [i for i, n in Counter(free_ids).items() if n > 1]
+        if repeated:
+            raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")
+        free_set = set(free_ids)
+        if NULL in free_set or self.slot_of[NULL] or self.has_hash[NULL] or self.ref_cnt[NULL] != NULL_REF_CNT:
+            raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
+        groups = self.group_of.tolist()
+        for block, ref_cnt in enumerate(self.ref_cnt.tolist()[1:], start=1):
+            want = expected_refs.get(block, 0)
+            if ref_cnt != want:
+                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but {want} request tables hold it")
+            if (ref_cnt == 0) != (block in free_set):
+                where = "in" if block in free_set else "not in"
+                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but is {where} the free queue")
+            if ref_cnt and not 0 <= groups[block] < len(self._groups):
+                raise IntegrityError(f"block {block} is held but belongs to no group ({groups[block]})")
+        self._check_maps()
+
+    def _check_maps(self) -> None:
+        groups = self.group_of.tolist()
+        hashes = self.block_hash
+        entries = sum(pmap.check(hashes, groups, self.slot_of) for pmap in self._pmaps)
+        hashed = sum(1 for h in hashes if h is not None)
+        if hashed != entries:
+            raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")
+        mirror = np.array([h is not None for h in hashes], np.bool_)
+        wrong = np.flatnonzero((mirror != self.has_hash) | (mirror != (self.slot_of != 0)))
+        if len(wrong):
+            raise IntegrityError(f"has_hash or slot_of disagrees with block_hash for blocks {wrong[:10].tolist()}")

@@ -1,0 +1,391 @@
+"""The coordinator: one hit and one allocation across all KV cache groups.
+
+Lookup (`find_longest_cache_hit`): the hit is the longest prefix L that *every* group can serve
+under its own rule, aligned to the lcm of the group block sizes.
+
+    L = max_length aligned down
+    full attention classes: looked up once at L; L = min(L, their hit)     (downward closed)
+    repeat until no class shortens L:
+        every other class whose last answer is not exactly L: look up at L; L = min(L, answer)
+    full attention answers are cut to L
+
+Groups with the same hit rule (e.g. the five identical sliding-window groups of Gemma 3) share
+one manager and are looked up together: a block index hits only if it hits in each of them.
+Each re-query returns the rightmost valid length <= L for its class, so the loop never skips a
+length every group can serve: the result is the largest one, and it is reached in at most one
+pass per distinct answer.
+
+The decode fast path: after each allocate the coordinator keeps, per request, bounds (F, T) from
+every group (`quiet_bounds`): a later allocate starting at first_new <= F with <= T slots adds no
+entry, releases none and caches nothing in any group, so the facade only records the slots. A
+decode step that crosses no block boundary (and no window or chunk edge) is a few integer tests.
+
+Allocation runs in phases so that a refusal changes nothing:
+
+    0. defer:   a hit on a state checkpoint cached in this step  ->  return None (next step)
+    1. count:   sum over groups of (new real blocks + free hit blocks - blocks released by skipping)
+                > free blocks  ->  return None   (an upper bound without per-block work first)
+    2. release: out-of-window / finished-chunk / old-state blocks, all groups interleaved tail first
+    3. touch:   hit blocks of every group (before any pop, so no group pops another's hit)
+    4. allocate new blocks for every group in one pop (group 0's first), then extend the tables
+
+The decode path (`decode`): a running request's step that adds at most one entry per group
+(a decode step, a short chunk) runs the same phases in one function over the tables directly,
+for every group at once: a few integer tests per manager, one pop of one block per group when
+a block boundary is crossed, one array pass (or, for one position, one list) for the blocks that
+left a window, one dict operation per newly full position, and the new no-op bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from hybridkv.errors import ConfigError
+from hybridkv.kvcache.block_pool import FEW, NULL, BlockPool
+from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
+
+GroupBlocks = list[list[int]]  # block ids per group, 0 = null
+#: `decode`'s plan per manager: (index of its bounds, manager, table, keep from, grows by one entry, that entry is real)
+_DecodeStep = tuple[int, SingleTypeManager, Table, int, bool, bool]
+NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
+
+
+class KVCacheCoordinator:
+    """Lookup and allocation over all groups; subclasses differ only in how they look up.
+
+    `managers`: one per hit rule, each serving one or more groups (`group_ids`); `groups[g]`
+    is (manager, row) of group g."""
+
+    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
+        self.managers = tuple(managers)
+        self.pool = pool
+        placed = {g: (m, row) for m in managers for row, g in enumerate(m.group_ids)}
+        if sorted(placed) != list(range(len(placed))):
+            raise ConfigError(f"the managers serve groups {sorted(placed)}; expected each of 0..{len(placed) - 1} once")
+        if len({m.hit_rule for m in managers}) != len(managers):
+            raise ConfigError("two managers share one hit rule; expected one manager per rule (make_manager "
+                              "takes every group of a rule)")
+        self.groups = tuple(placed[g] for g in range(len(placed)))
+        self.num_groups = len(self.groups)
+        self.block_sizes = tuple(sorted({m.block_size for m in managers}))
+        self.lcm_block_size = math.lcm(*self.block_sizes)
+        #: rid -> token slots its tables hold (the running requests; the facade's no-op path reads and raises it)
+        self.allocated: dict[RequestId, int] = {}
+        #: rid -> [F, T, F_0, T_0, F_1, T_1, ...]: an allocate starting at <= F with <= T slots is a
+        #: no-op (`quiet_bounds`); (F_i, T_i) are manager i's own bounds, (F, T) their minimum
+        self.quiet: dict[RequestId, list[int]] = {}
+        # Managers whose hits wait a step when cached in this one (state groups in a caching mode).
+        self._deferring = tuple(m for m in managers if m.defers_same_step_hits)
+        self.may_defer = bool(self._deferring)  # `defers` can be True at all
+        # Managers that may release leading blocks as a request advances.
+        self._skipping = tuple(m for m in managers if m.skips_blocks)
+        #: Every manager follows the base table rules (and serves ascending group ids): `decode` applies.
+        self.decodes = all(m.plain_tables and list(m.group_ids) == sorted(m.group_ids) for m in managers)
+        self._no_entries: tuple[tuple[int, ...], ...] = tuple(() for _ in self.groups)
+
+    def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
+                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        """(blocks per group, hit tokens, each group's answer when first asked, in tokens)."""
+        del hashes, max_length
+        return [[] for _ in self.groups], 0, [0] * self.num_groups
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def is_running(self, request_id: RequestId) -> bool:
+        return request_id in self.allocated
+
+    def running_requests(self) -> list[RequestId]:
+        return list(self.allocated)
+
+    def allocated_tokens(self, request_id: RequestId) -> int:
+        return self.allocated.get(request_id, 0)
+
+    def _by_manager(self, hits: GroupBlocks | None) -> list[list[list[int]] | None]:
+        if not hits:
+            return [None] * len(self.managers)
+        return [[hits[g] for g in m.group_ids] for m in self.managers]
+
+    def allocate(self, request: KVRequest, hits: GroupBlocks | None, first_new: int,
+                 total_tokens: int) -> NewEntries | None:
+        """New entries per group for `total_tokens` slots, or None (nothing changed)."""
+        managers = self.managers
+        rid = request.request_id
+        pool = self.pool
+        if hits and self.defers(hits):
+            return None
+        manager_hits = self._by_manager(hits)
+        bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
+                  for m, h in zip(managers, manager_hits, strict=True)]
+        if sum(bounds) > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
+            need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
+                       for m, h in zip(managers, manager_hits, strict=True))
+            if need > pool.num_free:
+                return None
+        counts = [0] * self.num_groups
+        if rid in self.allocated:  # running: its bound is exactly its new blocks
+            released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
+            if any(part.size for _, part in released):
+                pool.free_tables(released)
+            for m, bound in zip(managers, bounds, strict=True):
+                if bound:
+                    for g in m.group_ids:
+                        counts[g] = bound // m.num_groups
+        else:
+            touched: list[Sequence[int]] = [[]] * self.num_groups
+            for m, h in zip(managers, manager_hits, strict=True):
+                for g, kept in zip(m.group_ids, m.save_hits(request, h, first_new), strict=True):
+                    touched[g] = kept
+            if any(touched):
+                pool.touch_groups(touched)
+            for m in managers:
+                count = m.num_new_blocks(request, first_new, total_tokens)
+                for g in m.group_ids:
+                    counts[g] = count
+        fresh = pool.allocate_groups(counts) if any(counts) else None
+        new: NewEntries = [EMPTY] * self.num_groups
+        for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
+            blocks = [fresh[g] for g in m.group_ids] if fresh is not None else [[]] * m.num_groups
+            for g, row in zip(m.group_ids, m.allocate_new_blocks(request, first_new, total_tokens, blocks),
+                              strict=True):
+                new[g] = row
+        self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
+        return new
+
+    def decode(self, request: KVRequest, first_new: int, end: int,
+               hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]]) -> tuple[tuple[int, ...], ...] | None:
+        """`allocate` + `cache_blocks` + `update_quiet` of a running request's step [first_new,
+        end) without hits, lookahead or external tokens (only when `decodes`): the new entries
+        per group, as ints. None, with nothing changed, where the general path must run: a group
+        needs more than one new entry, or the pool may be too tight (it counts exactly)."""
+        rid = request.request_id
+        bounds = self.quiet[rid]
+        steps: list[_DecodeStep] = []
+        counts: list[int] | None = None
+        releasing = 0
+        release: tuple[Table, int] | None = None  # the one releasing manager's (table, keep)
+        at = 2
+        for m in self.managers:  # 1. count (a manager whose own no-op bounds hold changes nothing)
+            if first_new > bounds[at] or end > bounds[at + 1]:
+                table = m.table_of[rid]
+                old = table.length
+                grows = -(-end // m.block_size) - old
+                if grows > 1:
+                    return None
+                keep = m.first_needed_block(first_new) if m.skips_blocks else 0
+                real = grows == 1 and old >= keep
+                if real:
+                    if counts is None:
+                        counts = [0] * self.num_groups
+                    for g in m.group_ids:
+                        counts[g] = 1
+                if keep > table.num_skipped < old:
+                    releasing += 1
+                    release = table, keep
+                steps.append((at, m, table, keep, grows == 1, real))
+            at += 2
+        pool = self.pool
+        if counts is not None and sum(counts) > pool.num_free:  # (exact count: the general path)
+            return None
+        if releasing > 1:  # 2. release (several managers: interleaved position by position)
+            pool.free_tables([(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping])
+        elif release is not None:
+            self._release_leading(release[0], min(release[1], release[0].length))
+        fresh = None  # 3. pop (lists of ints)
+        if counts is not None:
+            total = sum(counts)
+            fresh = (pool.allocate_few(counts, total) if total <= FEW
+                     else [list(map(int, blocks)) for blocks in pool.allocate_groups(counts)])
+        out = self._extend(request, steps, fresh, end, hashes_of, bounds)  # 4. extend, cache, bounds
+        if end > self.allocated[rid]:
+            self.allocated[rid] = end
+        return out
+
+    def _extend(self, request: KVRequest, steps: list[_DecodeStep], fresh: list[list[int]] | None, end: int,
+                hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]],
+                bounds: list[int]) -> tuple[tuple[int, ...], ...]:
+        """`decode`'s last phases: append each manager's new entry (a fresh block, or null),
+        cache the newly full blocks, update the no-op bounds; the new entries per group."""
+        out = list(self._no_entries)
+        hashes = None
+        num_tokens = min(end, request.num_tokens)
+        for at, m, table, _, grows, real in steps:
+            old = table.length
+            size = m.block_size
+            if grows:  # one new entry per group: a fresh block, or null
+                if old == table.ids.shape[1]:
+                    table.grow(old + 1)
+                if real and fresh is not None:
+                    entry = [fresh[g][0] for g in m.group_ids]
+                    table.ids[:, old] = entry
+                    for g, block in zip(m.group_ids, entry, strict=True):
+                        out[g] = (block,)
+                else:
+                    for g in m.group_ids:
+                        out[g] = (NULL,)
+                table.length = old + 1
+                if table.num_skipped == old:
+                    table.num_skipped = old if real else old + 1
+            if num_tokens // size > table.num_cached:
+                hashes = hashes or hashes_of(request)
+                self._cache_table(m, table, hashes[size], num_tokens // size, request.token_ids)
+            bounds[at] = m.quiet_first(table.num_skipped)
+            bounds[at + 1] = min(table.length, table.num_cached + 1) * size - 1
+        bounds[0] = min(bounds[2::2])
+        bounds[1] = min(bounds[3::2])
+        return tuple(out)
+
+    def _release_leading(self, table: Table, keep: int) -> None:
+        """Replace entries [num_skipped, keep) by null and release their blocks, tail first,
+        the groups of each position in ascending order (as `free_tables` orders one manager's)."""
+        ids = table.ids
+        done = table.num_skipped
+        if keep - done == 1:
+            column = ids[:, done].tolist()
+            ids[:, done] = NULL
+            self.pool.free(column)
+        else:
+            # Base table rules: the entries from num_skipped on are real (nulls only lead), and the
+            # ones below num_cached all carry a hash (held blocks lose none).
+            part = ids[:, done:keep]
+            order = part[:, ::-1].flatten("F")  # position by position from the tail (a copy)
+            part[:] = NULL
+            if keep <= table.num_cached:
+                self.pool.release_cached_blocks(order)
+            else:
+                self.pool.release_blocks(order)
+        table.num_skipped = keep
+
+    def _cache_table(self, manager: SingleTypeManager, table: Table, block_hashes: Sequence[BlockHash],
+                     num_full: int, token_ids: Sequence[int]) -> None:
+        """`manager.cache_blocks` for the base table rules: entries [num_cached, num_full)."""
+        start = table.num_cached
+        if num_full == start + 1:
+            self.pool.cache_position(manager.group_ids, table.ids[:, start].tolist(), block_hashes, start, token_ids)
+        else:
+            self.pool.cache_rows(manager.group_ids, table.ids, block_hashes, start, num_full, token_ids)
+        table.num_cached = num_full
+
+    def update_quiet(self, request_id: RequestId) -> None:
+        """Recompute the request's no-op bounds (after an allocate and its caching)."""
+        bounds = [0, 0]
+        for manager in self.managers:
+            bounds += manager.quiet_bounds(request_id)
+        bounds[0] = min(bounds[2::2])
+        bounds[1] = min(bounds[3::2])
+        self.quiet[request_id] = bounds
+
+    def new_step(self) -> None:
+        for manager in self._deferring:
+            manager.new_step()
+
+    def defers(self, hits: GroupBlocks) -> bool:
+        """Whether a hit uses a state checkpoint cached in this step (usable from the next one)."""
+        return any(m.refuses_hit([hits[g] for g in m.group_ids]) for m in self._deferring)
+
+    def cache_blocks(self, request: KVRequest, hashes: dict[int, list[BlockHash]], num_tokens: int) -> None:
+        for manager in self.managers:
+            manager.cache_blocks(request, hashes[manager.block_size], num_tokens)
+
+    def free(self, request: KVRequest) -> None:
+        """Release every block of the request, all groups interleaved, tail first.
+
+        Blocks the request cached for tokens it has not computed (`num_computed_tokens` did not
+        reach them: the step was allocated, then the request was preempted before it ran) hold
+        no valid KV: their hashes are dropped first, so no later lookup can hit them.
+        """
+        rid = request.request_id
+        allocated = self.allocated.pop(rid, None)
+        if allocated is None:
+            return
+        del self.quiet[rid]
+        managers = self.managers
+        if request.num_computed_tokens < allocated:
+            computed = request.num_computed_tokens
+            for manager in managers:
+                self.pool.uncache(manager.uncomputed_cached_blocks(rid, computed))
+        self.pool.free_tables([(m.group_ids, m.free(rid)) for m in managers])
+
+
+class NoPrefixCacheCoordinator(KVCacheCoordinator):
+    """Prefix caching off: never hits, never caches."""
+
+    def cache_blocks(self, request: KVRequest, hashes: dict[int, list[BlockHash]], num_tokens: int) -> None:
+        return
+
+
+def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[int]]:
+    """The hit of every group of `manager`, looked up together."""
+    return manager.find_hits(manager.view, hashes[manager.block_size], max_length)
+
+
+class UnitaryCoordinator(KVCacheCoordinator):
+    """All groups share one hit rule (one type, one block size): a single lookup."""
+
+    def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
+                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        blocks: GroupBlocks = [[] for _ in self.groups]
+        tokens = 0
+        for manager in self.managers:  # one manager, unless several were built for one rule
+            hits = _find(manager, hashes, max_length)
+            tokens = len(hits[0]) * manager.block_size
+            for g, group_hits in zip(manager.group_ids, hits, strict=True):
+                blocks[g] = group_hits
+        return blocks, tokens, [tokens] * self.num_groups
+
+
+class HybridCoordinator(KVCacheCoordinator):
+    """Any number of hit rules; the fixed-point lookup of the module docstring."""
+
+    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
+        super().__init__(managers, pool)
+        self._closed = [m for m in self.managers if m.downward_closed]
+        self._others = [m for m in self.managers if not m.downward_closed]
+
+    def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
+                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        step = self.lcm_block_size
+        length = max_length // step * step
+        first = [0] * self.num_groups
+        found: list[tuple[SingleTypeManager, list[list[int]]]] = []
+        for cls in self._closed:
+            hits = _find(cls, hashes, length)
+            got = len(hits[0]) * cls.block_size
+            for g in cls.group_ids:
+                first[g] = got
+            length = min(length, got) // step * step
+            found.append((cls, hits))
+        others = self._others
+        answers: list[tuple[int, list[list[int]]] | None] = [None] * len(others)  # (tokens, hits) per class
+        settled = False
+        while not settled:
+            settled = True
+            for i, cls in enumerate(others):
+                answer = answers[i]
+                if answer is not None and answer[0] == length:
+                    continue
+                hits = _find(cls, hashes, length)
+                got = len(hits[0]) * cls.block_size
+                if answer is None:
+                    for g in cls.group_ids:
+                        first[g] = got
+                answers[i] = (got, hits)
+                assert got <= length, f"hit class answered {got} tokens when asked for {length}"
+                if got < length:
+                    length = got // step * step
+                    settled = False
+            if settled and any(a is None or a[0] != length for a in answers):
+                settled = False
+        blocks: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
+        for cls, hits in found:
+            cut = length // cls.block_size
+            for g, group_hits in zip(cls.group_ids, hits, strict=True):
+                blocks[g] = group_hits[:cut]
+        for cls, answer in zip(others, answers, strict=True):
+            assert answer is not None
+            for g, group_hits in zip(cls.group_ids, answer[1], strict=True):
+                blocks[g] = group_hits
+        return blocks, length, first

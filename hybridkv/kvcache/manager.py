@@ -1,0 +1,466 @@
+"""The KV cache manager: the facade an engine's scheduler calls.
+
+    KVCacheManager  ->  coordinator (all groups)  ->  one manager per hit rule (its groups) -> block pool
+
+A step of one request, in tokens (`allocate` arguments in brackets):
+
+    | computed | new hits | external hits | new tokens | lookahead |
+    0          ^          ^               ^            ^            ^ total slots
+               |          hit.num_tokens  |            |            (num_lookahead_tokens)
+               request.num_computed_tokens|            end = first_new + num_new_tokens
+                                          first_new = computed + hits + num_external_tokens
+
+    blocks are allocated up to `total slots`; full blocks are cached up to
+    min(end, request.num_tokens) unless caching is DELAYED (then call `cache` later).
+
+The engine advances `request.num_computed_tokens` itself, after the step, to `end`.
+Verbs: begin_step, lookup, allocate, cache, free, block_ids, state_steps, reset_prefix_cache,
+usage, group_usage, stats, take_events, check_integrity. See docs/kv_cache_manager.md.
+
+State groups (Mamba, Gated DeltaNet): `mamba_cache_mode=MambaCacheMode.ALIGN | ALL` selects
+where checkpoints are kept; `state_steps` tells the runner which block each state is read from
+and written to. A checkpoint cached in a step is hit only from the next step on: the scheduler
+calls `begin_step()` at the start of every step, and `allocate` refuses (returns None) a hit on
+a checkpoint cached since then (`CacheHit.deferred`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from operator import add
+from typing import cast
+
+from hybridkv.errors import (
+    AllocationError,
+    ConfigError,
+    IntegrityError,
+    StaleHitError,
+    UnknownRequestError,
+)
+from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent, KVEvents
+from hybridkv.kvcache.coordinator import (
+    GroupBlocks,
+    HybridCoordinator,
+    KVCacheCoordinator,
+    NoPrefixCacheCoordinator,
+    UnitaryCoordinator,
+)
+from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
+from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
+from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.type_managers.attention import make_manager
+from hybridkv.kvcache.type_managers.base import rule_of
+from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
+from hybridkv.plan.specs import MambaCacheMode
+
+__all__ = [
+    "AllocationError", "CacheHit", "CacheTiming", "IntegrityError", "KVCacheManager", "MambaCacheMode", "ManagerStats",
+    "PrefixCaching", "StaleHitError", "StateCheckpoint", "StateStep", "UnknownRequestError",
+]
+
+class PrefixCaching(Enum):
+    """Whether full blocks are cached and looked up (OFF: state groups keep one running state)."""
+
+    ON = "on"
+    OFF = "off"
+
+
+class CacheTiming(Enum):
+    """When `allocate` caches the newly full blocks: now, or later through `cache`
+    (external KV still loading asynchronously)."""
+
+    IMMEDIATE = "immediate"
+    DELAYED = "delayed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheHit:
+    """The answer of `lookup`: `num_tokens` cached tokens and their block ids per group
+    (0 = the null block, where a group skips the block). Pass it to `allocate` unchanged."""
+
+    request_id: RequestId
+    num_tokens: int
+    blocks: tuple[tuple[BlockId, ...], ...]
+    #: The hit uses a state checkpoint cached in the current step (its state is written only when
+    #: the step runs): `allocate` refuses it (returns None) until the next `begin_step`. Keep the
+    #: request waiting (no preemption helps) and look it up again in the next step.
+    deferred: bool = False
+    pool_epoch: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise AllocationError(f"a cache hit cannot have {self.num_tokens} tokens; expected >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateCheckpoint:
+    """The state of a state group after the request's first `num_tokens` tokens, in `block_id`."""
+
+    num_tokens: int
+    block_id: BlockId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateStep:
+    """What the layers of one state group read and write in one step of one request.
+
+    `read`: the state the step starts from (None: the step starts at token 0, from a zero
+    state); after a cache hit it is the hit's checkpoint block, to restore from. `writes`:
+    every state the step must store, ascending by `num_tokens`; the last one is the state after
+    the step's last token (the running state). ALIGN mode writes one state; ALL mode also one
+    per block boundary the step crosses. A write may name the read block (the state is then
+    updated in place); it never names a block another request can read.
+    """
+
+    group_id: GroupId
+    read: StateCheckpoint | None
+    writes: tuple[StateCheckpoint, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManagerStats:
+    """Prefix-cache statistics since construction.
+
+    `query_tokens` sums the prompt lengths looked up, `hit_tokens` the hits returned;
+    `group_hit_tokens[g]` sums what group g alone could serve when the coordinator first asked
+    it (full attention: the whole prompt; other types: the candidate length at that point),
+    which shows which group limits the hit.
+    """
+
+    lookups: int
+    query_tokens: int
+    hit_tokens: int
+    group_hit_tokens: tuple[int, ...]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
+                      mamba_cache_mode: MambaCacheMode) -> KVCacheCoordinator:
+    mode = mamba_cache_mode if caching is PrefixCaching.ON else MambaCacheMode.NONE
+    by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
+    for group in config.groups:
+        by_rule.setdefault(rule_of(group), []).append(group)
+    managers = [make_manager(groups, pool, mamba_mode=mode) for groups in by_rule.values()]
+    if caching is PrefixCaching.OFF:
+        return NoPrefixCacheCoordinator(managers, pool)
+    if len(managers) == 1:
+        return UnitaryCoordinator(managers, pool)
+    return HybridCoordinator(managers, pool)
+
+
+class KVCacheManager:
+    """Hands out block ids per KV cache group and keeps the prefix cache of all groups."""
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        *,
+        max_model_len: int,
+        prefix_caching: PrefixCaching = PrefixCaching.ON,
+        hash_algo: HashAlgo = HashAlgo.XXH3_128,
+        hash_seed: int = 0,
+        eviction: EvictionPolicyName = EvictionPolicyName.LRU,
+        events: KVEvents = KVEvents.OFF,
+        mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+    ) -> None:
+        if max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
+        if not config.groups:
+            raise ConfigError(f"KV cache config of {config.model!r} has no groups")
+        for index, group in enumerate(config.groups):
+            if group.group_id != index:
+                raise ConfigError(f"group at position {index} has group_id {group.group_id}; expected {index}")
+        if not isinstance(mamba_cache_mode, MambaCacheMode):
+            raise ConfigError(f"mamba_cache_mode must be one of {[m.value for m in MambaCacheMode]}, "
+                              f"got {mamba_cache_mode!r}")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.mamba_cache_mode = mamba_cache_mode
+        self._caching = prefix_caching is PrefixCaching.ON
+        self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
+                               policy_factory=POLICIES[eviction], events=events)
+        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode)
+        self._groups = self._coordinator.groups  # per group: (its manager, its row there)
+        self._group_block_sizes = [m.block_size for m, _ in self._groups]
+        self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
+        self._block_sizes = self._coordinator.block_sizes
+        self._empty_hit = tuple(() for _ in config.groups)
+        self._no_new_blocks: tuple[tuple[BlockId, ...], ...] = self._empty_hit
+        self._decodes = self._caching and self._coordinator.decodes
+        self._lookups = 0
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._group_hit_tokens = [0] * len(config.groups)
+
+    # -- step / lookup --------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A new scheduling step starts: state checkpoints cached before now become hittable.
+        Call it once per step, before the step's first `lookup` / `allocate` (vLLM's
+        `new_step_starts`). Without it, hits on checkpoints cached since the last call wait."""
+        self._coordinator.new_step()
+
+    def lookup(self, request: KVRequest) -> CacheHit:
+        """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last
+        token is always computed, for its logits). Counts toward `stats()`."""
+        self._lookups += 1
+        self._query_tokens += request.num_tokens
+        max_length = min(request.num_tokens - 1, self.max_model_len)
+        if not self._caching or max_length < self._coordinator.lcm_block_size:
+            return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
+                            pool_epoch=self._pool.evictions)
+        coordinator = self._coordinator
+        hits, num_tokens, first = coordinator.find_longest_cache_hit(self._hashes(request), max_length)
+        self._hit_tokens += num_tokens
+        self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
+        return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
+                        blocks=tuple(map(tuple, hits)),  # type: ignore[arg-type]  # ids
+                        deferred=bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits),
+                        pool_epoch=self._pool.evictions)
+
+    # -- allocate / cache / free ----------------------------------------------------------------
+
+    def allocate(
+        self,
+        request: KVRequest,
+        num_new_tokens: int,
+        *,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_tokens: int = 0,
+        caching: CacheTiming = CacheTiming.IMMEDIATE,
+    ) -> tuple[tuple[BlockId, ...], ...] | None:
+        """Blocks for one step (token regions in the module docstring).
+
+        Returns the new table entries per group (block 0 where a group skips a position), to
+        append to the runner's block tables after `hit.blocks`; or None when the pool cannot
+        supply them, in which case nothing changed. Raises `AllocationError` on arguments that
+        contradict the request's state and `StaleHitError` if `hit` was evicted since lookup.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_tokens < 0:
+            raise AllocationError(
+                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
+                f"num_lookahead_tokens={num_lookahead_tokens}, num_external_tokens={num_external_tokens}"
+            )
+        coordinator = self._coordinator
+        computed = request.num_computed_tokens
+        if hit is None and not num_lookahead_tokens and not num_external_tokens:  # a running request's step
+            slots = coordinator.allocated.get(request.request_id)  # None: not running
+            end = computed + num_new_tokens
+            if slots is not None and computed <= slots and end <= self.max_model_len:
+                quiet = coordinator.quiet[request.request_id]
+                if computed <= quiet[0] and end <= quiet[1]:  # no new entry, release or caching
+                    if end > slots:
+                        coordinator.allocated[request.request_id] = end
+                    return self._no_new_blocks
+                if self._decodes and caching is CacheTiming.IMMEDIATE:  # one new entry per group at most
+                    entries = coordinator.decode(request, computed, end, self._hashes)
+                    if entries is not None:
+                        return entries  # type: ignore[return-value]  # block ids
+        hit_blocks = self._check_start(request, hit)
+        hit_tokens = hit.num_tokens if hit is not None else 0
+        first_new = computed + hit_tokens + num_external_tokens
+        end = first_new + num_new_tokens
+        total = end + num_lookahead_tokens
+        if total > self.max_model_len:
+            raise AllocationError(
+                f"request {request.request_id!r} would need {total} token slots; "
+                f"expected at most max_model_len={self.max_model_len}"
+            )
+        new = coordinator.allocate(request, hit_blocks, first_new, total)
+        if new is None:
+            return None
+        if self._caching and caching is CacheTiming.IMMEDIATE:
+            coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
+        coordinator.update_quiet(request.request_id)
+        return tuple(tuple(entries.tolist()) for entries in new)
+
+    def cache(self, request: KVRequest, num_tokens: int) -> None:
+        """Cache the full blocks among the first `num_tokens` tokens (after a DELAYED allocate,
+        once the external KV has arrived). Raises `AllocationError` beyond the allocated slots."""
+        allocated = self._coordinator.allocated_tokens(request.request_id)
+        if not self._coordinator.is_running(request.request_id) or num_tokens > allocated:
+            raise AllocationError(
+                f"cannot cache {num_tokens} tokens of request {request.request_id!r}: "
+                f"it holds slots for {allocated} tokens"
+            )
+        if self._caching:
+            self._coordinator.cache_blocks(request, self._hashes(request), min(num_tokens, request.num_tokens))
+            self._coordinator.update_quiet(request.request_id)
+
+    def free(self, request: KVRequest) -> None:
+        """Release every block of the request, tail first (finish or preemption); no-op if it
+        holds none. A preempted request restarts with `num_computed_tokens = 0`.
+
+        Call it with `request.num_computed_tokens` as the engine last advanced it: blocks the
+        request cached beyond it (a step allocated, then preempted before it ran) are uncached,
+        since their KV was never written."""
+        self._coordinator.free(request)
+
+    def block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:
+        """The request's block table per group (0 = null block where a position is not kept)."""
+        if not self._coordinator.is_running(request_id):
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
+        return tuple(cast("list[BlockId]", m.block_table(request_id, row) or []) for m, row in self._groups)
+
+    def state_steps(self, request_id: RequestId, *, start_tokens: int, end_tokens: int) -> tuple[StateStep, ...]:
+        """Per state group (ascending group id; empty without state groups), where the step that
+        computes tokens `[start_tokens, end_tokens)` of a running request reads its state from and
+        writes its states to. Call it after that step's `allocate`: `start_tokens` is the
+        `first_new` of the module docstring (computed + hit + external tokens)."""
+        allocated = self._coordinator.allocated_tokens(request_id)
+        if not self._coordinator.is_running(request_id):
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
+        if not 0 <= start_tokens < end_tokens <= allocated:
+            raise AllocationError(
+                f"state step [{start_tokens}, {end_tokens}) of request {request_id!r} is not a step it holds "
+                f"slots for; expected 0 <= start < end <= {allocated}"
+            )
+        steps = []
+        for manager, row in self._groups:
+            entries = manager.state_entries(request_id, row, start_tokens, end_tokens)
+            if entries is None:
+                continue
+            read, writes = entries
+            if read is not None and read[1] == NULL:
+                raise AllocationError(
+                    f"request {request_id!r} no longer holds its state after {start_tokens} tokens in group "
+                    f"{manager.group_ids[row]}; start_tokens must be the first token of the step just allocated"
+                )
+            steps.append(StateStep(
+                group_id=GroupId(manager.group_ids[row]),
+                read=None if read is None else StateCheckpoint(num_tokens=read[0], block_id=BlockId(read[1])),
+                writes=tuple(StateCheckpoint(num_tokens=t, block_id=BlockId(b)) for t, b in writes),
+            ))
+        return tuple(steps)
+
+    # -- cache-wide -----------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; False (and nothing done) while any request holds blocks."""
+        return self._pool.reset_prefix_cache()
+
+    def usage(self) -> float:
+        """Fraction of usable blocks (all but the null block) held by requests."""
+        return self._pool.usage()
+
+    def group_usage(self) -> tuple[int, ...]:
+        """Blocks held by requests, per group."""
+        return self._pool.group_usage()
+
+    def stats(self) -> ManagerStats:
+        return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
+                            group_hit_tokens=tuple(self._group_hit_tokens))
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events (stored / removed / cleared) since the last call; empty unless events ON."""
+        return self._pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Raise `IntegrityError` with the actual numbers if any invariant is broken: ref counts
+        equal the number of tables holding a block, free queue == blocks with ref count 0, no
+        block twice in a table, every held block belongs to the group holding it, hash maps
+        consistent."""
+        expected: Counter[int] = Counter()
+        groups = self._pool.group_of.tolist()
+        running = set(self._coordinator.running_requests())
+        for g, (manager, row) in enumerate(self._groups):
+            tables = manager.tables(row)
+            if set(tables) != running:
+                raise IntegrityError(f"group {g} has tables for {sorted(tables)} but the "
+                                     f"running requests are {sorted(running)}")
+            for rid, table in tables.items():
+                skipped = manager.num_skipped(rid)
+                if any(table[:skipped]):
+                    raise IntegrityError(f"request {rid!r} group {g}: the first {skipped} entries should be null")
+                real = [b for b in table if b != NULL]
+                if len(set(real)) != len(real):
+                    raise IntegrityError(f"request {rid!r} holds a block twice in group {g}")
+                for block in real:
+                    if not 0 < block < len(groups):
+                        raise IntegrityError(f"request {rid!r} holds block {block} in group {g}, outside the pool")
+                    if groups[block] != g:
+                        raise IntegrityError(f"request {rid!r} holds block {block} in group {g} "
+                                             f"but the block belongs to group {groups[block]}")
+                    expected[block] += 1
+        self._pool.check_integrity(expected)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _hashes(self, request: KVRequest) -> dict[int, list[BlockHash]]:
+        hashes = request.block_hashes
+        num_tokens = request.num_tokens
+        for size in self._block_sizes:
+            known = hashes.get(size)
+            if known is None or len(known) < num_tokens // size:
+                self._hasher.update(request, size)
+        return hashes
+
+    def _check_start(self, request: KVRequest, hit: CacheHit | None) -> GroupBlocks | None:
+        """The hit's blocks per group (None without a hit) once the request's state agrees with
+        them; `AllocationError` where it contradicts the step (the general path of `allocate`)."""
+        running = self._coordinator.is_running(request.request_id)
+        computed = request.num_computed_tokens
+        if hit is not None and hit.num_tokens:
+            return self._resolve_hit(request, hit, running)
+        if computed and not running:
+            raise AllocationError(
+                f"request {request.request_id!r} has num_computed_tokens={computed} but holds no blocks; "
+                "expected 0 for a new or preempted request (pass loaded KV as num_external_tokens)"
+            )
+        if computed > self._coordinator.allocated_tokens(request.request_id):
+            raise AllocationError(
+                f"request {request.request_id!r} has num_computed_tokens={computed} but holds slots for only "
+                f"{self._coordinator.allocated_tokens(request.request_id)} tokens; expected at most that many "
+                "(advance num_computed_tokens to the end of the step that ran, not further)"
+            )
+        return None
+
+    def _resolve_hit(self, request: KVRequest, hit: CacheHit, running: bool) -> GroupBlocks:
+        if hit.request_id != request.request_id:
+            raise AllocationError(f"cache hit of request {hit.request_id!r} passed for {request.request_id!r}")
+        if running or request.num_computed_tokens:
+            raise AllocationError(
+                f"request {request.request_id!r} already holds blocks or computed tokens "
+                f"({request.num_computed_tokens}); a cache hit applies only to a new request"
+            )
+        sizes = self._group_block_sizes
+        if len(hit.blocks) != len(sizes) or any(
+            len(ids) != hit.num_tokens // size for ids, size in zip(hit.blocks, sizes, strict=False)
+        ):
+            raise AllocationError(
+                f"cache hit of request {request.request_id!r} for {hit.num_tokens} tokens has "
+                f"{[len(ids) for ids in hit.blocks]} blocks per group; expected "
+                f"{[hit.num_tokens // size for size in sizes]} (pass the CacheHit of this manager unchanged)"
+            )
+        num_blocks = self._pool.num_blocks
+        groups: GroupBlocks = [list(ids) for ids in hit.blocks]
+        for ids in groups:
+            if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+                raise AllocationError(
+                    f"cache hit of request {request.request_id!r} names a block id outside this manager's "
+                    f"{num_blocks} blocks (pass the CacheHit of this manager unchanged)"
+                )
+        if hit.pool_epoch != self._pool.evictions:
+            self._verify_hit(request, groups)
+        return groups
+
+    def _verify_hit(self, request: KVRequest, groups: GroupBlocks) -> None:
+        hashes = self._hashes(request)
+        hash_of = self._pool.hash_of
+        group_of = self._pool.group_of.tolist()
+        for g, blocks in enumerate(groups):
+            expected = hashes[self._group_block_sizes[g]]
+            for i, block in enumerate(blocks):
+                if block != NULL and (hash_of(block) != expected[i] or group_of[block] != g):
+                    raise StaleHitError(
+                        f"cache hit of request {request.request_id!r}: block {block} (group {g}, "
+                        f"position {i}) was evicted after lookup; call lookup again right before allocate"
+                    )
+

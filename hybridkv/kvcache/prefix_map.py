@@ -1,0 +1,232 @@
+"""The prefix-cache map of the KV cache groups of one block size: one dict for all of them.
+
+The prefix-cache key is (block hash, group). The groups of one block size cache the same
+positions of a request under the same hashes, so one dict maps a hash to a *slot*, and a slot
+holds the cached block of that hash in every group (a column of an array, 0 where a group holds
+none):
+
+    index:   hash -> slot                     (one dict operation per position, not per group)
+    blocks:  int64 [groups, slots]            blocks[col, slot] = the block of group `group_ids[col]`
+    count:   int64 [slots]                    how many groups hold a block in the slot
+    key:     object [slots]                   the hash of each slot in use (None: free slot)
+
+A slot lives while some group holds a block in it; it is freed (and leaves the dict) when its
+last block is evicted. Slot 0 is never used: a column of zeros that stands for "not cached", so
+a lookup maps every key to a slot (`index.get(key, 0)`) and reads all groups' answers in one
+array gather. Identical content cached in a second block of the same group (two requests
+computed it concurrently) waits in `dups[col][hash]` (and `waiting[col, slot]` is set); the
+pool promotes it when the first is evicted.
+
+Array calls cost a microsecond or more each here, whatever their size, so bulk operations use
+few of them (`np.count_nonzero` rather than `.any()`), and single blocks plain scalar reads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from itertools import repeat, takewhile
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hybridkv.errors import IntegrityError
+from hybridkv.kvcache.ids import BlockHash
+
+Ids = NDArray[np.int64]
+
+
+class PrefixMap:
+    """Hash -> slot -> block per group, for the groups `group_ids` (one block size)."""
+
+    def __init__(self, group_ids: Sequence[int], num_blocks: int) -> None:
+        self.group_ids = tuple(group_ids)
+        # at most one slot per hashed block, and the null block is never hashed: num_blocks - 1 slots
+        self.index: dict[BlockHash, int] = {}
+        self.blocks: Ids = np.zeros((len(self.group_ids), num_blocks), np.int64)
+        self.count: Ids = np.zeros(num_blocks, np.int64)
+        self.waiting = np.zeros((len(self.group_ids), num_blocks), np.bool_)
+        self.key: NDArray[np.object_] = np.full(num_blocks, None, object)
+        self.dups: list[dict[BlockHash, list[int]]] = [{} for _ in self.group_ids]
+        self._free: Ids = np.arange(num_blocks - 1, 0, -1, dtype=np.int64)  # a stack: top = lowest slot
+        self._top = num_blocks - 1
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    def slots_for(self, keys: Sequence[BlockHash]) -> Ids:
+        """The slot of each key, new slots for keys not in the map (one dict operation each)."""
+        n = len(keys)
+        top = self._top
+        assert n <= top, f"{n} new slots asked for, {top} free"
+        candidates = self._free[top - n : top]
+        got = np.fromiter(map(self.index.setdefault, keys, candidates.tolist()), np.int64, n)
+        fresh = got == candidates
+        used = int(np.count_nonzero(fresh))
+        if used == n:
+            self.key[got] = keys
+            self._top = top - n
+            return got
+        if used:
+            self.key[got[fresh]] = [k for k, new in zip(keys, fresh.tolist(), strict=True) if new]
+        unused = candidates[~fresh]
+        self._free[top - n : top - n + len(unused)] = unused
+        self._top = top - n + len(unused)
+        return got
+
+    def slot_for(self, key: BlockHash) -> int:
+        slot = self.index.get(key)
+        if slot is None:
+            self._top -= 1
+            slot = int(self._free[self._top])
+            self.index[key] = slot
+            self.key[slot] = key
+        return slot
+
+    def add_dup(self, col: int, slot: int, key: BlockHash, block: int) -> None:
+        self.dups[col].setdefault(key, []).append(block)
+        self.waiting[col, slot] = True
+
+    def take_dup(self, col: int, slot: int, key: BlockHash, block: int | None) -> int:
+        """Remove `block` (None: the first) from the copies waiting for `key`; return it."""
+        waiting = self.dups[col][key]
+        if block is None:
+            block = waiting.pop(0)
+        else:
+            waiting.remove(block)
+        if not waiting:
+            del self.dups[col][key]
+            self.waiting[col, slot] = False
+        return block
+
+    def release(self, slots: Ids) -> None:
+        """One group let go of each of `slots` (repeats allowed); free those no group holds."""
+        count = self.count
+        np.subtract.at(count, slots, 1)
+        empty = slots[count[slots] == 0]
+        if not len(empty):
+            return
+        unique: list[int] = list(dict.fromkeys(empty.tolist()))
+        deque(map(self.index.__delitem__, self.key[unique].tolist()), maxlen=0)
+        self.key[unique] = None
+        top = self._top
+        self._free[top : top + len(unique)] = unique
+        self._top = top + len(unique)
+
+    def release_one(self, slot: int) -> None:
+        left = self.count.item(slot) - 1
+        self.count[slot] = left
+        if not left:
+            del self.index[self.key[slot]]
+            self.key[slot] = None
+            self._free[self._top] = slot
+            self._top += 1
+
+    def clear(self) -> None:
+        self.index.clear()
+        self.blocks[:] = 0
+        self.count[:] = 0
+        self.waiting[:] = False
+        self.key[:] = None
+        for dups in self.dups:
+            dups.clear()
+        self._top = len(self._free)
+        self._free[:] = np.arange(self._top, 0, -1)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def view(self, cols: Sequence[int]) -> GroupsView:
+        return GroupsView(self, cols)
+
+    def snapshot(self, col: int) -> dict[BlockHash, int]:
+        """Hash -> block of one group (a copy)."""
+        blocks = self.blocks[col].tolist()
+        return {h: blocks[s] for h, s in self.index.items() if blocks[s]}
+
+    def check(self, block_hash: NDArray[np.object_], group_of: list[int], slot_of: Ids) -> int:
+        """Raise `IntegrityError` on an inconsistent map; return how many blocks it holds."""
+        in_use = len(self._free) - self._top
+        if len(self.index) != in_use:
+            raise IntegrityError(f"prefix map of groups {self.group_ids} has {len(self.index)} hashes but "
+                                 f"{in_use} slots in use")
+        entries = 0
+        blocks = self.blocks.T.tolist()
+        slot_ids = slot_of.tolist()
+        counts = self.count.tolist()
+        for block_hash_, slot in self.index.items():
+            row = blocks[slot]
+            if self.key[slot] != block_hash_ or not any(row) or slot == 0 or counts[slot] != sum(map(bool, row)):
+                raise IntegrityError(f"prefix map slot {slot} of hash {block_hash_!r} is empty, keyed otherwise or "
+                                     f"miscounted ({counts[slot]} groups)")
+            for col, block in enumerate(row):
+                if not block:
+                    continue
+                group = self.group_ids[col]
+                if block_hash[block] != block_hash_ or group_of[block] != group or slot_ids[block] != slot:
+                    raise IntegrityError(f"cache map of group {group} points at block {block} of group "
+                                         f"{group_of[block]} whose hash does not match its key")
+                entries += 1
+        for col, dups in enumerate(self.dups):
+            group = self.group_ids[col]
+            for block_hash_, waiting in dups.items():
+                slot = self.index.get(block_hash_, 0)
+                if not slot or not blocks[slot][col] or not waiting or not self.waiting[col, slot]:
+                    raise IntegrityError(f"duplicate table of group {group} has no primary block or no copies")
+                for block in waiting:
+                    if block_hash[block] != block_hash_ or group_of[block] != group or slot_ids[block] != slot:
+                        raise IntegrityError(f"duplicate block {block} does not carry its key")
+                entries += len(waiting)
+        if np.count_nonzero(self.waiting) != sum(map(len, self.dups)):
+            raise IntegrityError(f"the waiting flags of groups {self.group_ids} disagree with the copies")
+        free = self._free[: self._top]
+        if (np.count_nonzero(self.blocks[:, free]) or np.count_nonzero(self.count[free])
+                or any(k is not None for k in self.key[free].tolist())):
+            raise IntegrityError(f"a free slot of the prefix map of groups {self.group_ids} holds a block or key")
+        return entries
+
+
+class GroupsView:
+    """The prefix map as some of its groups see it (columns `cols`): what a manager's hit rule
+    reads. A key is held when every one of these groups holds a block for it."""
+
+    def __init__(self, pmap: PrefixMap, cols: Sequence[int]) -> None:
+        self._map = pmap
+        self._index = pmap.index
+        self.cols = tuple(cols)
+        first = self.cols[0]
+        consecutive = self.cols == tuple(range(first, first + len(self.cols)))
+        # which rows of `blocks` (a slice when consecutive: no copy of the rows when gathering)
+        self._rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
+                                   else np.array(self.cols, np.int64)[:, None])
+        self._lead = pmap.blocks[first]  # a view: the first group's block per slot
+
+    def lead(self) -> GroupsView:
+        """The first group alone."""
+        return GroupsView(self._map, self.cols[:1])
+
+    def slots(self, keys: Sequence[BlockHash]) -> Ids:
+        """The slot of each key, 0 where no group holds it."""
+        return np.fromiter(map(self._index.get, keys, repeat(0)), np.int64, len(keys))
+
+    def held(self, keys: Sequence[BlockHash]) -> tuple[bytes, Ids]:
+        """(row, slots): byte i of row is 1 where every group holds keys[i], else 0."""
+        slots = self.slots(keys)
+        held = self._lead[slots] != 0 if len(self.cols) == 1 else self._map.blocks[self._rows, slots].all(axis=0)
+        return held.view(np.uint8).tobytes(), slots
+
+    def prefix(self, keys: Sequence[BlockHash]) -> list[list[int]]:
+        """Per group, the blocks of the longest prefix of `keys` that every group holds."""
+        slots = takewhile(bool, map(self._index.get, keys, repeat(0)))
+        if len(self.cols) == 1:  # scalar reads: no array calls
+            return [list(takewhile(bool, map(self._lead.item, slots)))]
+        found = list(slots)
+        if not found:
+            return [[] for _ in self.cols]
+        rows = self._map.blocks[self._rows, found]
+        missing = np.flatnonzero(rows.min(axis=0) == 0)
+        out: list[list[int]] = (rows[:, : missing[0]] if len(missing) else rows).tolist()
+        return out
+
+    def blocks_at(self, slots: Ids) -> list[list[int]]:
+        """Per group, its blocks in `slots` (every group holds each)."""
+        out: list[list[int]] = self._map.blocks[self._rows, slots].tolist()
+        return out

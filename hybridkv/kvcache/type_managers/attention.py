@@ -1,0 +1,166 @@
+"""One manager per attention type: the hit and keep rules of each (tables: `single_type_manager.py`).
+
+- the *hit rule*: which prefix of a new request it can serve from cached blocks
+  (`find_longest_cache_hit`), and
+- the *keep rule*: which leading blocks a request no longer needs once `p` tokens precede the
+  first token of a step (`first_needed_block(p)`); those positions hold the null block.
+
+    type            hit rule (scan)                              keep from block
+    full            left to right, stop at the first miss        0
+    sliding (W)     right to left, ceil((W-1)/B) contiguous      (p - W + 1) // B
+    chunked (C)     blocks before the chunk of L are null; scan  (p // C * C) // B
+                    the current chunk left to right
+    mamba, align    right to left, the last cached checkpoint    ceil(p / B) - 1
+    mamba, all      right to left, the last cached checkpoint    ceil(p / B) - 1
+    mamba, none     never hits; one block for the running state  0
+    cross           never hits, never cached                     0
+
+The state (Mamba) manager is in `mamba_manager.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.errors import ConfigError
+from hybridkv.kvcache.block_pool import BlockPool
+from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.prefix_map import GroupsView
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.type_managers.base import (
+    NEVER,
+    SingleTypeManager,
+    cdiv,
+    rule_of,
+)
+from hybridkv.kvcache.type_managers.state import MambaManager
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import MambaCacheMode, SpecKind
+
+__all__ = [
+    "ChunkedLocalManager",
+    "CrossAttentionManager",
+    "FullAttentionManager",
+    "MambaCacheMode",
+    "MambaManager",
+    "SingleTypeManager",
+    "SlidingWindowManager",
+    "make_manager",
+]
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Full attention: every block is kept; hits are downward closed."""
+
+    downward_closed = True
+    skips_blocks = False
+
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[int]]:
+        return view.prefix(block_hashes[: max_length // self.block_size])
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """Sliding window W: the last W-1 tokens before a position must be cached."""
+
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
+        super().__init__(group, pool)
+        self.window_tokens = self.group.window_tokens
+        self.contiguous_blocks = cdiv(self.window_tokens - 1, self.block_size)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        return max(0, num_tokens - self.window_tokens + 1) // self.block_size
+
+    def quiet_first(self, num_skipped: int) -> int:
+        return (num_skipped + 1) * self.block_size + self.window_tokens - 2
+
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[int]]:
+        limit = max_length // self.block_size
+        need = self.contiguous_blocks
+        if need == 0:
+            return [[self._null] * limit for _ in view.cols]
+        row, slots = view.held(block_hashes[:limit])
+        start, run = _rightmost_run(row, need)
+        null = self._null
+        return [[null] * start + blocks for blocks in view.blocks_at(slots[start : start + run])]
+
+
+def _rightmost_run(row: bytes, need: int) -> tuple[int, int]:
+    """(start, need) of the rightmost `need` consecutive 1 bytes of `row` (keys every group
+    holds); without one, (0, how many leading bytes are 1): a hit shorter than the window."""
+    start = row.rfind(b"\x01" * need)
+    if start >= 0:
+        return start, need
+    first_miss = row.find(0)
+    return 0, len(row) if first_miss < 0 else first_miss
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    """Chunked local attention C: a token attends to the tokens of its own chunk only."""
+
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
+        super().__init__(group, pool)
+        self.chunk_tokens = self.group.chunk_tokens
+        if self.chunk_tokens % self.block_size:
+            raise ConfigError(
+                f"group {self.group_id}: local-attention chunk of {self.chunk_tokens} tokens must be "
+                f"a multiple of the block size {self.block_size}"
+            )
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        return num_tokens // self.chunk_tokens * self.chunk_tokens // self.block_size
+
+    def quiet_first(self, num_skipped: int) -> int:
+        chunk = self.chunk_tokens
+        return ((num_skipped + 1) * self.block_size - 1) // chunk * chunk + chunk - 1
+
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[int]]:
+        limit = max_length // self.block_size
+        start = self.first_needed_block(max_length)
+        window = block_hashes[start:limit] if limit > start else []
+        return [[self._null] * start + blocks for blocks in view.prefix(window)]
+
+
+class CrossAttentionManager(SingleTypeManager):
+    """Cross attention: `request.num_encoder_tokens` slots, allocated once, never cached."""
+
+    skips_blocks = False
+    plain_tables = False
+
+    def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
+        return NEVER, NEVER
+
+    def table_length(self, request: KVRequest, total_tokens: int) -> int:
+        del total_tokens
+        return cdiv(request.num_encoder_tokens, self.block_size)
+
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[int]]:
+        return [[] for _ in view.cols]
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        return
+
+
+def make_manager(group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
+                 mamba_mode: MambaCacheMode) -> SingleTypeManager:
+    """The manager for a group, or for several groups of one rule (`rule_of`), by kind."""
+    groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
+    if len({rule_of(g) for g in groups}) != 1:
+        raise ConfigError(f"groups {[g.group_id for g in groups]} do not share one hit rule; expected one "
+                          "manager per rule")
+    kind = groups[0].kind
+    if kind is SpecKind.FULL:
+        return FullAttentionManager(groups, pool)
+    if kind is SpecKind.SLIDING_WINDOW:
+        return SlidingWindowManager(groups, pool)
+    if kind is SpecKind.CHUNKED_LOCAL:
+        return ChunkedLocalManager(groups, pool)
+    if kind is SpecKind.MAMBA:
+        return MambaManager(groups, pool, mode=mamba_mode)
+    if kind is SpecKind.CROSS:
+        return CrossAttentionManager(groups, pool)
+    raise ConfigError(f"group {groups[0].group_id} has unknown kind {kind!r}; expected one of "
+                      f"{[k.value for k in SpecKind]}")

@@ -1,0 +1,136 @@
+"""The state manager (Mamba1/2, Gated DeltaNet): a recurrent state in one block per request.
+
+Align mode: the state is written only at the end of a step, into the last entry of the table;
+entry `ceil(p/B) - 1` holds the state after `p` tokens (read by the next step). A step that
+ends on a block boundary T leaves a checkpoint in entry T/B - 1, which is cached under the hash
+of that block. Only those two entries are real blocks; every other entry is null. All mode
+keeps a checkpoint at every block boundary a step crosses; none mode (prefix caching off) one
+running state in entry 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.kvcache.block_pool import BlockPool
+from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.prefix_map import GroupsView
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.type_managers.base import (
+    NEVER,
+    SingleTypeManager,
+    StateEntries,
+    cdiv,
+)
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import MambaCacheMode
+
+
+class MambaManager(SingleTypeManager):
+    """Mamba-style recurrent state (Mamba1/2, Gated DeltaNet); see the module docstring."""
+
+    defers_same_step_hits = True
+    plain_tables = False
+
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
+                 mode: MambaCacheMode) -> None:
+        super().__init__(group, pool)
+        self.mode = mode
+        self.skips_blocks = mode is not MambaCacheMode.NONE
+        # Hashes of checkpoints cached since the last `new_step`: their state is written by a
+        # step that has not run yet, so a hit on one is refused until the next step.
+        self._cached_this_step: set[BlockHash] = set()
+
+    @property
+    def hit_rule(self) -> tuple[object, ...]:
+        return (*super().hit_rule, self.mode)
+
+    def new_step(self) -> None:
+        self._cached_this_step.clear()
+
+    def refuses_hit(self, hits: Sequence[Sequence[int]]) -> bool:
+        hash_of = self._pool.hash_of
+        return any(row and hash_of(row[-1]) in self._cached_this_step for row in hits)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        if self.mode is MambaCacheMode.NONE:
+            return 0
+        return max(0, cdiv(num_tokens, self.block_size) - 1)
+
+    def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
+        if self.mode is MambaCacheMode.NONE:
+            return NEVER, NEVER
+        return super().quiet_bounds(request_id)
+
+    def quiet_first(self, num_skipped: int) -> int:
+        return (num_skipped + 1) * self.block_size
+
+    def table_length(self, request: KVRequest, total_tokens: int) -> int:
+        if self.mode is MambaCacheMode.NONE:
+            return 1
+        return cdiv(total_tokens, self.block_size)
+
+    def _read_entry(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> bool:
+        """Whether the entry holding the state to read is new and distinct from the write entry."""
+        return self.mode is MambaCacheMode.ALIGN and first_new > 0 and old_len <= keep_from < new_len - 1
+
+    def _num_real(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> int:
+        if self.mode is MambaCacheMode.ALL:
+            return super()._num_real(old_len, new_len, keep_from, first_new)
+        if new_len <= old_len:
+            return 0
+        return 1 + self._read_entry(old_len, new_len, keep_from, first_new)
+
+    def _fill(self, ids: Ids, old_len: int, new_len: int, keep_from: int, first_new: int, blocks: Ids) -> None:
+        if self.mode is MambaCacheMode.ALL:
+            super()._fill(ids, old_len, new_len, keep_from, first_new, blocks)
+            return
+        ids[:, new_len - 1] = blocks[:, 0]
+        if self._read_entry(old_len, new_len, keep_from, first_new):
+            ids[:, keep_from] = blocks[:, 1]
+
+    def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
+                  max_length: int) -> list[list[int]]:
+        if self.mode is MambaCacheMode.NONE:
+            return [[] for _ in view.cols]
+        row, slots = view.held(block_hashes[: max_length // self.block_size])
+        i = row.rfind(1)
+        if i < 0:
+            return [[] for _ in view.cols]
+        return [[self._null] * i + blocks for blocks in view.blocks_at(slots[i : i + 1])]
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Cache the checkpoints among the first `num_tokens` tokens not cached yet: ALIGN, the
+        one of a step that ended on a block boundary (`num_tokens`); ALL, every full block."""
+        table = self._tables[request.request_id]
+        size = self.block_size
+        num_full = num_tokens // size
+        start = table.num_cached
+        if self.mode is MambaCacheMode.NONE or num_full <= start:
+            return
+        table.num_cached = num_full
+        if self.mode is MambaCacheMode.ALIGN:
+            if num_tokens % size:
+                return
+            start = num_full - 1
+        self._pool.cache_rows(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
+        hash_of = self._pool.hash_of
+        self._cached_this_step.update(h for h in map(hash_of, table.ids[:, start:num_full].ravel().tolist())
+                                      if h is not None)
+
+    def state_entries(self, request_id: RequestId, row: int, start: int, end: int) -> StateEntries | None:
+        """For a step computing tokens [start, end): (tokens, block) of the state it reads (None
+        from token 0) and of every state it writes, ascending. Entry ceil(t/B) - 1 holds the
+        state after t tokens; NONE mode keeps it in entry 0."""
+        table = self._tables[request_id].ids[row]
+        size = self.block_size
+        if self.mode is MambaCacheMode.NONE:
+            return ((start, int(table[0])) if start else None), [(end, int(table[0]))]
+        read = (start, int(table[cdiv(start, size) - 1])) if start else None
+        points = [end]
+        if self.mode is MambaCacheMode.ALL:
+            points = list(range((start // size + 1) * size, end + 1, size))
+            if end % size:
+                points.append(end)
+        return read, [(t, int(table[cdiv(t, size) - 1])) for t in points]

@@ -1,9 +1,0 @@
-"""L2 tiers of the KV cache server: local disk and Valkey/Redis, behind one `L2Tier` protocol,
-fed by a `WriteBehind` thread."""
-
-from hybridkv.server.tiers.base import L2Tier, TierError, TierStats
-from hybridkv.server.tiers.disk import DiskTier
-from hybridkv.server.tiers.valkey import ValkeyTier
-from hybridkv.server.tiers.write_behind import WriteBehind, WriteBehindStats
-
-__all__ = ["DiskTier", "L2Tier", "TierError", "TierStats", "ValkeyTier", "WriteBehind", "WriteBehindStats"]

@@ -1,0 +1,303 @@
+"""The control protocol between a client (an engine) and the KV cache server.
+
+Every message is one msgpack frame of a msgspec struct; requests are a tagged union on the
+field `op`, and every request gets exactly one reply carrying the same `req_id`: its result, or
+an `ErrorReply` (code + message). Page bytes never travel here: the engine registers its KV
+cache buffers as POSIX shared memory and sends block ids; the server copies pages.
+
+Layout of the registered buffers (the planner's layout, design.md section 3):
+
+    buffers[j]        one shared-memory segment per layer slot j (layer j of every group)
+    block b, group g  page of layer j of g = buffers[j][b * stride_j : b * stride_j + page_j]
+                      stride_j = buffers[j].page_stride_bytes, or the layout's page_stride_bytes when 0
+                      page_j   = g.layer_page_bytes[j] for a group of mixed pages, else g.page_bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+import msgspec
+import xxhash
+
+FORMAT_VERSION = 1  # of object keys and object bytes; bump on any change to either
+
+
+class GroupKind(Enum):
+    """What an engine group caches; decides its object group and its hit rule."""
+
+    FULL = "full"  # every block of the prefix is needed
+    SLIDING = "sliding"  # the last window_tokens - 1 tokens are needed
+    CHUNKED = "chunked"  # the blocks of the current attention chunk (window_tokens = its size)
+    STATE = "state"  # a recurrent state: only the block at the hit boundary (opaque bytes)
+    CROSS = "cross"  # never prefix-cached: not stored and never gates a lookup
+
+
+class ErrorCode(Enum):
+    BAD_MESSAGE = "bad_message"  # not msgpack, a missing or ill-typed field
+    UNKNOWN_OP = "unknown_op"
+    TOO_LARGE = "too_large"  # over --max-message-mib
+    BAD_LAYOUT = "bad_layout"  # registration rejected
+    UNKNOWN_INSTANCE = "unknown_instance"  # not registered (or the server restarted)
+    LAYOUT_MISMATCH = "layout_mismatch"  # fingerprint differs from the registered one
+    BAD_REQUEST = "bad_request"  # block ids outside the buffers, wrong counts, ...
+    UNKNOWN_LOOKUP = "unknown_lookup"  # lookup id released, retrieved or expired
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine KV cache group. `window_tokens`: the sliding window W (sliding), the attention
+    chunk C (chunked), -1 otherwise. `page_bytes`: bytes of one layer's page of one block.
+
+    `layer_page_bytes` (a group of mixed pages: MLA latents + indexer keys, MiniMax-M3): the page
+    bytes of each of its `num_layers` layers; `page_bytes` is then the largest of them. None for a
+    group whose layers share one page size (every layout before it existed).
+
+    `layer_buffers` (DeepSeek-V4's packed layout, several groups in one segment): the buffer index
+    of each layer. None: layer j lives in buffer j (vLLM's shared tensors)."""
+
+    kind: GroupKind
+    num_layers: int
+    block_tokens: int
+    page_bytes: int
+    window_tokens: int = -1
+    layer_page_bytes: list[int] | None = None
+    layer_buffers: list[int] | None = None
+
+
+class BufferLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """A POSIX shared-memory segment (name as given to shm_open, without the leading '/')."""
+
+    shm_name: str
+    size_bytes: int
+    page_stride_bytes: int = 0  # bytes between blocks in this buffer; 0: the layout's page_stride_bytes
+    offset_bytes: int = 0  # where block 0's page starts in the segment (a layer packed inside each block)
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine registers. `fingerprint` identifies the layout: objects are never shared
+    between layouts with different fingerprints (it is part of every key)."""
+
+    model: str
+    rank: int
+    world_size: int
+    groups: list[GroupLayout]
+    buffers: list[BufferLayout]
+    num_blocks: int
+    page_stride_bytes: int
+    fingerprint: str
+
+
+class ObjectGroupInfo(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # "full", "window:4" (chunks), "chunked:8192" (tokens), "state:g3", "all"
+    groups: list[int]  # engine group indices stored in it
+
+
+class Refusal(msgspec.Struct, frozen=True, kw_only=True):
+    """A chunk an object group did not commit, and why."""
+
+    chunk: int  # chunk index in the request
+    object_group: str
+    reason: str
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True):
+    req_id: int
+
+
+class RegisterRequest(Request, tag="register"):
+    layout: Layout
+
+
+class UnregisterRequest(Request, tag="unregister"):
+    instance_id: int
+
+
+class LookupRequest(Request, tag="lookup"):
+    """`chunk_hashes[i]`: chained hash of chunks 0..i of the request's tokens (full chunks only);
+    `num_tokens`: the request's length (the last token is never counted as a hit)."""
+
+    instance_id: int
+    fingerprint: str
+    chunk_hashes: list[bytes]
+    num_tokens: int
+    cache_salt: str = ""
+
+
+class StoreRequest(Request, tag="store"):
+    """Store chunks `first_chunk .. first_chunk + len(chunk_hashes) - 1`. `block_ids[g]`: engine
+    group g's block ids covering exactly those chunks (0 = null block)."""
+
+    instance_id: int
+    fingerprint: str
+    first_chunk: int
+    chunk_hashes: list[bytes]
+    block_ids: list[list[int]]
+    cache_salt: str = ""
+
+
+class RetrieveRequest(Request, tag="retrieve"):
+    """Copy the hit of lookup `lookup_id` (or its first `num_tokens`, a multiple of the chunk
+    size) into the engine's blocks. `block_ids[g]`: group g's block ids covering tokens
+    [0, num_tokens) (0 where the engine needs nothing); the lookup's locks are released.
+    Blocks that end at or before `skip_tokens` (the engine's own prefix hit) are not written
+    and may be 0."""
+
+    instance_id: int
+    fingerprint: str
+    lookup_id: int
+    block_ids: list[list[int]]
+    num_tokens: int = -1  # -1: the whole hit
+    skip_tokens: int = 0
+
+
+class ReleaseRequest(Request, tag="release"):
+    instance_id: int
+    lookup_id: int
+
+
+class ClearRequest(Request, tag="clear"):
+    pass
+
+
+class StatusRequest(Request, tag="status"):
+    pass
+
+
+AnyRequest = (
+    RegisterRequest | UnregisterRequest | LookupRequest | StoreRequest | RetrieveRequest
+    | ReleaseRequest | ClearRequest | StatusRequest
+)
+OPS = ("register", "unregister", "lookup", "store", "retrieve", "release", "clear", "status")
+
+# ---- replies --------------------------------------------------------------------------------
+
+
+class Reply(msgspec.Struct, tag_field="kind", kw_only=True):
+    req_id: int
+
+
+class ErrorReply(Reply, tag="error"):
+    code: ErrorCode
+    message: str
+
+
+class RegisterReply(Reply, tag="registered"):
+    instance_id: int
+    chunk_tokens: int
+    object_groups: list[ObjectGroupInfo]
+
+
+class LookupReply(Reply, tag="lookup"):
+    """`hit_tokens`: the longest prefix every object group serves; `object_group_hit_tokens`:
+    each object group's own longest prefix (same order as registration's object groups). The
+    chunks of the hit stay locked until retrieve, release or `lock_ttl_s`."""
+
+    lookup_id: int
+    hit_tokens: int
+    object_group_hit_tokens: list[int]
+    lock_ttl_s: float
+
+
+class StoreReply(Reply, tag="store"):
+    """`stored[i]`: chunk first_chunk + i is committed by every object group (or not needed by
+    it); `refusals`: what was not committed and why. Nothing is reported stored that is not."""
+
+    stored: list[bool]
+    refusals: list[Refusal]
+    object_group_bytes: list[int] = []  # page bytes copied from the engine, per object group
+
+
+class RetrieveReply(Reply, tag="retrieve"):
+    retrieved_tokens: int
+    bytes_copied: int
+    object_group_bytes: list[int] = []  # page bytes copied to the engine, per object group
+
+
+class OkReply(Reply, tag="ok"):
+    pass
+
+
+class ClearReply(Reply, tag="cleared"):
+    objects_removed: int
+
+
+class StatusReply(Reply, tag="status"):
+    status: dict[str, Any]
+
+
+AnyReply = (
+    ErrorReply | RegisterReply | LookupReply | StoreReply | RetrieveReply | OkReply | ClearReply
+    | StatusReply
+)
+
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; `code` and `req_id` (0 if unreadable) for the reply."""
+
+    def __init__(self, code: ErrorCode, message: str, req_id: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.req_id = req_id
+
+
+def encode(message: Request | Reply) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(frame: bytes) -> AnyRequest:
+    """The request in `frame`; raises ProtocolError (BAD_MESSAGE or UNKNOWN_OP)."""
+    try:
+        request: AnyRequest = _request_decoder.decode(frame)
+        return request
+    except msgspec.DecodeError as e:
+        req_id, op = _salvage(frame)
+        if op is not None and op not in OPS:
+            raise ProtocolError(ErrorCode.UNKNOWN_OP,
+                                f"unknown op {op!r}; expected one of {list(OPS)}", req_id) from None
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"malformed request ({len(frame)} bytes): {e}",
+                            req_id) from None
+
+
+def _salvage(frame: bytes) -> tuple[int, object]:
+    """Best effort: the req_id and op of an invalid request, so the error reaches its sender."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return 0, None
+    if not isinstance(raw, dict):
+        return 0, None
+    req_id = raw.get("req_id")
+    return (req_id if isinstance(req_id, int) else 0), raw.get("op")
+
+
+def decode_reply(frame: bytes) -> AnyReply:
+    reply: AnyReply = _reply_decoder.decode(frame)
+    return reply
+
+
+def layout_fingerprint(model: str, groups: Sequence[GroupLayout]) -> str:
+    """What decides the bytes of an object: the model and every group's kind, layers, block, window and
+    page size(s) (not the buffer names, sizes or block counts, which differ between engine processes).
+
+    A group without `layer_page_bytes` is encoded exactly as before that field existed, so the
+    fingerprints of those layouts (and the keys of objects already in an L2 tier) never change."""
+    return xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode([model, [_fingerprint_fields(g) for g in groups]]))
+
+
+def _fingerprint_fields(g: GroupLayout) -> dict[str, Any]:
+    fields: dict[str, Any] = {"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
+                              "page_bytes": g.page_bytes, "window_tokens": g.window_tokens}
+    if g.layer_page_bytes is not None:
+        fields["layer_page_bytes"] = list(g.layer_page_bytes)
+    return fields
