@@ -5,7 +5,7 @@ field `op`, and every request gets exactly one reply carrying the same `req_id`:
 an `ErrorReply` (code + message). Page bytes never travel here: the engine registers its KV
 cache buffers as POSIX shared memory and sends block ids; the server copies pages.
 
-Layout of the registered buffers (the planner's layout, design.md section 3):
+Layout of the registered buffers (the planner's layout, docs/design.md §3):
 
     buffers[j]        one shared-memory segment per layer slot j (layer j of every group)
     block b, group g  page of layer j of g = buffers[j][b * stride_j : b * stride_j + page_j]

@@ -1,2 +1,2 @@
-"""The KV cache server (design.md section 6): a separate process that stores and returns each
+"""The KV cache server (docs/design.md §6): a separate process that stores and returns each
 KV cache group's pages. It never imports torch or the engine."""

@@ -1,5 +1,5 @@
 """A registered engine layout: its validation, its object groups and the block rules of
-design.md section 6.
+docs/design.md §6 (KV cache server rules).
 
 An object group is the set of engine groups stored as one object per chunk: the full-attention
 groups form one, sliding groups one per distinct window (in chunks), chunked-local groups one per

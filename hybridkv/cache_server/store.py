@@ -1,5 +1,5 @@
 """The server's store: registered engines, the L1 pool, the L2 tiers and the rules of
-design.md section 6 (store a chunk per object group; lookup = the longest prefix every object
+docs/design.md §6 (store a chunk per object group; lookup = the longest prefix every object
 group serves, never the last token; retrieve only what each object group needs).
 
 One lock serialises every operation (the control loop and the HTTP thread both call in); page

@@ -1,4 +1,4 @@
-"""`hybridkv server`: the KV cache server process (design.md section 6).
+"""`hybridkv server`: the KV cache server process (docs/design.md §6).
 
 Registered in `hybridkv/cli/__init__.py` as `app.command("server")(server.server_command)`.
 Every option's default is `ServerConfig`'s, so each is defined once. It never imports torch or

@@ -1,2 +1,11 @@
-"""Engine <-> KV cache server: the client library (pure Python + numpy) and, next, the
-connector that wires an engine's scheduler and runner to it."""
+"""Engine <-> KV cache server, the engine's side (pure Python + numpy, no torch, no engine imports).
+
+    base.py            the connector interface: `KVConnectorScheduler` (what to load, what to save)
+                       and `KVConnectorWorker` (moves the pages), with their step records
+    transfer.py        `ServerConnector`: both sides over the hybridkv KV cache server
+    client.py          `KVClient`, the control-channel client, and `SharedKVBuffers`, the KV cache
+                       buffers in POSIX shared memory that the server copies pages into and out of
+    engine_layout.py   the wire `Layout` an engine registers, from the planner's `KVCacheConfig`
+    server_process.py  start and stop a `hybridkv server` child process (`kv_server="auto"`, tests)
+
+The contract is docs/design.md §7; it meets the server only through `hybridkv.wire`."""

@@ -5,12 +5,18 @@ Two sides, which may live in different processes (as vLLM's scheduler and worker
 
     scheduler side (KVConnectorScheduler)            worker side (KVConnectorWorker)
     -------------------------------------            -------------------------------
-    get_num_new_matched_tokens(req, local_hit)       register_kv_caches(buffers, layout)
-      -> tokens the server adds beyond the local hit start_load_kv(meta)  /  wait_for_load()
-    update_state_after_alloc(req, blocks, external)  save_kv(meta)        /  wait_for_save()
-    build_connector_meta(steps) -> ConnectorMeta     get_finished() -> (saved ids, loaded ids)
-    request_finished(req_id, blocks) -> hold blocks? get_failed_loads() -> request ids
+    get_num_new_matched_tokens(req, local_hit)       start_load_kv(meta)  /  wait_for_load()
+      -> tokens the server adds beyond the local hit save_kv(meta)        /  wait_for_save()
+    update_state_after_alloc(req, blocks, external)  get_finished() -> (saved ids, loaded ids)
+    build_connector_meta(steps) -> ConnectorMeta     get_failed_loads() -> request ids
+    request_finished(req_id, blocks) -> hold blocks?
     request_load_failed(req_id)
+
+The interface has no registration verb: an implementation registers the engine's KV cache
+buffers when it is built. `ServerConnector` sends its wire `Layout` (which names the buffers'
+shared-memory segments) from its constructor, retries while the server is unreachable, and its
+`KVClient` registers again when a restarted server has forgotten it; the vLLM integration builds
+its `ServerConnector` in vLLM's `register_kv_caches`.
 
 One engine step, in order: the scheduler looks up its local prefix cache, then asks
 `get_num_new_matched_tokens`; it allocates blocks for local hit + external tokens + new tokens

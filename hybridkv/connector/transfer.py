@@ -8,9 +8,9 @@
     ... forward pass ...
     connector.save_kv(meta); connector.wait_for_save()
 
-Engine-agnostic: any engine whose block tables follow design.md (per group, pool-wide block ids,
-table entry i = tokens [i*B, (i+1)*B)) uses it as it is; our engine does (engine/llm.py), and so
-does the vLLM integration. Transfers are synchronous (the server copies pages between its pool
+Engine-agnostic: any engine whose block tables follow docs/design.md §7 (per group, pool-wide
+block ids, table entry i = tokens [i*B, (i+1)*B)) uses it as it is; our engine does
+(engine/llm.py), and so does the vLLM integration. Transfers are synchronous (the server copies pages between its pool
 and the engine's shared memory while the call waits), so nothing stays in flight across steps.
 
 What is saved: every chunk a step completes, in that step, with the blocks of every group as

@@ -10,7 +10,7 @@ int64 arrays: every operation is a few array operations, whatever the number of 
 holds no cached content (a partial block, a cross-attention block, a Mamba running state) goes
 to the *front*, since evicting it loses nothing; cached blocks go to the back in release order
 (vLLM 0.32's free queue treats blocks without a hash the same way). A smarter,
-usefulness-aware policy plugs in here (design.md section 4, 8.7).
+usefulness-aware policy plugs in here (docs/design.md §4 and §8, "eviction policy").
 """
 
 from __future__ import annotations

