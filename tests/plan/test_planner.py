@@ -158,7 +158,9 @@ def test_kv_shared_layers_get_no_memory() -> None:
     model = make_model(layers=layers, shared={2: 0, 3: 1})
     cfg = build_kv_cache_config(model, PlannerOptions(memory_bytes=GIB, max_model_len=4096))
     assert sorted(i for g in cfg.groups for i in g.layer_indices) == [0, 1]
-    assert cfg.tensor_of_layer(3) == cfg.tensor_of_layer(1)
+    assert cfg.kv_shared_from == {2: 0, 3: 1}  # layer 3 reads layer 1's tensor
+    owners = {layer: i for i, tensor in enumerate(cfg.tensors) for layer in tensor.shared_by}
+    assert 2 not in owners and 3 not in owners and {0, 1} <= owners.keys()
 
 
 def test_different_head_dims_get_larger_block_for_smaller_page() -> None:
