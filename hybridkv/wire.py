@@ -255,16 +255,22 @@ def encode(message: Request | Reply) -> bytes:
     return _encoder.encode(message)
 
 
+# What msgspec raises on hostile bytes besides DecodeError: a string that is not UTF-8
+# (UnicodeDecodeError, a ValueError) and nesting deeper than its recursion limit.
+_DECODE_ERRORS = (msgspec.DecodeError, ValueError, RecursionError)
+
+
 def decode_request(frame: bytes) -> AnyRequest:
-    """The request in `frame`; raises ProtocolError (BAD_MESSAGE or UNKNOWN_OP)."""
+    """The request in `frame`; raises ProtocolError (BAD_MESSAGE or UNKNOWN_OP) and nothing else
+    for any bytes at all."""
     try:
         request: AnyRequest = _request_decoder.decode(frame)
         return request
-    except msgspec.DecodeError as e:
+    except _DECODE_ERRORS as e:
         req_id, op = _salvage(frame)
         if op is not None and op not in OPS:
             raise ProtocolError(ErrorCode.UNKNOWN_OP,
-                                f"unknown op {op!r}; expected one of {list(OPS)}", req_id) from None
+                                f"unknown op {op!r:.80}; expected one of {list(OPS)}", req_id) from None
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"malformed request ({len(frame)} bytes): {e}",
                             req_id) from None
 
@@ -273,12 +279,14 @@ def _salvage(frame: bytes) -> tuple[int, object]:
     """Best effort: the req_id and op of an invalid request, so the error reaches its sender."""
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+    except _DECODE_ERRORS:
         return 0, None
     if not isinstance(raw, dict):
         return 0, None
-    req_id = raw.get("req_id")
-    return (req_id if isinstance(req_id, int) else 0), raw.get("op")
+    req_id, op = raw.get("req_id"), raw.get("op")
+    # a req_id the reply could not carry (msgpack ints are 64-bit) is not salvaged
+    return (req_id if isinstance(req_id, int) and -(1 << 63) <= req_id < (1 << 64) else 0), \
+        (op if isinstance(op, str) else None)
 
 
 def decode_reply(frame: bytes) -> AnyReply:

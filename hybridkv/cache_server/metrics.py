@@ -20,6 +20,8 @@ class ServerMetrics:
         og = ["object_group"]
         self.requests = Counter(P + "requests", "Control requests handled, by op", ["op"], registry=r)
         self.errors = Counter(P + "errors", "Error replies, by code", ["code"], registry=r)
+        self.internal_errors = Counter(P + "internal_errors", "Requests that met a server bug (answered "
+                                       "`internal`, logged once)", registry=r)
         self.store_requests = Counter(P + "store_requests", "Store requests", registry=r)
         self.chunks_stored = Counter(P + "chunks_stored", "Chunks committed by every object group", registry=r)
         self.objects_stored = Counter(P + "objects_stored", "Objects placed in L1", og, registry=r)

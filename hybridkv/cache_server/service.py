@@ -6,7 +6,9 @@ get a SHUTTING_DOWN error reply, the write-behind flushes, tiers close; a second
 an immediate exit.
 
 Every request gets exactly one reply (its result or an `ErrorReply`): a malformed, truncated,
-unknown or oversized message included, so no client is left waiting. Messages over
+unknown or oversized message included, so no client is left waiting. Each message is handled
+under one guard: whatever a bug raises becomes one INTERNAL reply, one log record and one count
+in `hybridkv_server_internal_errors_total`; no input ends the loop. Messages over
 `--max-message-mib` get TOO_LARGE; ZeroMQ itself drops a connection whose message exceeds four
 times that (a guard against memory exhaustion).
 """
@@ -69,9 +71,15 @@ def handle(store: KVStore, req: AnyRequest) -> AnyReply:
         store.metrics.errors.labels(e.code.value).inc()
         return ErrorReply(req_id=req.req_id, code=e.code, message=str(e))
     except Exception as e:  # a bug must not kill the loop or leave the client waiting
-        log.exception("internal error handling %s", type(req).__name__)
-        store.metrics.errors.labels(ErrorCode.INTERNAL.value).inc()
-        return ErrorReply(req_id=req.req_id, code=ErrorCode.INTERNAL, message=f"internal error: {e!r}")
+        return internal_error(store, req.req_id, type(req).__name__, e)
+
+
+def internal_error(store: KVStore, req_id: int, what: str, e: Exception) -> ErrorReply:
+    """The one reply, log record and metric count of a bug met while handling `what`."""
+    log.exception("internal error handling %s", what)
+    store.metrics.errors.labels(ErrorCode.INTERNAL.value).inc()
+    store.metrics.internal_errors.inc()
+    return ErrorReply(req_id=req_id, code=ErrorCode.INTERNAL, message=f"internal error: {type(e).__name__}: {e}"[:500])
 
 
 def _dispatch(store: KVStore, req: AnyRequest) -> AnyReply:
@@ -142,7 +150,11 @@ class ControlServer:
     def _handle_one(self) -> None:
         frames = self._sock.recv_multipart(copy=True)
         identity, payload = frames[0], frames[-1]
-        self._sock.send_multipart([identity, encode(self.reply_to(payload, n_frames=len(frames)))])
+        try:
+            reply = self.reply_to(payload, n_frames=len(frames))
+        except Exception as e:  # the guard: a bug in decoding or dispatch answers `internal`, never kills the loop
+            reply = internal_error(self.store, 0, "a message", e)
+        self._sock.send_multipart([identity, encode(reply)])
 
     def reply_to(self, payload: bytes, *, n_frames: int = 2) -> AnyReply:
         if n_frames != 2:

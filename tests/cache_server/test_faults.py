@@ -4,6 +4,7 @@ keeps serving, and nothing already stored is lost or corrupted."""
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator
 
 import msgspec
@@ -140,3 +141,35 @@ def test_retrieved_bytes_intact_after_faults(stored: tuple[RunningServer, FakeEn
     client.retrieve(hit.lookup_id, block_ids=[list(range(51, 59)), list(range(61, 69))])
     for b, ref in zip(range(51, 59), before, strict=True):
         assert np.array_equal(eng.page(0, 0, b), ref)
+
+
+HOSTILE = [
+    b"\xa3\xff\xfe\xfd",  # a msgpack string that is not UTF-8
+    b"\x91" * 100_000 + b"\xc0",  # 100,000 nested arrays
+    b"\xdb\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff",  # huge lengths
+    msgspec.msgpack.encode({"op": ["unhashable"], "req_id": 1}),
+    msgspec.msgpack.encode({"op": "lookup", "req_id": (1 << 64) - 1}),
+    msgspec.msgpack.encode({"op": "lookup\udcff".encode("utf-8", "surrogatepass"), "req_id": 3}),
+]
+
+
+
+def test_hostile_frames_each_get_one_reply() -> None:
+    with running_server() as server, raw_socket(server) as sock:  # 1 MiB messages: the deep nesting gets decoded
+        for frame in HOSTILE:
+            reply = ask(sock, frame)
+            assert reply.code in {ErrorCode.BAD_MESSAGE, ErrorCode.UNKNOWN_OP}, (frame[:40], reply)
+        assert not sock.poll(200), "a frame got more than one reply"
+        assert server.store.metrics.internal_errors._value.get() == 0
+
+
+def test_random_frames_each_get_one_reply_and_nothing_is_lost(
+        stored: tuple[RunningServer, FakeEngine, KVClient]) -> None:
+    server, _, _ = stored
+    rng = random.Random(0)
+    with raw_socket(server) as sock:
+        for frame in (rng.randbytes(rng.randrange(0, 200)) for _ in range(300)):
+            reply = ask(sock, frame)
+            assert reply.code in {ErrorCode.BAD_MESSAGE, ErrorCode.UNKNOWN_OP}, (frame[:40], reply)
+        assert not sock.poll(200), "a frame got more than one reply"
+    assert server.store.metrics.internal_errors._value.get() == 0
