@@ -17,10 +17,14 @@ of blocks is a few numpy operations rather than a Python step per block:
     maps:        per block size, hash -> slot -> block per group (`prefix_map.py`; the
                  prefix-cache key is (hash, group))
 
+One public verb per operation (the fast variants for a handful of blocks are private):
+
 - `allocate` pops blocks from the policy and drops any stale hash of a popped block (eviction).
 - `touch` takes hit blocks back from the free queue and raises their ref count.
 - `free` lowers ref counts in the order given (a request's tail first) and releases blocks that
   reach 0 to the policy; they keep their hash until reused, so they can still be hit.
+  `free_tables` does it for whole request tables, position by position across groups.
+- `cache` maps full blocks to their hashes; `uncache` drops hashes of blocks never written.
 - Identical content may be cached in two blocks (two requests computed it concurrently); the
   first stays in the map, later ones wait in a side table and are promoted when it is evicted.
 
@@ -98,6 +102,7 @@ class BlockPool:
         self.group_of = np.full(num_blocks, -1, np.int64)
         self.has_hash = np.zeros(num_blocks, np.bool_)
         self._groups = tuple(groups)
+        self.num_groups = len(self._groups)
         self._group_ids = np.arange(len(self._groups), dtype=np.int64)
         self._policy = policy_factory(num_blocks, self.has_hash)
         self.slot_of = np.zeros(num_blocks, np.int64)
@@ -124,11 +129,6 @@ class BlockPool:
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
-
-    def cached_map(self, group_id: int) -> dict[BlockHash, int]:
-        """The hash -> block id map of one group (a copy, built now: for tests and inspection)."""
-        pmap, col = self._place[group_id]
-        return pmap.snapshot(col)
 
     def hash_of(self, block: int) -> BlockHash | None:
         """The cached hash of `block`, None if it carries none."""
@@ -165,10 +165,6 @@ class BlockPool:
         held[NULL] = False
         return tuple(np.bincount(self.group_of[held], minlength=len(self._groups)).tolist())
 
-    def free_order(self) -> list[int]:
-        """Free block ids in eviction order (front first)."""
-        return self._policy.ordered()
-
     def take_events(self) -> list[KVEvent]:
         """Return and forget the events recorded since the last call."""
         events, self._events = self._events, []
@@ -176,19 +172,16 @@ class BlockPool:
 
     # -- hot path -----------------------------------------------------------------------------
 
-    def allocate(self, num_blocks: int, group_id: int) -> list[int]:
-        """Pop `num_blocks` blocks for `group_id` (the caller checked `num_free`), ref count 1."""
-        counts = [0] * len(self._groups)
-        counts[group_id] = num_blocks
-        blocks = self.allocate_groups(counts)[group_id]
-        return blocks.tolist() if isinstance(blocks, np.ndarray) else blocks
+    def allocate(self, counts: Sequence[int]) -> list[list[int]] | list[Ids]:
+        """Pop `counts[g]` blocks for every group g (the caller checked `num_free`), ref count 1,
+        dropping any stale hash of a popped block (an eviction).
 
-    def allocate_groups(self, counts: Sequence[int]) -> list[list[int]] | list[Ids]:
-        """`allocate(counts[g], g)` for every group g, in group order, in one pop: lists for a
-        handful of blocks, else array slices."""
+        Returns per group its new block ids, in group order, from one pop: lists for a handful
+        of blocks (a decode step), else array slices.
+        """
         total = sum(counts)
         if total <= FEW:
-            return self.allocate_few(counts, total)
+            return self._allocate_few(counts, total)
         ids = self._policy.pop(total)
         if np.count_nonzero(self.has_hash[ids]):
             self._evict(ids)
@@ -201,8 +194,8 @@ class BlockPool:
             start += count
         return out
 
-    def allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
-        """`allocate_groups` for a handful of blocks (`total` = sum of `counts`), as lists."""
+    def _allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
+        """`allocate` for a handful of blocks (`total` = sum of `counts`), as lists."""
         listed = self._policy.pop_few(total)
         has_hash, ref_cnt, group_of = self.has_hash, self.ref_cnt, self.group_of
         out: list[list[int]] = []
@@ -269,15 +262,9 @@ class BlockPool:
             slot_of[block] = 0
         self.evictions += len(blocks)
 
-    def touch(self, blocks: Sequence[int], group_id: int) -> None:
-        """Take hit blocks of `group_id` (each once; null entries skipped): raise ref counts,
-        pull free ones out of the queue."""
-        tables: list[Sequence[int]] = [[] for _ in self._groups]
-        tables[group_id] = blocks
-        self.touch_groups(tables)
-
-    def touch_groups(self, tables: Sequence[Sequence[int]]) -> None:
-        """`touch(tables[g], g)` for every group g."""
+    def touch(self, tables: Sequence[Sequence[int]]) -> None:
+        """Take the hit blocks `tables[g]` of every group g (each block once; null entries
+        skipped): raise their ref counts, pull the free ones out of the free queue."""
         order = list(chain.from_iterable(tables))
         if len(order) <= FEW:
             refs = self.ref_cnt
@@ -301,9 +288,16 @@ class BlockPool:
             self._policy.remove(revived)
 
     def free(self, blocks: Sequence[int] | Ids) -> None:
-        """Drop one reference to each block, in order (a block may repeat: one reference per
-        occurrence); release those that reach 0, in the order they reach it."""
+        """Drop one reference to each block, in order, and release those that reach 0 in the
+        order they reach it; null entries are skipped.
+
+        A list may repeat a block (one reference per occurrence); an array holds each block at
+        most once (it runs as array operations).
+        """
         if isinstance(blocks, np.ndarray):
+            if blocks.size > FEW:
+                self._release(blocks[blocks != NULL] if np.count_nonzero(blocks) != blocks.size else blocks)
+                return
             blocks = blocks.tolist()
         released: list[int] = []
         refs = self.ref_cnt
@@ -351,13 +345,18 @@ class BlockPool:
                 else:
                     grid[: blocks.shape[1], list(group_ids)] = blocks.T
             ids = grid.ravel()
-        self.release_blocks(ids[ids != NULL])
+        self._release(ids[ids != NULL])
 
-    def release_blocks(self, ids: Ids) -> None:
+    def _release(self, ids: Ids) -> None:
         """Drop one reference to each of `ids` (real blocks, each once, in release order) and
-        release those that reach 0, in that order."""
+        release those that reach 0, in that order (when all carry a hash, the policy need not
+        check each)."""
         released = self._unref(ids)
-        if len(released):
+        if not len(released):
+            return
+        if np.count_nonzero(self.has_hash[released]) == len(released):
+            self._policy.release_cached(released)
+        else:
             self._policy.release(released)
 
     def _unref(self, ids: Ids) -> Ids:
@@ -367,21 +366,15 @@ class BlockPool:
         self.ref_cnt[ids] = refs
         return ids[refs == 0] if np.count_nonzero(refs) else ids
 
-    def cache_blocks(
-        self,
-        group_id: int,
-        table: Sequence[int] | Ids,
-        hashes: Sequence[BlockHash],
-        start: int,
-        end: int,
-        token_ids: Sequence[int],
-    ) -> None:
-        """Cache the non-null blocks `table[start:end]` under `hashes[start:end]` in `group_id`."""
-        self.cache_rows((group_id,), np.asarray(table, np.int64).reshape(1, -1), hashes, start, end, token_ids)
-
-    def cache_rows(self, group_ids: Sequence[int], rows: Ids, hashes: Sequence[BlockHash], start: int, end: int,
-                   token_ids: Sequence[int]) -> None:
-        """`cache_blocks(group_ids[i], rows[i], ...)` for every i (groups of one block size)."""
+    def cache(self, group_ids: Sequence[int], rows: Ids, hashes: Sequence[BlockHash], start: int, end: int,
+              token_ids: Sequence[int]) -> None:
+        """Cache the non-null blocks `rows[i, start:end]` of group `group_ids[i]` (groups of one
+        block size; `rows` is (groups, n)) under `hashes[start:end]`; blocks that already carry a
+        hash are skipped, and a hash a group already holds makes the block a waiting copy.
+        `token_ids` are the request's tokens (for `BlockStored` events)."""
+        if end == start + 1 and rows.shape[1] > start:
+            self._cache_position(group_ids, rows[:, start].tolist(), hashes, start, token_ids)
+            return
         chosen = rows[:, start:end]
         keys = hashes[start:end]
         if chosen.size <= FEW or not self._cache_fresh(group_ids, chosen, keys):
@@ -392,15 +385,9 @@ class BlockPool:
             for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
                 self._record_stored(group_id, row, hashes, start, end, token_ids)
 
-    def release_cached_blocks(self, ids: Ids) -> None:
-        """`release_blocks` of blocks that all carry a hash (the policy need not check)."""
-        released = self._unref(ids)
-        if len(released):
-            self._policy.release_cached(released)
-
-    def cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
-                       position: int, token_ids: Sequence[int]) -> None:
-        """`cache_rows` of one position: `blocks[i]` (table entry `position` of group
+    def _cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
+                        position: int, token_ids: Sequence[int]) -> None:
+        """`cache` of one position: `blocks[i]` (table entry `position` of group
         `group_ids[i]`, one block size) under `hashes[position]`, with one dict operation for all."""
         key = hashes[position]
         pmap = self._place[group_ids[0]][0]

@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from hybridkv.errors import ConfigError
-from hybridkv.kvcache.block_pool import FEW, NULL, BlockPool
+from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.request import KVRequest
@@ -140,12 +140,12 @@ class KVCacheCoordinator:
                 for g, kept in zip(m.group_ids, m.save_hits(request, h, first_new), strict=True):
                     touched[g] = kept
             if any(touched):
-                pool.touch_groups(touched)
+                pool.touch(touched)
             for m in managers:
                 count = m.num_new_blocks(request, first_new, total_tokens)
                 for g in m.group_ids:
                     counts[g] = count
-        fresh = pool.allocate_groups(counts) if any(counts) else None
+        fresh = pool.allocate(counts) if any(counts) else None
         new: NewEntries = [EMPTY] * self.num_groups
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
             blocks = [fresh[g] for g in m.group_ids] if fresh is not None else [[]] * m.num_groups
@@ -196,9 +196,7 @@ class KVCacheCoordinator:
             self._release_leading(release[0], min(release[1], release[0].length))
         fresh = None  # 3. pop (lists of ints)
         if counts is not None:
-            total = sum(counts)
-            fresh = (pool.allocate_few(counts, total) if total <= FEW
-                     else [list(map(int, blocks)) for blocks in pool.allocate_groups(counts)])
+            fresh = [blocks if isinstance(blocks, list) else blocks.tolist() for blocks in pool.allocate(counts)]
         out = self._extend(request, steps, fresh, end, hashes_of, bounds)  # 4. extend, cache, bounds
         if end > self.allocated[rid]:
             self.allocated[rid] = end
@@ -248,25 +246,18 @@ class KVCacheCoordinator:
             ids[:, done] = NULL
             self.pool.free(column)
         else:
-            # Base table rules: the entries from num_skipped on are real (nulls only lead), and the
-            # ones below num_cached all carry a hash (held blocks lose none).
+            # Base table rules: the entries from num_skipped on are real (nulls only lead), each once.
             part = ids[:, done:keep]
             order = part[:, ::-1].flatten("F")  # position by position from the tail (a copy)
             part[:] = NULL
-            if keep <= table.num_cached:
-                self.pool.release_cached_blocks(order)
-            else:
-                self.pool.release_blocks(order)
+            self.pool.free(order)
         table.num_skipped = keep
 
     def _cache_table(self, manager: SingleTypeManager, table: Table, block_hashes: Sequence[BlockHash],
                      num_full: int, token_ids: Sequence[int]) -> None:
         """`manager.cache_blocks` for the base table rules: entries [num_cached, num_full)."""
         start = table.num_cached
-        if num_full == start + 1:
-            self.pool.cache_position(manager.group_ids, table.ids[:, start].tolist(), block_hashes, start, token_ids)
-        else:
-            self.pool.cache_rows(manager.group_ids, table.ids, block_hashes, start, num_full, token_ids)
+        self.pool.cache(manager.group_ids, table.ids, block_hashes, start, num_full, token_ids)
         table.num_cached = num_full
 
     def update_quiet(self, request_id: RequestId) -> None:

@@ -101,10 +101,6 @@ class BlockHasher:
         self._digest = _DIGESTS[algo]
         self.root: BlockHash = self._digest(ROOT_TAG + seed.to_bytes(16, "little", signed=True))
 
-    def hash_block(self, parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
-        """Hash of one full block whose predecessor hashed to `parent` (None for block 0)."""
-        return self._digest((self.root if parent is None else parent) + pack_tokens(token_ids) + extra)
-
     def update(self, request: KVRequest, block_size: int) -> list[BlockHash]:
         """Extend `request.block_hashes[block_size]` to cover every full block; return that list.
 

@@ -27,6 +27,7 @@ a checkpoint cached since then (`CacheHit.deferred`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from operator import add
@@ -57,8 +58,19 @@ from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
 
 __all__ = [
-    "AllocationError", "CacheHit", "CacheTiming", "IntegrityError", "KVCacheManager", "MambaCacheMode", "ManagerStats",
-    "PrefixCaching", "StaleHitError", "StateCheckpoint", "StateStep", "UnknownRequestError",
+    "AllocationError",
+    "CacheHit",
+    "CacheTiming",
+    "IntegrityError",
+    "KVCacheManager",
+    "MambaCacheMode",
+    "ManagerStats",
+    "NewBlocks",
+    "PrefixCaching",
+    "StaleHitError",
+    "StateCheckpoint",
+    "StateStep",
+    "UnknownRequestError",
 ]
 
 class PrefixCaching(Enum):
@@ -93,6 +105,26 @@ class CacheHit:
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
             raise AllocationError(f"a cache hit cannot have {self.num_tokens} tokens; expected >= 0")
+
+
+class NewBlocks(tuple[tuple[BlockId, ...], ...]):
+    """The answer of `allocate`: per group (ascending group id), the block ids the step added
+    to the request's table, to append to the runner's block table after `CacheHit.blocks`
+    (0 = the null block where a group skips a position; empty where a group added nothing).
+
+    A tuple of tuples, so `new[g]` and comparison with a plain tuple work as for one."""
+
+    __slots__ = ()
+
+    @property
+    def num_blocks(self) -> int:
+        """New real (non-null) blocks over all groups."""
+        return sum(1 for entries in self for block in entries if block != NULL)
+
+
+def _new_blocks(entries: Iterable[tuple[int, ...]]) -> NewBlocks:
+    """`NewBlocks` of the coordinator's int entries (block ids from the pool)."""
+    return NewBlocks(cast("Iterable[tuple[BlockId, ...]]", entries))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,7 +223,7 @@ class KVCacheManager:
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
         self._block_sizes = self._coordinator.block_sizes
         self._empty_hit = tuple(() for _ in config.groups)
-        self._no_new_blocks: tuple[tuple[BlockId, ...], ...] = self._empty_hit
+        self._no_new_blocks = NewBlocks(() for _ in config.groups)
         self._decodes = self._caching and self._coordinator.decodes
         self._lookups = 0
         self._query_tokens = 0
@@ -202,13 +234,23 @@ class KVCacheManager:
 
     def begin_step(self) -> None:
         """A new scheduling step starts: state checkpoints cached before now become hittable.
+
         Call it once per step, before the step's first `lookup` / `allocate` (vLLM's
-        `new_step_starts`). Without it, hits on checkpoints cached since the last call wait."""
+        `new_step_starts`). Without it, hits on checkpoints cached since the last call wait.
+        """
         self._coordinator.new_step()
 
     def lookup(self, request: KVRequest) -> CacheHit:
         """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last
-        token is always computed, for its logits). Counts toward `stats()`."""
+        token is always computed, for its logits). Counts toward `stats()`.
+
+        Args:
+            request: a new or preempted request (its `block_hashes` are extended as needed).
+
+        Returns:
+            The hit: its length in tokens and its block ids per group; pass it to `allocate`
+            unchanged (`num_tokens == 0`: no hit; `deferred`: retry in the next step).
+        """
         self._lookups += 1
         self._query_tokens += request.num_tokens
         max_length = min(request.num_tokens - 1, self.max_model_len)
@@ -220,7 +262,7 @@ class KVCacheManager:
         self._hit_tokens += num_tokens
         self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
-                        blocks=tuple(map(tuple, hits)),  # type: ignore[arg-type]  # ids
+                        blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
                         deferred=bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits),
                         pool_epoch=self._pool.evictions)
 
@@ -235,13 +277,24 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         num_external_tokens: int = 0,
         caching: CacheTiming = CacheTiming.IMMEDIATE,
-    ) -> tuple[tuple[BlockId, ...], ...] | None:
+    ) -> NewBlocks | None:
         """Blocks for one step (token regions in the module docstring).
 
-        Returns the new table entries per group (block 0 where a group skips a position), to
-        append to the runner's block tables after `hit.blocks`; or None when the pool cannot
-        supply them, in which case nothing changed. Raises `AllocationError` on arguments that
-        contradict the request's state and `StaleHitError` if `hit` was evicted since lookup.
+        Args:
+            request: the request; `num_computed_tokens` as the engine last advanced it.
+            num_new_tokens: tokens the step computes after the hit and the external tokens.
+            hit: `lookup`'s answer for a new request (None: no hit, or a running request).
+            num_lookahead_tokens: extra slots past the step (speculative tokens), not cached.
+            num_external_tokens: tokens loaded from outside (a KV connector) after the hit.
+            caching: IMMEDIATE caches the newly full blocks now; DELAYED leaves it to `cache`.
+
+        Returns:
+            The new table entries per group, or None when the pool cannot supply them (nothing
+            changed; free or preempt something and retry).
+
+        Raises:
+            AllocationError: arguments that contradict the request's state.
+            StaleHitError: a block of `hit` was evicted since `lookup`.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_tokens < 0:
             raise AllocationError(
@@ -262,7 +315,7 @@ class KVCacheManager:
                 if self._decodes and caching is CacheTiming.IMMEDIATE:  # one new entry per group at most
                     entries = coordinator.decode(request, computed, end, self._hashes)
                     if entries is not None:
-                        return entries  # type: ignore[return-value]  # block ids
+                        return _new_blocks(entries)
         hit_blocks = self._check_start(request, hit)
         hit_tokens = hit.num_tokens if hit is not None else 0
         first_new = computed + hit_tokens + num_external_tokens
@@ -279,11 +332,19 @@ class KVCacheManager:
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
         coordinator.update_quiet(request.request_id)
-        return tuple(tuple(entries.tolist()) for entries in new)
+        return _new_blocks(tuple(entries.tolist()) for entries in new)
 
     def cache(self, request: KVRequest, num_tokens: int) -> None:
         """Cache the full blocks among the first `num_tokens` tokens (after a DELAYED allocate,
-        once the external KV has arrived). Raises `AllocationError` beyond the allocated slots."""
+        once the external KV has arrived).
+
+        Args:
+            request: a running request.
+            num_tokens: how many of its first tokens now hold valid KV.
+
+        Raises:
+            AllocationError: the request is not running, or `num_tokens` exceeds its slots.
+        """
         allocated = self._coordinator.allocated_tokens(request.request_id)
         if not self._coordinator.is_running(request.request_id) or num_tokens > allocated:
             raise AllocationError(
@@ -298,13 +359,19 @@ class KVCacheManager:
         """Release every block of the request, tail first (finish or preemption); no-op if it
         holds none. A preempted request restarts with `num_computed_tokens = 0`.
 
-        Call it with `request.num_computed_tokens` as the engine last advanced it: blocks the
-        request cached beyond it (a step allocated, then preempted before it ran) are uncached,
-        since their KV was never written."""
+        Args:
+            request: the request, with `num_computed_tokens` as the engine last advanced it:
+                blocks it cached beyond that (a step allocated, then preempted before it ran)
+                are uncached, since their KV was never written.
+        """
         self._coordinator.free(request)
 
     def block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:
-        """The request's block table per group (0 = null block where a position is not kept)."""
+        """The request's block table per group (0 = null block where a position is not kept).
+
+        Raises:
+            UnknownRequestError: the request holds no blocks.
+        """
         if not self._coordinator.is_running(request_id):
             raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
         return tuple(cast("list[BlockId]", m.block_table(request_id, row) or []) for m, row in self._groups)
@@ -355,6 +422,7 @@ class KVCacheManager:
         return self._pool.group_usage()
 
     def stats(self) -> ManagerStats:
+        """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                             group_hit_tokens=tuple(self._group_hit_tokens))
 

@@ -7,6 +7,7 @@ from hybridkv.kvcache.coordinator import HybridCoordinator
 from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
 from hybridkv.kvcache.type_managers.attention import MambaCacheMode, make_manager
 from tests.factories import make_config, make_group
+from tests.kvcache.pool_helpers import allocate, cache_blocks
 
 
 def test_fixed_point_over_full_sliding_and_mamba_with_two_block_sizes() -> None:
@@ -28,8 +29,8 @@ def test_fixed_point_over_full_sliding_and_mamba_with_two_block_sizes() -> None:
     held: dict[tuple[int, int], int] = {}
     for g, size, positions in ((0, 2, range(8)), (1, 4, (1, 3)), (2, 4, (1, 2))):
         for i in positions:
-            (block,) = pool.allocate(1, g)
-            pool.cache_blocks(g, [block], [hashes[size][i]], 0, 1, [])
+            (block,) = allocate(pool, 1, g)
+            cache_blocks(pool, g, [block], [hashes[size][i]], 0, 1, [])
             held[(g, i)] = block
     blocks, length, first = coordinator.find_longest_cache_hit(hashes, 19)
     null = pool.null_block
@@ -49,8 +50,8 @@ def test_hit_is_aligned_to_the_lcm_of_block_sizes() -> None:
     hashes = {2: [f"a{i}".encode() for i in range(6)], 3: [f"b{i}".encode() for i in range(4)]}
     held = []
     for i in range(5):
-        (block,) = pool.allocate(1, 0)
-        pool.cache_blocks(0, [block], [hashes[2][i]], 0, 1, [])
+        (block,) = allocate(pool, 1, 0)
+        cache_blocks(pool, 0, [block], [hashes[2][i]], 0, 1, [])
         held.append(block)
     blocks, length, _ = coordinator.find_longest_cache_hit(hashes, 11)
     assert length == 6

@@ -9,6 +9,8 @@ from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
 from hybridkv.kvcache.type_managers.attention import MambaCacheMode, SingleTypeManager, make_manager
 from tests.factories import make_group, make_request
+from tests.kvcache.pool_helpers import allocate as pool_allocate
+from tests.kvcache.pool_helpers import cache_blocks
 
 
 def setup(*, kind: str, block_size: int = 2, window_tokens: int = 0, chunk_tokens: int = 0,
@@ -25,8 +27,8 @@ def cache_pattern(pool: BlockPool, pattern: list[bool]) -> tuple[list[bytes], di
     cached: dict[int, int] = {}
     for i, is_cached in enumerate(pattern):
         if is_cached:
-            (block,) = pool.allocate(1, 0)
-            pool.cache_blocks(0, [block], [block_hashes[i]], 0, 1, [])
+            (block,) = pool_allocate(pool, 1, 0)
+            cache_blocks(pool, 0, [block], [block_hashes[i]], 0, 1, [])
             cached[i] = block
     return block_hashes, cached
 
@@ -162,8 +164,8 @@ def test_identical_sliding_groups_hit_only_where_every_group_holds_the_window() 
     held: dict[tuple[int, int], int] = {}
     for g, positions in ((0, range(6)), (1, (0, 1, 2, 3, 5))):
         for i in positions:
-            (block,) = pool.allocate(1, g)
-            pool.cache_blocks(g, [block], [block_hashes[i]], 0, 1, [])
+            (block,) = pool_allocate(pool, 1, g)
+            cache_blocks(pool, g, [block], [block_hashes[i]], 0, 1, [])
             held[(g, i)] = block
     hits = lead.find_hits(pool.groups_view((0, 1)), block_hashes, 12)
     null = pool.null_block

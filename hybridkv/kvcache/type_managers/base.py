@@ -274,7 +274,11 @@ class SingleTypeManager(ABC):
             return self._nothing
         count = self.num_new_blocks(request, first_new, total_tokens)
         if blocks is None:
-            blocks = [self._pool.allocate(count, g) for g in self.group_ids]
+            counts = [0] * self._pool.num_groups
+            for g in self.group_ids:
+                counts[g] = count
+            fresh = self._pool.allocate(counts)
+            blocks = [fresh[g] for g in self.group_ids]
         table.grow(new_len)
         if count:
             block_rows = np.array(blocks, np.int64).reshape(self.num_groups, count)
@@ -291,7 +295,7 @@ class SingleTypeManager(ABC):
         start = table.num_cached
         if num_full <= start:
             return
-        self._pool.cache_rows(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
+        self._pool.cache(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
         table.num_cached = num_full
 
     def uncomputed_cached_blocks(self, request_id: RequestId, num_computed_tokens: int) -> list[int]:

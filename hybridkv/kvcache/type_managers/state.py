@@ -114,7 +114,7 @@ class MambaManager(SingleTypeManager):
             if num_tokens % size:
                 return
             start = num_full - 1
-        self._pool.cache_rows(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
+        self._pool.cache(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
         hash_of = self._pool.hash_of
         self._cached_this_step.update(h for h in map(hash_of, table.ids[:, start:num_full].ravel().tolist())
                                       if h is not None)
