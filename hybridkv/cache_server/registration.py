@@ -63,7 +63,7 @@ class RegistrationSocket:
         self._listener.listen(64)
         self._listener.setblocking(False)
         self.address = "@" + name  # "@": the abstract namespace, as `ss -x` prints it
-        self._conns: dict[int, tuple[socket.socket, int]] = {}  # fd -> (connection, owner id)
+        self._conns: dict[int, tuple[socket.socket, int, str]] = {}  # fd -> (connection, owner id, refusal)
         self._owners = itertools.count(1)
 
     def fds(self) -> list[int]:
@@ -87,15 +87,13 @@ class RegistrationSocket:
         except (BlockingIOError, InterruptedError):
             return
         conn.setblocking(False)
-        pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        if uid not in (os.geteuid(), 0):
-            self._refuse(conn, ErrorCode.UNAUTHORIZED, f"process {pid} runs as uid {uid}; this server serves its own "
-                         f"user (uid {os.geteuid()}) only")
-            return
         if len(self._conns) >= self.max_connections:
             self._refuse(conn, ErrorCode.LIMIT, f"{len(self._conns)} registration connections are open, the limit")
             return
-        self._conns[conn.fileno()] = (conn, next(self._owners))
+        pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        refusal = "" if uid in (os.geteuid(), 0) else (f"process {pid} runs as uid {uid}; this server serves its own "
+                                                       f"user (uid {os.geteuid()}) only")
+        self._conns[conn.fileno()] = (conn, next(self._owners), refusal)  # a refusal answers its first message
 
     def _refuse(self, conn: socket.socket, code: ErrorCode, message: str) -> None:
         self.store.metrics.errors.labels(code.value).inc()
@@ -104,7 +102,7 @@ class RegistrationSocket:
         conn.close()
 
     def _receive(self, fd: int) -> None:
-        conn, owner = self._conns[fd]
+        conn, owner, refusal = self._conns[fd]
         try:
             msg, fds, flags, _ = socket.recv_fds(conn, self.max_message_bytes + 1, MAX_FDS)
         except (BlockingIOError, InterruptedError):
@@ -116,13 +114,17 @@ class RegistrationSocket:
             if not msg and not fds:  # the peer closed: its registrations go
                 self._drop(fd)
                 return
-            reply = self._reply(msg, fds, flags, owner)
+            reply = (self._error(0, ErrorCode.UNAUTHORIZED, refusal) if refusal else
+                     self._reply(msg, fds, flags, owner))
         finally:
             for received in fds:
                 os.close(received)
         try:
             conn.send(encode(reply))
         except OSError:  # the peer is gone or does not read: its lease ends
+            self._drop(fd)
+            return
+        if refusal:
             self._drop(fd)
 
     def _reply(self, msg: bytes, fds: list[int], flags: int, owner: int) -> AnyReply:
@@ -156,7 +158,7 @@ class RegistrationSocket:
         entry = self._conns.pop(fd, None)
         if entry is None:
             return
-        conn, owner = entry
+        conn, owner, _ = entry
         conn.close()
         released = self.store.release_owner(owner)
         if released:
@@ -164,8 +166,7 @@ class RegistrationSocket:
 
     def close(self) -> None:
         for fd in list(self._conns):
-            conn, _ = self._conns.pop(fd)
-            conn.close()
+            self._conns.pop(fd)[0].close()
         self._listener.close()
 
     def status(self) -> dict[str, Any]:
