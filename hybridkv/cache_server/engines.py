@@ -20,11 +20,12 @@ import itertools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridkv.cache_server.keys import namespace
 from hybridkv.cache_server.registered_layout import ChunkRules, ObjectGroup, RequestError
 from hybridkv.cache_server.shm import MappedBuffers
-from hybridkv.wire import ErrorCode, Layout, RegistrationAccess
+from hybridkv.wire import ErrorCode, Layout, ObjectGroupInfo, RegistrationAccess
 
 MAX_NAMESPACES = 4096  # per engine: (object group, cache salt) -> namespace, cleared when full
 
@@ -48,11 +49,28 @@ class Engine:
             ns = self.namespaces[(og.index, salt)] = namespace(self.layout, og.name, salt)
         return ns
 
+    def describe(self) -> dict[str, Any]:
+        """The registration as `/status` shows it to an authenticated caller."""
+        layout = self.layout
+        return {"instance_id": self.instance_id, "model": layout.model, "rank": layout.rank,
+                "world_size": layout.world_size, "fingerprint": layout.fingerprint,
+                "access": "copy" if self.buffers is not None else "lookup_only",
+                "groups": [{"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
+                            "window_tokens": g.window_tokens, "page_bytes": g.page_bytes} for g in layout.groups],
+                "object_groups": [{"name": og.name, "groups": list(og.groups)} for og in self.groups]}
+
     def mapped(self, what: str) -> MappedBuffers:
         if self.buffers is None:
             raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: instance {self.instance_id} registered lookup-only "
                                "(no segments passed); register with the segments to store or retrieve")
         return self.buffers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Registered:
+    instance_id: int
+    token: str
+    object_groups: list[ObjectGroupInfo]
 
 
 class EngineRegistry:

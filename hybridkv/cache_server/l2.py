@@ -99,6 +99,13 @@ class TierSet:
     def stats(self) -> list[TierStats]:
         return [slot.tier.stats() for slot in self._slots]
 
+    def describe(self) -> list[dict[str, object]]:
+        """Each tier as `/status` shows it."""
+        pending = self.pending()
+        return [{"name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
+                 "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
+                 "write_behind_pending": pending.get(s.name, 0)} for s in self.stats()]
+
     def pending(self) -> dict[str, int]:
         return {slot.tier.name: slot.writer.stats().pending for slot in self._slots}
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridkv.cache_server.engines import Engine, EngineRegistry, access_buffers
+from hybridkv.cache_server.engines import Engine, EngineRegistry, Registered, access_buffers
 from hybridkv.cache_server.keys import object_key
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
 from hybridkv.cache_server.l2 import TierSet
@@ -34,6 +34,7 @@ from hybridkv.cache_server.registered_layout import (
     object_groups,
     validate_layout,
 )
+from hybridkv.cache_server.results import LookupResult, RetrieveResult, StoreResult
 from hybridkv.cache_server.shm import Bytes
 from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.wire import (
@@ -41,7 +42,6 @@ from hybridkv.wire import (
     GroupKind,
     Layout,
     LookupRequest,
-    ObjectGroupInfo,
     Refusal,
     RegistrationAccess,
     RetrieveRequest,
@@ -80,34 +80,6 @@ class _Lease:
     hashes: list[bytes]  # of the hit's chunks
     locked: list[bytes]
     expires_at: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LookupResult:
-    lookup_id: int  # 0 when nothing is held (no hit)
-    hit_tokens: int
-    object_group_hit_tokens: list[int]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Registered:
-    instance_id: int
-    token: str
-    object_groups: list[ObjectGroupInfo]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreResult:
-    stored: list[bool]
-    refusals: list[Refusal]
-    object_group_bytes: list[int]  # bytes copied from the engine, per object group
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RetrieveResult:
-    tokens: int
-    bytes_copied: int
-    object_group_bytes: list[int]  # bytes copied to the engine, per object group
 
 
 class KVStore:
@@ -512,26 +484,15 @@ class KVStore:
         secret) no engine's model, fingerprint or layout, only how many are registered."""
         with self._lock:
             pool = self._pool.stats()
-            engines = [{"instance_id": e.instance_id, "model": e.layout.model, "rank": e.layout.rank,
-                        "world_size": e.layout.world_size, "fingerprint": e.layout.fingerprint,
-                        "groups": [{"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
-                                    "window_tokens": g.window_tokens, "page_bytes": g.page_bytes}
-                                   for g in e.layout.groups],
-                        "object_groups": [{"name": og.name, "groups": list(og.groups)} for og in e.groups]}
-                       for e in self._engines.values()] if detail else []
+            engines = [e.describe() for e in self._engines.values()] if detail else []
             registered = len(self._engines)
             held = len(self._leases)
         tiers = [{"name": "l1", "objects": pool.objects, "bytes_used": pool.bytes_used,
                   "capacity_bytes": pool.capacity_bytes, "evictions": pool.evictions,
                   "locked_objects": pool.locked_objects}]
-        pending = self.tiers.pending()
-        tiers += [{"name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
-                   "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
-                   "write_behind_pending": pending.get(s.name, 0)} for s in self.tiers.stats()]
         return {"chunk_tokens": self.config.chunk_tokens, "object_groups": self.config.object_groups.value,
                 "eviction_policy": self.config.eviction_policy.value, "held_lookups": held,
-                "registered_engines": registered,
-                "engines": engines, "tiers": tiers}
+                "registered_engines": registered, "engines": engines, "tiers": tiers + self.tiers.describe()}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what the write-behind still holds, close the tiers and unmap every engine's buffers."""
