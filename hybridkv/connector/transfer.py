@@ -24,10 +24,12 @@ it (a later hit cannot end there).
 Failures: an unreachable server, a timeout or an error reply is logged once (and once more when
 the server answers again), counted in `stats`, and turns into "no external hit" / "load failed"
 / "not saved". A circuit breaker keeps a dead or hung server from stalling the engine: after a
-failure no call goes to the server for `retry_after_s` (doubling, up to 8x, while it keeps
-failing); then one `hello` with a short bound probes it, and only an answer closes the breaker.
-A server with nothing listening costs `connect_timeout_s` (0.5 s) per probe, not a timeout per
-transfer. The engine keeps serving and recomputes what it could not load.
+failure no call goes to the server for `retry_after_s`; then one `hello` with a short bound probes
+it, and only an answer closes the breaker. A server with nothing listening costs the client's
+`connect_timeout_s` (0.5 s) per probe, so it is probed every `retry_after_s` (it is used again soon
+after it comes back); a server that is connected but does not answer (hung) costs the probe's
+timeout, so while it stays so the wait doubles, up to 8x. The engine keeps serving and recomputes
+what it could not load.
 """
 
 from __future__ import annotations
@@ -50,13 +52,20 @@ from hybridkv.connector.base import (
     StepWork,
     TransferStats,
 )
-from hybridkv.connector.client import KVClient, Registration, ServerError, chunk_hashes
+from hybridkv.connector.client import (
+    KVClient,
+    Registration,
+    ServerError,
+    ServerTimeout,
+    ServerUnreachable,
+    chunk_hashes,
+)
 from hybridkv.errors import ConfigError
 from hybridkv.wire import ErrorCode, GroupKind, Layout, RegistrationAccess
 
 __all__ = ["ServerConnector", "StateSaves"]
 
-MAX_BACKOFF_FACTOR = 8  # a failing server is left alone for at most 8 x retry_after_s
+MAX_BACKOFF_FACTOR = 8  # a hung server is left alone for at most 8 x retry_after_s
 PROBE_TIMEOUT_S = 1.0  # the bound of the `hello` that probes a failed server
 
 log = logging.getLogger("hybridkv.connector")
@@ -133,12 +142,13 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def _try(self, call: Callable[[], T], what: str) -> T | None:
         """`call()`'s result; None on a server failure (logged once, then the breaker opens: the server is
-        left alone for a while, longer each time it fails again)."""
+        left alone for a while, longer each time a hung server times out again)."""
         try:
             result = call()
         except ServerError as e:
             self.stats.errors += 1
-            if self._failing:
+            hung = isinstance(e, ServerTimeout) and not isinstance(e, ServerUnreachable)
+            if self._failing and hung:
                 self._backoff_s = min(self._backoff_s * 2, self.retry_after_s * MAX_BACKOFF_FACTOR)
             else:
                 self._backoff_s = self.retry_after_s

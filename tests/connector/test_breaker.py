@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+import zmq
 
 from hybridkv.connector.client import KVClient
 from hybridkv.connector.server_process import ServerProcess
@@ -98,19 +99,34 @@ def test_a_killed_server_is_skipped_probed_with_backoff_and_used_again(engine: F
         server.stop()
 
 
-def test_backoff_doubles_while_the_server_stays_down(engine: FakeEngine) -> None:
-    client = CountingClient(f"tcp://127.0.0.1:{_free_port()}", timeout_s=1.0, connect_timeout_s=0.05)
+def test_a_hung_server_is_probed_with_backoff_a_dead_one_at_a_steady_pace(engine: FakeEngine) -> None:
+    ctx = zmq.Context()
+    hung = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    port = hung.bind_to_random_port("tcp://127.0.0.1")
+    client = CountingClient(f"tcp://127.0.0.1:{port}", timeout_s=0.05)
     connector = ServerConnector(client, engine.layout, retry_after_s=0.1)
     try:
         waits = []
         for _ in range(4):
             waits.append(round(connector._backoff_s, 2))
-            connector._down_until = 0.0  # the wait is over: the next call probes (and fails again)
+            connector._down_until = 0.0  # the wait is over: the next call probes (and times out again)
             connector.get_num_new_matched_tokens(Req("x"), 0)
         assert waits == [0.1, 0.2, 0.4, 0.8]
         for _ in range(5):
             connector._down_until = 0.0
             connector.get_num_new_matched_tokens(Req("x"), 0)
         assert connector._backoff_s == pytest.approx(0.8)  # capped at 8 x retry_after_s
+        assert client.attempts == 1 + 4 + 5  # the registration, then one probe per expired wait
     finally:
         connector.close()
+        hung.close(linger=0)
+        ctx.term()
+    dead = ServerConnector(KVClient(f"tcp://127.0.0.1:{_free_port()}", connect_timeout_s=0.05), engine.layout,
+                           retry_after_s=0.1)
+    try:
+        for _ in range(4):
+            dead._down_until = 0.0
+            dead.get_num_new_matched_tokens(Req("x"), 0)
+        assert dead._backoff_s == pytest.approx(0.1)  # nothing listens: a probe is cheap, the pace stays
+    finally:
+        dead.close()
