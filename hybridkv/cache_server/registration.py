@@ -91,9 +91,11 @@ class RegistrationSocket:
             self._refuse(conn, ErrorCode.LIMIT, f"{len(self._conns)} registration connections are open, the limit")
             return
         pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        # another user is answered at its first message (closing now, with its message unread, would
+        # reset the connection and lose the reply)
         refusal = "" if uid in (os.geteuid(), 0) else (f"process {pid} runs as uid {uid}; this server serves its own "
                                                        f"user (uid {os.geteuid()}) only")
-        self._conns[conn.fileno()] = (conn, next(self._owners), refusal)  # a refusal answers its first message
+        self._conns[conn.fileno()] = (conn, next(self._owners), refusal)
 
     def _refuse(self, conn: socket.socket, code: ErrorCode, message: str) -> None:
         self.store.metrics.errors.labels(code.value).inc()
