@@ -20,7 +20,6 @@ mapping keeps the memory); a truncated message or descriptor list is refused.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -46,6 +45,7 @@ from hybridkv.wire import (
 log = logging.getLogger("hybridkv.cache_server")
 
 MAX_FDS = 512  # segments of one registration (one per layer slot)
+REFUSED_EXTRA = 64  # connections past the limit that are still answered (with LIMIT) before closing
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -63,7 +63,8 @@ class RegistrationSocket:
         self._listener.listen(64)
         self._listener.setblocking(False)
         self.address = "@" + name  # "@": the abstract namespace, as `ss -x` prints it
-        self._conns: dict[int, tuple[socket.socket, int, str]] = {}  # fd -> (connection, owner id, refusal)
+        # fd -> (connection, owner id, the refusal its first message gets)
+        self._conns: dict[int, tuple[socket.socket, int, tuple[ErrorCode, str] | None]] = {}
         self._owners = itertools.count(1)
 
     def fds(self) -> list[int]:
@@ -87,21 +88,19 @@ class RegistrationSocket:
         except (BlockingIOError, InterruptedError):
             return
         conn.setblocking(False)
-        if len(self._conns) >= self.max_connections:
-            self._refuse(conn, ErrorCode.LIMIT, f"{len(self._conns)} registration connections are open, the limit")
+        if len(self._conns) >= self.max_connections + REFUSED_EXTRA:
+            conn.close()  # far over the limit: not even answered
             return
         pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        # another user is answered at its first message (closing now, with its message unread, would
-        # reset the connection and lose the reply)
-        refusal = "" if uid in (os.geteuid(), 0) else (f"process {pid} runs as uid {uid}; this server serves its own "
-                                                       f"user (uid {os.geteuid()}) only")
+        # a refused connection is answered at its first message (closing it now, with that message unread,
+        # would reset it and lose the reply)
+        refusal: tuple[ErrorCode, str] | None = None
+        if uid not in (os.geteuid(), 0):
+            refusal = (ErrorCode.UNAUTHORIZED, f"process {pid} runs as uid {uid}; this server serves its own user "
+                       f"(uid {os.geteuid()}) only")
+        elif len(self._conns) >= self.max_connections:
+            refusal = (ErrorCode.LIMIT, f"{len(self._conns)} registration connections are open, the limit")
         self._conns[conn.fileno()] = (conn, next(self._owners), refusal)
-
-    def _refuse(self, conn: socket.socket, code: ErrorCode, message: str) -> None:
-        self.store.metrics.errors.labels(code.value).inc()
-        with contextlib.suppress(OSError):
-            conn.send(encode(ErrorReply(req_id=0, code=code, message=message)))
-        conn.close()
 
     def _receive(self, fd: int) -> None:
         conn, owner, refusal = self._conns[fd]
@@ -116,8 +115,7 @@ class RegistrationSocket:
             if not msg and not fds:  # the peer closed: its registrations go
                 self._drop(fd)
                 return
-            reply = (self._error(0, ErrorCode.UNAUTHORIZED, refusal) if refusal else
-                     self._reply(msg, fds, flags, owner))
+            reply = self._error(0, *refusal) if refusal else self._reply(msg, fds, flags, owner)
         finally:
             for received in fds:
                 os.close(received)

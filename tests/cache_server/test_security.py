@@ -288,3 +288,24 @@ def test_registration_cap_and_garbage_on_the_registration_socket() -> None:
             os.close(sealed)
         assert victim.lookup(HASHES, num_tokens=len(TOKENS)).hit_tokens == 3 * CHUNK
         assert server.metric("hybridkv_server_internal_errors_total") == 0
+
+
+def test_idle_registration_connections_are_capped() -> None:
+    """Connections that register nothing still count: past the cap a client is told `limit`."""
+    with victim_and_server(max_registrations=1) as (server, _, victim), fake_engine(GROUPS) as mine, \
+            server.client() as c:
+        address = c.hello().registration_socket
+        idle = []
+        try:
+            for _ in range(1 + 16 - 1):  # the cap: max_registrations + 16 (the victim holds one)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.connect("\0" + address[1:])
+                idle.append(sock)
+            time.sleep(0.3)  # the server accepts them
+            with pytest.raises(ServerError) as e:
+                c.register(mine.layout)
+            assert e.value.code is ErrorCode.LIMIT and "registration connections are open" in str(e.value)
+        finally:
+            for sock in idle:
+                sock.close()
+        assert victim.lookup(HASHES, num_tokens=len(TOKENS)).hit_tokens == 3 * CHUNK
