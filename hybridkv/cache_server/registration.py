@@ -45,6 +45,7 @@ from hybridkv.wire import (
 log = logging.getLogger("hybridkv.cache_server")
 
 MAX_FDS = 512  # segments of one registration (one per layer slot)
+MAX_REGISTER_BYTES = 1 << 20  # one register message (a layout of hundreds of buffers is tens of KiB)
 REFUSED_EXTRA = 64  # connections past the limit that are still answered (with LIMIT) before closing
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -55,7 +56,8 @@ class RegistrationSocket:
     def __init__(self, store: KVStore, auth: Authenticator, max_message_bytes: int, max_connections: int) -> None:
         self.store = store
         self.auth = auth
-        self.max_message_bytes = max_message_bytes
+        # a layout is kilobytes; the kernel bounds one datagram by the socket buffer anyway
+        self.max_message_bytes = min(max_message_bytes, MAX_REGISTER_BYTES)
         self.max_connections = max_connections
         name = f"hybridkv-{os.getpid()}-{secrets.token_hex(8)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
