@@ -2,8 +2,15 @@
 
 Every message is one msgpack frame of a msgspec struct; requests are a tagged union on the
 field `op`, and every request gets exactly one reply carrying the same `req_id`: its result, or
-an `ErrorReply` (code + message). Page bytes never travel here: the engine registers its KV
-cache buffers as POSIX shared memory and sends block ids; the server copies pages.
+an `ErrorReply` (code + message). Page bytes never travel here: the engine hands its KV cache
+buffers to the server once, as sealed memfd file descriptors over a Unix domain socket (the
+`register` request, docs/cache_server_security.md), and then sends block ids; the server copies
+pages.
+
+Trust: `auth` (every request) is the server's shared secret when it was started with one; `token`
+(every request on a registration) is the secret the `register` reply returned, so no other client
+can act on a registration; lookup ids are random 63-bit numbers, so only their holder can
+retrieve or release them.
 
 Layout of the registered buffers (the planner's layout, docs/design.md §3):
 
@@ -22,6 +29,8 @@ from typing import Any
 import msgspec
 import xxhash
 
+AUTH_TOKEN_ENV = "HYBRIDKV_AUTH_TOKEN"  # the server's shared secret, for the server and every client
+AUTH_TOKEN_FILE_ENV = "HYBRIDKV_AUTH_TOKEN_FILE"  # ... or a file holding it
 FORMAT_VERSION = 1  # of object keys and object bytes; bump on any change to either
 
 
@@ -44,6 +53,8 @@ class ErrorCode(Enum):
     LAYOUT_MISMATCH = "layout_mismatch"  # fingerprint differs from the registered one
     BAD_REQUEST = "bad_request"  # block ids outside the buffers, wrong counts, ...
     UNKNOWN_LOOKUP = "unknown_lookup"  # lookup id released, retrieved or expired
+    UNAUTHORIZED = "unauthorized"  # a wrong or missing auth secret or registration token
+    LIMIT = "limit"  # a cap was reached (registrations); try again after others leave
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
@@ -69,7 +80,9 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class BufferLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """A POSIX shared-memory segment (name as given to shm_open, without the leading '/')."""
+    """One buffer in a segment the engine passes as a file descriptor. `shm_name` labels the segment:
+    buffers with the same label share one segment, and the register request passes one descriptor
+    per distinct label, in order of first appearance."""
 
     shm_name: str
     size_bytes: int
@@ -91,6 +104,12 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     fingerprint: str
 
 
+def segment_labels(layout: Layout) -> list[str]:
+    """The distinct segment labels of `layout` in order of first appearance: the register request
+    passes one file descriptor per label, in this order."""
+    return list(dict.fromkeys(buf.shm_name for buf in layout.buffers))
+
+
 class ObjectGroupInfo(msgspec.Struct, frozen=True, kw_only=True):
     name: str  # "full", "window:4" (chunks), "chunked:8192" (tokens), "state:g3", "all"
     groups: list[int]  # engine group indices stored in it
@@ -109,32 +128,50 @@ class Refusal(msgspec.Struct, frozen=True, kw_only=True):
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True):
     req_id: int
+    auth: str = ""  # the server's shared secret (--auth-token-file), when it has one
 
 
-class RegisterRequest(Request, tag="register"):
+class RegistrationAccess(Enum):
+    COPY = "copy"  # the engine passes its segments: lookup, store, retrieve
+    LOOKUP_ONLY = "lookup_only"  # no segments (vLLM's scheduler in its own process): lookup and release
+
+
+class HelloRequest(Request, tag="hello", kw_only=True):
+    """Where to register (the server's Unix domain socket); a cheap liveness probe."""
+
+
+class RegisterRequest(Request, tag="register", kw_only=True):
+    """Sent on the registration socket (a Unix SEQPACKET socket), never on the control channel: the
+    message carries the segments' file descriptors (SCM_RIGHTS). The connection is the registration's
+    lease: when it closes (the engine exited or was killed) the server unregisters it."""
+
     layout: Layout
+    access: RegistrationAccess = RegistrationAccess.COPY
 
 
-class UnregisterRequest(Request, tag="unregister"):
+class UnregisterRequest(Request, tag="unregister", kw_only=True):
     instance_id: int
+    token: str = ""
 
 
-class LookupRequest(Request, tag="lookup"):
+class LookupRequest(Request, tag="lookup", kw_only=True):
     """`chunk_hashes[i]`: chained hash of chunks 0..i of the request's tokens (full chunks only);
     `num_tokens`: the request's length (the last token is never counted as a hit)."""
 
     instance_id: int
+    token: str = ""  # the registration's secret (the register reply's `token`)
     fingerprint: str
     chunk_hashes: list[bytes]
     num_tokens: int
     cache_salt: str = ""
 
 
-class StoreRequest(Request, tag="store"):
+class StoreRequest(Request, tag="store", kw_only=True):
     """Store chunks `first_chunk .. first_chunk + len(chunk_hashes) - 1`. `block_ids[g]`: engine
     group g's block ids covering exactly those chunks (0 = null block)."""
 
     instance_id: int
+    token: str = ""  # the registration's secret (the register reply's `token`)
     fingerprint: str
     first_chunk: int
     chunk_hashes: list[bytes]
@@ -142,14 +179,16 @@ class StoreRequest(Request, tag="store"):
     cache_salt: str = ""
 
 
-class RetrieveRequest(Request, tag="retrieve"):
+class RetrieveRequest(Request, tag="retrieve", kw_only=True):
     """Copy the hit of lookup `lookup_id` (or its first `num_tokens`, a multiple of the chunk
     size) into the engine's blocks. `block_ids[g]`: group g's block ids covering tokens
     [0, num_tokens) (0 where the engine needs nothing); the lookup's locks are released.
     Blocks that end at or before `skip_tokens` (the engine's own prefix hit) are not written
-    and may be 0."""
+    and may be 0. The pages go into the buffers of registration `instance_id`; the lookup may have
+    been made by another registration of the same layout (vLLM's scheduler in its own process)."""
 
     instance_id: int
+    token: str = ""  # the registration's secret (the register reply's `token`)
     fingerprint: str
     lookup_id: int
     block_ids: list[list[int]]
@@ -157,24 +196,25 @@ class RetrieveRequest(Request, tag="retrieve"):
     skip_tokens: int = 0
 
 
-class ReleaseRequest(Request, tag="release"):
+class ReleaseRequest(Request, tag="release", kw_only=True):
     instance_id: int
+    token: str = ""  # the registration's secret (the register reply's `token`)
     lookup_id: int
 
 
-class ClearRequest(Request, tag="clear"):
+class ClearRequest(Request, tag="clear", kw_only=True):
     pass
 
 
-class StatusRequest(Request, tag="status"):
+class StatusRequest(Request, tag="status", kw_only=True):
     pass
 
 
 AnyRequest = (
-    RegisterRequest | UnregisterRequest | LookupRequest | StoreRequest | RetrieveRequest
+    HelloRequest | RegisterRequest | UnregisterRequest | LookupRequest | StoreRequest | RetrieveRequest
     | ReleaseRequest | ClearRequest | StatusRequest
 )
-OPS = ("register", "unregister", "lookup", "store", "retrieve", "release", "clear", "status")
+OPS = ("hello", "register", "unregister", "lookup", "store", "retrieve", "release", "clear", "status")
 
 # ---- replies --------------------------------------------------------------------------------
 
@@ -188,8 +228,14 @@ class ErrorReply(Reply, tag="error"):
     message: str
 
 
+class HelloReply(Reply, tag="hello"):
+    registration_socket: str  # a Unix socket address; "@name" is Linux's abstract namespace
+    auth_required: bool
+
+
 class RegisterReply(Reply, tag="registered"):
     instance_id: int
+    token: str  # the secret every later request on this registration carries
     chunk_tokens: int
     object_groups: list[ObjectGroupInfo]
 
@@ -233,7 +279,7 @@ class StatusReply(Reply, tag="status"):
 
 
 AnyReply = (
-    ErrorReply | RegisterReply | LookupReply | StoreReply | RetrieveReply | OkReply | ClearReply
+    ErrorReply | HelloReply | RegisterReply | LookupReply | StoreReply | RetrieveReply | OkReply | ClearReply
     | StatusReply
 )
 

@@ -29,6 +29,8 @@ class ServerConfig:
     max_message_mib: float = 64.0
     lock_ttl_s: float = 30.0
     allow_remote: bool = False  # binding a non-loopback address must be asked for explicitly
+    auth_token_file: Path | None = None  # the shared secret (else $HYBRIDKV_AUTH_TOKEN); none: no authentication
+    max_registrations: int = 256
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -45,7 +47,9 @@ class ServerConfig:
             raise ConfigError(f"--l2-valkey must be a redis:// or valkey:// URL, got {self.l2_valkey!r}")
         if not self.is_loopback and not self.allow_remote:
             raise ConfigError(f"--host {self.host} is not a loopback address; pass --allow-remote to serve the "
-                              "network (the server has no authentication)")
+                              "network (and --auth-token-file: without it the server has no authentication)")
+        if self.max_registrations <= 0:
+            raise ConfigError(f"--max-registrations must be positive, got {self.max_registrations}")
 
     @property
     def is_loopback(self) -> bool:
@@ -59,7 +63,7 @@ class ServerConfig:
     def store_config(self) -> StoreConfig:
         return StoreConfig(chunk_tokens=self.chunk_tokens, l1_bytes=int(self.l1_size_gb * GIB),
                            eviction_policy=self.eviction_policy, object_groups=self.object_groups,
-                           lock_ttl_s=self.lock_ttl_s)
+                           lock_ttl_s=self.lock_ttl_s, max_registrations=self.max_registrations)
 
     @property
     def max_message_bytes(self) -> int:

@@ -1,5 +1,10 @@
 """The server's HTTP face (Starlette on uvicorn, in a background thread): Prometheus `/metrics`,
-`/status` (JSON), `POST /cache/clear`, `/healthz`."""
+`/status` (JSON), `POST /cache/clear`, `/healthz`.
+
+With a shared secret (auth.py) a POST needs `Authorization: Bearer <secret>` and `/status` lists
+the engines' models and fingerprints only to a caller that sends it. Every POST is refused (403)
+when it carries an `Origin` header (a browser page: another site must not clear the cache through
+the user's browser) or, on a loopback server, a `Host` that is not a loopback name (DNS rebinding)."""
 
 from __future__ import annotations
 
@@ -14,17 +19,44 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from hybridkv.cache_server.auth import Authenticator
 from hybridkv.cache_server.store import KVStore
 
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
 
-def make_app(store: KVStore) -> Starlette:
+
+def _host_name(header: str) -> str:
+    """The host of a `Host` header (`name:port`, `[v6]:port`)."""
+    if header.startswith("["):
+        return header[:header.find("]") + 1]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def post_refusal(request: Request, auth: Authenticator, *, allow_remote: bool) -> Response | None:
+    """Why a POST is refused (a 401/403 response), or None when it may go on."""
+    if "origin" in request.headers:
+        return JSONResponse({"error": "cross-origin requests are refused (a POST carried an Origin header)"}, 403)
+    if not allow_remote and _host_name(request.headers.get("host", "")).lower() not in LOOPBACK_HOSTS:
+        return JSONResponse({"error": f"Host {request.headers.get('host', '')!r:.100} is not a loopback name"}, 403)
+    if not auth.ok_bearer(request.headers.get("authorization")):
+        return JSONResponse({"error": "this server needs `Authorization: Bearer <secret>`"}, 401,
+                            headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def make_app(store: KVStore, auth: Authenticator | None = None, *, allow_remote: bool = False) -> Starlette:
+    auth = auth or Authenticator()
+
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(store.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def status(_: Request) -> Response:
-        return JSONResponse(store.status())
+    async def status(request: Request) -> Response:
+        return JSONResponse(store.status(detail=auth.ok_bearer(request.headers.get("authorization"))))
 
-    async def clear(_: Request) -> Response:
+    async def clear(request: Request) -> Response:
+        refused = post_refusal(request, auth, allow_remote=allow_remote)
+        if refused is not None:
+            return refused
         return JSONResponse({"objects_removed": store.clear()})
 
     async def healthz(_: Request) -> Response:
@@ -39,14 +71,16 @@ def make_app(store: KVStore) -> Starlette:
 class HTTPServer:
     """uvicorn serving `make_app(store)` on an already bound socket (so port 0 works)."""
 
-    def __init__(self, store: KVStore, host: str, port: int) -> None:
+    def __init__(self, store: KVStore, host: str, port: int, *, auth: Authenticator | None = None,
+                 allow_remote: bool = False) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self._sock.listen(128)  # connections wait in the backlog until uvicorn accepts them
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(make_app(store), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(make_app(store, auth, allow_remote=allow_remote), log_level="warning", lifespan="off",
+                                access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="hybridkv-http", daemon=True)

@@ -1,7 +1,8 @@
 """The server's L2 tiers as one ordered set (disk before Valkey): write-behind from L1,
 read-through on lookup, and fault accounting. A tier that fails (Valkey down) is counted and
 treated as a miss; the server keeps serving from L1 and the other tiers, and the tier
-reconnects on its next operation."""
+reconnects on its next operation. Failures are logged at most once per 10 s per tier and
+operation (with how many were left out), and every one is counted in `hybridkv_server_l2_errors`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridkv.cache_server.metrics import ServerMetrics
-from hybridkv.cache_server.tiers.base import L2Tier, TierError, TierStats
+from hybridkv.cache_server.tiers.base import L2Tier, RateLimitedWarnings, TierError, TierStats
 from hybridkv.cache_server.tiers.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class TierSet:
     def __init__(self, tiers: Sequence[L2Tier], metrics: ServerMetrics) -> None:
         self._slots = [_Slot(t, WriteBehind(t, WRITE_BEHIND_MAX_PENDING)) for t in tiers]
         self._metrics = metrics
+        self._warnings = RateLimitedWarnings(log)
 
     @property
     def names(self) -> list[str]:
@@ -97,6 +99,13 @@ class TierSet:
     def stats(self) -> list[TierStats]:
         return [slot.tier.stats() for slot in self._slots]
 
+    def describe(self) -> list[dict[str, object]]:
+        """Each tier as `/status` shows it."""
+        pending = self.pending()
+        return [{"name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
+                 "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
+                 "write_behind_pending": pending.get(s.name, 0)} for s in self.stats()]
+
     def pending(self) -> dict[str, int]:
         return {slot.tier.name: slot.writer.stats().pending for slot in self._slots}
 
@@ -107,4 +116,4 @@ class TierSet:
 
     def _error(self, slot: _Slot, op: str, e: TierError) -> None:
         self._metrics.l2_errors.labels(slot.tier.name).inc()
-        log.warning("L2 tier %s: %s failed: %s", slot.tier.name, op, e)
+        self._warnings.warn(f"{slot.tier.name}:{op}", f"L2 tier {slot.tier.name}: {op} failed: {e}")

@@ -47,6 +47,8 @@ class ServerMetrics:
         self.l1_objects = Gauge(P + "l1_objects", "Objects in L1", registry=r)
         self.l1_capacity = Gauge(P + "l1_capacity_bytes", "L1 capacity", registry=r)
         self.engines = Gauge(P + "registered_engines", "Registered engine instances", registry=r)
+        self.leases_released = Counter(P + "leases_released", "Registrations dropped because their registration "
+                                       "connection closed (the engine exited or was killed)", registry=r)
 
     def watch_tiers(self, stats: Callable[[], list[TierStats]]) -> None:
         self.registry.register(_TierCollector(stats))

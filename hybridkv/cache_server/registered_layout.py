@@ -73,6 +73,11 @@ def validate_layout(layout: Layout, chunk_tokens: int) -> None:
                           f"and {layout.page_stride_bytes}")
     if not layout.fingerprint:
         raise _bad_layout("the layout fingerprint is empty")
+    for i, buf in enumerate(layout.buffers):
+        name = buf.shm_name
+        if not name or len(name) > 255 or not name.isprintable():
+            raise _bad_layout(f"buffer {i}: the segment label must be 1 to 255 printable characters (no NUL or "
+                              f"control characters), got {name!r:.100}")
     for i, (buf, stride) in enumerate(zip(layout.buffers, buffer_strides(layout), strict=True)):
         if buf.page_stride_bytes < 0:
             raise _bad_layout(f"buffer {i} ({buf.shm_name!r}): page_stride_bytes must be >= 0 (0: the layout's), "

@@ -5,6 +5,10 @@ SIGINT/SIGTERM stop taking work: the request being handled finishes, requests al
 get a SHUTTING_DOWN error reply, the write-behind flushes, tiers close; a second SIGINT forces
 an immediate exit.
 
+Engines register on the registration socket (registration.py: a Unix socket, descriptors
+passed over it, the connection as the lease), polled by the same loop; the control channel
+answers `hello` with its address. With a shared secret (auth.py) every request must carry it.
+
 Every request gets exactly one reply (its result or an `ErrorReply`): a malformed, truncated,
 unknown or oversized message included, so no client is left waiting. Each message is handled
 under one guard: whatever a bug raises becomes one INTERNAL reply, one log record and one count
@@ -25,9 +29,11 @@ from types import FrameType
 
 import zmq
 
+from hybridkv.cache_server.auth import Authenticator, server_secret
 from hybridkv.cache_server.config import GIB, ServerConfig
 from hybridkv.cache_server.http import HTTPServer
 from hybridkv.cache_server.registered_layout import RequestError
+from hybridkv.cache_server.registration import RegistrationSocket
 from hybridkv.cache_server.store import KVStore
 from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.cache_server.tiers.disk import DiskTier
@@ -40,6 +46,8 @@ from hybridkv.wire import (
     ClearRequest,
     ErrorCode,
     ErrorReply,
+    HelloReply,
+    HelloRequest,
     LookupReply,
     LookupRequest,
     OkReply,
@@ -63,10 +71,11 @@ log = logging.getLogger("hybridkv.cache_server")
 POLL_MS = 100
 
 
-def handle(store: KVStore, req: AnyRequest) -> AnyReply:
-    """The reply to one decoded request (errors become an ErrorReply)."""
+def handle(store: KVStore, req: AnyRequest, *, detail: bool = True) -> AnyReply:
+    """The reply to one decoded request (errors become an ErrorReply); `detail`: whether a status
+    reply may show the registered engines' models and fingerprints."""
     try:
-        return _dispatch(store, req)
+        return _dispatch(store, req, detail)
     except RequestError as e:
         store.metrics.errors.labels(e.code.value).inc()
         return ErrorReply(req_id=req.req_id, code=e.code, message=str(e))
@@ -82,13 +91,13 @@ def internal_error(store: KVStore, req_id: int, what: str, e: Exception) -> Erro
     return ErrorReply(req_id=req_id, code=ErrorCode.INTERNAL, message=f"internal error: {type(e).__name__}: {e}"[:500])
 
 
-def _dispatch(store: KVStore, req: AnyRequest) -> AnyReply:
+def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> AnyReply:
     rid = req.req_id
     match req:
-        case RegisterRequest():
-            instance_id, groups = store.register(req.layout)
-            return RegisterReply(req_id=rid, instance_id=instance_id, chunk_tokens=store.config.chunk_tokens,
-                                 object_groups=groups)
+        case RegisterRequest():  # in-process only (tests); the control loop sends these to the registration socket
+            reg = store.register(req.layout)
+            return RegisterReply(req_id=rid, instance_id=reg.instance_id, token=reg.token,
+                                 chunk_tokens=store.config.chunk_tokens, object_groups=reg.object_groups)
         case LookupRequest():
             r = store.lookup(req)
             return LookupReply(req_id=rid, lookup_id=r.lookup_id, hit_tokens=r.hit_tokens,
@@ -101,24 +110,28 @@ def _dispatch(store: KVStore, req: AnyRequest) -> AnyReply:
             return RetrieveReply(req_id=rid, retrieved_tokens=got.tokens, bytes_copied=got.bytes_copied,
                                  object_group_bytes=got.object_group_bytes)
         case ReleaseRequest():
-            store.release(req.instance_id, req.lookup_id)
+            store.release(req.instance_id, req.token, req.lookup_id)
             return OkReply(req_id=rid)
         case UnregisterRequest():
-            store.unregister(req.instance_id)
+            store.unregister(req.instance_id, req.token)
             return OkReply(req_id=rid)
         case ClearRequest():
             return ClearReply(req_id=rid, objects_removed=store.clear())
         case StatusRequest():
-            return StatusReply(req_id=rid, status=store.status())
+            return StatusReply(req_id=rid, status=store.status(detail=detail))
     raise RequestError(ErrorCode.UNKNOWN_OP, f"no handler for {type(req).__name__}")
 
 
 class ControlServer:
     """The ROUTER socket and its loop; `serve()` returns after `stop()` (from any thread)."""
 
-    def __init__(self, store: KVStore, host: str, port: int, max_message_bytes: int) -> None:
+    def __init__(self, store: KVStore, host: str, port: int, max_message_bytes: int, *,
+                 auth: Authenticator | None = None) -> None:
         self.store = store
         self.max_message_bytes = max_message_bytes
+        self.auth = auth or Authenticator()
+        self.registration = RegistrationSocket(store, self.auth, max_message_bytes,
+                                               max_connections=store.config.max_registrations + 16)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 1000)
@@ -131,6 +144,7 @@ class ControlServer:
         except zmq.ZMQError as e:
             self._sock.close(linger=0)
             self._ctx.term()
+            self.registration.close()
             raise ConfigError(f"cannot bind the control port {host}:{port}: {e}") from None
         endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         self.port = int(endpoint.decode().rsplit(":", 1)[1]) if isinstance(endpoint, bytes) else port
@@ -140,11 +154,16 @@ class ControlServer:
         self._stop.set()
 
     def serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if poller.poll(POLL_MS):
-                self._handle_one()
+            poller = zmq.Poller()  # rebuilt each round: registration connections come and go
+            poller.register(self._sock, zmq.POLLIN)
+            for fd in self.registration.fds():
+                poller.register(fd, zmq.POLLIN)
+            for what, _ in poller.poll(POLL_MS):
+                if what is self._sock:
+                    self._handle_one()
+                elif isinstance(what, int):
+                    self.registration.ready(what)
         self._drain()
 
     def _handle_one(self) -> None:
@@ -167,7 +186,16 @@ class ControlServer:
         except ProtocolError as e:
             return self._error(e.req_id, e.code, str(e))
         self.store.metrics.requests.labels(type(req).__name__.removesuffix("Request").lower()).inc()
-        return handle(self.store, req)
+        if not self.auth.ok(req.auth):
+            return self._error(req.req_id, ErrorCode.UNAUTHORIZED, "this server needs its auth secret in every "
+                               "request (set $HYBRIDKV_AUTH_TOKEN or $HYBRIDKV_AUTH_TOKEN_FILE for the client)")
+        if isinstance(req, HelloRequest):
+            return HelloReply(req_id=req.req_id, registration_socket=self.registration.address,
+                              auth_required=self.auth.required)
+        if isinstance(req, RegisterRequest):
+            return self._error(req.req_id, ErrorCode.BAD_MESSAGE, "register on the registration socket (the "
+                               f"`hello` reply's {self.registration.address!r}), passing the segments' descriptors")
+        return handle(self.store, req)  # it authenticated (or the server has no secret): full status
 
     def _error(self, req_id: int, code: ErrorCode, message: str) -> ErrorReply:
         self.store.metrics.errors.labels(code.value).inc()
@@ -185,6 +213,7 @@ class ControlServer:
             self._sock.send_multipart([frames[0], encode(reply)])
         self._sock.close()
         self._ctx.term()
+        self.registration.close()
 
 
 def build_tiers(config: ServerConfig) -> list[L2Tier]:
@@ -208,11 +237,13 @@ def startup_line(config: ServerConfig, control_port: int, http_port: int, tiers:
 def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM (graceful; a second SIGINT forces)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not config.is_loopback:
-        log.warning("binding %s: the server is reachable from the network and has no authentication", config.host)
+    auth = Authenticator(server_secret(config.auth_token_file))
+    if not config.is_loopback and not auth.required:
+        log.warning("binding %s WITHOUT AUTHENTICATION: anyone who can reach this address can read, overwrite and "
+                    "clear every cached object; set --auth-token-file (or $HYBRIDKV_AUTH_TOKEN)", config.host)
     store = KVStore(config.store_config(), build_tiers(config))
-    control = ControlServer(store, config.host, config.port, config.max_message_bytes)
-    http = HTTPServer(store, config.host, config.http_port)
+    control = ControlServer(store, config.host, config.port, config.max_message_bytes, auth=auth)
+    http = HTTPServer(store, config.host, config.http_port, auth=auth, allow_remote=not config.is_loopback)
     http.start()
     _install_signals(control)
     line = startup_line(config, control.port, http.port, store.tiers.names)

@@ -1,66 +1,78 @@
-"""The engine's KV cache buffers, mapped into the server (POSIX shared memory, no copies of
-the mapping itself): page views by (buffer, block id) for the store to copy from and into. A
-segment named by several buffers (DeepSeek-V4's packed layout: one per group layer, each at its
-offset in every block) is mapped once.
+"""The engine's KV cache buffers, mapped into the server from the file descriptors the engine
+passed when it registered: page views by (buffer, block id) for the store to copy from and into.
+A segment named by several buffers (DeepSeek-V4's packed layout: one per group layer, each at its
+offset in every block) is one descriptor, mapped once.
 
-The server opens `/dev/shm/<name>` directly (not `multiprocessing.shared_memory`, whose
-resource tracker would unlink the engine's segment when the server exits).
+The server never opens a path: a client can only hand over memory it holds itself (a descriptor
+opened read-only cannot be mapped for writing), so no name, symlink or other tenant's segment can
+be named. Each descriptor must be a memfd sealed against shrinking (`F_SEAL_SHRINK`): a mapping of
+a file that shrinks raises SIGBUS on the next copy, which would end the server for every client.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
-from pathlib import Path
+import stat
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from hybridkv.cache_server.registered_layout import RequestError, buffer_strides
-from hybridkv.wire import ErrorCode, Layout
-
-SHM_DIR = Path("/dev/shm")
+from hybridkv.wire import ErrorCode, Layout, segment_labels
 
 Bytes = npt.NDArray[np.uint8]
 
 
 class MappedBuffers:
-    """Read/write views of one registered engine's buffers. Close when the engine unregisters."""
+    """Read/write views of one registered engine's buffers. Close when the engine unregisters.
 
-    def __init__(self, layout: Layout) -> None:
+    `fds`: one descriptor per `segment_labels(layout)`; the caller keeps ownership (closes them)."""
+
+    def __init__(self, layout: Layout, fds: Sequence[int]) -> None:
         self.num_blocks = layout.num_blocks
         self.strides = buffer_strides(layout)
         self.offsets = [buf.offset_bytes for buf in layout.buffers]
         self._maps: list[mmap.mmap] = []
         self.views: list[Bytes] = []
+        names = segment_labels(layout)
+        if len(fds) != len(names):
+            raise RequestError(ErrorCode.BAD_LAYOUT, f"the layout names {len(names)} segments, the register "
+                               f"message passed {len(fds)} file descriptors (one per segment expected)")
         sizes: dict[str, int] = {}
         for buf in layout.buffers:
             sizes[buf.shm_name] = max(sizes.get(buf.shm_name, 0), buf.size_bytes)
         try:
-            mapped = {name: self._map(name, size) for name, size in sizes.items()}
+            mapped = {name: self._map(name, fd, sizes[name]) for name, fd in zip(names, fds, strict=True)}
         except BaseException:
             self.close()
             raise
         self.views = [mapped[buf.shm_name] for buf in layout.buffers]
 
-    def _map(self, name: str, size_bytes: int) -> Bytes:
-        if not name or "/" in name:
-            raise RequestError(ErrorCode.BAD_LAYOUT, f"shared-memory name must be non-empty without '/', got {name!r}")
-        path = SHM_DIR / name
+    def _map(self, name: str, fd: int, size_bytes: int) -> Bytes:
+        def bad(why: str) -> RequestError:
+            return RequestError(ErrorCode.BAD_LAYOUT, f"segment {name!r:.80}: {why}")
+
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise bad(f"the descriptor is not a regular file (mode {oct(st.st_mode)}); expected a memfd")
         try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as e:
-            raise RequestError(ErrorCode.BAD_LAYOUT, f"cannot open shared memory {name!r}: {e.strerror}") from None
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise bad("the descriptor is not sealed against shrinking; expected a memfd created with "
+                      "MFD_ALLOW_SEALING and sealed with F_SEAL_SHRINK (a file that shrinks would crash the server)")
+        if st.st_size < size_bytes:
+            raise bad(f"has {st.st_size} bytes, the layout says {size_bytes}")
         try:
-            actual = os.fstat(fd).st_size
-            if actual < size_bytes:
-                raise RequestError(ErrorCode.BAD_LAYOUT, f"shared memory {name!r} has {actual} bytes, the layout "
-                                   f"says {size_bytes}")
             # populate: fault the whole mapping now (registration), not page by page in every copy
             mapped = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
+        except OSError as e:
+            raise bad(f"cannot be mapped read-write: {e.strerror} (pass a descriptor opened read-write)") from None
         self._maps.append(mapped)
         return np.frombuffer(mapped, dtype=np.uint8)
 

@@ -10,16 +10,18 @@ before it changes anything.
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import numpy as np
 
-from hybridkv.cache_server.keys import namespace, object_key
+from hybridkv.cache_server.engines import Engine, EngineRegistry, Registered, access_buffers
+from hybridkv.cache_server.keys import object_key
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
 from hybridkv.cache_server.l2 import TierSet
 from hybridkv.cache_server.metrics import ServerMetrics
@@ -32,20 +34,22 @@ from hybridkv.cache_server.registered_layout import (
     object_groups,
     validate_layout,
 )
-from hybridkv.cache_server.shm import Bytes, MappedBuffers
+from hybridkv.cache_server.results import LookupResult, RetrieveResult, StoreResult
+from hybridkv.cache_server.shm import Bytes
 from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.wire import (
     ErrorCode,
     GroupKind,
     Layout,
     LookupRequest,
-    ObjectGroupInfo,
     Refusal,
+    RegistrationAccess,
     RetrieveRequest,
     StoreRequest,
 )
 
 L2_FLUSH_TIMEOUT_S = 10.0
+_NULL = "\0null"  # _store_object: only null blocks sent (not a refusal by itself)
 
 
 class ObjectGroupMode(Enum):
@@ -60,51 +64,22 @@ class StoreConfig:
     eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
     object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
     lock_ttl_s: float = 30.0
+    max_registrations: int = 256
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens <= 0 or self.l1_bytes <= 0 or self.lock_ttl_s <= 0:
-            raise ValueError(f"chunk_tokens, l1_bytes and lock_ttl_s must be positive, got {self.chunk_tokens}, "
-                             f"{self.l1_bytes}, {self.lock_ttl_s}")
-
-
-@dataclass(slots=True, kw_only=True)
-class _Engine:
-    instance_id: int
-    layout: Layout
-    rules: ChunkRules
-    groups: list[ObjectGroup]
-    buffers: MappedBuffers
-    namespaces: dict[tuple[int, str], bytes] = field(default_factory=dict)
+        if self.chunk_tokens <= 0 or self.l1_bytes <= 0 or self.lock_ttl_s <= 0 or self.max_registrations <= 0:
+            raise ValueError(f"chunk_tokens, l1_bytes, lock_ttl_s and max_registrations must be positive, got "
+                             f"{self.chunk_tokens}, {self.l1_bytes}, {self.lock_ttl_s}, {self.max_registrations}")
 
 
 @dataclass(slots=True, kw_only=True)
 class _Lease:
     instance_id: int
+    fingerprint: str  # any registration of this layout that holds the lookup id may retrieve it
     cache_salt: str
     hashes: list[bytes]  # of the hit's chunks
     locked: list[bytes]
     expires_at: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LookupResult:
-    lookup_id: int  # 0 when nothing is held (no hit)
-    hit_tokens: int
-    object_group_hit_tokens: list[int]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreResult:
-    stored: list[bool]
-    refusals: list[Refusal]
-    object_group_bytes: list[int]  # bytes copied from the engine, per object group
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RetrieveResult:
-    tokens: int
-    bytes_copied: int
-    object_group_bytes: list[int]  # bytes copied to the engine, per object group
 
 
 class KVStore:
@@ -117,97 +92,128 @@ class KVStore:
                             on_evict=lambda _k, _n: self.metrics.evictions.inc(),
                             can_reuse=self._l2_has_everything if len(self.tiers) else None)
         self.metrics.watch_tiers(self.tiers.stats)
-        self._engines: dict[int, _Engine] = {}
+        self._engines = EngineRegistry(config.max_registrations)
         self._leases: dict[int, _Lease] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
     # ---- registration -----------------------------------------------------------------------
 
-    def register(self, layout: Layout) -> tuple[int, list[ObjectGroupInfo]]:
+    def register(self, layout: Layout, fds: Sequence[int] = (), *, access: RegistrationAccess = RegistrationAccess.COPY,
+                 owner: int | None = None) -> Registered:
+        """Map the engine's segments (`fds`: one per distinct segment label; the caller closes them)
+        and register it; `owner`: the registration connection whose closing releases it."""
         validate_layout(layout, self.config.chunk_tokens)
-        buffers = MappedBuffers(layout)
+        with self._lock:
+            self._engines.check_room()  # before mapping anything
+        buffers = access_buffers(layout, fds, access)
         separate = self.config.object_groups is ObjectGroupMode.SEPARATE
-        groups = object_groups(layout, self.config.chunk_tokens, separate=separate)
+        try:
+            groups = object_groups(layout, self.config.chunk_tokens, separate=separate)
+            with self._lock:
+                engine = self._engines.add(layout=layout, rules=ChunkRules(layout, self.config.chunk_tokens),
+                                           groups=groups, buffers=buffers, owner=owner)
+                self.metrics.engines.set(len(self._engines))
+        except BaseException:
+            if buffers is not None:
+                buffers.close()
+            raise
+        return Registered(instance_id=engine.instance_id, token=engine.token, object_groups=object_group_infos(groups))
+
+    def unregister(self, instance_id: int, token: str) -> None:
         with self._lock:
-            instance_id = next(self._ids)
-            self._engines[instance_id] = _Engine(instance_id=instance_id, layout=layout, groups=groups,
-                                                 rules=ChunkRules(layout, self.config.chunk_tokens), buffers=buffers)
-            self.metrics.engines.set(len(self._engines))
-        return instance_id, object_group_infos(groups)
+            self._engines.get(instance_id, token, None)
+            self._unregister(instance_id)
 
-    def unregister(self, instance_id: int) -> None:
+    def release_owner(self, owner: int) -> int:
+        """Drop every registration made on connection `owner` (it closed); how many there were."""
         with self._lock:
-            engine = self._engine(instance_id, None)
-            for lookup_id in [i for i, lease in self._leases.items() if lease.instance_id == instance_id]:
-                self._release(lookup_id)
-            del self._engines[instance_id]
-            engine.buffers.close()
-            self.metrics.engines.set(len(self._engines))
+            doomed = self._engines.owned_by(owner)
+            for instance_id in doomed:
+                self._unregister(instance_id)
+                self.metrics.leases_released.inc()
+            return len(doomed)
 
-    def _engine(self, instance_id: int, fingerprint: str | None) -> _Engine:
-        engine = self._engines.get(instance_id)
-        if engine is None:
-            raise RequestError(ErrorCode.UNKNOWN_INSTANCE, f"engine instance {instance_id} is not registered "
-                               f"(registered: {sorted(self._engines)}); register again after a server restart")
-        if fingerprint is not None and fingerprint != engine.layout.fingerprint:
-            raise RequestError(ErrorCode.LAYOUT_MISMATCH, f"layout fingerprint {fingerprint!r} differs from the one "
-                               f"instance {instance_id} registered ({engine.layout.fingerprint!r})")
-        return engine
+    def _unregister(self, instance_id: int) -> None:
+        for lookup_id in [i for i, lease in self._leases.items() if lease.instance_id == instance_id]:
+            self._release(lookup_id)
+        self._engines.remove(instance_id)
+        self.metrics.engines.set(len(self._engines))
 
-    def _key(self, engine: _Engine, og: ObjectGroup, salt: str, chunk: int, chunk_hash: bytes) -> bytes:
-        ns = engine.namespaces.get((og.index, salt))
-        if ns is None:
-            ns = engine.namespaces[(og.index, salt)] = namespace(engine.layout, og.name, salt)
-        return object_key(ns, chunk, chunk_hash)
+    def _engine(self, instance_id: int, token: str, fingerprint: str | None) -> Engine:
+        return self._engines.get(instance_id, token, fingerprint)
+
+    def _key(self, engine: Engine, og: ObjectGroup, salt: str, chunk: int, chunk_hash: bytes) -> bytes:
+        return object_key(engine.namespace(og, salt), chunk, chunk_hash)
 
     # ---- store ------------------------------------------------------------------------------
 
     def store(self, req: StoreRequest) -> StoreResult:
         with self._lock:
             self._expire_leases()
-            engine = self._engine(req.instance_id, req.fingerprint)
+            engine = self._engine(req.instance_id, req.token, req.fingerprint)
             self._check_block_ids(engine, req.block_ids, len(req.chunk_hashes), "store")
             if req.first_chunk < 0:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"first_chunk must be >= 0, got {req.first_chunk}")
             self.metrics.store_requests.inc()
-            stored, refusals = [], []
+            stored: list[bool] = []
+            refusals: list[Refusal] = []
+            pinned: list[bytes] = []
             copied = [0] * len(engine.groups)
-            for i, chunk_hash in enumerate(req.chunk_hashes):
-                chunk = req.first_chunk + i
-                reasons = [(og, self._store_object(engine, og, req, i, chunk_hash, copied)) for og in engine.groups]
-                failed = [Refusal(chunk=chunk, object_group=og.name, reason=r) for og, r in reasons if r]
-                refusals.extend(failed)
-                stored.append(not failed)
-                if not failed:
-                    self.metrics.chunks_stored.inc()
+            try:
+                for i, chunk_hash in enumerate(req.chunk_hashes):
+                    chunk = req.first_chunk + i
+                    outcomes = [(og, self._store_object(engine, og, req, i, chunk_hash, copied, pinned))
+                                for og in engine.groups]
+                    failed = [Refusal(chunk=chunk, object_group=og.name, reason=r) for og, r in outcomes
+                              if r and r is not _NULL]
+                    if not failed and all(r is _NULL for _, r in outcomes):
+                        failed = [Refusal(chunk=chunk, object_group=og.name, reason=self._refuse(
+                            og, "null_blocks", "every block id of this chunk is the null block 0: nothing to store"))
+                            for og in engine.groups[:1]]
+                    refusals.extend(failed)
+                    stored.append(not failed)
+                    if not failed:
+                        self.metrics.chunks_stored.inc()
+            finally:
+                for key in pinned:  # the request's own objects could not evict each other (see _store_object)
+                    self._pool.unlock(key)
             self._update_gauges()
             return StoreResult(stored=stored, refusals=refusals, object_group_bytes=copied)
 
-    def _store_object(self, engine: _Engine, og: ObjectGroup, req: StoreRequest, i: int, chunk_hash: bytes,
-                      copied: list[int]) -> str:
-        """Commit chunk first_chunk + i of `og`; "" when committed or not needed, else the reason."""
+    def _store_object(self, engine: Engine, og: ObjectGroup, req: StoreRequest, i: int, chunk_hash: bytes,
+                      copied: list[int], pinned: list[bytes]) -> str:
+        """Commit chunk first_chunk + i of `og`: "" when committed or nothing is kept, `_NULL` when the
+        engine sent only null blocks (a state group between checkpoints), else the refusal's reason.
+
+        A committed object stays locked (`pinned`) until the request ends, so a store larger than L1
+        cannot evict the chunks it already reported stored: it is refused from the first chunk that
+        does not fit, and an immediate lookup hits exactly what the reply says."""
         chunk, rules = req.first_chunk + i, engine.rules
         pages: list[tuple[int, int]] = []  # (group, block id) in object order
         for gid in og.groups:
             bpc = rules.blocks_per_chunk[gid]
             pages.extend((gid, req.block_ids[gid][i * bpc + b]) for b in rules.kept(gid, chunk))
         null = [gid for gid, bid in pages if bid == 0]
+        if not pages:
+            return ""
         if len(null) == len(pages):
             self.metrics.objects_skipped.labels(og.name).inc()
-            return ""
+            return _NULL
         if null:
             return self._refuse(og, "null_blocks", f"group {null[0]} has null blocks among the blocks it keeps")
         key = self._key(engine, og, req.cache_salt, chunk, chunk_hash)
-        if self._pool.get(key) is not None:
-            return ""  # already stored: the same chained hash means the same content
+        if self._pool.get(key) is not None:  # already stored: the same chained hash means the same content
+            self._pool.lock(key)
+            pinned.append(key)
+            return ""
+        buffers = engine.mapped("store")
         nbytes = rules.object_bytes(og, chunk)
 
         def fill(value: Bytes) -> None:
             offset = 0
             for gid, bid in pages:
                 for buffer, page in rules.layer_copies(gid):
-                    value[offset:offset + page] = engine.buffers.page(buffer, bid, page)
+                    value[offset:offset + page] = buffers.page(buffer, bid, page)
                     offset += page
 
         if not self._pool.put(key, nbytes, fill):
@@ -218,6 +224,8 @@ class KVStore:
         self.metrics.objects_stored.labels(og.name).inc()
         stored = self._pool.get(key)
         assert stored is not None  # just placed, under the lock
+        self._pool.lock(key)
+        pinned.append(key)
         self.tiers.write_behind(key, memoryview(stored.data))
         return ""
 
@@ -232,7 +240,7 @@ class KVStore:
         self.metrics.refused.labels(og.name, reason).inc()
         return message
 
-    def _check_block_ids(self, engine: _Engine, block_ids: list[list[int]], chunks: int, what: str) -> None:
+    def _check_block_ids(self, engine: Engine, block_ids: list[list[int]], chunks: int, what: str) -> None:
         layout = engine.layout
         if len(block_ids) != len(layout.groups):
             raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: block_ids has {len(block_ids)} groups, the layout "
@@ -245,14 +253,14 @@ class KVStore:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: group {gid} has {len(ids)} block ids, expected "
                                    f"{expected} ({chunks} chunks of {self.config.chunk_tokens} tokens / block size "
                                    f"{g.block_tokens})")
-            engine.buffers.check_block_ids(f"{what}, group {gid}", ids)
+            engine.mapped(what).check_block_ids(f"{what}, group {gid}", ids)
 
     # ---- lookup -----------------------------------------------------------------------------
 
     def lookup(self, req: LookupRequest) -> LookupResult:
         with self._lock:
             self._expire_leases()
-            engine = self._engine(req.instance_id, req.fingerprint)
+            engine = self._engine(req.instance_id, req.token, req.fingerprint)
             self.metrics.lookups.inc()
             if req.num_tokens < 0:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"num_tokens must be >= 0, got {req.num_tokens}")
@@ -267,8 +275,9 @@ class KVStore:
                     break
             lookup_id = 0
             if hit:
-                lookup_id = next(self._ids)
-                self._leases[lookup_id] = _Lease(instance_id=req.instance_id, cache_salt=req.cache_salt,
+                lookup_id = self._new_lookup_id()
+                self._leases[lookup_id] = _Lease(instance_id=req.instance_id, fingerprint=engine.layout.fingerprint,
+                                                 cache_salt=req.cache_salt,
                                                  hashes=hashes[:hit], locked=locked,
                                                  expires_at=time.monotonic() + self.config.lock_ttl_s)
             chunk = self.config.chunk_tokens
@@ -279,7 +288,14 @@ class KVStore:
             return LookupResult(lookup_id=lookup_id, hit_tokens=hit * chunk,
                                 object_group_hit_tokens=[c * chunk for c in per_group])
 
-    def _where(self, engine: _Engine, keys: list[list[bytes]]) -> list[list[int | None]]:
+    def _new_lookup_id(self) -> int:
+        """A random 63-bit id: only the client it was returned to can name it (retrieve, release)."""
+        while True:
+            lookup_id = secrets.randbits(63)
+            if lookup_id and lookup_id not in self._leases:
+                return lookup_id
+
+    def _where(self, engine: Engine, keys: list[list[bytes]]) -> list[list[int | None]]:
         """Per object group and chunk: -1 in L1 (or an empty object), a tier index, or None."""
         where: list[list[int | None]] = []
         for og, og_keys in zip(engine.groups, keys, strict=True):
@@ -292,10 +308,10 @@ class KVStore:
                 where[o][j] = tier
         return where
 
-    def _first_needed(self, engine: _Engine, og: ObjectGroup, hit_chunks: int) -> int:
+    def _first_needed(self, engine: Engine, og: ObjectGroup, hit_chunks: int) -> int:
         return min(engine.rules.first_needed_chunk(gid, hit_chunks) for gid in og.groups)
 
-    def _hit(self, engine: _Engine, present: list[list[bool]], max_chunks: int) -> tuple[int, list[int]]:
+    def _hit(self, engine: Engine, present: list[list[bool]], max_chunks: int) -> tuple[int, list[int]]:
         """(longest prefix in chunks every object group serves, each object group's own longest)."""
         prefix = [list(itertools.accumulate(p, initial=0)) for p in present]
 
@@ -308,7 +324,7 @@ class KVStore:
                    if all(serves(o, c) for o in range(len(present))))
         return hit, per_group
 
-    def _lock_hit(self, engine: _Engine, keys: list[list[bytes]], where: list[list[int | None]],
+    def _lock_hit(self, engine: Engine, keys: list[list[bytes]], where: list[list[int | None]],
                   hit: int) -> list[bytes] | None:
         """Lock every object the hit needs, reading L2 objects into L1 first; None (with `where`
         updated and nothing left locked) when an object could not be had: look again."""
@@ -330,7 +346,7 @@ class KVStore:
             locked.append(key)
         return locked
 
-    def _promote(self, engine: _Engine, o: int, chunk: int, key: bytes, tier: int | None) -> bool:
+    def _promote(self, engine: Engine, o: int, chunk: int, key: bytes, tier: int | None) -> bool:
         if tier is None:
             return False
         expected = engine.rules.object_bytes(engine.groups[o], chunk)
@@ -350,16 +366,14 @@ class KVStore:
         The lookup is consumed (its locks released) whether or not the copy succeeds."""
         with self._lock:
             self._expire_leases()
-            engine = self._engine(req.instance_id, req.fingerprint)
-            lease = self._leases.get(req.lookup_id)
-            if lease is None or lease.instance_id != req.instance_id:
-                raise RequestError(ErrorCode.UNKNOWN_LOOKUP, f"lookup {req.lookup_id} is not held by instance "
-                                   f"{req.instance_id} (retrieved, released, expired, or never made)")
+            engine = self._engine(req.instance_id, req.token, req.fingerprint)
+            lease = self._held(engine, req.lookup_id)
             try:
+                buffers = engine.mapped("retrieve")
                 tokens, copies = self._plan_retrieve(engine, lease, req)
                 per_group = [0] * len(engine.groups)
                 for og_index, value, offset, buffer, dst, nbytes in copies:
-                    engine.buffers.page(buffer, dst, nbytes)[:] = value[offset:offset + nbytes]
+                    buffers.page(buffer, dst, nbytes)[:] = value[offset:offset + nbytes]
                     per_group[og_index] += nbytes
             finally:
                 self._release(req.lookup_id)
@@ -368,7 +382,7 @@ class KVStore:
             self.metrics.bytes_out.inc(copied)
             return RetrieveResult(tokens=tokens, bytes_copied=copied, object_group_bytes=per_group)
 
-    def _plan_retrieve(self, engine: _Engine, lease: _Lease,
+    def _plan_retrieve(self, engine: Engine, lease: _Lease,
                        req: RetrieveRequest) -> tuple[int, list[tuple[int, Bytes, int, int, int, int]]]:
         chunk_tokens, rules = self.config.chunk_tokens, engine.rules
         tokens = len(lease.hashes) * chunk_tokens if req.num_tokens == -1 else req.num_tokens
@@ -405,7 +419,7 @@ class KVStore:
                             offset += page
         return tokens, copies
 
-    def _wanted(self, engine: _Engine, og: ObjectGroup, chunk: int, hit: int, skip_tokens: int) -> bool:
+    def _wanted(self, engine: Engine, og: ObjectGroup, chunk: int, hit: int, skip_tokens: int) -> bool:
         """Whether chunk `chunk` of `og` has a needed block that ends after `skip_tokens`."""
         start = chunk * self.config.chunk_tokens
         for gid in og.groups:
@@ -415,14 +429,19 @@ class KVStore:
                 return True
         return False
 
-    def release(self, instance_id: int, lookup_id: int) -> None:
+    def release(self, instance_id: int, token: str, lookup_id: int) -> None:
         with self._lock:
-            self._engine(instance_id, None)
-            lease = self._leases.get(lookup_id)
-            if lease is None or lease.instance_id != instance_id:
-                raise RequestError(ErrorCode.UNKNOWN_LOOKUP,
-                                   f"lookup {lookup_id} is not held by instance {instance_id}")
+            self._held(self._engine(instance_id, token, None), lookup_id)
             self._release(lookup_id)
+
+    def _held(self, engine: Engine, lookup_id: int) -> _Lease:
+        """The lease of `lookup_id`, made by a registration of `engine`'s layout (the same one, or the
+        scheduler of the same vLLM engine in another process)."""
+        lease = self._leases.get(lookup_id)
+        if lease is None or lease.fingerprint != engine.layout.fingerprint:
+            raise RequestError(ErrorCode.UNKNOWN_LOOKUP, f"lookup {lookup_id} is not held for instance "
+                               f"{engine.instance_id}'s layout (retrieved, released, expired, or never made)")
+        return lease
 
     def _release(self, lookup_id: int) -> None:
         for key in self._leases.pop(lookup_id).locked:
@@ -460,32 +479,23 @@ class KVStore:
         with self._lock:
             self._pool.check_integrity()
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, detail: bool = True) -> dict[str, Any]:
+        """The server's state; without `detail` (a caller that did not authenticate to a server with a
+        secret) no engine's model, fingerprint or layout, only how many are registered."""
         with self._lock:
             pool = self._pool.stats()
-            engines = [{"instance_id": e.instance_id, "model": e.layout.model, "rank": e.layout.rank,
-                        "world_size": e.layout.world_size, "fingerprint": e.layout.fingerprint,
-                        "groups": [{"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
-                                    "window_tokens": g.window_tokens, "page_bytes": g.page_bytes}
-                                   for g in e.layout.groups],
-                        "object_groups": [{"name": og.name, "groups": list(og.groups)} for og in e.groups]}
-                       for e in self._engines.values()]
+            engines = [e.describe() for e in self._engines.values()] if detail else []
+            registered = len(self._engines)
             held = len(self._leases)
         tiers = [{"name": "l1", "objects": pool.objects, "bytes_used": pool.bytes_used,
                   "capacity_bytes": pool.capacity_bytes, "evictions": pool.evictions,
                   "locked_objects": pool.locked_objects}]
-        pending = self.tiers.pending()
-        tiers += [{"name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
-                   "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
-                   "write_behind_pending": pending.get(s.name, 0)} for s in self.tiers.stats()]
         return {"chunk_tokens": self.config.chunk_tokens, "object_groups": self.config.object_groups.value,
                 "eviction_policy": self.config.eviction_policy.value, "held_lookups": held,
-                "engines": engines, "tiers": tiers}
+                "registered_engines": registered, "engines": engines, "tiers": tiers + self.tiers.describe()}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what the write-behind still holds, close the tiers and unmap every engine's buffers."""
         self.tiers.close(timeout_s)
         with self._lock:
-            for engine in self._engines.values():
-                engine.buffers.close()
-            self._engines.clear()
+            self._engines.close()

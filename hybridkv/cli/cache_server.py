@@ -44,7 +44,12 @@ def server_command(
     lock_ttl_s: Annotated[float, typer.Option("--lock-ttl-s", help="how long a lookup holds its chunks")] = (
         _D.lock_ttl_s),
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow a non-loopback --host "
-                                               "(no authentication!)")] = _D.allow_remote,
+                                               "(set --auth-token-file too)")] = _D.allow_remote,
+    auth_token_file: Annotated[Path | None, typer.Option(
+        "--auth-token-file", help="file holding the shared secret every client must send (default: "
+        "$HYBRIDKV_AUTH_TOKEN, else none)")] = _D.auth_token_file,
+    max_registrations: Annotated[int, typer.Option("--max-registrations", help="most engines registered at "
+                                                   "once")] = _D.max_registrations,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = _D.log_level,
 ) -> None:
     """Run the KV cache server: every group's pages, memory / disk / Valkey tiers, metrics."""
@@ -58,7 +63,8 @@ def server_command(
             eviction_policy=eviction_policy,
             object_groups=ObjectGroupMode.SEPARATE if separate_object_groups else ObjectGroupMode.ONE,
             l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_valkey=l2_valkey, max_message_mib=max_message_mib,
-            lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, log_level=log_level.lower(),
+            lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, auth_token_file=auth_token_file,
+            max_registrations=max_registrations, log_level=log_level.lower(),
         )
         run_server(config)
     except (HybridKVError, OSError) as e:

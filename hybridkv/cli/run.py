@@ -213,6 +213,7 @@ def _server_report(llm: LLM) -> dict[str, Any]:
     return {
         "url": llm.config.kv_server if llm.transfer.server is None else llm.transfer.server.endpoint,
         "started_for_this_run": llm.transfer.server is not None, "chunk_tokens": connector.chunk_tokens,
+        "reachable": connector.reachable,
         "object_groups": [{"name": name, "stored_bytes": stats.saved_bytes_by_group.get(name, 0),
                            "retrieved_bytes": stats.loaded_bytes_by_group.get(name, 0)}
                           for name in connector.object_groups],
@@ -281,7 +282,8 @@ def _render_passes(console: Console, report: dict[str, Any]) -> None:
         moved = new_table("object group", ("stored", "right"), ("retrieved", "right"))
         for og in server["object_groups"]:
             moved.add_row(og["name"], f"{og['stored_bytes'] / MIB:.2f} MiB", f"{og['retrieved_bytes'] / MIB:.2f} MiB")
-        origin = "started for this run" if server["started_for_this_run"] else "attached"
+        origin = ("unreachable" if not server["reachable"] else
+                  "started for this run" if server["started_for_this_run"] else "attached")
         print_table(console, moved, title=f"KV cache server {server['url']} ({origin}, chunk {server['chunk_tokens']} "
                                           "tokens)",
                     caption=f"{server['stored_chunks']} chunks stored, {server['loads']} loads, "

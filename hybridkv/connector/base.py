@@ -13,8 +13,8 @@ Two sides, which may live in different processes (as vLLM's scheduler and worker
     request_load_failed(req_id)
 
 The interface has no registration verb: an implementation registers the engine's KV cache
-buffers when it is built. `ServerConnector` sends its wire `Layout` (which names the buffers'
-shared-memory segments) from its constructor, retries while the server is unreachable, and its
+buffers when it is built. `ServerConnector` registers its wire `Layout` (passing the buffers'
+memfd segments, docs/cache_server_security.md) from its constructor, retries while the server is unreachable, and its
 `KVClient` registers again when a restarted server has forgotten it; the vLLM integration builds
 its `ServerConnector` in vLLM's `register_kv_caches`.
 
@@ -81,7 +81,6 @@ class LoadSpec:
     skip_tokens: int
     num_external_tokens: int
     block_tables: tuple[tuple[int, ...], ...]
-    instance_id: int = -1  # the registration holding the lookup (-1: the retrieving connector's own)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,21 +10,29 @@
         client.retrieve(hit.lookup_id, block_ids=[[...], [...]])  # pages copied into those blocks
         # or client.release(hit.lookup_id) when the engine will not load them
 
-Every call raises `ServerError` (with the server's `ErrorCode`) on an error reply and
-`ServerTimeout` when no reply came within `timeout_s`. After a timeout the socket is replaced,
-so the next call reaches a restarted server; a call answered UNKNOWN_INSTANCE (the server
-restarted and forgot this engine) re-registers the layout once and is sent again. Lookup ids
-do not survive a restart: a retrieve of an old lookup fails with UNKNOWN_LOOKUP.
+Registering hands the layout's segments (SharedKVBuffers of this process, segments.py) to the
+server as file descriptors over its registration socket, whose address the control channel's
+`hello` gives; that connection stays open as the registration's lease, and the reply's secret
+token goes with every later request. The server's shared secret, when it has one, is read from
+$HYBRIDKV_AUTH_TOKEN (or the file named by $HYBRIDKV_AUTH_TOKEN_FILE) unless given.
+
+Every call raises `ServerError` (with the server's `ErrorCode`) on an error reply,
+`ServerUnreachable` within `connect_timeout_s` when no server is connected (nothing listens, it
+died), and `ServerTimeout` when no reply came within `timeout_s`. After a failure the socket is
+replaced, so the next call reaches a restarted server; a call answered UNKNOWN_INSTANCE (the
+server restarted and forgot this engine) re-registers the layout once and is sent again. Lookup
+ids do not survive a restart: a retrieve of an old lookup fails with UNKNOWN_LOOKUP.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import os
+import socket
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -32,8 +40,11 @@ import numpy.typing as npt
 import xxhash
 import zmq
 
-from hybridkv.errors import HybridKVError
+from hybridkv.connector.segments import SharedKVBuffers, segment_fds
+from hybridkv.errors import ConfigError, HybridKVError
 from hybridkv.wire import (
+    AUTH_TOKEN_ENV,
+    AUTH_TOKEN_FILE_ENV,
     AnyReply,
     BufferLayout,
     ClearReply,
@@ -41,6 +52,8 @@ from hybridkv.wire import (
     ErrorCode,
     ErrorReply,
     GroupLayout,
+    HelloReply,
+    HelloRequest,
     Layout,
     LookupReply,
     LookupRequest,
@@ -48,6 +61,7 @@ from hybridkv.wire import (
     OkReply,
     RegisterReply,
     RegisterRequest,
+    RegistrationAccess,
     ReleaseRequest,
     Request,
     RetrieveReply,
@@ -60,12 +74,13 @@ from hybridkv.wire import (
     decode_reply,
     encode,
     layout_fingerprint,
+    segment_labels,
 )
 
 __all__ = [
-    "BufferLayout", "GroupLayout", "KVClient", "Layout", "LookupReply", "Registration", "RetrieveReply",
-    "ServerError", "ServerTimeout", "SharedKVBuffers", "StoreReply", "chunk_hashes",
-    "make_layout",
+    "BufferLayout", "GroupLayout", "KVClient", "Layout", "LookupReply", "Registration", "RegistrationAccess",
+    "RetrieveReply", "ServerError", "ServerTimeout", "ServerUnreachable", "SharedKVBuffers", "StoreReply",
+    "auth_token_from_env", "chunk_hashes", "make_layout",
 ]
 
 R = TypeVar("R", bound=AnyReply)
@@ -86,6 +101,23 @@ class ServerTimeout(ServerError):
         super().__init__(ErrorCode.INTERNAL, message)
 
 
+class ServerUnreachable(ServerTimeout):
+    """No server is connected: nothing listens at the endpoint, or it died (found within connect_timeout_s)."""
+
+
+def auth_token_from_env() -> str:
+    """The server's shared secret for a client: $HYBRIDKV_AUTH_TOKEN, else the contents of the file
+    $HYBRIDKV_AUTH_TOKEN_FILE names, else "" (a server without a secret)."""
+    token = os.environ.get(AUTH_TOKEN_ENV, "").strip()
+    path = os.environ.get(AUTH_TOKEN_FILE_ENV, "").strip()
+    if token or not path:
+        return token
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"${AUTH_TOKEN_FILE_ENV}: cannot read {path!r}: {e.strerror}") from None
+
+
 def chunk_hashes(token_ids: Sequence[int] | npt.NDArray[np.int64], chunk_tokens: int, *, seed: int = 0) -> list[bytes]:
     """Chained xxh3-128 hash of every full chunk: h_i = H(h_{i-1} | little-endian int64 tokens of chunk i).
 
@@ -97,42 +129,6 @@ def chunk_hashes(token_ids: Sequence[int] | npt.NDArray[np.int64], chunk_tokens:
         parent = xxhash.xxh3_128_digest(parent + tokens[start:start + chunk_tokens].tobytes())
         out.append(parent)
     return out
-
-
-class SharedKVBuffers:
-    """POSIX shared-memory segments an engine (or a test) owns: one per layer slot."""
-
-    def __init__(self, segments: list[shared_memory.SharedMemory]) -> None:
-        self._segments = segments
-        self.arrays: list[npt.NDArray[np.uint8]] = [np.ndarray((s.size,), dtype=np.uint8, buffer=s.buf)
-                                                    for s in segments]
-
-    @classmethod
-    def create(cls, *, num_buffers: int, size_bytes: int) -> SharedKVBuffers:
-        segments: list[shared_memory.SharedMemory] = []
-        try:
-            for _ in range(num_buffers):
-                segments.append(shared_memory.SharedMemory(create=True, size=size_bytes))
-        except BaseException:
-            for s in segments:
-                s.close()
-                s.unlink()
-            raise
-        return cls(segments)
-
-    def buffer_layouts(self) -> list[BufferLayout]:
-        return [BufferLayout(shm_name=s.name.lstrip("/"), size_bytes=s.size) for s in self._segments]
-
-    def close(self) -> None:
-        """Unlink every segment and unmap it (the server keeps its own mapping until it unregisters).
-        A segment still viewed by an array or tensor elsewhere stays mapped until that view is gone."""
-        self.arrays.clear()
-        for s in self._segments:
-            with contextlib.suppress(BufferError):  # views still alive: the mapping goes with the last one
-                s.close()
-            with contextlib.suppress(FileNotFoundError):
-                s.unlink()
-        self._segments.clear()
 
 
 def make_layout(*, model: str, groups: Sequence[GroupLayout], buffers: SharedKVBuffers | Sequence[BufferLayout],
@@ -147,21 +143,28 @@ def make_layout(*, model: str, groups: Sequence[GroupLayout], buffers: SharedKVB
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Registration:
     instance_id: int
+    token: str  # the registration's secret (sent with every request on it)
     chunk_tokens: int
     object_groups: list[ObjectGroupInfo]
 
 
 class KVClient:
     """One engine's connection to the server (a ZeroMQ DEALER; one request in flight at a time,
-    not thread-safe: use one client per thread)."""
+    not thread-safe: use one client per thread). `auth_token`: the server's shared secret (None:
+    from the environment, `auth_token_from_env`)."""
 
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", *, timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", *, timeout_s: float = 10.0,
+                 connect_timeout_s: float = 0.5, auth_token: str | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.connect_timeout_s = min(connect_timeout_s, timeout_s)
+        self._auth = auth_token_from_env() if auth_token is None else auth_token
         self._ctx = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
+        self._lease: socket.socket | None = None  # the registration connection
         self._ids = itertools.count(1)
         self._layout: Layout | None = None
+        self._access = RegistrationAccess.COPY
         self.registration: Registration | None = None
 
     def __enter__(self) -> KVClient:
@@ -176,18 +179,42 @@ class KVClient:
 
     # ---- verbs ------------------------------------------------------------------------------
 
-    def register(self, layout: Layout) -> Registration:
-        reply = self._call(RegisterRequest(req_id=0, layout=layout), RegisterReply)
-        self._layout = layout
-        self.registration = Registration(instance_id=reply.instance_id, chunk_tokens=reply.chunk_tokens,
-                                         object_groups=reply.object_groups)
+    def hello(self, *, timeout_s: float | None = None) -> HelloReply:
+        """Where to register; also a cheap probe of a server that failed (`timeout_s`: this call's bound)."""
+        return self._call(HelloRequest(req_id=0), HelloReply, timeout_s=timeout_s)
+
+    def register(self, layout: Layout, *, access: RegistrationAccess = RegistrationAccess.COPY) -> Registration:
+        """Register `layout`, passing its segments (SharedKVBuffers of this process) to the server;
+        LOOKUP_ONLY passes none (a process that only looks up, e.g. vLLM's scheduler)."""
+        fds = segment_fds(segment_labels(layout)) if access is RegistrationAccess.COPY else []
+        address = self.hello().registration_socket
+        self._close_lease()
+        lease = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        lease.settimeout(self.timeout_s)
+        try:
+            lease.connect("\0" + address[1:] if address.startswith("@") else address)
+            socket.send_fds(lease, [encode(RegisterRequest(req_id=next(self._ids), auth=self._auth, layout=layout,
+                                                           access=access))], fds)
+            reply = decode_reply(lease.recv(1 << 20))
+        except (OSError, ValueError) as e:
+            lease.close()
+            raise ServerUnreachable(f"cannot register at {address!r} (the server's registration socket, on this "
+                                    f"machine): {e}") from None
+        if isinstance(reply, ErrorReply) or not isinstance(reply, RegisterReply):
+            lease.close()
+            if isinstance(reply, ErrorReply):
+                raise ServerError(reply.code, reply.message)
+            raise ServerError(ErrorCode.BAD_MESSAGE, f"expected a RegisterReply, got {type(reply).__name__}")
+        self._lease, self._layout, self._access = lease, layout, access
+        self.registration = Registration(instance_id=reply.instance_id, token=reply.token,
+                                         chunk_tokens=reply.chunk_tokens, object_groups=reply.object_groups)
         return self.registration
 
     def lookup(self, hashes: Sequence[bytes], *, num_tokens: int, cache_salt: str = "") -> LookupReply:
         """The longest prefix every object group serves (at most num_tokens - 1, in whole chunks); its
         chunks stay held until `retrieve`, `release` or the server's lock TTL."""
         return self._engine_call(lambda r: LookupRequest(
-            req_id=0, instance_id=r.instance_id, fingerprint=self._fp(), chunk_hashes=list(hashes),
+            req_id=0, instance_id=r.instance_id, token=r.token, fingerprint=self._fp(), chunk_hashes=list(hashes),
             num_tokens=num_tokens, cache_salt=cache_salt), LookupReply)
 
     def store(self, *, first_chunk: int, chunk_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]],
@@ -195,31 +222,32 @@ class KVClient:
         """Store chunks first_chunk.. (block_ids[g]: group g's blocks of exactly those chunks).
         `reply.stored[i]` is True only when every object group committed chunk first_chunk + i."""
         return self._engine_call(lambda r: StoreRequest(
-            req_id=0, instance_id=r.instance_id, fingerprint=self._fp(), first_chunk=first_chunk,
+            req_id=0, instance_id=r.instance_id, token=r.token, fingerprint=self._fp(), first_chunk=first_chunk,
             chunk_hashes=list(chunk_hashes), block_ids=[list(b) for b in block_ids], cache_salt=cache_salt),
             StoreReply)
 
     def retrieve(self, lookup_id: int, *, block_ids: Sequence[Sequence[int]], num_tokens: int = -1,
-                 skip_tokens: int = 0, instance_id: int = -1) -> RetrieveReply:
-        """Copy the held hit into the engine's blocks (block_ids[g]: group g's blocks covering the tokens
-        retrieved; only the blocks each group needs are written, none that ends at or before
-        `skip_tokens`, the engine's own prefix hit). Consumes the lookup. `instance_id`: the registration
-        that made the lookup, when another process registered the same layout over the same segments
-        (vLLM's scheduler and worker in two processes); -1: this client's."""
+                 skip_tokens: int = 0) -> RetrieveReply:
+        """Copy the held hit into this registration's blocks (block_ids[g]: group g's blocks covering the
+        tokens retrieved; only the blocks each group needs are written, none that ends at or before
+        `skip_tokens`, the engine's own prefix hit). Consumes the lookup, which may have been made by
+        another registration of the same layout (vLLM's scheduler in another process)."""
         r = self._registered()
-        instance_id = instance_id if instance_id >= 0 else r.instance_id
-        return self._call(RetrieveRequest(req_id=0, instance_id=instance_id, fingerprint=self._fp(),
+        return self._call(RetrieveRequest(req_id=0, instance_id=r.instance_id, token=r.token, fingerprint=self._fp(),
                                           lookup_id=lookup_id, block_ids=[list(b) for b in block_ids],
-                                          num_tokens=num_tokens, skip_tokens=skip_tokens), RetrieveReply, retry=False)
+                                          num_tokens=num_tokens, skip_tokens=skip_tokens), RetrieveReply)
 
     def release(self, lookup_id: int) -> None:
         r = self._registered()
-        self._call(ReleaseRequest(req_id=0, instance_id=r.instance_id, lookup_id=lookup_id), OkReply, retry=False)
+        self._call(ReleaseRequest(req_id=0, instance_id=r.instance_id, token=r.token, lookup_id=lookup_id), OkReply)
 
     def unregister(self) -> None:
         r = self._registered()
-        self._call(UnregisterRequest(req_id=0, instance_id=r.instance_id), OkReply)
-        self.registration = None
+        try:
+            self._call(UnregisterRequest(req_id=0, instance_id=r.instance_id, token=r.token), OkReply)
+        finally:
+            self.registration = None
+            self._close_lease()
 
     def clear(self) -> int:
         """Drop every object of every tier; the number of L1 objects removed."""
@@ -229,12 +257,18 @@ class KVClient:
         return self._call(StatusRequest(req_id=0), StatusReply).status
 
     def close(self) -> None:
+        self._close_lease()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
         self._ctx.term()
 
     # ---- transport --------------------------------------------------------------------------
+
+    def _close_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
 
     def _registered(self) -> Registration:
         if self.registration is None:
@@ -251,16 +285,11 @@ class KVClient:
         except ServerError as e:
             if e.code is not ErrorCode.UNKNOWN_INSTANCE or self._layout is None:
                 raise
-            self.register(self._layout)  # the server restarted: register again, then send once more
+            self.register(self._layout, access=self._access)  # the server restarted: register again, send once more
             return self._call(make(self._registered()), reply_type)
 
-    def _call(self, req: Request, reply_type: type[R], *, retry: bool = True) -> R:
-        try:
-            reply = self._roundtrip(req)
-        except ServerTimeout:
-            if not retry:
-                raise
-            reply = self._roundtrip(req)
+    def _call(self, req: Request, reply_type: type[R], *, timeout_s: float | None = None) -> R:
+        reply = self._roundtrip(req, self.timeout_s if timeout_s is None else timeout_s)
         if isinstance(reply, ErrorReply):
             raise ServerError(reply.code, reply.message)
         if not isinstance(reply, reply_type):
@@ -271,19 +300,33 @@ class KVClient:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on a connection that exists: fail fast without
             self._sock.connect(self.endpoint)
         return self._sock
 
-    def _roundtrip(self, req: Request) -> AnyReply:
+    def _roundtrip(self, req: Request, timeout_s: float) -> AnyReply:
         req.req_id = next(self._ids)
+        req.auth = self._auth
         sock = self._socket()
-        sock.send(encode(req))
-        deadline_ms = int(self.timeout_s * 1000)
+        if not sock.poll(int(min(self.connect_timeout_s, timeout_s) * 1000), zmq.POLLOUT):
+            self._reset(sock)
+            raise ServerUnreachable(f"no KV cache server is connected at {self.endpoint} (nothing listens, or it "
+                                    f"died; waited {self.connect_timeout_s:g} s)")
+        try:
+            sock.send(encode(req), zmq.NOBLOCK)
+        except zmq.Again:
+            self._reset(sock)
+            raise ServerUnreachable(f"the KV cache server at {self.endpoint} takes no requests now") from None
+        deadline_ms = int(timeout_s * 1000)
         while sock.poll(deadline_ms):
             reply = decode_reply(sock.recv())
             if reply.req_id in (req.req_id, 0):  # 0: an error for a request the server could not read
                 return reply
             # else: a late reply to an earlier request that timed out; skip it
-        self._sock = None  # a fresh socket for the next call reaches a restarted server
+        self._reset(sock)
+        raise ServerTimeout(f"no reply from {self.endpoint} within {timeout_s:g} s to {type(req).__name__}")
+
+    def _reset(self, sock: zmq.Socket[bytes]) -> None:
+        """A fresh socket for the next call (it reaches a restarted server; late replies are dropped)."""
+        self._sock = None
         sock.close(linger=0)
-        raise ServerTimeout(f"no reply from {self.endpoint} within {self.timeout_s} s to {type(req).__name__}")

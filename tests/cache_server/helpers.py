@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from hybridkv.cache_server.auth import Authenticator
 from hybridkv.cache_server.http import HTTPServer
 from hybridkv.cache_server.registered_layout import buffer_strides, layer_pages
 from hybridkv.cache_server.service import ControlServer
@@ -88,6 +89,7 @@ class RunningServer(ServerEndpoints):
     store: KVStore
     endpoint: str
     http_url: str
+    auth_token: str | None = None
 
     def metric(self, name: str, **labels: str) -> float:
         """A sample's value from the server's own registry (0 when absent)."""
@@ -97,17 +99,19 @@ class RunningServer(ServerEndpoints):
 
 @contextlib.contextmanager
 def running_server(config: StoreConfig | None = None, tiers: Sequence[L2Tier] = (), *,
-                   max_message_bytes: int = 1 << 20) -> Iterator[RunningServer]:
-    """The control loop and HTTP thread of a real server, on free 127.0.0.1 ports, stopped after."""
+                   max_message_bytes: int = 1 << 20, auth_token: str = "") -> Iterator[RunningServer]:
+    """The control loop and HTTP thread of a real server, on free 127.0.0.1 ports, stopped after
+    (`auth_token`: its shared secret; its `client()` and `http()` send it)."""
     store = KVStore(config or StoreConfig(chunk_tokens=8, l1_bytes=1 << 24), tiers)
-    control = ControlServer(store, "127.0.0.1", 0, max_message_bytes)
-    http = HTTPServer(store, "127.0.0.1", 0)
+    auth = Authenticator(auth_token)
+    control = ControlServer(store, "127.0.0.1", 0, max_message_bytes, auth=auth)
+    http = HTTPServer(store, "127.0.0.1", 0, auth=auth)
     http.start()
     thread = threading.Thread(target=control.serve, daemon=True)
     thread.start()
     try:
         yield RunningServer(store=store, endpoint=f"tcp://127.0.0.1:{control.port}",
-                            http_url=f"http://127.0.0.1:{http.port}")
+                            http_url=f"http://127.0.0.1:{http.port}", auth_token=auth_token)
     finally:
         control.stop()
         thread.join(10)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from hybridkv.cache_server.registered_layout import RequestError
 from hybridkv.cache_server.store import StoreConfig
 from hybridkv.connector.client import KVClient, ServerError, chunk_hashes, make_layout
 from hybridkv.wire import ErrorCode, ErrorReply, LookupRequest, StoreRequest, decode_reply, encode
@@ -90,9 +91,10 @@ def test_unknown_instance_fingerprint_block_ids_and_counts(stored: tuple[Running
         r = ask(sock, encode(LookupRequest(req_id=3, instance_id=999, fingerprint=eng.layout.fingerprint,
                                            chunk_hashes=hashes, num_tokens=33)))
         assert r.code is ErrorCode.UNKNOWN_INSTANCE and "999" in r.message
-        iid = client.registration.instance_id  # type: ignore[union-attr]
-        r = ask(sock, encode(LookupRequest(req_id=4, instance_id=iid, fingerprint="another-layout",
-                                           chunk_hashes=hashes, num_tokens=33)))
+        reg = client.registration
+        assert reg is not None
+        r = ask(sock, encode(LookupRequest(req_id=4, instance_id=reg.instance_id, token=reg.token,
+                                           fingerprint="another-layout", chunk_hashes=hashes, num_tokens=33)))
         assert r.code is ErrorCode.LAYOUT_MISMATCH and "another-layout" in r.message
     with pytest.raises(ServerError) as e:
         client.store(first_chunk=0, chunk_hashes=hashes[:1], block_ids=[[1, 128], [11, 12]])
@@ -115,16 +117,25 @@ def test_wrong_chunk_size_and_missing_shared_memory(stored: tuple[RunningServer,
                            page_stride_bytes=64)
         with pytest.raises(ServerError, match="only 0 buffers"):
             c.register(gone)
+        label = odd.buffers.labels[0]  # a NUL byte in a segment label: a clear bad_layout, no traceback
+        nul = make_layout(model="toy", groups=GROUPS, num_blocks=4, page_stride_bytes=64, buffers=[
+            msgspec.structs.replace(b, shm_name="x\0y" if b.shm_name == label else b.shm_name)
+            for b in odd.buffers.buffer_layouts()])
+        with pytest.raises(RequestError) as err:
+            server.store.register(nul, odd.buffers.fds)
+        assert err.value.code is ErrorCode.BAD_LAYOUT and "no NUL" in str(err.value)
 
 
 def test_client_disconnects_mid_store(stored: tuple[RunningServer, FakeEngine, KVClient]) -> None:
     server, eng, client = stored
 
     other = chunk_hashes([t + 1000 for t in TOKENS], CHUNK)
-    iid = client.registration.instance_id  # type: ignore[union-attr]
+    reg = client.registration
+    assert reg is not None
     for _ in range(5):  # send stores and vanish before the replies
         with raw_socket(server) as sock:
-            sock.send(encode(StoreRequest(req_id=1, instance_id=iid, fingerprint=eng.layout.fingerprint, first_chunk=0,
+            sock.send(encode(StoreRequest(req_id=1, instance_id=reg.instance_id, token=reg.token,
+                                          fingerprint=eng.layout.fingerprint, first_chunk=0,
                                           chunk_hashes=other, block_ids=[list(range(1, 9)), list(range(11, 19))])))
     hit = client.lookup(other, num_tokens=len(TOKENS))  # the server kept serving; each store was whole or nothing
     assert hit.hit_tokens in (0, 4 * CHUNK)

@@ -49,8 +49,10 @@ class ServerMachine(RuleBasedStateMachine):
         self.src = make_engine(GROUPS, num_blocks=96, seed=1)
         self.dst = make_engine(GROUPS, num_blocks=96, seed=None)
         self.store = KVStore(StoreConfig(chunk_tokens=CHUNK, l1_bytes=1 << 22))
-        self.iid, _ = self.store.register(self.src.layout)
-        self.dst_id, _ = self.store.register(self.dst.layout)
+        src = self.store.register(self.src.layout, self.src.buffers.fds)
+        dst = self.store.register(self.dst.layout, self.dst.buffers.fds)
+        self.iid, self.src_token = src.instance_id, src.token
+        self.dst_id, self.dst_token = dst.instance_id, dst.token
         self.ogs = object_groups(self.src.layout, CHUNK, separate=True)
         self.og_of = {gid: og for og in self.ogs for gid in og.groups}
         self.model: dict[bytes, dict[tuple[int, int, int], bytes]] = {}  # key -> (group, block pos, layer) -> page
@@ -72,8 +74,9 @@ class ServerMachine(RuleBasedStateMachine):
         self.src.fill_random(int(self.rng.integers(1 << 30)))  # fresh content: a re-store must keep the old
         ids = [[base(gid) + i for i in range(n * b)] for gid, b in enumerate(BLOCKS)]
         hashes = chunk_hashes(SEQS[seq], CHUNK)[first:first + n]
-        result = self.store.store(StoreRequest(req_id=1, instance_id=self.iid, fingerprint=self.src.layout.fingerprint,
-                                               first_chunk=first, chunk_hashes=hashes, block_ids=ids, cache_salt=salt))
+        result = self.store.store(StoreRequest(req_id=1, instance_id=self.iid, token=self.src_token,
+                                               fingerprint=self.src.layout.fingerprint, first_chunk=first,
+                                               chunk_hashes=hashes, block_ids=ids, cache_salt=salt))
         assert result.stored == [True] * n and not result.refusals
         for i in range(n):
             chunk = first + i
@@ -112,8 +115,8 @@ class ServerMachine(RuleBasedStateMachine):
     def lookup_and_retrieve(self, seq: int, salt: str) -> None:
         hashes = chunk_hashes(SEQS[seq], CHUNK)
         fp = self.dst.layout.fingerprint
-        res = self.store.lookup(LookupRequest(req_id=2, instance_id=self.dst_id, fingerprint=fp, chunk_hashes=hashes,
-                                              num_tokens=len(SEQS[seq]), cache_salt=salt))
+        res = self.store.lookup(LookupRequest(req_id=2, instance_id=self.dst_id, token=self.dst_token, fingerprint=fp,
+                                              chunk_hashes=hashes, num_tokens=len(SEQS[seq]), cache_salt=salt))
         c = self.expected_hit(seq, salt)
         assert res.hit_tokens == c * CHUNK
         if not c:
@@ -121,7 +124,7 @@ class ServerMachine(RuleBasedStateMachine):
             return
         self.dst.zero()
         ids = [[base(gid) + i for i in range(c * b)] for gid, b in enumerate(BLOCKS)]
-        self.store.retrieve(RetrieveRequest(req_id=3, instance_id=self.dst_id, fingerprint=fp,
+        self.store.retrieve(RetrieveRequest(req_id=3, instance_id=self.dst_id, token=self.dst_token, fingerprint=fp,
                                             lookup_id=res.lookup_id, block_ids=ids))
         for gid, g in enumerate(GROUPS):
             needed = {t // g.block_tokens for t in needed_tokens(g, c * CHUNK)}

@@ -76,3 +76,19 @@ def test_bad_kv_server_and_passes_are_clear_errors(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-m", "hybridkv.cli", "run", *args], capture_output=True, text=True,
                               env=env, timeout=120, check=False)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_port_with_nothing_listening_reports_unreachable(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in PROMPTS))
+    report = _run(tmp_path, "--workload", str(workload), "--kv-server", f"tcp://127.0.0.1:{port}")
+    server = report["kv_server"]
+    assert server["reachable"] is False and server["started_for_this_run"] is False
+    assert server["errors"] == 1 and server["lookups"] == 0  # one failed registration, then the breaker
+    assert report["totals"]["external_hit_tokens"] == 0

@@ -57,7 +57,9 @@ def test_server_killed_and_restarted(gemma3_dir: Path, tmp_path: Path) -> None:
     assert dead["tokens"] == reference and dead["cached"] == [0, 0, 0]  # the lookups failed: recomputed
     assert refilled["tokens"] == reference and refilled["cached"] == [0, 0, 0]  # the new server starts empty
     assert hit["tokens"] == reference and hit["cached"] == SERVER_HITS  # registered again by itself, and used
-    # hits found, then every retrieve fails: vLLM recomputes the blocks reported as failed
-    assert failed_loads["tokens"] == reference and failed_loads["load_errors"] == 2
+    # hits found, then every retrieve fails: vLLM recomputes the blocks reported as failed. The first
+    # failure opens the connector's breaker, so a second load in the same step is reported failed
+    # without calling the server (1 call), or called after the breaker's wait (2 calls)
+    assert failed_loads["tokens"] == reference and 1 <= failed_loads["load_errors"] <= 2
 
 

@@ -9,11 +9,39 @@ write-behind thread and its request thread).
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from hybridkv.errors import HybridKVError
+
+WARN_INTERVAL_S = 10.0
+
+
+class RateLimitedWarnings:
+    """At most one warning per `interval_s` for each key (a tier and what failed), so an L2 outage
+    logs a line every few seconds instead of one per operation (hundreds a second); the next line
+    says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = WARN_INTERVAL_S) -> None:
+        self._log = logger
+        self._interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, suppressed since)
+        self._lock = threading.Lock()
+
+    def warn(self, key: str, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._last.get(key, (-float("inf"), 0))
+            if now - last < self._interval_s:
+                self._last[key] = (last, suppressed + 1)
+                return
+            self._last[key] = (now, 0)
+        more = f" ({suppressed} more like it in the last {now - last:.0f} s)" if suppressed else ""
+        self._log.warning("%s%s", message, more)
 
 
 class TierError(HybridKVError, RuntimeError):

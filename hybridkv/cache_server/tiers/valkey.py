@@ -33,7 +33,7 @@ from valkey.exceptions import TimeoutError as ValkeyTimeoutError
 from valkey.exceptions import ValkeyError
 
 from hybridkv.cache_server.tiers import framing
-from hybridkv.cache_server.tiers.base import TierError, TierStats
+from hybridkv.cache_server.tiers.base import RateLimitedWarnings, TierError, TierStats
 from hybridkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class ValkeyTier:
         self._drop_script = self._client.register_script(_DROP_IF_UNCHANGED)
         self._stats_refresh_s = stats_refresh_s
         self._lock = threading.Lock()  # counters
+        self._warnings = RateLimitedWarnings(log)
         self._stats_lock = threading.Lock()  # one namespace scan at a time
         self._errors = 0
         self._corrupt_dropped = 0
@@ -146,7 +147,7 @@ class ValkeyTier:
                 try:
                     self._count_namespace()
                 except TierError as e:
-                    log.warning("valkey tier stats: %s", e)
+                    self._warnings.warn("stats", f"valkey tier stats: {e}")
         with self._lock:
             return TierStats(name=self.name, objects=self._objects, bytes_used=self._bytes_used,
                              capacity_bytes=self._capacity_bytes, errors=self._errors,

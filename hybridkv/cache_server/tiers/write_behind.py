@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hybridkv.cache_server.tiers.base import L2Tier, TierError
+from hybridkv.cache_server.tiers.base import L2Tier, RateLimitedWarnings, TierError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class WriteBehind:
         self._failed = 0
         self._dropped = 0
         self._closed = False
+        self._warnings = RateLimitedWarnings(log)
         self._thread = threading.Thread(target=self._run, name=f"write-behind-{tier.name}", daemon=True)
         self._thread.start()
 
@@ -129,7 +130,7 @@ class WriteBehind:
         try:
             self.tier.put(key, value)
         except TierError as e:
-            log.warning("write-behind put into %s failed: %s", self.tier.name, e)
+            self._warnings.warn("put", f"write-behind put into {self.tier.name} failed: {e}")
             return False
         except Exception:  # the thread must outlive a tier bug; the object is counted as failed
             log.exception("write-behind put into %s raised unexpectedly", self.tier.name)

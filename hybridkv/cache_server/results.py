@@ -1,0 +1,28 @@
+"""What the store's operations answer (the control loop turns each into its wire reply)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.wire import Refusal
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LookupResult:
+    lookup_id: int  # 0 when nothing is held (no hit)
+    hit_tokens: int
+    object_group_hit_tokens: list[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreResult:
+    stored: list[bool]
+    refusals: list[Refusal]
+    object_group_bytes: list[int]  # bytes copied from the engine, per object group
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetrieveResult:
+    tokens: int
+    bytes_copied: int
+    object_group_bytes: list[int]  # bytes copied to the engine, per object group
