@@ -37,9 +37,10 @@ class ServerConfig:
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 65535], got {getattr(self, name)}")
-        if self.chunk_tokens <= 0 or self.lock_ttl_s <= 0:
-            raise ConfigError(f"--chunk-size and --lock-ttl-s must be positive, got {self.chunk_tokens} and "
-                              f"{self.lock_ttl_s}")
+        if self.chunk_tokens <= 0:
+            raise ConfigError(f"--chunk-size must be a positive number of tokens, got {self.chunk_tokens}")
+        if self.lock_ttl_s <= 0:
+            raise ConfigError(f"--lock-ttl-s must be positive, got {self.lock_ttl_s}")
         if self.l1_size_gb <= 0 or self.l2_disk_size_gb <= 0 or self.max_message_mib <= 0:
             raise ConfigError(f"sizes must be positive, got --l1-size-gb {self.l1_size_gb}, --l2-disk-size-gb "
                               f"{self.l2_disk_size_gb}, --max-message-mib {self.max_message_mib}")

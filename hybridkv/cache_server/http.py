@@ -57,6 +57,9 @@ def make_app(store: KVStore, auth: Authenticator | None = None, *, allow_remote:
         refused = post_refusal(request, auth, allow_remote=allow_remote)
         if refused is not None:
             return refused
+        if request.query_params:  # e.g. ?model=: clearing one model's objects is not offered; never widen it
+            return JSONResponse({"error": f"POST /cache/clear takes no parameters (it clears every model's objects "
+                                          f"in L1 and L2); got {', '.join(sorted(request.query_params))}"}, 400)
         return JSONResponse({"objects_removed": store.clear()})
 
     async def healthz(_: Request) -> Response:

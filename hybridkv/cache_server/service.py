@@ -39,6 +39,7 @@ from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.cache_server.tiers.disk import DiskTier
 from hybridkv.cache_server.tiers.valkey import ValkeyTier
 from hybridkv.errors import ConfigError
+from hybridkv.host_memory import check_fits
 from hybridkv.wire import (
     AnyReply,
     AnyRequest,
@@ -222,7 +223,12 @@ def build_tiers(config: ServerConfig) -> list[L2Tier]:
     if config.l2_disk is not None:
         tiers.append(DiskTier(config.l2_disk, int(config.l2_disk_size_gb * GIB)))
     if config.l2_valkey is not None:
-        tiers.append(ValkeyTier(config.l2_valkey))
+        valkey = ValkeyTier(config.l2_valkey)
+        if not valkey.ping():  # a wrong URL at start-up is a mistake; an outage later is served through
+            valkey.close()
+            raise ConfigError(f"--l2-valkey {config.l2_valkey}: no Valkey / Redis server answers there; expected a "
+                              "running server at that URL (start it, or leave --l2-valkey out)")
+        tiers.append(valkey)
     return tiers
 
 
@@ -241,6 +247,7 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None =
     if not config.is_loopback and not auth.required:
         log.warning("binding %s WITHOUT AUTHENTICATION: anyone who can reach this address can read, overwrite and "
                     "clear every cached object; set --auth-token-file (or $HYBRIDKV_AUTH_TOKEN)", config.host)
+    check_fits(kv_cache_gib=config.l1_size_gb, weights_bytes=0, name="--l1-size-gb")
     store = KVStore(config.store_config(), build_tiers(config))
     control = ControlServer(store, config.host, config.port, config.max_message_bytes, auth=auth)
     http = HTTPServer(store, config.host, config.http_port, auth=auth, allow_remote=not config.is_loopback)

@@ -34,7 +34,6 @@ from hybridkv.connector.base import ConnectorMeta, StepWork
 from hybridkv.connector.transfer import StateSaves
 from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.default_model import ensure_default_model
-from hybridkv.engine.host_memory import check_fits
 from hybridkv.engine.kv_offload import KVTransfer, model_identity
 from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
 from hybridkv.engine.outputs import LiveRequests, RequestMetrics, RequestOutput, StepOutput
@@ -45,6 +44,7 @@ from hybridkv.engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from hybridkv.engine.state_layers import StateIO
 from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridkv.errors import ConfigError
+from hybridkv.host_memory import check_fits
 from hybridkv.kvcache.ids import NULL_BLOCK_ID, BlockId, RequestId
 from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
 from hybridkv.kvcache.request import KVRequest

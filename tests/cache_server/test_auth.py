@@ -123,3 +123,13 @@ def test_remote_binding_without_a_secret_is_refused_unless_asked() -> None:
     with pytest.raises(ConfigError, match="--auth-token-file"):
         ServerConfig(host="0.0.0.0")
     assert ServerConfig(host="0.0.0.0", allow_remote=True).allow_remote  # allowed; run_server warns loudly
+
+
+def test_cache_clear_refuses_parameters_it_would_ignore() -> None:
+    """`?model=foo` used to clear every model's objects; a parameter it does not honour is refused."""
+    with running_server(CONFIG) as server, fake_engine(GROUPS) as eng, server.client() as c:
+        c.register(eng.layout)
+        c.store(first_chunk=0, chunk_hashes=chunk_hashes(TOKENS, CHUNK), block_ids=[[1, 2, 3, 4]])
+        code, body = http_code(server, "/cache/clear?model=foo", method="POST")
+        assert code == 400 and "takes no parameters" in body and "got model" in body
+        assert server.metric("hybridkv_server_l1_objects") == 2

@@ -1,4 +1,4 @@
-"""Every kind of bad input to `hybridkv plan` and `hybridkv run`: exit code 2, one `error:` line, no traceback.
+"""Every kind of bad input to `hybridkv plan`, `run` and `server`: exit code 2, one `error:` line, no traceback.
 
 Classes covered: NaN, infinite, negative, zero and huge numbers; values the model forbids (a
 length over its limit, a TP size that does not split its heads); a wrong type; unreadable,
@@ -41,6 +41,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 PLAN = ["plan", "gemma-3-27b"]
+SERVER = ["server", "--port", "0", "--http-port", "0"]
 CASES: list[tuple[list[str], list[str]]] = [
     # plan: numbers
     ([*PLAN, "--memory-gib", "inf"], ["--memory-gib must be a finite number of GiB > 0, got inf"]),
@@ -92,6 +93,12 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["run", "--workload", "{bad_jsonl}"], ["workload line 2: not valid JSON"]),
     (["run", "--workload", "{dir}"], ["cannot read workload", "Is a directory"]),
     (["run", "--workload", "{missing}"], ["cannot read workload", "No such file or directory"]),
+    # server: each bad option named alone; what the machine or the network cannot give, before serving
+    ([*SERVER, "--chunk-size", "0"], ["--chunk-size must be a positive number of tokens, got 0"]),
+    ([*SERVER, "--lock-ttl-s", "0"], ["--lock-ttl-s must be positive, got 0.0"]),
+    ([*SERVER, "--l1-size-gb", "100000"], ["--l1-size-gb 100000 GiB does not fit", "GiB of memory free"]),
+    ([*SERVER, "--l2-valkey", "redis://127.0.0.1:1/0"],
+     ["--l2-valkey redis://127.0.0.1:1/0: no Valkey / Redis server answers there"]),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The free-memory check `hybridkv run` makes before allocating a KV cache (hand-made /proc/meminfo)."""
+"""The free-memory check `hybridkv run` and `hybridkv server` make before allocating (hand-made /proc/meminfo)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.host_memory import available_bytes, check_fits
 from hybridkv.errors import CapacityError
+from hybridkv.host_memory import available_bytes, check_fits
 
 GIB = 1024**3
 MEMINFO = "MemTotal:       24683584 kB\nMemFree:        12157440 kB\nMemAvailable:   20971520 kB\n"  # 20 GiB free
@@ -30,3 +30,11 @@ def test_check_fits_compares_budget_plus_weights(tmp_path: Path) -> None:
                                             r"this machine has 20.00 GiB of memory free .* below 19.00 GiB"):
         check_fits(kv_cache_gib=19.5, weights_bytes=GIB, meminfo=meminfo)
     check_fits(kv_cache_gib=1e9, weights_bytes=0, meminfo=tmp_path / "absent")  # no meminfo: no check
+
+
+def test_check_fits_names_the_budget_and_leaves_out_absent_weights(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(MEMINFO)
+    with pytest.raises(CapacityError, match=r"^--l1-size-gb 100000 GiB does not fit: this machine has 20.00 GiB "
+                                            r".* below 20.00 GiB$"):
+        check_fits(kv_cache_gib=100000, weights_bytes=0, meminfo=meminfo, name="--l1-size-gb")
