@@ -158,7 +158,11 @@ def _prepare(state: ServeState, raw: bytes, *, chat: bool) -> tuple[Generation, 
         ids = state.chat_template.prompt_ids(body.messages)
     else:
         prompt = completion_prompt(body)
-        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            encode = llm.tokenizer.encode if body.add_special_tokens else llm.tokenizer.encode_continuation
+            ids = encode(prompt)
+        else:
+            ids = prompt
     try:
         ids = llm.check_prompt(ids, label="prompt")
     except HybridKVError as exc:
@@ -184,9 +188,6 @@ def _event(body: Any) -> bytes:
 
 async def _sse(gen: Generation, writer: ResponseWriter) -> AsyncIterator[bytes]:
     """The SSE stream of one generation; Starlette cancels it when the client disconnects."""
-    opening = writer.first_chunk()
-    if opening is not None:
-        yield _event(opening)
     first = True
     try:
         async for piece in gen.pieces():
