@@ -169,6 +169,9 @@ def decode_body(raw: bytes, kind: type[Body]) -> Body:
         raise BadRequest(f"invalid request body: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 (JSON must be): it has the byte "
+                         f"{exc.object[exc.start]:#04x}") from None
 
 
 def completion_prompt(body: CompletionRequest) -> str | list[int]:
