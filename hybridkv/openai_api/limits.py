@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,11 @@ class HeaderTimeoutH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # A stream writes its response head long before its first token: with Nagle on, that token waited
+            # for the client's delayed ACK of the head (~15-40 ms on a keep-alive connection).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm()
 
