@@ -84,6 +84,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["run", "--max-tokens", "0"], ["--max-tokens must be a positive integer, got 0"]),
     (["run", "--temperature", "nan"], ["--temperature must be >= 0", "got nan"]),
     (["run", "--prefix-caching", "maybe"], ["Invalid value for '--prefix-caching'"]),
+    (["run", "--kv-server", "localhost:5555"], ["--kv-server 'localhost:5555' is not a KV cache server URL"]),
     # run: models and files
     (["run", "--model", "{root}/no_such_model"], ["is neither 'default-gemma3' nor a directory"]),
     (["run", "--model", "gemma-3-27b"], ["catalog entry", "hybridkv plan gemma-3-27b"]),
