@@ -54,12 +54,12 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
 
 
 def check_kv_server_url(url: str) -> None:
-    """ConfigError unless `url` is tcp://HOST:PORT (PORT in 1..65535) or ipc://PATH."""
+    """ConfigError unless `url` is tcp://host:port (port in 1..65535) or ipc://path."""
     import urllib.parse
 
     from hybridkv.errors import ConfigError
 
-    expected = "expected auto or a running server's tcp://HOST:PORT (or ipc://PATH)"
+    expected = "expected auto or a running server's tcp://host:port (or ipc://path)"
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "ipc" and len(url) > len("ipc://"):
         return

@@ -42,7 +42,7 @@ def serve_command(
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="the model name clients send (default: --model)")] = None,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow a non-loopback --host "
-                                               "(no authentication!)")] = False,
+                                               "(set --api-key too)")] = False,
     graceful_s: Annotated[float, typer.Option("--graceful-s", help="on Ctrl-C / SIGTERM, seconds the requests in "
                                               "flight may take to finish")] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = "info",

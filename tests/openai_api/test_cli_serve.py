@@ -96,7 +96,7 @@ def test_sigterm_stops_cleanly_with_exit_code_0() -> None:
     (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1, got 0"),
     (["--max-connections", "0"], "--max-connections must be at least 1, got 0"),
     (["--kv-server", "localhost:5555"], "--kv-server 'localhost:5555' is not a KV cache server URL; expected auto "
-                                        "or a running server's tcp://HOST:PORT"),
+                                        "or a running server's tcp://host:port"),
     (["--kv-server", "tcp://127.0.0.1:99999"], "is not a KV cache server URL"),
 ])
 def test_bad_options_are_one_error_line(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
