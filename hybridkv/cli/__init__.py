@@ -34,9 +34,11 @@ import typer
 
 from hybridkv import __version__
 from hybridkv.cli import cache_server, openai_server, plan, run
+from hybridkv.cli.errors import OneLineErrors
 
-# Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column.
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
+# Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column; a parse
+# error is one `error:` line, as every other bad input.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, cls=OneLineErrors)
 
 
 def _print_version(value: bool) -> None:

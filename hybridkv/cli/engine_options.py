@@ -40,7 +40,10 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    max_model_len: int | None, block_size: int, prefix_caching: PrefixCaching,
                    mamba_cache_mode: MambaCacheMode, seed: int, num_threads: int, kv_server: str | None,
                    kv_server_timeout_s: float) -> dict[str, Any]:
-    """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)."""
+    """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
+    before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
+    if kv_server is not None and kv_server != "auto":
+        check_kv_server_url(kv_server)
     options: dict[str, Any] = dict(
         kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
@@ -48,3 +51,21 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         kv_server_timeout_s=kv_server_timeout_s)
     EngineConfig.from_options(options)
     return options
+
+
+def check_kv_server_url(url: str) -> None:
+    """ConfigError unless `url` is tcp://host:port (port in 1..65535) or ipc://path."""
+    import urllib.parse
+
+    from hybridkv.errors import ConfigError
+
+    expected = "expected auto or a running server's tcp://host:port (or ipc://path)"
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "ipc" and len(url) > len("ipc://"):
+        return
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or not 0 < port < 65536:
+        raise ConfigError(f"kv_server {url!r} is not a KV cache server URL; {expected}")

@@ -7,9 +7,13 @@ the user typed `--max-model-len`, so `usage_error` renames a leading option name
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import typer
 from rich.console import Console
+from typer._click.core import Context  # typer 0.29 vendors click: its own Context and parse errors
+from typer._click.exceptions import UsageError
+from typer.core import TyperGroup
 
 USAGE_EXIT_CODE = 2
 
@@ -30,3 +34,16 @@ def usage_error(message: str, flags: Mapping[str, str] | None = None) -> typer.E
     text = in_flag_words(message, flags) if flags else message
     Console(stderr=True).print(f"[bold red]error:[/] {text}", highlight=False, soft_wrap=True)
     return typer.Exit(code=USAGE_EXIT_CODE)
+
+
+class OneLineErrors(TyperGroup):
+    """The command group whose parse errors (a wrong type, a missing argument, an unknown option) are
+    one `error:` line as well, instead of click's usage block."""
+
+    def invoke(self, ctx: Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            sub = [exc.ctx.info_name or ""] if exc.ctx is not None and exc.ctx is not ctx else []
+            command = " ".join(["hybridkv", *ctx.command_path.split()[1:], *sub])
+            raise usage_error(f"{exc.format_message().rstrip('.')}; see `{command} --help`") from None

@@ -2,14 +2,16 @@
 
 Registered in `hybridkv/cli/__init__.py` as `app.command("serve")(serve.serve_command)`. The
 engine options are `hybridkv run`'s (EngineConfig's defaults); torch loads only when the command
-runs. The model loads and the address is bound before the server says it is ready, so a bad
-option, a missing model or a port in use is one `error:` line, exit code 2.
+runs. Every flag is checked before the model loads, and the address is bound before the server
+says it is ready, so a bad option, a missing model or a port in use is one `error:` line, exit
+code 2. A clean stop on SIGTERM exits 0 (Ctrl-C: 130, as uvicorn re-raises SIGINT).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Annotated
+import signal
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -18,7 +20,19 @@ from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.errors import HybridKVError
 
+if TYPE_CHECKING:
+    from hybridkv.engine.llm import LLM
+
 SERVE_FLAGS = flags_of([*EngineConfig.option_names(), "host", "port"], num_threads="--threads")
+ApiKey = Annotated[str | None, typer.Option(
+    "--api-key", envvar="HYBRIDKV_API_KEY", show_envvar=True,
+    help="require 'Authorization: Bearer KEY' on /v1/* and POST /reset_prefix_cache")]
+MaxBodyBytes = Annotated[int, typer.Option("--max-body-bytes", help="largest request body (413 beyond)")]
+HeaderTimeout = Annotated[float, typer.Option(
+    "--header-timeout-s", help="close a connection that has not sent its request head within this time")]
+IdleTimeout = Annotated[int, typer.Option("--idle-timeout-s", help="close a keep-alive connection idle this long")]
+MaxConnections = Annotated[int, typer.Option(
+    "--max-connections", help="open connections (and requests) at most; beyond: 503")]
 
 
 def serve_command(
@@ -28,10 +42,15 @@ def serve_command(
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="the model name clients send (default: --model)")] = None,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow a non-loopback --host "
-                                               "(no authentication!)")] = False,
+                                               "(set --api-key too)")] = False,
     graceful_s: Annotated[float, typer.Option("--graceful-s", help="on Ctrl-C / SIGTERM, seconds the requests in "
                                               "flight may take to finish")] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = "info",
+    api_key: ApiKey = None,
+    max_body_bytes: MaxBodyBytes = 4 * 1024 * 1024,
+    header_timeout_s: HeaderTimeout = 10.0,
+    idle_timeout_s: IdleTimeout = 5,
+    max_connections: MaxConnections = 1024,
     kv_server: opt.KVServer = opt.DEFAULTS["kv_server"],
     kv_server_timeout_s: opt.KVServerTimeout = opt.DEFAULTS["kv_server_timeout_s"],
     kv_cache_memory_gib: opt.KVCacheMemoryGiB = opt.DEFAULTS["kv_cache_memory_gib"],
@@ -54,10 +73,15 @@ def serve_command(
         raise usage_error(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     if graceful_s < 0:
         raise usage_error(f"--graceful-s must be >= 0, got {graceful_s}")
+    if not 0 <= port <= 65535:
+        raise usage_error(f"--port must be in [0, 65535] (0: any free port), got {port}")
     try:
         from hybridkv.openai_api.http_server import ServeServer, check_host
+        from hybridkv.openai_api.limits import ServeLimits
 
         check_host(host, allow_remote=allow_remote)
+        limits = ServeLimits(api_key=api_key, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
+                             idle_timeout_s=idle_timeout_s, max_connections=max_connections)
         options = opt.engine_options(
             kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
@@ -68,12 +92,27 @@ def serve_command(
         llm = LLM(model, **options)
         try:
             server = ServeServer(llm, host=host, port=port, model_name=served_model_name or model,
-                                 allow_remote=allow_remote, graceful_s=graceful_s, log_level=log_level.lower())
+                                 allow_remote=allow_remote, graceful_s=graceful_s, log_level=log_level.lower(),
+                                 limits=limits)
         except BaseException:
             llm.close()  # a KV cache server started for "auto" goes with it
             raise
     except HybridKVError as exc:
         raise usage_error(str(exc), SERVE_FLAGS) from None
-    typer.echo(f"hybridkv serve: {served_model_name or model} on {server.url} (max_model_len {llm.max_model_len}); "
-               "Ctrl-C to stop", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.request_stop())  # until uvicorn installs its own handlers
+    if api_key is None and not server.loopback:
+        typer.echo(f"warning: serving {server.url} to other machines without --api-key: anyone who reaches it may "
+                   "use it", err=True)
+    typer.echo(f"hybridkv serve: {served_model_name or model} on {server.url} (max_model_len {llm.max_model_len}"
+               f"{_kv_server_words(llm)}); Ctrl-C to stop", err=True)
     server.run()
+
+
+def _kv_server_words(llm: LLM) -> str:
+    """`; KV cache server URL (started for this server)` when one is attached."""
+    transfer = llm.transfer
+    if transfer is None:
+        return ""
+    if transfer.server is not None:
+        return f"; KV cache server {transfer.server.endpoint} (started for this server, stops with it)"
+    return f"; KV cache server {llm.config.kv_server}"

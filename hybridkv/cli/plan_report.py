@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
 
 from hybridkv.catalog import catalog, find
 from hybridkv.cli.tables import SHORT_LAYER_LIST, layer_list, new_table, print_table
@@ -70,10 +72,10 @@ def resolve_model(name: str) -> tuple[str, dict[str, Any]]:
         return (path.parent.name if path.is_file() else path.name) or name, load_config(path)
     names = [n for e in catalog() for n in (e.hf_id, *e.aliases)]
     close = difflib.get_close_matches(name.lower(), {n.lower(): n for n in names}, n=3, cutoff=0.6)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ConfigError(
-        f"model {name!r} is neither a catalog name nor an existing config.json path or model directory; "
-        f"{hint}(`hybridkv plan --list` shows the catalog)"
+        f"model {name!r} is neither a catalog name nor an existing config.json path or model directory{hint} "
+        "(`hybridkv plan --list` shows the catalog)"
     )
 
 
@@ -295,21 +297,43 @@ def _render_capacity(console: Console, result: Plan) -> None:
                         f"KV-server chunk size {result.recommended_chunk_size}.")
 
 
+COMPARISON_HEADERS = ("max len", "layers", "block", "hybrid", "uniform", "ratio", "waste")
+MIN_NAME_WIDTH = 10  # a model column narrower than this reads badly: list the models one by one instead
+
+
 def render_comparison(console: Console, plans: list[tuple[ModelSpec, Plan]]) -> None:
-    """One row per model: the hybrid layout against the uniform one, each at its own max_model_len."""
+    """One row per model: the hybrid layout against the uniform one, each at its own max_model_len.
+    On a console too narrow for the figures beside a readable model column, one small table per model."""
     first = plans[0][1].options
-    table = new_table("model", ("max len", "right"), ("layers", "right"), ("block", "right"), ("hybrid", "right"),
-                      ("uniform", "right"), ("ratio", "right"), ("waste", "right"), compact=True)
-    for spec, result in plans:
-        u = result.uniform
-        table.add_row(spec.name, str(result.options.max_model_len), str(spec.num_decoder_layers),
-                      block_sizes_text(result.config),
-                      _short_concurrency(result.max_concurrency, result.runnable),
-                      _short_concurrency(u.max_concurrency, u.runnable) if u.num_blocks else "can't run",
-                      _ratio(result), f"{result.padding_waste_bytes / GIB:.2f}")
-    print_table(console, table, title=f"Max concurrency, hybrid vs uniform layout ({_gib(first.memory_bytes)})",
-                caption="hybrid / uniform: requests of `max len` tokens held at once (<1: not even one); "
-                        "waste: GiB of padding in short groups")
+    rows = [(spec.name, _comparison_figures(spec, result)) for spec, result in plans]
+    title = f"Max concurrency, hybrid vs uniform layout ({_gib(first.memory_bytes)})"
+    caption = ("hybrid / uniform: requests of `max len` tokens held at once (<1: not even one); "
+               "waste: GiB of padding in short groups")
+    figures = new_table(*((h, "right") for h in COMPARISON_HEADERS), compact=True)
+    for _, values in rows:
+        figures.add_row(*values)
+    if Measurement.get(console, console.options, figures).maximum + MIN_NAME_WIDTH + 3 <= console.width:
+        table = new_table("model", *((h, "right") for h in COMPARISON_HEADERS), compact=True)
+        for name, values in rows:
+            table.add_row(name, *values)
+        print_table(console, table, title=title, caption=caption)
+        return
+    console.print(f"[bold]{escape(title)}[/]", highlight=False)
+    for name, values in rows:
+        table = new_table("", ("", "right"), show_header=False, compact=True)
+        for header, value in zip(COMPARISON_HEADERS, values, strict=True):
+            table.add_row(header, value)
+        console.print(name, highlight=False, markup=False, soft_wrap=True)
+        console.print(table)
+    console.print(caption, highlight=False, markup=False)
+
+
+def _comparison_figures(spec: ModelSpec, result: Plan) -> list[str]:
+    u = result.uniform
+    return [str(result.options.max_model_len), str(spec.num_decoder_layers), block_sizes_text(result.config),
+            _short_concurrency(result.max_concurrency, result.runnable),
+            _short_concurrency(u.max_concurrency, u.runnable) if u.num_blocks else "can't run",
+            _ratio(result), f"{result.padding_waste_bytes / GIB:.2f}"]
 
 
 def render_catalog(console: Console) -> None:

@@ -294,34 +294,54 @@ def _render_passes(console: Console, report: dict[str, Any]) -> None:
                       f"{'yes' if same else '[red]NO[/]'}", highlight=False)
 
 
-def _render(console: Console, report: dict[str, Any]) -> None:
+def _requests_text(report: dict[str, Any]) -> str:
+    """`18 per pass x 2 passes = 36`, or `18` for one pass."""
+    passes = len(report["passes"])
+    if passes == 1:
+        return str(report["requests"])
+    return f"{report['requests'] // passes} per pass x {passes} passes = {report['requests']}"
+
+
+def _summary_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary table's rows: every figure says what it counts."""
     kv, cache = report["kv_memory"], report["prefix_cache"]
-    table = new_table("metric", ("value", "right"), show_header=False)
-    again = cache["repeated_lookups"]
-    rows = [
-        ("requests", f"{report['requests']} in {report['rounds']} rounds"),
+    again, totals = cache["repeated_lookups"], report["totals"]
+    return [
+        ("requests", _requests_text(report)),
+        ("rounds per pass", f"{report['rounds']} (one per turn)"),
         ("prompt / generated tokens", f"{report['prompt_tokens']} / {report['generated_tokens']}"),
         ("throughput", f"{report['generated_tok_per_s']:.1f} generated tok/s ({report['total_tok_per_s']:.1f} total)"),
         ("mean TTFT", f"{report['mean_ttft_s'] * 1000:.1f} ms (max {report['max_ttft_s'] * 1000:.1f} ms)"),
         ("steps / preemptions", f"{report['steps']} / {report['preemptions']}"),
         ("prefix-cache hit rate", f"{cache['hit_rate']:.1%} ({cache['hit_tokens']} of {cache['prompt_tokens']} "
                                   "prompt tokens)"),
-        *([("KV cache server hits", f"{report['totals']['external_hit_tokens']} prompt tokens loaded, "
-                                    f"{report['totals']['computed_prefill_tokens']} computed")]
+        *([("KV cache server hits", f"{totals['external_hit_tokens']} prompt tokens loaded"),
+           ("prompt tokens computed", f"{totals['computed_prefill_tokens']} (in neither cache)")]
           if "kv_server" in report else []),
-        *([("looked up again (waiting, preempted)", f"{again['lookups']} lookups of {again['query_tokens']} tokens, "
-                                                    f"{again['hit_tokens']} hit")] if again["lookups"] else []),
+        *([("lookups repeated (see below)", f"{again['lookups']} lookups of {again['query_tokens']} tokens, "
+                                            f"{again['hit_tokens']} hit")] if again["lookups"] else []),
         ("KV memory allocated", f"{kv['allocated_bytes'] / MIB:.2f} MiB (as planned: {kv['planned_bytes'] / MIB:.2f})"),
         ("KV memory peak used (hybrid)", f"{kv['peak_used_bytes'] / MIB:.2f} MiB"),
         ("same, without prefix sharing", f"{kv['peak_unshared_bytes'] / MIB:.2f} MiB "
                                          f"(prefix sharing saves {kv['prefix_sharing_saving']:.1%})"),
         ("same tokens, uniform layout", f"{kv['uniform_layout_bytes_for_same_tokens'] / MIB:.2f} MiB "
                                         f"(hybrid layout saves {kv['layout_saving']:.1%})"),
-        ("max concurrency hybrid / uniform", f"{kv['max_concurrency']:.2f} / {kv['uniform_max_concurrency']:.2f}"),
+        (f"max concurrency at {report['config']['max_model_len']} tokens",
+         f"hybrid {kv['max_concurrency']:.2f} / uniform {kv['uniform_max_concurrency']:.2f}"),
     ]
+
+
+def _render(console: Console, report: dict[str, Any]) -> None:
+    cache = report["prefix_cache"]
+    table = new_table("metric", ("value", "right"), show_header=False)
+    rows = _summary_rows(report)
     for name, value in rows:
         table.add_row(name, value)
-    print_table(console, table, title=f"hybridkv run: {report['model']}")
+    notes = ["rounds: a session's next turn is sent once the answer to its previous turn is in"]
+    if cache["repeated_lookups"]["lookups"]:
+        notes.append("lookups repeated: a request that waited for KV cache room, or was preempted, is looked up "
+                     "again when it is scheduled; those lookups are not in the hit rate")
+    print_table(console, table, title=f"hybridkv run: {report['model']}", caption="; ".join(notes) + ".")
     groups = new_table(("group", "right"), "kind", "layers", ("block", "right"), ("window", "right"),
                        ("hit rate", "right"), ("peak blocks", "right"))
     for g in cache["groups"]:

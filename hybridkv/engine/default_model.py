@@ -3,8 +3,10 @@
 Its weights are drawn from a fixed seed, so every machine builds the same model; it is saved in
 HF format (config.json + model.safetensors) under `<cache>/default-gemma3-<config hash>` and then
 loaded through the normal loader, like any downloaded model. Its vocabulary is the byte-level
-tokenizer's, so text prompts work, but the weights are random: **its text is meaningless**. It
-exists to exercise the hybrid KV cache (5 sliding-window layers, 1 full layer) end to end.
+tokenizer's, saved with it in HF format (tokenizer.json + tokenizer_config.json: pass the
+directory as `--tokenizer` to tools that need one), so text prompts work, but the weights are
+random: **its text is meaningless**. It exists to exercise the hybrid KV cache (5 sliding-window
+layers, 1 full layer) end to end.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from safetensors.torch import save_file
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME
 from hybridkv.engine.models.gemma3 import Gemma3ForCausalLM
-from hybridkv.engine.tokenizer import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID
+from hybridkv.engine.tokenizer import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID, save_byte_tokenizer
 
 MEANINGLESS_NOTE = "the embedded default model has random weights: its generated text is meaningless"
 INIT_STD = 0.2
@@ -86,11 +88,14 @@ def ensure_default_model(root: Path | None = None) -> Path:
     """Directory of the default model, building it on first use (atomic rename, safe to race)."""
     target = (root or cache_root()) / f"{DEFAULT_MODEL_NAME}-{config_hash(DEFAULT_CONFIG)}"
     if (target / "model.safetensors").is_file():
+        if not (target / "tokenizer_config.json").is_file():  # built before the tokenizer was saved with it
+            _add_tokenizer(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         (staging / "config.json").write_text(json.dumps(DEFAULT_CONFIG, indent=2), encoding="utf-8")
+        save_byte_tokenizer(staging)
         save_file(random_state_dict(DEFAULT_CONFIG), str(staging / "model.safetensors"))
         (staging / "README.txt").write_text(
             f"{MEANINGLESS_NOTE}.\nBuilt by hybridkv from seed {SEED}, init std {INIT_STD}.\n", encoding="utf-8")
@@ -102,3 +107,14 @@ def ensure_default_model(root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _add_tokenizer(target: Path) -> None:
+    """Save the tokenizer files into an existing model directory, each by an atomic rename."""
+    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=target.parent))
+    try:
+        save_byte_tokenizer(staging)
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the config last: it marks the pair complete
+            os.replace(staging / name, target / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

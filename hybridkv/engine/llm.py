@@ -39,7 +39,7 @@ from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
 from hybridkv.engine.outputs import LiveRequests, RequestMetrics, RequestOutput, StepOutput
 from hybridkv.engine.request import Request
 from hybridkv.engine.runner import ModelRunner, StepItem
-from hybridkv.engine.sampler import SamplingParams, sample, top_logprobs
+from hybridkv.engine.sampler import SamplingParams, TokenHistory, sample, top_logprobs
 from hybridkv.engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from hybridkv.engine.state_layers import StateIO
 from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
@@ -326,7 +326,9 @@ class LLM:
             self.transfer.connector.save_kv(saves)  # the chunks this step completed, window blocks still live
             self.transfer.connector.wait_for_save()
         sampled = [w.request for w in work if w.samples]
-        tokens = sample(logits, [r.sampling for r in sampled], [r.generator for r in sampled])
+        histories = [TokenHistory(token_ids=r.kv.token_ids, prompt_len=r.prompt_len, eos_token_ids=r.eos_token_ids)
+                     for r in sampled]
+        tokens = sample(logits, [r.sampling for r in sampled], [r.generator for r in sampled], histories)
         now = time.perf_counter()
         for row, (request, token) in enumerate(zip(sampled, tokens, strict=True)):
             if request.sampling.logprobs:

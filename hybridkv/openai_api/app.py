@@ -3,13 +3,17 @@
     POST /v1/completions           prompt (text or token ids) -> text; SSE when "stream": true
     POST /v1/chat/completions      messages -> the assistant's answer (the chat template: chat.py)
     GET  /v1/models                the served model
+    GET  /v1/models/{id}           that model (404 for another id)
     GET  /health                   200 while the engine thread runs, else 503
     GET  /metrics                  Prometheus (metrics.py)
     POST /reset_prefix_cache       forget the local prefix cache (`?external=true`: also the KV cache server)
 
-Every refusal is an OpenAI-style error body (`{"error": {"message", "type", "param", "code"}}`)
-with a 4xx status; the server keeps serving. A client that disconnects (mid-stream or while
-waiting for a whole answer) has its request aborted, which frees its KV cache blocks.
+Bodies are read up to `ServeLimits.max_body_bytes` (413 beyond), then decoded and tokenized on a
+worker thread, so a large prompt never stalls the event loop; with an API key, /v1/* and POST
+/reset_prefix_cache need it (limits.py). Every refusal is an OpenAI-style error body
+(`{"error": {"message", "type", "param", "code"}}`) with a 4xx status; the server keeps serving.
+A client that disconnects (mid-stream or while waiting for a whole answer) has its request
+aborted, which frees its KV cache blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -35,6 +40,7 @@ from hybridkv.errors import HybridKVError
 from hybridkv.openai_api.chat import ChatTemplate
 from hybridkv.openai_api.engine_loop import EngineLoop
 from hybridkv.openai_api.generation import Generation
+from hybridkv.openai_api.limits import ApiKeyGuard, ServeLimits, read_body
 from hybridkv.openai_api.metrics import EngineSnapshot, ServeMetrics
 from hybridkv.openai_api.responses import ResponseWriter
 from hybridkv.openai_api.schemas import (
@@ -57,6 +63,7 @@ class ServeState:
     model_name: str
     chat_template: ChatTemplate
     metrics: ServeMetrics
+    limits: ServeLimits
 
     @property
     def llm(self) -> LLM:
@@ -67,10 +74,11 @@ def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
-def make_app(llm: LLM, *, model_name: str) -> Starlette:
+def make_app(llm: LLM, *, model_name: str, limits: ServeLimits | None = None) -> Starlette:
     """The app serving `llm`; the engine thread starts with the app's lifespan and stops with it, and
     then the app closes `llm` (it owns it from here on)."""
-    state = ServeState(engine=EngineLoop(llm), model_name=model_name,
+    limits = limits or ServeLimits()
+    state = ServeState(engine=EngineLoop(llm), model_name=model_name, limits=limits,
                        chat_template=ChatTemplate(llm.model_dir, llm.tokenizer), metrics=ServeMetrics())
 
     @contextlib.asynccontextmanager
@@ -88,10 +96,19 @@ def make_app(llm: LLM, *, model_name: str) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         return await _generate(state, request, chat=True)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "hybridkv",
+            "max_model_len": llm.max_model_len}
+
     async def models(_: Request) -> Response:
-        return json_response({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "hybridkv",
-            "max_model_len": llm.max_model_len}]})
+        return json_response({"object": "list", "data": [card]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != model_name:
+            return _refuse(state, BadRequest(f"the model {name!r} does not exist; this server serves {model_name!r}",
+                                             param="model", status=404, kind="not_found_error",
+                                             code="model_not_found"))
+        return json_response(card)
 
     async def health(_: Request) -> Response:
         return Response(status_code=200 if state.engine.alive else 503)
@@ -106,9 +123,11 @@ def make_app(llm: LLM, *, model_name: str) -> Starlette:
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics),
+        Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+        Route("/health", health), Route("/metrics", metrics),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-    ], lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    ], lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+        middleware=[Middleware(ApiKeyGuard, api_key=limits.api_key)] if limits.api_key else [])
     app.state.serve = state
     return app
 
@@ -128,7 +147,8 @@ def _refuse(state: ServeState, exc: BadRequest) -> Response:
 
 async def _generate(state: ServeState, request: Request, *, chat: bool) -> Response:
     try:
-        gen, writer = _prepare(state, await request.body(), chat=chat)
+        raw = await read_body(request, state.limits.max_body_bytes)
+        gen, writer = await asyncio.to_thread(_prepare, state, raw, chat=chat)  # decode + tokenize off the loop
     except BadRequest as exc:
         return _refuse(state, exc)
     if gen.job.stream:
@@ -158,7 +178,11 @@ def _prepare(state: ServeState, raw: bytes, *, chat: bool) -> tuple[Generation, 
         ids = state.chat_template.prompt_ids(body.messages)
     else:
         prompt = completion_prompt(body)
-        ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            encode = llm.tokenizer.encode if body.add_special_tokens else llm.tokenizer.encode_continuation
+            ids = encode(prompt)
+        else:
+            ids = prompt
     try:
         ids = llm.check_prompt(ids, label="prompt")
     except HybridKVError as exc:
@@ -184,9 +208,6 @@ def _event(body: Any) -> bytes:
 
 async def _sse(gen: Generation, writer: ResponseWriter) -> AsyncIterator[bytes]:
     """The SSE stream of one generation; Starlette cancels it when the client disconnects."""
-    opening = writer.first_chunk()
-    if opening is not None:
-        yield _event(opening)
     first = True
     try:
         async for piece in gen.pieces():

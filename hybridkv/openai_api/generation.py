@@ -8,17 +8,18 @@ consumer, which closes this generator.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from hybridkv.engine.outputs import RequestOutput
+from hybridkv.engine.outputs import RequestOutput, StepOutput
 from hybridkv.engine.request import FinishReason
 from hybridkv.engine.tokenizer import Tokenizer
 from hybridkv.openai_api.engine_loop import EngineLoop
 from hybridkv.openai_api.metrics import ServeMetrics
 from hybridkv.openai_api.schemas import GenerationJob
-from hybridkv.openai_api.text import TextStream
+from hybridkv.openai_api.text import StopText, TextStream
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.MODEL_LENGTH: "length"}
 
@@ -39,7 +40,8 @@ class Generation:
     def __init__(self, engine: EngineLoop, tokenizer: Tokenizer, metrics: ServeMetrics, job: GenerationJob,
                  *, endpoint: str) -> None:
         self.engine, self.metrics, self.job, self.endpoint = engine, metrics, job, endpoint
-        self.text = TextStream(tokenizer.decode, job.stop)
+        self.text = TextStream(functools.partial(tokenizer.decode, special=job.special_tokens), job.stop,
+                               job.stop_text)
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
         self.finish_reason: str | None = None
@@ -55,7 +57,7 @@ class Generation:
             while self.finish_reason is None:
                 out = await stream.get()
                 self._observe(len(out.new_token_ids))
-                text = self.text.add(out.new_token_ids, final=out.done)
+                text = self.text.add(self._text_ids(out), final=out.done)
                 self.token_ids += out.new_token_ids
                 self.logprobs += out.new_logprobs
                 if self.text.stopped:
@@ -72,6 +74,13 @@ class Generation:
             self.metrics.requests.labels(self.endpoint, self.finish_reason or "abort").inc()
             if self._last_token_s is not None:
                 self.metrics.e2e.observe(self._last_token_s - self._arrival_s)
+
+    def _text_ids(self, out: StepOutput) -> list[int]:
+        """The new ids whose text the answer shows: a stop token's own is left out (as vLLM does)
+        unless the request keeps stop text."""
+        ids = out.new_token_ids
+        stopped = out.finished is not None and out.finished.finish_reason is FinishReason.STOP
+        return ids[:-1] if stopped and ids and self.job.stop_text is StopText.DROP else ids
 
     def _observe(self, new_tokens: int) -> None:
         if not new_tokens:

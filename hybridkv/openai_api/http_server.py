@@ -4,35 +4,51 @@
 engine thread starts). `run()` serves in the calling thread until SIGINT / SIGTERM: the first
 signal stops accepting connections and lets the requests in flight finish (at most
 `graceful_s`, then they are cancelled and aborted), the second forces the exit; then the engine
-thread stops. `start()` / `stop()` do the same on a background thread (tests, benchmarks).
-Loopback only unless `allow_remote` (the server has no authentication).
+thread stops. After SIGINT the process ends as uvicorn leaves it (the signal re-raised: 130);
+after SIGTERM, `run` returns and the process exits 0, as `hybridkv server` does. `start()` /
+`stop()` do the same on a background thread (tests, benchmarks).
+Loopback only unless `allow_remote`; `ServeLimits` (limits.py) sets the API key, the body limit,
+the header and idle timeouts and the connection cap.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 import threading
 import time
+from types import FrameType
 
 import uvicorn
 
 from hybridkv.engine.llm import LLM
 from hybridkv.errors import ConfigError
 from hybridkv.openai_api.app import make_app
+from hybridkv.openai_api.limits import ServeLimits, with_header_timeout
 
 DEFAULT_GRACEFUL_S = 30.0
 
 
-def check_host(host: str, *, allow_remote: bool) -> None:
-    """ConfigError for a non-loopback bind address unless `allow_remote`."""
+def check_host(host: str, *, allow_remote: bool) -> bool:
+    """Whether `host` is a loopback address; ConfigError for another one unless `allow_remote`."""
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         raise ConfigError(f"--host must be an IP address or localhost, got {host!r}") from None
     if not loopback and not allow_remote:
         raise ConfigError(f"--host {host} is not a loopback address; pass --allow-remote to serve other machines "
-                          "(the server has no authentication)")
+                          "(and --api-key, or anyone who can reach it may use it)")
+    return loopback
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM it shut down for is not raised again afterwards."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            self._captured_signals.remove(sig)
 
 
 class ServeServer:
@@ -40,8 +56,9 @@ class ServeServer:
 
     def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
                  allow_remote: bool = False, graceful_s: float = DEFAULT_GRACEFUL_S,
-                 log_level: str = "warning") -> None:
-        check_host(host, allow_remote=allow_remote)
+                 log_level: str = "warning", limits: ServeLimits | None = None) -> None:
+        limits = limits or ServeLimits()
+        self.loopback = check_host(host, allow_remote=allow_remote)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -53,13 +70,14 @@ class ServeServer:
         self._sock.listen(256)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        self.app = make_app(llm, model_name=model_name or str(llm.model_spec.name))
+        self.app = make_app(llm, model_name=model_name or str(llm.model_spec.name), limits=limits)
         # asyncio + h11 explicitly: with uvloop or httptools installed (uvicorn[standard]) streamed
         # requests stalled here (bench_serve: 2x the wall time at the same CPU time).
         config = uvicorn.Config(self.app, log_level=log_level, access_log=False, lifespan="on", loop="asyncio",
-                                http="h11",
+                                http=with_header_timeout(limits.header_timeout_s),
+                                timeout_keep_alive=limits.idle_timeout_s, limit_concurrency=limits.max_connections,
                                 timeout_graceful_shutdown=int(graceful_s))
-        self._server = uvicorn.Server(config)
+        self._server = _Server(config)
         self._thread: threading.Thread | None = None
 
     @property
@@ -84,7 +102,11 @@ class ServeServer:
         if not self._server.started:
             raise RuntimeError(f"the server did not start within {timeout_s} s")
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def request_stop(self) -> None:
+        """Ask the server to stop gracefully (safe before `run` starts: it then stops at once)."""
         self._server.should_exit = True
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout_s)

@@ -53,24 +53,22 @@ class ResponseWriter:
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": self.usage()}
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role (completions have no such chunk)."""
-        if not self.chat:
-            return None
-        return {**self._head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]}
-
     def chunk(self, piece: Piece, *, first: bool) -> dict[str, Any] | None:
-        """The stream chunk of one piece; None when it carries nothing a client would see."""
+        """The stream chunk of one piece; None when it carries nothing a client would see.
+
+        The first chunk goes out with the first generated token even when its text is still held
+        back (so a client's time to first token is the engine's), and in a chat stream it carries
+        the assistant's role, as vLLM sends it: no chunk is sent before prefill ends."""
         job = self.gen.job
-        if not (piece.text or piece.finish_reason or job.return_token_ids or (job.logprobs is not None
-                                                                               and piece.token_ids)):
+        if not (piece.text or piece.finish_reason or job.return_token_ids or (first and piece.token_ids)
+                or (job.logprobs is not None and piece.token_ids)):
             return None
         logprobs = self._logprobs(piece.token_ids, piece.logprobs)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
-                                      "logprobs": logprobs, "finish_reason": piece.finish_reason}
+            delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if first else (
+                {"content": piece.text} if piece.text else {})
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": piece.finish_reason}
         else:
             choice = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish_reason}
         choice.update(self._ids(piece.token_ids, first=first))

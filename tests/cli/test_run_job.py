@@ -103,7 +103,8 @@ def test_notes_and_errors_name_the_workload_line(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "my-model"
     shutil.copytree(ensure_default_model(), model)
-    assert not (model / "tokenizer.json").exists()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a model directory that ships no tokenizer
+        (model / name).unlink()
     workload = tmp_path / "w.jsonl"
     workload.write_text(json.dumps({"prompt": "Hi", "max_tokens": 100000}) + "\n")
     args = ["run", "--json", "--model", str(model), "--workload", str(workload), "--max-model-len", "64"]

@@ -43,6 +43,7 @@ def test_the_process_serves_on_a_free_port_with_its_kv_server_and_ctrl_c_lets_a_
         line = proc.stderr.readline()
         match = re.search(r"on (http://127\.0\.0\.1:(\d+))", line)
         assert match, line
+        assert re.search(r"; KV cache server tcp://127\.0\.0\.1:\d+ \(started for this server", line), line
         url = match[1]
         with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
             assert "hybridkv_serve_kv_server_attached 1.0" in response.read().decode()
@@ -67,13 +68,44 @@ def test_the_process_serves_on_a_free_port_with_its_kv_server_and_ctrl_c_lets_a_
     assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 150  # every token, after the Ctrl-C
 
 
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_with_exit_code_0() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "hybridkv", "serve", "--port", "0", "--threads", "1",
+                             "--kv-cache-memory-gib", "0.05", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        assert "Ctrl-C to stop" in proc.stderr.readline()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0  # as `hybridkv server`; uvicorn alone re-raises SIGTERM (143)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--host", "10.1.2.3"], "--host 10.1.2.3 is not a loopback address; pass --allow-remote"),
     (["--host", "not-an-ip"], "--host must be an IP address or localhost, got 'not-an-ip'"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
     (["--log-level", "loud"], "--log-level must be debug, info, warning or error"),
+    (["--port", "70000"], "--port must be in [0, 65535] (0: any free port), got 70000"),
+    (["--port", "-5"], "--port must be in [0, 65535] (0: any free port), got -5"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1, got 0"),
+    (["--max-connections", "0"], "--max-connections must be at least 1, got 0"),
+    (["--kv-server", "localhost:5555"], "--kv-server 'localhost:5555' is not a KV cache server URL; expected auto "
+                                        "or a running server's tcp://host:port"),
+    (["--kv-server", "tcp://127.0.0.1:99999"], "is not a KV cache server URL"),
 ])
-def test_bad_options_are_one_error_line(args: list[str], message: str) -> None:
+def test_bad_options_are_one_error_line(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hybridkv.engine.llm
+
+    def no_model(*_: Any, **__: Any) -> None:
+        raise AssertionError("the model loaded before the options were checked")
+
+    monkeypatch.setattr(hybridkv.engine.llm, "LLM", no_model)
     result = CliRunner().invoke(app, ["serve", *args])
     assert result.exit_code == 2
     assert message in " ".join(result.output.split()), result.output

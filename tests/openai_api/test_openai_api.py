@@ -159,6 +159,7 @@ def test_a_cancelled_stream_frees_its_blocks(server: ServeServer, client: Any, e
 
 def test_models_health_and_metrics(server: ServeServer, client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
     assert http(server, "/health")[0] == 200
     ttft = metric(server, "hybridkv_serve_time_to_first_token_seconds_count")
     done = metric(server, "hybridkv_serve_requests_total", endpoint="completions", finish_reason="length")
