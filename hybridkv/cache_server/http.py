@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from hybridkv.cache_server.auth import Authenticator
 from hybridkv.cache_server.store import KVStore
+from hybridkv.errors import ConfigError
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
 
@@ -79,7 +80,12 @@ class HTTPServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise ConfigError(f"cannot bind the HTTP port {host}:{port} (--http-port): {e.strerror}; expected a "
+                              "free port (0: any free port)") from None
         self._sock.listen(128)  # connections wait in the backlog until uvicorn accepts them
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(make_app(store, auth, allow_remote=allow_remote), log_level="warning", lifespan="off",

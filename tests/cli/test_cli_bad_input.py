@@ -108,6 +108,21 @@ CASES: list[tuple[list[str], list[str]]] = [
 ]
 
 
+def test_a_busy_server_port_is_named() -> None:
+    """Both of `hybridkv server`'s ports, taken by another listener: the error names the port and its flag."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flag, other in (("--http-port", "--port"), ("--port", "--http-port")):
+            result = runner.invoke(app, ["server", flag, str(port), other, "0"])
+            text = " ".join(result.output.split())
+            assert result.exit_code == 2 and f"127.0.0.1:{port}" in text and "in use" in text, (flag, text)
+            assert flag != "--http-port" or "(--http-port)" in text, text
+
+
 @pytest.mark.parametrize(("args", "expected"), CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_input_is_one_clear_error(args: list[str], expected: list[str], files: dict[str, str]) -> None:
     if args[0] == "run":
