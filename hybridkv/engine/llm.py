@@ -113,7 +113,7 @@ class LLM:
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        self.scheduler: Scheduler[Request] = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens(),
                                    connector=self.transfer.connector if self.transfer else None)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
@@ -337,7 +337,7 @@ class LLM:
         self.stats.preemptions += len(out.preempted)
         return self.scheduler.finish_step(work)
 
-    def _load_external(self, work: list[ScheduledWork], tables: dict[RequestId, tuple[list[BlockId], ...]]
+    def _load_external(self, work: list[ScheduledWork[Request]], tables: dict[RequestId, tuple[list[BlockId], ...]]
                        ) -> ConnectorMeta:
         """Load the step's external hits into their blocks; drop (and requeue) the requests whose
         load failed from `work`; returns the step's connector metadata (its saves) without them."""
@@ -358,7 +358,7 @@ class LLM:
                 self.manager.cache(w.request.kv, min(w.start_pos + w.num_tokens, w.request.num_tokens))
         return meta
 
-    def _state_io(self, work: ScheduledWork) -> dict[int, StateIO]:
+    def _state_io(self, work: ScheduledWork[Request]) -> dict[int, StateIO]:
         """Per state group, the blocks the manager says this step restores from and writes to."""
         if not self.runner.states.groups:
             return {}
@@ -368,7 +368,7 @@ class LLM:
                                          writes=tuple((c.num_tokens, int(c.block_id)) for c in s.writes))
                 for s in steps}
 
-    def _track_memory(self, out: SchedulerOutput) -> None:
+    def _track_memory(self, out: SchedulerOutput[Request]) -> None:
         """Peak KV bytes held (hybrid, shared blocks once), the same without sharing, and the uniform layout's."""
         config = self.plan.config
         blocks = self.manager.group_usage()

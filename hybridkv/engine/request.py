@@ -13,14 +13,9 @@ from enum import Enum
 import torch
 
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.engine.scheduler import RequestStatus
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.request import KVRequest
-
-
-class RequestStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class FinishReason(Enum):

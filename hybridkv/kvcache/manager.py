@@ -50,6 +50,7 @@ from hybridkv.kvcache.coordinator import (
 )
 from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
+from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.type_managers.attention import make_manager
@@ -61,6 +62,7 @@ __all__ = [
     "AllocationError",
     "CacheHit",
     "CacheTiming",
+    "HitLimit",
     "IntegrityError",
     "KVCacheManager",
     "MambaCacheMode",
@@ -159,13 +161,16 @@ class ManagerStats:
     `query_tokens` sums the prompt lengths looked up, `hit_tokens` the hits returned;
     `group_hit_tokens[g]` sums what group g alone could serve when the coordinator first asked
     it (full attention: the whole prompt; other types: the candidate length at that point),
-    which shows which group limits the hit.
+    which shows which group limits the hit; `limited_by[g]` counts why group g could not serve
+    the next aligned length after the hit (`hit_limits.py`).
     """
 
     lookups: int
     query_tokens: int
     hit_tokens: int
     group_hit_tokens: tuple[int, ...]
+    #: per group, lookups whose hit this group stopped, by reason (`hit_limits.HitLimit`)
+    limited_by: tuple[dict[HitLimit, int], ...] = ()
 
     @property
     def hit_rate(self) -> float:
@@ -229,6 +234,7 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * len(config.groups)
+        self._limited_by: list[Counter[HitLimit]] = [Counter() for _ in config.groups]
 
     # -- step / lookup --------------------------------------------------------------------------
 
@@ -255,16 +261,42 @@ class KVCacheManager:
         self._query_tokens += request.num_tokens
         max_length = min(request.num_tokens - 1, self.max_model_len)
         if not self._caching or max_length < self._coordinator.lcm_block_size:
+            if self._caching and max_length > 0:
+                self._count_limits({}, 0, max_length, deferred=False)
             return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
                             pool_epoch=self._pool.evictions)
         coordinator = self._coordinator
-        hits, num_tokens, first = coordinator.find_longest_cache_hit(self._hashes(request), max_length)
+        hashes = self._hashes(request)
+        hits, num_tokens, first = coordinator.find_longest_cache_hit(hashes, max_length)
         self._hit_tokens += num_tokens
         self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
+        deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
+        self._count_limits(hashes, num_tokens, max_length, deferred=deferred)
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
-                        deferred=bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits),
-                        pool_epoch=self._pool.evictions)
+                        deferred=deferred, pool_epoch=self._pool.evictions)
+
+    def _count_limits(self, hashes: dict[int, list[BlockHash]], num_tokens: int, max_length: int, *,
+                      deferred: bool) -> None:
+        """Count, per group, why the hit of `num_tokens` did not reach `max_length` (`hit_limits.py`)."""
+        counts = self._limited_by
+        if deferred:
+            for manager in self._coordinator.managers:
+                if manager.is_state:
+                    for g in manager.group_ids:
+                        counts[g][HitLimit.SAME_STEP] += 1
+        if num_tokens >= max_length:
+            return
+        following = num_tokens + self._coordinator.lcm_block_size
+        if following > max_length:
+            for count in counts:
+                count[HitLimit.BLOCK_FLOOR] += 1
+            return
+        for manager in self._coordinator.managers:
+            limit = manager.limit_at(hashes[manager.block_size], following)
+            if limit is not None:
+                for g in manager.group_ids:
+                    counts[g][limit] += 1
 
     # -- allocate / cache / free ----------------------------------------------------------------
 
@@ -424,7 +456,8 @@ class KVCacheManager:
     def stats(self) -> ManagerStats:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
-                            group_hit_tokens=tuple(self._group_hit_tokens))
+                            group_hit_tokens=tuple(self._group_hit_tokens),
+                            limited_by=tuple({limit: count[limit] for limit in HitLimit} for count in self._limited_by))
 
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
+from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
@@ -62,6 +63,8 @@ class FullAttentionManager(SingleTypeManager):
 
 class SlidingWindowManager(SingleTypeManager):
     """Sliding window W: the last W-1 tokens before a position must be cached."""
+
+    reads_from_right = True
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         super().__init__(group, pool)
@@ -139,6 +142,9 @@ class CrossAttentionManager(SingleTypeManager):
     def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
         return [[] for _ in view.cols]
+
+    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> HitLimit | None:
+        return HitLimit.NEVER_CACHED
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         return

@@ -35,6 +35,7 @@ import numpy as np
 
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.hit_limits import HitLimit, limit_of_fate
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
@@ -94,6 +95,10 @@ class SingleTypeManager(ABC):
     #: null before `first_needed_block` and real from there, `cache_blocks` caches every full
     #: block. The coordinator's decode path (`KVCacheCoordinator.decode`) serves only such managers.
     plain_tables = True
+    #: The hit rule reads its blocks right to left (sliding window, state checkpoints).
+    reads_from_right = False
+    #: A recurrent-state group (Mamba, GDN): its blocks are checkpoints.
+    is_state = False
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
@@ -255,6 +260,20 @@ class SingleTypeManager(ABC):
             ids[i, keep_from:num_hits] = row[keep_from:]
         table.num_skipped = skipped = leading_nulls(table, keep_from)
         return [row[skipped:] for row in hits]
+
+    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> HitLimit | None:
+        """Why these groups cannot serve a hit of exactly `num_tokens` tokens (a multiple of the
+        block size within the hashed blocks), or None when they can (`hit_limits.py`)."""
+        keys = block_hashes[self.first_needed_block(num_tokens) : num_tokens // self.block_size]
+        row, _ = self.view.held(keys)
+        first_missing = row.find(0)
+        if first_missing < 0:
+            return None
+        if self.reads_from_right:  # the block ending at num_tokens decides; before it, the window
+            if row[-1]:
+                return HitLimit.WINDOW
+            first_missing = len(keys) - 1
+        return limit_of_fate(self.view.fate(keys[first_missing]), state_group=self.is_state)
 
     def num_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> int:
         """Real blocks `allocate_new_blocks` needs per group for `total_tokens` slots (after

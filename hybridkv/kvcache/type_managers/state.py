@@ -30,6 +30,9 @@ from hybridkv.plan.specs import MambaCacheMode
 class MambaManager(SingleTypeManager):
     """Mamba-style recurrent state (Mamba1/2, Gated DeltaNet); see the module docstring."""
 
+    reads_from_right = True
+    is_state = True
+
     defers_same_step_hits = True
     plain_tables = False
 

@@ -1,0 +1,47 @@
+"""Why a prefix hit stopped where it did, per KV cache group: the "hit limited by" counters.
+
+After each lookup that did not reach the request's last token, every group is asked whether it
+could serve the next aligned length `X = hit + lcm(block sizes)`; each group that cannot names
+one reason (`HitLimit`), and the manager counts it (`ManagerStats.limited_by`):
+
+    block_floor         X is past the prompt: the tokens left do not fill the alignment unit
+                        (a unified hybrid block of 544..8320 tokens makes most short prefixes this)
+    window              a sliding-window group holds the block ending at X but not the blocks
+                        before it that the window needs
+    missing_checkpoint  a state group (Mamba, GDN) has no checkpoint at X while another group of
+                        that block size holds the block: the state there was never kept
+    evicted             the needed block's content was cached and evicted (remembered for the
+                        last `num_blocks` evicted hashes; older ones count as never cached)
+    same_step           the hit's state checkpoint was cached in this very step (the lookup is
+                        repeated next step)
+    never_cached        no group ever cached the content (new content, a partial block, or a
+                        block the group's caching rule skipped)
+
+Counts are per lookup: a request looked up again while it waits counts again.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from hybridkv.kvcache.prefix_map import Fate
+
+
+class HitLimit(Enum):
+    """One reason a group could not extend a hit (module docstring)."""
+
+    BLOCK_FLOOR = "block_floor"
+    WINDOW = "window"
+    MISSING_CHECKPOINT = "missing_checkpoint"
+    EVICTED = "evicted"
+    SAME_STEP = "same_step"
+    NEVER_CACHED = "never_cached"
+
+
+def limit_of_fate(fate: Fate, *, state_group: bool) -> HitLimit:
+    """The reason for a block some group lacks, from what became of its hash."""
+    if fate is Fate.EVICTED:
+        return HitLimit.EVICTED
+    if fate is Fate.ELSEWHERE:
+        return HitLimit.MISSING_CHECKPOINT if state_group else HitLimit.EVICTED
+    return HitLimit.NEVER_CACHED
