@@ -18,7 +18,7 @@ import typer
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import HybridKVError
-from hybridkv.kvcache.manager import PrefixCaching
+from hybridkv.kvcache.manager import PrefixCaching, SlidingWindowCaching
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.specs import MambaCacheMode
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
@@ -33,7 +33,7 @@ PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 def simulate_command(
     model: Annotated[str, typer.Argument(help="catalog name, config.json or model directory")],
     trace: Annotated[Path | None, typer.Option("--trace", help="JSONL workload or Mooncake trace")] = None,
-    trace_format: Annotated[TraceFormat, typer.Option("--trace-format")] = TraceFormat.AUTO,
+    trace_format: Annotated[TraceFormat, typer.Option("--trace-format", help="auto: by hash_ids")] = TraceFormat.AUTO,
     trace_block_tokens: Annotated[int, typer.Option(
         "--trace-block-tokens", help="tokens per Mooncake hash_id block")] = 512,
     generator: Annotated[Generator | None, typer.Option(
@@ -41,14 +41,20 @@ def simulate_command(
     num_requests: Annotated[int, typer.Option("--num-requests", help="requests --generate makes")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="seed of --generate")] = 0,
     memory_gib: Annotated[float, typer.Option("--memory-gib", help="KV cache memory budget in GiB")] = 16.0,
-    max_model_len: Annotated[int, typer.Option("--max-model-len")] = 32768,
-    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens")] = 2048,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs")] = 256,
-    kv_cache_dtype: Annotated[KVCacheDType, typer.Option("--kv-cache-dtype")] = KVCacheDType.AUTO,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="longest request")] = 32768,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="step budget")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="most running requests")] = 256,
+    kv_cache_dtype: Annotated[KVCacheDType, typer.Option("--kv-cache-dtype", help="KV dtype")] = KVCacheDType.AUTO,
     block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
-    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option("--mamba-cache-mode")] = MambaCacheMode.ALIGN,
-    prefix_caching: Annotated[PrefixCaching, typer.Option("--prefix-caching")] = PrefixCaching.ON,
+    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
+        "--mamba-cache-mode", help="state checkpoints")] = MambaCacheMode.ALIGN,
+    prefix_caching: Annotated[PrefixCaching, typer.Option("--prefix-caching", help="on or off")] = PrefixCaching.ON,
+    sliding_window_caching: Annotated[SlidingWindowCaching, typer.Option(
+        "--sliding-window-caching", help="which sliding-window blocks to cache")] = SlidingWindowCaching.REACHABLE,
+    retention_interval: Annotated[int | None, typer.Option(
+        "--prefix-cache-retention-interval", help="vLLM's option: 0 = only the replay tail; N = a tail per N tokens "
+        "(default: every aligned boundary)")] = None,
     step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
@@ -69,7 +75,8 @@ def simulate_command(
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
-                             mamba_cache_mode=mamba_cache_mode)
+                             mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
+                             prefix_cache_retention_interval=retention_interval)
         report = simulate(requests, plan.config, options)
         curve = ([(memory_gib * s, simulate(requests, make_plan(dataclasses.replace(
             request, memory_gib=memory_gib * s))[1].config, options)) for s in PLOT_SCALES] if plot else [])

@@ -38,10 +38,14 @@ class HitLimit(Enum):
     NEVER_CACHED = "never_cached"
 
 
-def limit_of_fate(fate: Fate, *, state_group: bool) -> HitLimit:
-    """The reason for a block some group lacks, from what became of its hash."""
+def limit_of_fate(fate: Fate, *, state_group: bool, caches_every_block: bool) -> HitLimit:
+    """The reason for a block some group lacks, from what became of its hash (another group of
+    its block size still holding it means this group lost it, unless this group's caching rule
+    skips blocks: then it was never cached here)."""
     if fate is Fate.EVICTED:
         return HitLimit.EVICTED
     if fate is Fate.ELSEWHERE:
-        return HitLimit.MISSING_CHECKPOINT if state_group else HitLimit.EVICTED
+        if state_group:
+            return HitLimit.MISSING_CHECKPOINT
+        return HitLimit.EVICTED if caches_every_block else HitLimit.NEVER_CACHED
     return HitLimit.NEVER_CACHED

@@ -26,6 +26,7 @@ a checkpoint cached since then (`CacheHit.deferred`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
@@ -69,6 +71,7 @@ __all__ = [
     "ManagerStats",
     "NewBlocks",
     "PrefixCaching",
+    "SlidingWindowCaching",
     "StaleHitError",
     "StateCheckpoint",
     "StateStep",
@@ -178,12 +181,12 @@ class ManagerStats:
 
 
 def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
-                      mamba_cache_mode: MambaCacheMode) -> KVCacheCoordinator:
+                      mamba_cache_mode: MambaCacheMode, retention: Retention) -> KVCacheCoordinator:
     mode = mamba_cache_mode if caching is PrefixCaching.ON else MambaCacheMode.NONE
     by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
     for group in config.groups:
         by_rule.setdefault(rule_of(group), []).append(group)
-    managers = [make_manager(groups, pool, mamba_mode=mode) for groups in by_rule.values()]
+    managers = [make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
     if caching is PrefixCaching.OFF:
         return NoPrefixCacheCoordinator(managers, pool)
     if len(managers) == 1:
@@ -205,6 +208,8 @@ class KVCacheManager:
         eviction: EvictionPolicyName = EvictionPolicyName.LRU,
         events: KVEvents = KVEvents.OFF,
         mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+        sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE,
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -222,7 +227,9 @@ class KVCacheManager:
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
                                policy_factory=POLICIES[eviction], events=events)
-        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode)
+        retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
+                              alignment_tokens=math.lcm(*(g.block_size for g in config.groups)))
+        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)

@@ -22,7 +22,7 @@ from hybridkv.engine.scheduler import RequestStatus, Scheduler
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
-from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, PrefixCaching, SlidingWindowCaching
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheConfig
 from hybridkv.plan.specs import SpecKind
@@ -70,6 +70,8 @@ class SimOptions:
     step_ms: float = 30.0
     prefix_caching: PrefixCaching = PrefixCaching.ON
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
+    sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
+    prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -200,7 +202,9 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
             raise ConfigError(f"trace request {index} names parent {item.parent}; expected an earlier request")
     started = time.perf_counter()
     manager = KVCacheManager(config, max_model_len=options.max_model_len, prefix_caching=options.prefix_caching,
-                             mamba_cache_mode=options.mamba_cache_mode)
+                             mamba_cache_mode=options.mamba_cache_mode,
+                             sliding_window_caching=options.sliding_window_caching,
+                             prefix_cache_retention_interval=options.prefix_cache_retention_interval)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens

@@ -24,12 +24,15 @@ from collections.abc import Sequence
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
+from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
+    ClassHits,
     SingleTypeManager,
     cdiv,
     rule_of,
@@ -66,10 +69,48 @@ class SlidingWindowManager(SingleTypeManager):
 
     reads_from_right = True
 
-    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
+                 retention: Retention | None = None) -> None:
         super().__init__(group, pool)
         self.window_tokens = self.group.window_tokens
         self.contiguous_blocks = cdiv(self.window_tokens - 1, self.block_size)
+        self.retention = retention or Retention(sliding=SlidingWindowCaching.ALL)
+        self._prompt_tokens: dict[RequestId, int] = {}  # tokens at the request's first allocate
+        if not self.retention.dense_all:
+            self.plain_tables = False  # the decode path caches every block
+
+    def save_hits(self, request: KVRequest, hits: ClassHits, first_new: int) -> list[Sequence[int]]:
+        self._prompt_tokens.setdefault(request.request_id, request.num_tokens)
+        return super().save_hits(request, hits, first_new)
+
+    def free(self, request_id: RequestId) -> Ids:
+        self._prompt_tokens.pop(request_id, None)
+        return super().free(request_id)
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Cache the full blocks the retention rule keeps (`retention.py`)."""
+        table = self.table_of[request.request_id]
+        num_full = num_tokens // self.block_size
+        start = table.num_cached
+        if num_full <= start:
+            return
+        prompt = self._prompt_tokens.get(request.request_id, request.num_tokens)
+        mask = self.retention.mask(start, num_full, block_size=self.block_size, need=self.contiguous_blocks,
+                                   replay_boundaries=(prompt - 1,))
+        if mask is None:
+            super().cache_blocks(request, block_hashes, num_tokens)
+            return
+        i = 0
+        while i < len(mask):
+            if not mask[i]:
+                i += 1
+                continue
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            self._pool.cache(self.group_ids, table.ids, block_hashes, start + i, start + j, request.token_ids)
+            i = j
+        table.num_cached = num_full
 
     def first_needed_block(self, num_tokens: int) -> int:
         return max(0, num_tokens - self.window_tokens + 1) // self.block_size
@@ -151,7 +192,7 @@ class CrossAttentionManager(SingleTypeManager):
 
 
 def make_manager(group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
-                 mamba_mode: MambaCacheMode) -> SingleTypeManager:
+                 mamba_mode: MambaCacheMode, retention: Retention | None = None) -> SingleTypeManager:
     """The manager for a group, or for several groups of one rule (`rule_of`), by kind."""
     groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
     if len({rule_of(g) for g in groups}) != 1:
@@ -161,7 +202,7 @@ def make_manager(group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: Blo
     if kind is SpecKind.FULL:
         return FullAttentionManager(groups, pool)
     if kind is SpecKind.SLIDING_WINDOW:
-        return SlidingWindowManager(groups, pool)
+        return SlidingWindowManager(groups, pool, retention=retention)
     if kind is SpecKind.CHUNKED_LOCAL:
         return ChunkedLocalManager(groups, pool)
     if kind is SpecKind.MAMBA:

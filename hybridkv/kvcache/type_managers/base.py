@@ -273,7 +273,8 @@ class SingleTypeManager(ABC):
             if row[-1]:
                 return HitLimit.WINDOW
             first_missing = len(keys) - 1
-        return limit_of_fate(self.view.fate(keys[first_missing]), state_group=self.is_state)
+        return limit_of_fate(self.view.fate(keys[first_missing]), state_group=self.is_state,
+                             caches_every_block=self.plain_tables or self.is_state)
 
     def num_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> int:
         """Real blocks `allocate_new_blocks` needs per group for `total_tokens` slots (after

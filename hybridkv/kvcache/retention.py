@@ -1,0 +1,82 @@
+"""Which full sliding-window blocks are worth caching (vLLM 0.32's rule, and ours).
+
+A sliding-window hit of length L (a multiple of the alignment, the lcm of the group block sizes)
+reads only the `need = ceil((W - 1) / B)` blocks before L. A block that ends no such run can
+never serve a hit, yet, cached, it keeps its hash and waits in the free queue behind the
+content-free blocks, competing with blocks that can. So:
+
+    SlidingWindowCaching.REACHABLE   cache, in every alignment-sized segment, only its last `need`
+                                     blocks (vLLM 0.32's rule; the default here: measured better,
+                                     docs/prefix_caching.md). With one block size for all groups
+                                     every block is reachable and this caches them all.
+    SlidingWindowCaching.ALL         cache every full block (this project's earlier rule)
+
+`prefix_cache_retention_interval` (vLLM's option, same meaning) thins this further:
+
+    None   every aligned boundary, as above (dense)
+    0      only the tail before the prompt's replay boundary `prompt - 1` (vLLM 0.32's engine default)
+    k > 0  a tail once per k-token segment, plus the replay boundary (k a multiple of the alignment)
+
+Per segment of `per = segment / B` blocks, block i is kept when `i % per >= per - need`:
+
+    B = 8, alignment 32, W = 8 (need 1):  blocks 0 1 2 3 | 4 5 6 7    kept: 3, 7
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from hybridkv.errors import ConfigError
+
+
+class SlidingWindowCaching(Enum):
+    """Which full sliding-window blocks `allocate` caches (module docstring)."""
+
+    REACHABLE = "reachable"
+    ALL = "all"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Retention:
+    """The caching rule of the sliding-window groups of one manager."""
+
+    sliding: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
+    interval_tokens: int | None = None  # vLLM's prefix_cache_retention_interval
+    alignment_tokens: int = 1  # the lcm of every group's block size
+
+    def __post_init__(self) -> None:
+        interval = self.interval_tokens
+        if interval is not None and (interval < 0 or interval % self.alignment_tokens):
+            raise ConfigError(
+                f"prefix_cache_retention_interval {interval} must be None, 0 or a positive multiple of the "
+                f"alignment {self.alignment_tokens} tokens (the lcm of the group block sizes)"
+            )
+
+    @property
+    def dense_all(self) -> bool:
+        """Every full block is cached (no mask to compute)."""
+        return self.sliding is SlidingWindowCaching.ALL and self.interval_tokens is None
+
+    def mask(self, start: int, end: int, *, block_size: int, need: int,
+             replay_boundaries: Sequence[int]) -> list[bool] | None:
+        """Per block index in [start, end): cache it? None: cache every one."""
+        if self.dense_all or self.alignment_tokens % block_size:
+            return None
+        interval = self.interval_tokens
+        segment = self.alignment_tokens if interval is None else (interval or None)
+        mask = [False] * (end - start)
+        if segment is not None:
+            per = segment // block_size
+            if need >= per:
+                return None
+            for i in range(start, end):
+                if i % per >= per - need:
+                    mask[i - start] = True
+        if interval is not None:
+            for boundary in replay_boundaries:
+                last = boundary // self.alignment_tokens * self.alignment_tokens // block_size
+                for i in range(max(start, last - need), min(end, last)):
+                    mask[i - start] = True
+        return mask
