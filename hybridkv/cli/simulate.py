@@ -18,7 +18,7 @@ import typer
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import HybridKVError
-from hybridkv.kvcache.manager import PrefixCaching, SlidingWindowCaching
+from hybridkv.kvcache.manager import PrefixCaching, ReleaseOrder, SlidingWindowCaching
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.specs import MambaCacheMode
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
@@ -55,6 +55,8 @@ def simulate_command(
     retention_interval: Annotated[int | None, typer.Option(
         "--prefix-cache-retention-interval", help="vLLM's option: 0 = only the replay tail; N = a tail per N tokens "
         "(default: every aligned boundary)")] = None,
+    release_order: Annotated[ReleaseOrder, typer.Option(
+        "--release-order", help="free order of a request's blocks (by_group: vLLM's)")] = ReleaseOrder.INTERLEAVED,
     step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
@@ -76,7 +78,7 @@ def simulate_command(
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
                              mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
-                             prefix_cache_retention_interval=retention_interval)
+                             prefix_cache_retention_interval=retention_interval, release_order=release_order)
         report = simulate(requests, plan.config, options)
         curve = ([(memory_gib * s, simulate(requests, make_plan(dataclasses.replace(
             request, memory_gib=memory_gib * s))[1].config, options)) for s in PLOT_SCALES] if plot else [])

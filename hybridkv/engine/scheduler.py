@@ -15,9 +15,10 @@ Each `schedule()` call builds one step:
 
 Recurrent-state models in align mode (`align_tokens` = the state groups' block size): a
 prefill chunk that would cross a block boundary without ending on one is cut back to end on
-the last boundary it reaches (and one that crosses the prompt's last boundary ends there), so
-every step's end state is a checkpoint the manager can cache. Any budget works: a chunk too
-small to reach the next boundary runs as it is.
+the last boundary it reaches, one starting inside a block ends at that block's end, and none
+runs past the last boundary before the known tokens' end (vLLM 0.32's cuts), so every step's
+end state is a checkpoint the manager can cache. Any budget works: a chunk too small to reach
+the next boundary runs as it is.
 
 With a KV connector (`connector`, e.g. the KV cache server's): after the local lookup the
 connector says how many more prompt tokens the external cache holds; they are allocated as
@@ -213,16 +214,25 @@ class Scheduler(Generic[R]):
         return next(((size, hashes[size][0]) for size in sorted(hashes) if hashes[size]), None)
 
     def _aligned(self, request: R, start: int, n: int) -> int:
-        """`n` tokens from `start`, cut to end on a block boundary in align mode (module docstring)."""
+        """`n` tokens from `start`, cut to end on a block boundary in align mode (module docstring).
+
+        As vLLM 0.32's scheduler cuts them (`_mamba_block_aligned_split`), except that a chunk too
+        small to reach a boundary runs as it is: a chunk that stops short of the known tokens ends
+        on the last boundary it reaches; a chunk starting inside a block ends at that block's end
+        (a step writes one state: crossing a boundary from inside a block would checkpoint none);
+        and no chunk runs past the last boundary strictly before the end, so a resend of the
+        whole prompt (hit at most `num_tokens - 1`) finds a checkpoint there."""
         size = self.align_tokens
         end = start + n
         if not size or n <= 1:
             return n
-        last = request.num_tokens - request.num_tokens % size  # the last boundary of the known tokens
-        if end < last:
+        if end < request.num_tokens:
             boundary = end - end % size
-            return boundary - start if boundary > start else n
-        return last - start if start < last < end else n
+            end = boundary if boundary > start else end
+        next_boundary = start - start % size + size if start % size else 0
+        last = (request.num_tokens - 1) // size * size
+        end = min((s for s in (next_boundary, last) if start < s < end), default=end)
+        return end - start
 
     def abort(self, requests: Iterable[R]) -> None:
         """Forget `requests` (a failed `generate`): free their blocks and drop them from the queues."""

@@ -47,6 +47,7 @@ from hybridkv.kvcache.coordinator import (
     HybridCoordinator,
     KVCacheCoordinator,
     NoPrefixCacheCoordinator,
+    ReleaseOrder,
     UnitaryCoordinator,
 )
 from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
@@ -71,6 +72,7 @@ __all__ = [
     "ManagerStats",
     "NewBlocks",
     "PrefixCaching",
+    "ReleaseOrder",
     "SlidingWindowCaching",
     "StaleHitError",
     "StateCheckpoint",
@@ -210,6 +212,7 @@ class KVCacheManager:
         mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
         sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE,
         prefix_cache_retention_interval: int | None = None,
+        release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -230,6 +233,7 @@ class KVCacheManager:
         retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
                               alignment_tokens=math.lcm(*(g.block_size for g in config.groups)))
         self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
+        self._coordinator.release_order = release_order
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)

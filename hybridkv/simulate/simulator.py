@@ -22,7 +22,13 @@ from hybridkv.engine.scheduler import RequestStatus, Scheduler
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
-from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, PrefixCaching, SlidingWindowCaching
+from hybridkv.kvcache.manager import (
+    KVCacheManager,
+    MambaCacheMode,
+    PrefixCaching,
+    ReleaseOrder,
+    SlidingWindowCaching,
+)
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheConfig
 from hybridkv.plan.specs import SpecKind
@@ -72,6 +78,7 @@ class SimOptions:
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
     prefix_cache_retention_interval: int | None = None
+    release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -108,6 +115,8 @@ class SimReport:
     num_blocks: int
     wall_s: float
     groups: tuple[GroupLimits, ...]
+    #: per trace request (in trace order): its hit tokens at its first admission
+    request_hits: tuple[int, ...] = field(default=())
     #: (simulated ms, running requests, waiting requests), sampled every `concurrency_every` steps
     concurrency: tuple[tuple[float, int, int], ...] = field(default=())
 
@@ -122,7 +131,7 @@ class SimReport:
 
 def _limits_of(config: KVCacheConfig, limited_by: Sequence[dict[HitLimit, int]]) -> tuple[GroupLimits, ...]:
     out = []
-    for group, counts in zip(config.groups, limited_by, strict=True):
+    for group, counts in zip(config.groups, limited_by or [{}] * len(config.groups), strict=True):
         kind = group.kind.value
         if group.kind is SpecKind.SLIDING_WINDOW:
             kind = f"{kind} {group.window_tokens}"
@@ -193,18 +202,19 @@ class _Run:
 
 
 def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimOptions, *,
-             concurrency_every: int = 1) -> SimReport:
-    """Run `trace` through the scheduler and a fresh manager over `config`; see the module docstring."""
+             concurrency_every: int = 1, manager: KVCacheManager | None = None) -> SimReport:
+    """Run `trace` through the scheduler and a fresh manager over `config` (or `manager`, built for
+    `config`: e.g. another engine's manager behind the same verbs); see the module docstring."""
     if not trace:
         raise ConfigError("the trace holds no requests")
     for index, item in enumerate(trace):
         if item.parent is not None and not 0 <= item.parent < index:
             raise ConfigError(f"trace request {index} names parent {item.parent}; expected an earlier request")
     started = time.perf_counter()
-    manager = KVCacheManager(config, max_model_len=options.max_model_len, prefix_caching=options.prefix_caching,
-                             mamba_cache_mode=options.mamba_cache_mode,
-                             sliding_window_caching=options.sliding_window_caching,
-                             prefix_cache_retention_interval=options.prefix_cache_retention_interval)
+    manager = manager or KVCacheManager(
+        config, max_model_len=options.max_model_len, prefix_caching=options.prefix_caching,
+        mamba_cache_mode=options.mamba_cache_mode, sliding_window_caching=options.sliding_window_caching,
+        prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens
@@ -236,4 +246,5 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         mean_running=running_sum / steps if steps else 0.0, num_blocks=config.num_blocks,
         wall_s=time.perf_counter() - started, groups=_limits_of(config, stats.limited_by),
         concurrency=tuple(samples),
+        request_hits=tuple(r.prefix_hit_tokens for r in sorted(requests, key=lambda r: r.arrival_seq)),
     )
