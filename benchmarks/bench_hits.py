@@ -2,7 +2,8 @@
 """Prefix-hit tokens of our KV cache manager vs vLLM 0.32's real one, and vs an infinite cache.
 
 Per layout (Gemma 3: full + sliding window; Qwen3.5: full + Gated DeltaNet; Nemotron-H: full +
-Mamba2, each planned by our planner from the catalog config) and per seeded trace generator,
+Mamba2, each planned by our planner from the catalog config) and per seeded trace generator
+(and, on Gemma 3, per `prefix_cache_retention_interval`: dense, 0, 4096),
 the same trace runs through `hybridkv simulate`'s loop -- the engine's own scheduler -- twice:
 over our manager, and over vLLM's manager (`vllm_hits_driver.py` under the vLLM venv, every
 option at the same setting). Prints one line per run (hit tokens, requests whose hit differs,
@@ -60,17 +61,16 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
 
 
 def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
+    """Every layout x generator at dense retention, then Gemma 3 (sliding window) at vLLM's
+    retention intervals 0 and 4096 (quick: one generator per layout, and retention 0 once)."""
     n = 30 if quick else 100
-    out = []
-    for layout, model in LAYOUTS.items():
-        for generator in (Generator.CHAT, Generator.SYSTEM_PROMPT, Generator.AGENTIC, Generator.BRANCHING):
-            out.append({"layout": layout, "model": model, "memory_gib": 8.0, "max_model_len": 32768,
-                        "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
-                        "retention": None, "release_order": release_order, "generator": generator.value,
-                        "generator_options": {"num_requests": n, "seed": 0}})
-            if quick:
-                break
-    return out
+    generators = [Generator.CHAT] if quick else list(Generator)
+    runs = [(layout, g, None) for layout in LAYOUTS for g in generators]
+    runs += [("gemma3", g, r) for r in ((0,) if quick else (0, 4096)) for g in generators]
+    return [{"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
+             "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
+             "retention": retention, "release_order": release_order, "generator": generator.value,
+             "generator_options": {"num_requests": n, "seed": 0}} for layout, generator, retention in runs]
 
 
 def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -94,7 +94,8 @@ def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
 
 
 def job_name(job: dict[str, Any]) -> str:
-    return "{layout}:{generator}:{n}:{release_order}".format(n=job["generator_options"]["num_requests"], **job)
+    return "{layout}:{generator}:{n}:{release_order}:retention={retention}".format(
+        n=job["generator_options"]["num_requests"], **job)
 
 
 def record(path: Path) -> None:
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     total_ours = sum(r.hit_tokens for r in ours)
     total_ideal = sum(r.ideal_tokens for r in ours)
     for i, (job, report) in enumerate(zip(batch, ours, strict=True)):
-        line = (f"layout={job['layout']} trace={job['generator']} requests={report.requests} "
+        line = (f"layout={job['layout']} trace={job['generator']} retention={job['retention']} "
+                f"requests={report.requests} "
                 f"hits={report.hit_tokens} ideal={report.ideal_tokens} preemptions={report.preemptions} "
                 f"simulate_s={report.wall_s:.2f}")
         if theirs is not None:
