@@ -238,8 +238,9 @@ def _memory_report(llm: LLM, requests: dict[str, Any]) -> dict[str, Any]:
         "group_id": g.group_id, "kind": g.kind.value, "layers": list(g.layer_indices), "block_size": g.block_size,
         "window_tokens": g.window_tokens or None, "chunk_tokens": g.chunk_tokens or None,
         "hit_rate": round(hits / stats.query_tokens, 4) if stats.query_tokens else 0.0,
-        "peak_blocks": peak,
-    } for g, hits, peak in zip(plan.config.groups, stats.group_hit_tokens, engine.peak_group_blocks, strict=True)]
+        "peak_blocks": peak, "hit_limited_by": {limit.value: n for limit, n in limits.items()},
+    } for g, hits, peak, limits in zip(plan.config.groups, stats.group_hit_tokens, engine.peak_group_blocks,
+                                       stats.limited_by, strict=True)]
     used, unshared, uniform = engine.peak_kv_bytes, engine.peak_unshared_kv_bytes, engine.peak_uniform_kv_bytes
     prompt_tokens, prompt_hits = requests["prompt_tokens"], requests["prompt_hit_tokens"]
     ratio = plan.capacity_ratio
@@ -321,12 +322,12 @@ def _render(console: Console, report: dict[str, Any]) -> None:
         table.add_row(name, value)
     print_table(console, table, title=f"hybridkv run: {report['model']}")
     groups = new_table(("group", "right"), "kind", "layers", ("block", "right"), ("window", "right"),
-                       ("hit rate", "right"), ("peak blocks", "right"))
+                       ("hit rate", "right"), ("peak blocks", "right"), "hit limited by")
     for g in cache["groups"]:
         kind = g["kind"].removesuffix("_window").removesuffix("_local")
         groups.add_row(str(g["group_id"]), kind, layer_list([str(i) for i in g["layers"]]), str(g["block_size"]),
                        str(g["window_tokens"] or g["chunk_tokens"] or "-"), f"{g['hit_rate']:.1%}",
-                       str(g["peak_blocks"]))
+                       str(g["peak_blocks"]), ", ".join(f"{k} {n}" for k, n in g["hit_limited_by"].items() if n) or "-")
     print_table(console, groups, title="KV cache groups",
                 caption="hit rate: tokens this group alone could serve, over every lookup (recomputation included)")
     if len(report["passes"]) > 1 or "kv_server" in report:
