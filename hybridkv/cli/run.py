@@ -23,6 +23,7 @@ import json
 import math
 import os
 import time
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -36,7 +37,7 @@ from hybridkv.cli.tables import layer_list, new_table, print_table, stdout_conso
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.workload import Conversation, Turn, builtin_chat, load_jsonl, rounds
 from hybridkv.errors import HybridKVError
-from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.manager import PrefixCaching
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
@@ -58,6 +59,7 @@ def run_command(
     block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
     prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
     mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
+    prefix_cache_retention_interval: opt.RetentionInterval = None,
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
@@ -87,7 +89,8 @@ def run_command(
             kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
-            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s)
+            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
+            prefix_cache_retention_interval=prefix_cache_retention_interval)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")
@@ -113,7 +116,7 @@ def run_command(
         raise usage_error(str(exc), RUN_FLAGS) from None
     report["model"] = model
     report["load_s"] = round(load_s, 3)
-    report["config"] = {k: (v.value if isinstance(v, PrefixCaching | MambaCacheMode) else v)
+    report["config"] = {k: (v.value if isinstance(v, Enum) else v)
                         for k, v in _asdict(config).items()}
     report["config"]["max_model_len"] = llm.max_model_len
     if model == DEFAULT_MODEL_NAME:

@@ -109,7 +109,9 @@ class LLM:
                    weights_bytes=sum(f.stat().st_size for f in safetensors_files(self.model_dir)))
         self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
         self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
-                                      prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode)
+                                      prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode,
+                                      prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
+                                      sliding_window_caching=cfg.sliding_window_caching)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
