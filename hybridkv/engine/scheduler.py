@@ -81,6 +81,25 @@ class SchedulableRequest(Protocol):
 R = TypeVar("R", bound=SchedulableRequest)
 
 
+class KVRequestView:
+    """The three read-only views of `kv` that `SchedulableRequest` asks for (a mixin)."""
+
+    __slots__ = ()
+    kv: KVRequest
+
+    @property
+    def request_id(self) -> RequestId:
+        return self.kv.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.kv.num_computed_tokens
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScheduledWork(Generic[R]):
     """Positions [start_pos, start_pos + num_tokens) of `request` are computed this step.

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.engine.scheduler import RequestStatus, Scheduler
+from hybridkv.engine.scheduler import KVRequestView, RequestStatus, Scheduler
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
@@ -39,7 +39,7 @@ OUTPUT_TOKEN_BASE = 1 << 40  # synthetic generated tokens: above any prompt toke
 
 
 @dataclass(slots=True, kw_only=True)
-class SimRequest:
+class SimRequest(KVRequestView):
     """A request as the scheduler sees it (`engine.scheduler.SchedulableRequest`), tokens only."""
 
     kv: KVRequest
@@ -52,18 +52,6 @@ class SimRequest:
     computed_prefill_tokens: int = 0
     num_preemptions: int = 0
     ideal_tokens: int = 0
-
-    @property
-    def request_id(self) -> RequestId:
-        return self.kv.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return self.kv.num_tokens
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return self.kv.num_computed_tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
