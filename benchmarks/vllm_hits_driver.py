@@ -96,7 +96,11 @@ class VLLMManager:
 
     def lookup(self, kv: KVRequest) -> CacheHit:
         self.lookups += 1
-        blocks, num_tokens, _ = self.manager.get_computed_blocks(self._sync(kv))
+        request = self._sync(kv)
+        blocks, num_tokens, boundary = self.manager.get_computed_blocks(request)
+        # vLLM's scheduler keeps the junction on its request (sliding-window retention reads it);
+        # the loop's scheduler reads ours (align-mode chunk stops)
+        request.shared_prefix_boundary = kv.shared_prefix_boundary = boundary
         self.found[kv.request_id] = blocks
         return CacheHit(request_id=kv.request_id, num_tokens=num_tokens, blocks=())
 

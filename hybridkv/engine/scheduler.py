@@ -239,8 +239,10 @@ class Scheduler(Generic[R]):
         small to reach a boundary runs as it is: a chunk that stops short of the known tokens ends
         on the last boundary it reaches; a chunk starting inside a block ends at that block's end
         (a step writes one state: crossing a boundary from inside a block would checkpoint none);
-        and no chunk runs past the last boundary strictly before the end, so a resend of the
-        whole prompt (hit at most `num_tokens - 1`) finds a checkpoint there."""
+        no chunk runs past the last boundary strictly before the end, so a resend of the whole
+        prompt (hit at most `num_tokens - 1`) finds a checkpoint there; and none runs past the
+        request's shared-prefix junction (`KVRequest.shared_prefix_boundary`, block-floored), so
+        siblings sharing that prefix find the state there."""
         size = self.align_tokens
         end = start + n
         if not size or n <= 1:
@@ -250,7 +252,9 @@ class Scheduler(Generic[R]):
             end = boundary if boundary > start else end
         next_boundary = start - start % size + size if start % size else 0
         last = (request.num_tokens - 1) // size * size
-        end = min((s for s in (next_boundary, last) if start < s < end), default=end)
+        junction = request.kv.shared_prefix_boundary  # block-floored: only a boundary's state is kept
+        junction_stop = start + (junction - start) // size * size if start < junction < end else 0
+        end = min((s for s in (next_boundary, last, junction_stop) if start < s < end), default=end)
         return end - start
 
     def abort(self, requests: Iterable[R]) -> None:

@@ -271,6 +271,7 @@ class KVCacheManager:
         self._lookups += 1
         self._query_tokens += request.num_tokens
         max_length = min(request.num_tokens - 1, self.max_model_len)
+        request.shared_prefix_boundary = 0
         if not self._caching or max_length < self._coordinator.lcm_block_size:
             if self._caching and max_length > 0:
                 self._count_limits({}, 0, max_length, deferred=False)
@@ -282,6 +283,8 @@ class KVCacheManager:
         self._hit_tokens += num_tokens
         self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
         deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
+        longest = max(first)
+        request.shared_prefix_boundary = longest if longest > num_tokens else 0
         self._count_limits(hashes, num_tokens, max_length, deferred=deferred)
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),

@@ -127,3 +127,18 @@ def test_cli_json_on_a_catalog_model() -> None:
 def test_cli_needs_exactly_one_trace_source() -> None:
     result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it"])
     assert result.exit_code == 2 and "exactly one of --trace" in result.output
+
+
+def test_a_junction_checkpoint_lets_a_sibling_resume_at_the_shared_prefix() -> None:
+    # full + Mamba (align, blocks of 16). A (64 tokens) checkpoints at 48 and 64. B shares A's first 40 tokens:
+    # full attention holds 32 of them, the state group nothing at or below 32, so B hits 0 and its junction
+    # (shared_prefix_boundary) is 32: B's first chunk stops there and checkpoints the state. C, another
+    # sibling of the same 40 tokens, then resumes at 32.
+    groups = [make_group(kind="full"), make_group(kind="mamba")]
+    a = tuple(range(1, 65))
+    trace = [TraceRequest(arrival_ms=0, new_tokens=a, output_tokens=1),
+             TraceRequest(arrival_ms=1000, new_tokens=a[:40] + (900,) * 9, output_tokens=1),
+             TraceRequest(arrival_ms=2000, new_tokens=a[:40] + (901,) * 9, output_tokens=1)]
+    report = simulate(trace, make_config(groups=groups, num_blocks=64), OPTIONS)
+    assert report.request_hits == (0, 0, 32)
+    assert report.ideal_tokens == 40 + 40

@@ -96,7 +96,7 @@ class SlidingWindowManager(SingleTypeManager):
             return
         prompt = self._prompt_tokens.get(request.request_id, request.num_tokens)
         mask = self.retention.mask(start, num_full, block_size=self.block_size, need=self.contiguous_blocks,
-                                   replay_boundaries=(prompt - 1,))
+                                   replay_boundaries=(prompt - 1, request.shared_prefix_boundary))
         if mask is None:
             super().cache_blocks(request, block_hashes, num_tokens)
             return
