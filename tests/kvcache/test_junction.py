@@ -21,5 +21,5 @@ def test_the_junction_is_where_full_attention_could_go_on_and_zero_otherwise() -
     manager.begin_step()
     sibling = KVRequest(request_id=RequestId("b"), token_ids=list(range(1, 41)) + [900] * 9)
     assert manager.lookup(sibling).num_tokens == 0 and sibling.shared_prefix_boundary == 32
-    resend = KVRequest(request_id=RequestId("c"), token_ids=list(range(1, 65)) + [7])
+    resend = KVRequest(request_id=RequestId("c"), token_ids=[*range(1, 65), 7])
     assert manager.lookup(resend).num_tokens == 64 and resend.shared_prefix_boundary == 0
