@@ -142,3 +142,18 @@ def test_a_junction_checkpoint_lets_a_sibling_resume_at_the_shared_prefix() -> N
     report = simulate(trace, make_config(groups=groups, num_blocks=64), OPTIONS)
     assert report.request_hits == (0, 0, 32)
     assert report.ideal_tokens == 40 + 40
+
+
+@pytest.mark.slow
+def test_simulate_runs_on_every_catalog_model() -> None:
+    from hybridkv.catalog import catalog
+    from hybridkv.cli.plan_report import PlanRequest, make_plan
+
+    trace = generate(Generator.CHAT, GeneratorOptions(num_requests=20, mean_prompt_tokens=512, mean_output_tokens=16))
+    for entry in catalog():
+        _, plan = make_plan(PlanRequest(model=entry.hf_id, memory_gib=16, max_model_len=8192))
+        report = simulate(trace, plan.config, SimOptions(max_model_len=plan.options.max_model_len))
+        assert report.requests == 20 and report.hit_tokens <= report.ideal_tokens, entry.hf_id
+        if entry.hf_id == "nvidia/NVIDIA-Nemotron-Nano-9B-v2":  # unified blocks longer than these prompts
+            limits = report.groups[0].limited_by
+            assert report.hit_tokens == 0 and max(limits, key=limits.__getitem__) == "block_floor", limits
