@@ -32,14 +32,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hybridkv.catalog import find  # noqa: E402
-from hybridkv.kvcache.manager import MambaCacheMode, ReleaseOrder  # noqa: E402
+from hybridkv.kvcache.manager import MambaCacheMode, ReleaseOrder, SpecDecode  # noqa: E402
 from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
 from hybridkv.plan.planner import GIB, KVCacheConfig, PlannerOptions, plan  # noqa: E402
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate  # noqa: E402
 from hybridkv.simulate.simulator import SimOptions, simulate  # noqa: E402
 from hybridkv.simulate.trace import TraceRequest  # noqa: E402
 
-LAYOUTS = {"gemma3": "gemma-3-27b-it", "qwen3.5": "qwen3.5-27b", "mamba2": "nemotron-nano-9b-v2"}
+LAYOUTS = {"gemma3": "gemma-3-27b-it", "qwen3.5": "qwen3.5-27b", "mamba2": "nemotron-nano-9b-v2",
+           "full": "Llama-3.1-8B-Instruct"}
 VENV = Path(os.environ.get("HYBRIDKV_VLLM_VENV", Path.home() / ".cache/hybridkv-bench/vllm-manager-venv"))
 OVERLAY = Path.home() / ".cache/hybridkv-bench/xxhash-overlay"
 
@@ -56,7 +57,7 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
     options = SimOptions(max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
                          max_num_seqs=job["max_num_seqs"], mamba_cache_mode=mode,
                          prefix_cache_retention_interval=job["retention"],
-                         release_order=ReleaseOrder(job["release_order"]))
+                         release_order=ReleaseOrder(job["release_order"]), spec_decode=SpecDecode(job["spec_decode"]))
     return planned.config, trace, options
 
 
@@ -65,12 +66,15 @@ def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
     retention intervals 0 and 4096 (quick: one generator per layout, and retention 0 once)."""
     n = 30 if quick else 100
     generators = [Generator.CHAT] if quick else list(Generator)
-    runs = [(layout, g, None) for layout in LAYOUTS for g in generators]
-    runs += [("gemma3", g, r) for r in ((0,) if quick else (0, 4096)) for g in generators]
+    runs = [(layout, g, None, "off") for layout in ("gemma3", "qwen3.5", "mamba2") for g in generators]
+    runs += [("gemma3", g, r, "off") for r in ((0,) if quick else (0, 4096)) for g in generators]
+    runs += [(layout, g, r, "eagle") for layout, r in (("gemma3", None), ("gemma3", 0), ("full", None))
+             for g in generators]
     return [{"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
              "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
-             "retention": retention, "release_order": release_order, "generator": generator.value,
-             "generator_options": {"num_requests": n, "seed": 0}} for layout, generator, retention in runs]
+             "retention": retention, "release_order": release_order, "spec_decode": spec,
+             "generator": generator.value, "generator_options": {"num_requests": n, "seed": 0}}
+            for layout, generator, retention, spec in runs]
 
 
 def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -94,7 +98,7 @@ def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
 
 
 def job_name(job: dict[str, Any]) -> str:
-    return "{layout}:{generator}:{n}:{release_order}:retention={retention}".format(
+    return "{layout}:{generator}:{n}:{release_order}:retention={retention}:spec={spec_decode}".format(
         n=job["generator_options"]["num_requests"], **job)
 
 
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     total_ideal = sum(r.ideal_tokens for r in ours)
     for i, (job, report) in enumerate(zip(batch, ours, strict=True)):
         line = (f"layout={job['layout']} trace={job['generator']} retention={job['retention']} "
+                f"spec_decode={job['spec_decode']} "
                 f"requests={report.requests} "
                 f"hits={report.hit_tokens} ideal={report.ideal_tokens} preemptions={report.preemptions} "
                 f"simulate_s={report.wall_s:.2f}")

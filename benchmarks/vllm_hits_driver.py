@@ -70,11 +70,11 @@ class VLLMManager:
     """The verbs `Scheduler` calls, over vLLM's manager; each `KVRequest` mirrored into a vLLM `Request`
     (tokens appended as the loop appends them, `num_computed_tokens` copied before each call)."""
 
-    def __init__(self, config: KVCacheConfig, *, max_model_len: int) -> None:
+    def __init__(self, config: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False) -> None:
         block = lcm(*(g.kv_cache_spec.block_size for g in config.kv_cache_groups))
         hash_block = min(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
         self.manager = VllmKVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block,
-                                          hash_block_size=hash_block, enable_caching=True)
+                                          hash_block_size=hash_block, enable_caching=True, use_eagle=use_eagle)
         self.hasher = get_request_block_hasher(hash_block, HASH_FN)
         self.requests: dict[str, Request] = {}
         self.found: dict[str, Any] = {}
@@ -129,7 +129,7 @@ class VLLMManager:
 def run(job: dict[str, Any]) -> dict[str, Any]:
     ours, trace, options = bench_hits.materialize(job)
     manager = VLLMManager(vllm_config(ours, mamba_mode=job["mamba_cache_mode"], retention=job["retention"]),
-                          max_model_len=options.max_model_len)
+                          max_model_len=options.max_model_len, use_eagle=job["spec_decode"] == "eagle")
     report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
     return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
             "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens}

@@ -18,7 +18,7 @@ import typer
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import HybridKVError
-from hybridkv.kvcache.manager import PrefixCaching, ReleaseOrder, SlidingWindowCaching
+from hybridkv.kvcache.manager import PrefixCaching, ReleaseOrder, SlidingWindowCaching, SpecDecode
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.specs import MambaCacheMode
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
@@ -57,6 +57,8 @@ def simulate_command(
         "(default: every aligned boundary)")] = None,
     release_order: Annotated[ReleaseOrder, typer.Option(
         "--release-order", help="free order of a request's blocks (by_group: vLLM's)")] = ReleaseOrder.INTERLEAVED,
+    spec_decode: Annotated[SpecDecode, typer.Option(
+        "--spec-decode", help="eagle: hits drop one block for the draft model (vLLM's use_eagle)")] = SpecDecode.OFF,
     step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
@@ -78,7 +80,8 @@ def simulate_command(
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
                              mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
-                             prefix_cache_retention_interval=retention_interval, release_order=release_order)
+                             prefix_cache_retention_interval=retention_interval, release_order=release_order,
+                             spec_decode=spec_decode)
         report = simulate(requests, plan.config, options)
         curve = ([(memory_gib * s, simulate(requests, make_plan(dataclasses.replace(
             request, memory_gib=memory_gib * s))[1].config, options)) for s in PLOT_SCALES] if plot else [])

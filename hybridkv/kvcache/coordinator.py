@@ -145,7 +145,7 @@ class KVCacheCoordinator:
         if rid in self.allocated:  # running: its bound is exactly its new blocks
             released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
             if any(part.size for _, part in released):
-                pool.free_tables(released)
+                self._release(released)
             for m, bound in zip(managers, bounds, strict=True):
                 if bound:
                     for g in m.group_ids:
@@ -314,7 +314,11 @@ class KVCacheCoordinator:
             computed = request.num_computed_tokens
             for manager in managers:
                 self.pool.uncache(manager.uncomputed_cached_blocks(rid, computed))
-        tables = [(m.group_ids, m.free(rid)) for m in managers]
+        self._release([(m.group_ids, m.free(rid)) for m in managers])
+
+    def _release(self, tables: Sequence[tuple[Sequence[int], Ids]]) -> None:
+        """Release blocks of several groups (per manager: its group ids and a (groups, n) array,
+        each row tail first) in the release order (`ReleaseOrder`)."""
         if self.release_order is ReleaseOrder.INTERLEAVED:
             self.pool.free_tables(tables)
             return

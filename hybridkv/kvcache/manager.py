@@ -55,11 +55,11 @@ from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.retention import Retention, SlidingWindowCaching
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.plan.specs import MambaCacheMode
+from hybridkv.plan.specs import MambaCacheMode, SpecKind
 
 __all__ = [
     "AllocationError",
@@ -74,6 +74,7 @@ __all__ = [
     "PrefixCaching",
     "ReleaseOrder",
     "SlidingWindowCaching",
+    "SpecDecode",
     "StaleHitError",
     "StateCheckpoint",
     "StateStep",
@@ -182,6 +183,19 @@ class ManagerStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
+def _check_spec_decode(config: KVCacheConfig, spec_decode: SpecDecode) -> None:
+    """EAGLE's hit rule is modelled for attention groups of one block size (full, sliding window)."""
+    if spec_decode is SpecDecode.OFF:
+        return
+    kinds = {g.kind for g in config.groups}
+    if not kinds <= {SpecKind.FULL, SpecKind.SLIDING_WINDOW} or len({g.block_size for g in config.groups}) > 1:
+        raise ConfigError(
+            f"spec_decode={spec_decode.value} is modelled for full and sliding-window groups of one block size; "
+            f"got kinds {sorted(k.value for k in kinds)} and block sizes "
+            f"{sorted({g.block_size for g in config.groups})}"
+        )
+
+
 def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
                       mamba_cache_mode: MambaCacheMode, retention: Retention) -> KVCacheCoordinator:
     mode = mamba_cache_mode if caching is PrefixCaching.ON else MambaCacheMode.NONE
@@ -213,6 +227,7 @@ class KVCacheManager:
         sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE,
         prefix_cache_retention_interval: int | None = None,
         release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED,
+        spec_decode: SpecDecode = SpecDecode.OFF,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -230,8 +245,11 @@ class KVCacheManager:
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
                                policy_factory=POLICIES[eviction], events=events)
+        self._eagle = spec_decode is SpecDecode.EAGLE
+        _check_spec_decode(config, spec_decode)
         retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
-                              alignment_tokens=math.lcm(*(g.block_size for g in config.groups)))
+                              alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
+                              spec_decode=spec_decode)
         self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
         self._coordinator.release_order = release_order
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
@@ -240,7 +258,8 @@ class KVCacheManager:
         self._block_sizes = self._coordinator.block_sizes
         self._empty_hit = tuple(() for _ in config.groups)
         self._no_new_blocks = NewBlocks(() for _ in config.groups)
-        self._decodes = self._caching and self._coordinator.decodes
+        # (the decode path releases position by position: vLLM's group-by-group order takes the general path)
+        self._decodes = self._caching and self._coordinator.decodes and release_order is ReleaseOrder.INTERLEAVED
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -279,7 +298,10 @@ class KVCacheManager:
                             pool_epoch=self._pool.evictions)
         coordinator = self._coordinator
         hashes = self._hashes(request)
-        hits, num_tokens, first = coordinator.find_longest_cache_hit(hashes, max_length)
+        if self._eagle:
+            hits, num_tokens, first = self._eagle_hit(hashes, request.num_tokens, max_length)
+        else:
+            hits, num_tokens, first = coordinator.find_longest_cache_hit(hashes, max_length)
         self._hit_tokens += num_tokens
         self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
         deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
@@ -289,6 +311,21 @@ class KVCacheManager:
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
                         deferred=deferred, pool_epoch=self._pool.evictions)
+
+    def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
+                   max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        """EAGLE's hit: every group matches one block past the candidate (a sliding window one more
+        contiguous block), then the last block is dropped (vLLM 0.32's `drop_eagle_block`)."""
+        step = self._coordinator.lcm_block_size
+        # vLLM's hybrid coordinator lets the match run one block past the candidate; its unitary one does not
+        unitary = isinstance(self._coordinator, UnitaryCoordinator)
+        extended = max_length if unitary else min(max_length + step, num_tokens // step * step)
+        hits, tokens, first = self._coordinator.find_longest_cache_hit(hashes, extended)
+        first = [max(0, f - step) for f in first]
+        if not tokens:
+            return hits, 0, first
+        tokens -= step
+        return [h[: tokens // step] for h in hits], tokens, first
 
     def _count_limits(self, hashes: dict[int, list[BlockHash]], num_tokens: int, max_length: int, *,
                       deferred: bool) -> None:

@@ -31,6 +31,25 @@ from enum import Enum
 from hybridkv.errors import ConfigError
 
 
+class SpecDecode(Enum):
+    """Speculative decoding as the prefix cache sees it (vLLM's `use_eagle`): with EAGLE / MTP a hit
+    must leave the block before the generation point to be recomputed (the draft model needs its
+    hidden states), so every group matches one block past the hit and drops it."""
+
+    OFF = "off"
+    EAGLE = "eagle"
+
+
+def replay_boundaries(num_prompt_tokens: int, alignment_tokens: int, spec_decode: SpecDecode) -> tuple[int, ...]:
+    """Where a later request replaying a prompt resumes: a resend of the same prompt (hit at most
+    `prompt - 1`); with EAGLE, one block below a resend and below a longer sibling (vLLM 0.32's rule)."""
+    if spec_decode is SpecDecode.OFF:
+        return (num_prompt_tokens - 1,)
+    resend = (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
+    extension = num_prompt_tokens // alignment_tokens * alignment_tokens
+    return tuple(sorted({max(resend - alignment_tokens, 0), max(extension - alignment_tokens, 0)}))
+
+
 class SlidingWindowCaching(Enum):
     """Which full sliding-window blocks `allocate` caches (module docstring)."""
 
@@ -45,6 +64,7 @@ class Retention:
     sliding: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
     interval_tokens: int | None = None  # vLLM's prefix_cache_retention_interval
     alignment_tokens: int = 1  # the lcm of every group's block size
+    spec_decode: SpecDecode = SpecDecode.OFF
 
     def __post_init__(self) -> None:
         interval = self.interval_tokens
@@ -67,16 +87,17 @@ class Retention:
         interval = self.interval_tokens
         segment = self.alignment_tokens if interval is None else (interval or None)
         mask = [False] * (end - start)
+        shift = 1 if self.spec_decode is SpecDecode.EAGLE else 0  # EAGLE's run ends one block past the hit
         if segment is not None:
             per = segment // block_size
             if need >= per:
                 return None
             for i in range(start, end):
-                if i % per >= per - need:
+                if i >= shift and (i - shift) % per >= per - need:
                     mask[i - start] = True
         if interval is not None:
             for boundary in replay_boundaries:
-                last = boundary // self.alignment_tokens * self.alignment_tokens // block_size
+                last = boundary // self.alignment_tokens * self.alignment_tokens // block_size + shift
                 for i in range(max(start, last - need), min(end, last)):
                     mask[i - start] = True
         return mask

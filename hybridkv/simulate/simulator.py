@@ -28,6 +28,7 @@ from hybridkv.kvcache.manager import (
     PrefixCaching,
     ReleaseOrder,
     SlidingWindowCaching,
+    SpecDecode,
 )
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheConfig
@@ -67,6 +68,7 @@ class SimOptions:
     sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
     prefix_cache_retention_interval: int | None = None
     release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED
+    spec_decode: SpecDecode = SpecDecode.OFF
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -202,7 +204,8 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
     manager = manager or KVCacheManager(
         config, max_model_len=options.max_model_len, prefix_caching=options.prefix_caching,
         mamba_cache_mode=options.mamba_cache_mode, sliding_window_caching=options.sliding_window_caching,
-        prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order)
+        prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order,
+        spec_decode=options.spec_decode)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens

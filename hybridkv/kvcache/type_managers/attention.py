@@ -29,7 +29,7 @@ from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.retention import Retention, SlidingWindowCaching
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode, replay_boundaries
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
     ClassHits,
@@ -75,6 +75,8 @@ class SlidingWindowManager(SingleTypeManager):
         self.window_tokens = self.group.window_tokens
         self.contiguous_blocks = cdiv(self.window_tokens - 1, self.block_size)
         self.retention = retention or Retention(sliding=SlidingWindowCaching.ALL)
+        if self.retention.spec_decode is SpecDecode.EAGLE:  # one more block, dropped after the match
+            self.contiguous_blocks += 1
         self._prompt_tokens: dict[RequestId, int] = {}  # tokens at the request's first allocate
         if not self.retention.dense_all:
             self.plain_tables = False  # the decode path caches every block
@@ -96,7 +98,9 @@ class SlidingWindowManager(SingleTypeManager):
             return
         prompt = self._prompt_tokens.get(request.request_id, request.num_tokens)
         mask = self.retention.mask(start, num_full, block_size=self.block_size, need=self.contiguous_blocks,
-                                   replay_boundaries=(prompt - 1, request.shared_prefix_boundary))
+                                   replay_boundaries=(*replay_boundaries(prompt, self.retention.alignment_tokens,
+                                                                         self.retention.spec_decode),
+                                                      request.shared_prefix_boundary))
         if mask is None:
             super().cache_blocks(request, block_hashes, num_tokens)
             return
