@@ -16,8 +16,9 @@ from typing import Annotated, Any
 import typer
 
 from hybridkv.cli.errors import flags_of, usage_error
+from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.manager import PrefixCaching, ReleaseOrder, SlidingWindowCaching, SpecDecode
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.specs import MambaCacheMode
@@ -64,7 +65,7 @@ def simulate_command(
     plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
 ) -> None:
     """Replay a trace through the KV cache manager of MODEL (no engine, no torch)."""
-    from hybridkv.cli.plan_report import PlanRequest, make_plan
+    from hybridkv.cli.plan_report import make_plan
 
     if (trace is None) == (generator is None):
         raise usage_error("give exactly one of --trace FILE or --generate KIND")
@@ -83,21 +84,32 @@ def simulate_command(
                              prefix_cache_retention_interval=retention_interval, release_order=release_order,
                              spec_decode=spec_decode)
         report = simulate(requests, plan.config, options)
-        curve = ([(memory_gib * s, simulate(requests, make_plan(dataclasses.replace(
-            request, memory_gib=memory_gib * s))[1].config, options)) for s in PLOT_SCALES] if plot else [])
+        scales = PLOT_SCALES if plot else ()
+        curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
     except HybridKVError as exc:
         raise usage_error(str(exc), SIM_FLAGS) from None
     if json_output:
         out = report_json(report)
         out["model"] = spec.name
         if curve:
-            out["memory_curve"] = [{"memory_gib": m, "hit_rate": r.hit_rate, "hits_vs_ideal": r.hits_vs_ideal}
-                                   for m, r in curve]
+            out["memory_curve"] = [{"memory_gib": m, "hit_rate": r and r.hit_rate,
+                                    "hits_vs_ideal": r and r.hits_vs_ideal} for m, r in curve]
         print(json.dumps(out, indent=2))
     else:
         render(report, spec.name, memory_gib)
     if plot is not None:
         write_memory_plot(curve, plot, model=spec.name)
+
+
+def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: float,
+               options: SimOptions) -> SimReport | None:
+    """The simulation at another memory budget; None where one request alone does not fit."""
+    from hybridkv.cli.plan_report import make_plan
+
+    try:
+        return simulate(requests, make_plan(dataclasses.replace(request, memory_gib=memory_gib))[1].config, options)
+    except (CapacityError, ConfigError):
+        return None
 
 
 def _trace(path: Path | None, trace_format: TraceFormat, block_tokens: int, generator: Generator | None,
@@ -150,17 +162,19 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
     console.print(limits)
 
 
-def write_memory_plot(curve: list[tuple[float, SimReport]], path: Path, *, model: str) -> None:
-    """Hit rate (and the ideal's) against the memory budget."""
+def write_memory_plot(curve: list[tuple[float, SimReport | None]], path: Path, *, model: str) -> None:
+    """Hit rate (and the ideal's) against the memory budget (budgets where a request alone does not
+    fit are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    memory = [m for m, _ in curve]
-    ax.plot(memory, [r.hit_rate for _, r in curve], marker="o", label="hybridkv")
-    ax.plot(memory, [r.ideal_tokens / r.prompt_tokens if r.prompt_tokens else 0 for _, r in curve], linestyle="--",
+    points = [(m, r) for m, r in curve if r is not None]
+    memory = [m for m, _ in points]
+    ax.plot(memory, [r.hit_rate for _, r in points], marker="o", label="hybridkv")
+    ax.plot(memory, [r.ideal_tokens / r.prompt_tokens if r.prompt_tokens else 0 for _, r in points], linestyle="--",
             label="infinite cache")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("KV cache memory (GiB)")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.engine.scheduler import KVRequestView, RequestStatus, Scheduler
-from hybridkv.errors import ConfigError
+from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import (
@@ -219,7 +219,15 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
             if not run.pending and run.blocked:
                 raise ConfigError(f"trace requests {run.blocked[:5]} wait for parents that never finish")
             continue
-        running = run.step()
+        try:
+            running = run.step()
+        except CapacityError:
+            head = run.scheduler.waiting[0]
+            raise CapacityError(
+                f"trace request {head.arrival_seq} ({head.num_tokens} tokens) cannot get KV cache blocks even with "
+                f"no other request running ({config.num_blocks} blocks of {config.groups[0].block_size} tokens); "
+                "raise the memory budget (--memory-gib) or lower --max-model-len"
+            ) from None
         steps += 1
         running_sum += running
         max_running = max(max_running, running)

@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -157,3 +158,18 @@ def test_simulate_runs_on_every_catalog_model() -> None:
         if entry.hf_id == "nvidia/NVIDIA-Nemotron-Nano-9B-v2":  # unified blocks longer than these prompts
             limits = report.groups[0].limited_by
             assert report.hit_tokens == 0 and max(limits, key=limits.__getitem__) == "block_floor", limits
+
+
+@pytest.mark.slow
+def test_cli_plot_writes_hit_rate_against_memory(tmp_path: Path) -> None:
+    picture = tmp_path / "hits.png"
+    result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it", "--generate", "chat", "--num-requests", "30",
+                                      "--memory-gib", "1", "--plot", str(picture), "--json"])
+    assert result.exit_code == 0, result.output
+    curve = json.loads(result.output)["memory_curve"]
+    assert [point["memory_gib"] for point in curve] == [0.125, 0.25, 0.5, 1.0, 2.0, 4.0]
+    rates = [point["hit_rate"] for point in curve]
+    fits = [rate for rate in rates if rate is not None]  # (the smallest budgets cannot hold one request)
+    assert rates[len(rates) - len(fits):] == fits and len(fits) >= 3
+    assert fits == sorted(fits) and fits[-1] > fits[0]  # more memory never lost hits here
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -42,3 +42,23 @@ def test_workload_sessions_chain_and_text_is_bytes(tmp_path: Path) -> None:
     assert second.parent == 0 and second.new_tokens == (0xC3, 0xA9)
     with pytest.raises(ConfigError, match=r"timestamp. must be a number"):
         read_trace(path, trace_format=TraceFormat.MOONCAKE)
+
+
+def test_cli_replays_a_mooncake_trace(tmp_path: Path) -> None:
+    import json as json_module
+
+    from typer.testing import CliRunner
+
+    from hybridkv.cli import app
+
+    # Gemma 3's blocks are 16 tokens: the second request shares its first two 16-token blocks with the first
+    path = write(tmp_path, [
+        {"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 40, "output_length": 4, "hash_ids": [1, 2, 3]},
+    ])
+    result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it", "--trace", str(path), "--trace-block-tokens", "16",
+                                      "--memory-gib", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json_module.loads(result.output)
+    assert (out["requests"], out["prompt_tokens"], out["hit_tokens"], out["ideal_tokens"]) == (2, 72, 32, 32)
+    assert out["request_hits"] == [0, 32] and out["generated_tokens"] == 5
