@@ -11,7 +11,7 @@ one reason (`HitLimit`), and the manager counts it (`ManagerStats.limited_by`):
     missing_checkpoint  a state group (Mamba, GDN) has no checkpoint at X while another group of
                         that block size holds the block: the state there was never kept
     evicted             the needed block's content was cached and evicted (remembered for the
-                        last `num_blocks` evicted hashes; older ones count as never cached)
+                        last `num_blocks` evicted hashes at least; older ones may count as never cached)
     same_step           the hit's state checkpoint was cached in this very step (the lookup is
                         repeated next step)
     never_cached        no group ever cached the content (new content, a partial block, or a

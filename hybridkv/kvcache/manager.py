@@ -264,7 +264,11 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * len(config.groups)
-        self._limited_by: list[Counter[HitLimit]] = [Counter() for _ in config.groups]
+        # per manager (its groups are looked up together, so they always share their counts)
+        self._limited_by: list[dict[HitLimit, int]] = [dict.fromkeys(HitLimit, 0) for _ in self._coordinator.managers]
+        self._manager_of_group = [self._coordinator.managers.index(m) for m, _ in self._groups]
+        self._closed_first = sorted(range(len(self._coordinator.managers)),
+                                    key=lambda i: not self._coordinator.managers[i].downward_closed)
 
     # -- step / lookup --------------------------------------------------------------------------
 
@@ -331,11 +335,11 @@ class KVCacheManager:
                       deferred: bool) -> None:
         """Count, per group, why the hit of `num_tokens` did not reach `max_length` (`hit_limits.py`)."""
         counts = self._limited_by
+        managers = self._coordinator.managers
         if deferred:
-            for manager in self._coordinator.managers:
+            for i, manager in enumerate(managers):
                 if manager.is_state:
-                    for g in manager.group_ids:
-                        counts[g][HitLimit.SAME_STEP] += 1
+                    counts[i][HitLimit.SAME_STEP] += 1
         if num_tokens >= max_length:
             return
         following = num_tokens + self._coordinator.lcm_block_size
@@ -343,11 +347,13 @@ class KVCacheManager:
             for count in counts:
                 count[HitLimit.BLOCK_FLOOR] += 1
             return
-        for manager in self._coordinator.managers:
-            limit = manager.limit_at(hashes[manager.block_size], following)
+        closed_failed = False  # (then a window's completeness is not checked: the hit stopped anyway)
+        for i in self._closed_first:
+            manager = managers[i]
+            limit = manager.limit_at(hashes[manager.block_size], following, num_tokens, window_too=not closed_failed)
             if limit is not None:
-                for g in manager.group_ids:
-                    counts[g][limit] += 1
+                counts[i][limit] += 1
+                closed_failed = closed_failed or manager.downward_closed
 
     # -- allocate / cache / free ----------------------------------------------------------------
 
@@ -508,7 +514,7 @@ class KVCacheManager:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                             group_hit_tokens=tuple(self._group_hit_tokens),
-                            limited_by=tuple({limit: count[limit] for limit in HitLimit} for count in self._limited_by))
+                            limited_by=tuple(dict(self._limited_by[i]) for i in self._manager_of_group))
 
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""

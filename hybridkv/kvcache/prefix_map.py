@@ -23,7 +23,6 @@ few of them (`np.count_nonzero` rather than `.any()`), and single blocks plain s
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Sequence
 from enum import Enum
@@ -60,7 +59,7 @@ class PrefixMap:
         self.dups: list[dict[BlockHash, list[int]]] = [{} for _ in self.group_ids]
         self._free: Ids = np.arange(num_blocks - 1, 0, -1, dtype=np.int64)  # a stack: top = lowest slot
         self._top = num_blocks - 1
-        #: hashes whose last block was evicted, oldest first, at most `num_blocks` of them: tells an
+        #: hashes whose last block was evicted, oldest first (the newest `num_blocks` at least): tells an
         #: evicted block from one never cached when a lookup misses it (`GroupsView.fate`)
         self.evicted: dict[BlockHash, None] = {}
         self._evicted_cap = num_blocks
@@ -142,10 +141,8 @@ class PrefixMap:
     def _remember(self, keys: Sequence[BlockHash]) -> None:
         evicted = self.evicted
         evicted.update(dict.fromkeys(keys))
-        over = len(evicted) - self._evicted_cap
-        if over > 0:
-            for key in list(itertools.islice(evicted, over)):
-                del evicted[key]
+        if len(evicted) > 2 * self._evicted_cap:  # keep the newest `cap` (amortized: C-level copies only)
+            self.evicted = dict.fromkeys(list(evicted)[-self._evicted_cap :])
 
     def clear(self) -> None:
         self.evicted.clear()
@@ -252,6 +249,14 @@ class GroupsView:
         missing = np.flatnonzero(rows.min(axis=0) == 0)
         out: list[list[int]] = (rows[:, : missing[0]] if len(missing) else rows).tolist()
         return out
+
+    def holds(self, key: BlockHash) -> bool:
+        """Every one of these groups holds `key` (scalar reads: no array call)."""
+        slot = self._index.get(key, 0)
+        if not slot:
+            return False
+        blocks = self._map.blocks
+        return all(blocks.item(col, slot) for col in self.cols)
 
     def fate(self, key: BlockHash) -> Fate:
         """Why these groups do not all hold `key`: another group of this block size holds it

@@ -79,10 +79,16 @@ class Retention:
         """Every full block is cached (no mask to compute)."""
         return self.sliding is SlidingWindowCaching.ALL and self.interval_tokens is None
 
+    def caches_every_block(self, block_size: int, need: int) -> bool:
+        """`mask` is None for every range: every full block is cached."""
+        if self.dense_all or self.alignment_tokens % block_size:
+            return True
+        return self.interval_tokens is None and need >= self.alignment_tokens // block_size
+
     def mask(self, start: int, end: int, *, block_size: int, need: int,
              replay_boundaries: Sequence[int]) -> list[bool] | None:
         """Per block index in [start, end): cache it? None: cache every one."""
-        if self.dense_all or self.alignment_tokens % block_size:
+        if self.caches_every_block(block_size, need):
             return None
         interval = self.interval_tokens
         segment = self.alignment_tokens if interval is None else (interval or None)

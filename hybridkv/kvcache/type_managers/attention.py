@@ -78,7 +78,7 @@ class SlidingWindowManager(SingleTypeManager):
         if self.retention.spec_decode is SpecDecode.EAGLE:  # one more block, dropped after the match
             self.contiguous_blocks += 1
         self._prompt_tokens: dict[RequestId, int] = {}  # tokens at the request's first allocate
-        if not self.retention.dense_all:
+        if not self.retention.caches_every_block(self.block_size, self.contiguous_blocks):
             self.plain_tables = False  # the decode path caches every block
 
     def save_hits(self, request: KVRequest, hits: ClassHits, first_new: int) -> list[Sequence[int]]:
@@ -188,7 +188,8 @@ class CrossAttentionManager(SingleTypeManager):
                   max_length: int) -> list[list[int]]:
         return [[] for _ in view.cols]
 
-    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> HitLimit | None:
+    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int, hit_tokens: int, *,
+                 window_too: bool = True) -> HitLimit | None:
         return HitLimit.NEVER_CACHED
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:

@@ -261,19 +261,29 @@ class SingleTypeManager(ABC):
         table.num_skipped = skipped = leading_nulls(table, keep_from)
         return [row[skipped:] for row in hits]
 
-    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> HitLimit | None:
+    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int, hit_tokens: int, *,
+                 window_too: bool = True) -> HitLimit | None:
         """Why these groups cannot serve a hit of exactly `num_tokens` tokens (a multiple of the
-        block size within the hashed blocks), or None when they can (`hit_limits.py`)."""
-        keys = block_hashes[self.first_needed_block(num_tokens) : num_tokens // self.block_size]
-        row, _ = self.view.held(keys)
-        first_missing = row.find(0)
-        if first_missing < 0:
-            return None
+        block size within the hashed blocks), or None when they can (`hit_limits.py`). They served
+        `hit_tokens`: a downward-closed rule holds every block below it. Without `window_too` a
+        right-to-left rule whose last block is held answers None unchecked (another group already
+        stopped the hit there)."""
+        start = self.first_needed_block(num_tokens)
+        if self.downward_closed:
+            start = max(start, hit_tokens // self.block_size)
+        keys = block_hashes[start : num_tokens // self.block_size]
+        view = self.view
         if self.reads_from_right:  # the block ending at num_tokens decides; before it, the window
-            if row[-1]:
-                return HitLimit.WINDOW
-            first_missing = len(keys) - 1
-        return limit_of_fate(self.view.fate(keys[first_missing]), state_group=self.is_state,
+            missing = None if view.holds(keys[-1]) else keys[-1]
+            if missing is None:
+                if not window_too or len(keys) < 2:
+                    return None
+                return HitLimit.WINDOW if view.held(keys[:-1])[0].find(0) >= 0 else None
+        else:  # the first block not held (usually the only one: a hit stops one block short)
+            missing = next((key for key in keys if not view.holds(key)), None)
+            if missing is None:
+                return None
+        return limit_of_fate(view.fate(missing), state_group=self.is_state,
                              caches_every_block=self.plain_tables or self.is_state)
 
     def num_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> int:
