@@ -7,7 +7,8 @@ one reason (`HitLimit`), and the manager counts it (`ManagerStats.limited_by`):
     block_floor         X is past the prompt: the tokens left do not fill the alignment unit
                         (a unified hybrid block of 544..8320 tokens makes most short prefixes this)
     window              a sliding-window group holds the block ending at X but not the blocks
-                        before it that the window needs
+                        before it that the window needs (checked only when every full-attention
+                        group could serve X: otherwise the hit stopped there anyway)
     missing_checkpoint  a state group (Mamba, GDN) has no checkpoint at X while another group of
                         that block size holds the block: the state there was never kept
     evicted             the needed block's content was cached and evicted (remembered for the
