@@ -3,7 +3,8 @@
 
 Per layout (Gemma 3: full + sliding window; Qwen3.5: full + Gated DeltaNet; Nemotron-H: full +
 Mamba2, each planned by our planner from the catalog config) and per seeded trace generator
-(and, on Gemma 3, per `prefix_cache_retention_interval`: dense, 0, 4096),
+(and per `prefix_cache_retention_interval`: dense everywhere, 0 everywhere, 4096 on Gemma 3; and
+EAGLE on Gemma 3 and on a full-attention model),
 the same trace runs through `hybridkv simulate`'s loop -- the engine's own scheduler -- twice:
 over our manager, and over vLLM's manager (`vllm_hits_driver.py` under the vLLM venv, every
 option at the same setting). Prints one line per run (hit tokens, requests whose hit differs,
@@ -68,6 +69,7 @@ def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
     generators = [Generator.CHAT] if quick else list(Generator)
     runs = [(layout, g, None, "off") for layout in ("gemma3", "qwen3.5", "mamba2") for g in generators]
     runs += [("gemma3", g, r, "off") for r in ((0,) if quick else (0, 4096)) for g in generators]
+    runs += [(layout, g, 0, "off") for layout in ("qwen3.5", "mamba2") for g in generators]
     runs += [(layout, g, r, "eagle") for layout, r in (("gemma3", None), ("gemma3", 0), ("full", None))
              for g in generators]
     return [{"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,

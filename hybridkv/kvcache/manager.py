@@ -295,6 +295,8 @@ class KVCacheManager:
         self._query_tokens += request.num_tokens
         max_length = min(request.num_tokens - 1, self.max_model_len)
         request.shared_prefix_boundary = 0
+        if request.num_prompt_tokens is None:
+            request.num_prompt_tokens = request.num_tokens
         if not self._caching or max_length < self._coordinator.lcm_block_size:
             if self._caching and max_length > 0:
                 self._count_limits({}, 0, max_length, deferred=False)

@@ -57,6 +57,9 @@ class KVRequest:
     #: chunk at it (block-floored) so the state there is checkpointed; a sparse sliding-window
     #: retention keeps the window tail before it.
     shared_prefix_boundary: int = 0
+    #: the prompt's length: set by the manager when it first sees the request (its tokens then), kept
+    #: across preemption; sparse retention keeps the states a resend of the prompt would read
+    num_prompt_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

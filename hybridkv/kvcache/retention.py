@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hybridkv.errors import ConfigError
+from hybridkv.kvcache.request import KVRequest
 
 
 class SpecDecode(Enum):
@@ -78,6 +79,30 @@ class Retention:
     def dense_all(self) -> bool:
         """Every full block is cached (no mask to compute)."""
         return self.sliding is SlidingWindowCaching.ALL and self.interval_tokens is None
+
+    def boundaries(self, request: KVRequest) -> tuple[int, ...]:
+        """The request's reachable boundaries: its replay boundaries and its shared-prefix junction."""
+        prompt = request.num_prompt_tokens if request.num_prompt_tokens is not None else request.num_tokens
+        return (*replay_boundaries(prompt, self.alignment_tokens, self.spec_decode), request.shared_prefix_boundary)
+
+    def state_mask(self, start: int, end: int, *, block_size: int, request: KVRequest) -> list[bool] | None:
+        """Per state block index in [start, end): keep its checkpoint? None: every one. vLLM 0.32's
+        rule: `0` keeps the states at the reachable boundaries only, `N` also one per N-token segment."""
+        interval = self.interval_tokens
+        if interval is None:
+            return None
+        mask = [False] * (end - start)
+        if interval:
+            per = interval // block_size
+            if per <= 1:
+                return None
+            for i in range(start, end):
+                mask[i - start] = (i + 1) % per == 0
+        for boundary in self.boundaries(request):
+            block = boundary // self.alignment_tokens * self.alignment_tokens // block_size - 1
+            if start <= block < end:
+                mask[block - start] = True
+        return mask
 
     def caches_every_block(self, block_size: int, need: int) -> bool:
         """`mask` is None for every range: every full block is cached."""

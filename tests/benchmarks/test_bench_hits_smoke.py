@@ -17,6 +17,7 @@ def test_bench_hits_prints_hits_vs_vllm_and_ideal_last(capsys: pytest.CaptureFix
     assert runs == [(f"layout={layout}", "trace=chat", f"retention={retention}", f"spec_decode={spec}")
                     for layout, retention, spec in (("gemma3", None, "off"), ("qwen3.5", None, "off"),
                                                     ("mamba2", None, "off"), ("gemma3", 0, "off"),
+                                                    ("qwen3.5", 0, "off"), ("mamba2", 0, "off"),
                                                     ("gemma3", None, "eagle"), ("gemma3", 0, "eagle"),
                                                     ("full", None, "eagle"))]
     for line in lines[:-1]:

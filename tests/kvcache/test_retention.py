@@ -75,3 +75,28 @@ def test_retention_interval_keeps_a_tail_per_segment_and_the_replay_tail() -> No
 def test_retention_interval_must_be_a_multiple_of_the_alignment() -> None:
     with pytest.raises(ConfigError, match="prefix_cache_retention_interval 24 must be"):
         run_prompt(10, full_block=16, swa_block=16, window=33, prefix_cache_retention_interval=24)
+
+
+@pytest.mark.parametrize(("retention", "sibling_hit"), [(None, 64), (0, 0), (32, 64), (48, 0)])
+def test_state_checkpoints_under_retention(retention: int | None, sibling_hit: int) -> None:
+    # full + Mamba (align, blocks of 16). A's prompt (100 tokens) runs in steps ending at 32, 64 and 96.
+    # Dense keeps all three checkpoints; 0 only the one at its replay boundary (99 -> 96); 32 also those
+    # ending a 32-token segment (32, 64); 48 those ending a 48-token segment (96 only). A sibling sharing
+    # A's first 70 tokens resumes at the last kept one <= 64; a resend of A at 96.
+    groups = [make_group(kind="full"), make_group(kind="mamba")]
+    manager = KVCacheManager(make_config(groups=groups, num_blocks=64), max_model_len=1024,
+                             prefix_cache_retention_interval=retention)
+    a = KVRequest(request_id=RequestId("a"), token_ids=list(range(1, 101)))
+    manager.begin_step()
+    hit = manager.lookup(a)
+    for end in (32, 64, 96):
+        manager.begin_step()
+        assert manager.allocate(a, end - a.num_computed_tokens, hit=hit) is not None
+        hit = None
+        a.num_computed_tokens = end
+    manager.free(a)
+    manager.begin_step()
+    sibling = KVRequest(request_id=RequestId("b"), token_ids=[*range(1, 71), 999])
+    assert manager.lookup(sibling).num_tokens == sibling_hit
+    resend = KVRequest(request_id=RequestId("c"), token_ids=list(range(1, 101)))
+    assert manager.lookup(resend).num_tokens == 96

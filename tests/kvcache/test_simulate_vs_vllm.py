@@ -4,8 +4,9 @@
 branching) on three layouts our planner makes from catalog configs (Gemma 3 27B: full + sliding
 window; Qwen3.5 27B: full + Gated DeltaNet; Nemotron-Nano 9B v2: full + Mamba2), through the
 engine's scheduler, once over our manager and once over vLLM's (`vllm_hits_driver.py`), with every
-option at vLLM's setting (align mode, blocks released group by group; dense retention, and on
-Gemma 3 also vLLM's `prefix_cache_retention_interval` 0 and 4096). Memory is tight enough that
+option at vLLM's setting (align mode, blocks released group by group; dense retention, vLLM's
+`prefix_cache_retention_interval` 0 on every layout and 4096 on Gemma 3; EAGLE on Gemma 3 and on a
+full-attention model). Memory is tight enough that
 requests are preempted and blocks evicted. Each request's first-admission hit must be equal.
 
 - recorded: against `vllm_fixtures/simulate_hits.json` (`bench_hits.py --record`), everywhere;

@@ -24,15 +24,13 @@ from collections.abc import Sequence
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
-from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode, replay_boundaries
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
-    ClassHits,
     SingleTypeManager,
     cdiv,
     rule_of,
@@ -77,17 +75,8 @@ class SlidingWindowManager(SingleTypeManager):
         self.retention = retention or Retention(sliding=SlidingWindowCaching.ALL)
         if self.retention.spec_decode is SpecDecode.EAGLE:  # one more block, dropped after the match
             self.contiguous_blocks += 1
-        self._prompt_tokens: dict[RequestId, int] = {}  # tokens at the request's first allocate
         if not self.retention.caches_every_block(self.block_size, self.contiguous_blocks):
             self.plain_tables = False  # the decode path caches every block
-
-    def save_hits(self, request: KVRequest, hits: ClassHits, first_new: int) -> list[Sequence[int]]:
-        self._prompt_tokens.setdefault(request.request_id, request.num_tokens)
-        return super().save_hits(request, hits, first_new)
-
-    def free(self, request_id: RequestId) -> Ids:
-        self._prompt_tokens.pop(request_id, None)
-        return super().free(request_id)
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Cache the full blocks the retention rule keeps (`retention.py`)."""
@@ -96,11 +85,8 @@ class SlidingWindowManager(SingleTypeManager):
         start = table.num_cached
         if num_full <= start:
             return
-        prompt = self._prompt_tokens.get(request.request_id, request.num_tokens)
         mask = self.retention.mask(start, num_full, block_size=self.block_size, need=self.contiguous_blocks,
-                                   replay_boundaries=(*replay_boundaries(prompt, self.retention.alignment_tokens,
-                                                                         self.retention.spec_decode),
-                                                      request.shared_prefix_boundary))
+                                   replay_boundaries=self.retention.boundaries(request))
         if mask is None:
             super().cache_blocks(request, block_hashes, num_tokens)
             return
@@ -211,7 +197,7 @@ def make_manager(group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: Blo
     if kind is SpecKind.CHUNKED_LOCAL:
         return ChunkedLocalManager(groups, pool)
     if kind is SpecKind.MAMBA:
-        return MambaManager(groups, pool, mode=mamba_mode)
+        return MambaManager(groups, pool, mode=mamba_mode, retention=retention)
     if kind is SpecKind.CROSS:
         return CrossAttentionManager(groups, pool)
     raise ConfigError(f"group {groups[0].group_id} has unknown kind {kind!r}; expected one of "
