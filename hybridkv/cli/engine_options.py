@@ -25,8 +25,8 @@ MambaCacheModeOption = Annotated[MambaCacheMode, typer.Option(
          "all = at every block boundary")]
 Seed = Annotated[int, typer.Option(help="sampling seed of requests that set none")]
 RetentionInterval = Annotated[int | None, typer.Option(
-    "--prefix-cache-retention-interval", help="vLLM's option: sliding-window blocks cached only before each "
-    "prompt's replay boundary (0), or once per N tokens too (default: at every aligned boundary)")]
+    "--prefix-cache-retention-interval", help="vLLM's option: sliding-window tails and state checkpoints kept "
+    "only at each prompt's replay boundary (0), or once per N tokens too (default: at every aligned boundary)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "

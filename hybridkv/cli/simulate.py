@@ -54,8 +54,8 @@ def simulate_command(
     sliding_window_caching: Annotated[SlidingWindowCaching, typer.Option(
         "--sliding-window-caching", help="which sliding-window blocks to cache")] = SlidingWindowCaching.REACHABLE,
     retention_interval: Annotated[int | None, typer.Option(
-        "--prefix-cache-retention-interval", help="vLLM's option: 0 = only the replay tail; N = a tail per N tokens "
-        "(default: every aligned boundary)")] = None,
+        "--prefix-cache-retention-interval", help="vLLM's option: 0 = windows and states kept at the replay "
+        "boundary only; N = also one per N tokens (default: every aligned boundary)")] = None,
     release_order: Annotated[ReleaseOrder, typer.Option(
         "--release-order", help="free order of a request's blocks (by_group: vLLM's)")] = ReleaseOrder.INTERLEAVED,
     spec_decode: Annotated[SpecDecode, typer.Option(

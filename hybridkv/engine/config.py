@@ -38,8 +38,8 @@ class EngineConfig:
     block_size: int = 16
     prefix_caching: PrefixCaching = PrefixCaching.ON
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
-    #: vLLM's option: None caches sliding-window blocks at every aligned boundary, 0 only before
-    #: each prompt's replay boundary, N once per N tokens too (docs/prefix_caching.md)
+    #: vLLM's option: None keeps sliding-window tails and state checkpoints at every aligned boundary,
+    #: 0 only at each prompt's replay boundary, N once per N tokens too (docs/prefix_caching.md)
     prefix_cache_retention_interval: int | None = None
     sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
     seed: int = 0

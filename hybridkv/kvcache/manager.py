@@ -29,8 +29,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from enum import Enum
 from operator import add
 from typing import cast
 
@@ -52,14 +50,23 @@ from hybridkv.kvcache.coordinator import (
 )
 from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
-from hybridkv.kvcache.hit_limits import HitLimit
+from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode
+from hybridkv.kvcache.results import (
+    CacheHit,
+    CacheTiming,
+    ManagerStats,
+    NewBlocks,
+    PrefixCaching,
+    StateCheckpoint,
+    StateStep,
+)
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode, check_spec_decode
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.plan.specs import MambaCacheMode, SpecKind
+from hybridkv.plan.specs import MambaCacheMode
 
 __all__ = [
     "AllocationError",
@@ -81,119 +88,10 @@ __all__ = [
     "UnknownRequestError",
 ]
 
-class PrefixCaching(Enum):
-    """Whether full blocks are cached and looked up (OFF: state groups keep one running state)."""
-
-    ON = "on"
-    OFF = "off"
-
-
-class CacheTiming(Enum):
-    """When `allocate` caches the newly full blocks: now, or later through `cache`
-    (external KV still loading asynchronously)."""
-
-    IMMEDIATE = "immediate"
-    DELAYED = "delayed"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CacheHit:
-    """The answer of `lookup`: `num_tokens` cached tokens and their block ids per group
-    (0 = the null block, where a group skips the block). Pass it to `allocate` unchanged."""
-
-    request_id: RequestId
-    num_tokens: int
-    blocks: tuple[tuple[BlockId, ...], ...]
-    #: The hit uses a state checkpoint cached in the current step (its state is written only when
-    #: the step runs): `allocate` refuses it (returns None) until the next `begin_step`. Keep the
-    #: request waiting (no preemption helps) and look it up again in the next step.
-    deferred: bool = False
-    pool_epoch: int = field(default=-1, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise AllocationError(f"a cache hit cannot have {self.num_tokens} tokens; expected >= 0")
-
-
-class NewBlocks(tuple[tuple[BlockId, ...], ...]):
-    """The answer of `allocate`: per group (ascending group id), the block ids the step added
-    to the request's table, to append to the runner's block table after `CacheHit.blocks`
-    (0 = the null block where a group skips a position; empty where a group added nothing).
-
-    A tuple of tuples, so `new[g]` and comparison with a plain tuple work as for one."""
-
-    __slots__ = ()
-
-    @property
-    def num_blocks(self) -> int:
-        """New real (non-null) blocks over all groups."""
-        return sum(1 for entries in self for block in entries if block != NULL)
-
-
 def _new_blocks(entries: Iterable[tuple[int, ...]]) -> NewBlocks:
     """`NewBlocks` of the coordinator's int entries (block ids from the pool)."""
     return NewBlocks(cast("Iterable[tuple[BlockId, ...]]", entries))
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateCheckpoint:
-    """The state of a state group after the request's first `num_tokens` tokens, in `block_id`."""
-
-    num_tokens: int
-    block_id: BlockId
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateStep:
-    """What the layers of one state group read and write in one step of one request.
-
-    `read`: the state the step starts from (None: the step starts at token 0, from a zero
-    state); after a cache hit it is the hit's checkpoint block, to restore from. `writes`:
-    every state the step must store, ascending by `num_tokens`; the last one is the state after
-    the step's last token (the running state). ALIGN mode writes one state; ALL mode also one
-    per block boundary the step crosses. A write may name the read block (the state is then
-    updated in place); it never names a block another request can read.
-    """
-
-    group_id: GroupId
-    read: StateCheckpoint | None
-    writes: tuple[StateCheckpoint, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ManagerStats:
-    """Prefix-cache statistics since construction.
-
-    `query_tokens` sums the prompt lengths looked up, `hit_tokens` the hits returned;
-    `group_hit_tokens[g]` sums what group g alone could serve when the coordinator first asked
-    it (full attention: the whole prompt; other types: the candidate length at that point),
-    which shows which group limits the hit; `limited_by[g]` counts why group g could not serve
-    the next aligned length after the hit (`hit_limits.py`).
-    """
-
-    lookups: int
-    query_tokens: int
-    hit_tokens: int
-    group_hit_tokens: tuple[int, ...]
-    #: per group, lookups whose hit this group stopped, by reason (`hit_limits.HitLimit`)
-    limited_by: tuple[dict[HitLimit, int], ...] = ()
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-
-def _check_spec_decode(config: KVCacheConfig, spec_decode: SpecDecode) -> None:
-    """EAGLE's hit rule is modelled for attention groups of one block size (full, sliding window)."""
-    if spec_decode is SpecDecode.OFF:
-        return
-    kinds = {g.kind for g in config.groups}
-    if not kinds <= {SpecKind.FULL, SpecKind.SLIDING_WINDOW} or len({g.block_size for g in config.groups}) > 1:
-        raise ConfigError(
-            f"spec_decode={spec_decode.value} is modelled for full and sliding-window groups of one block size; "
-            f"got kinds {sorted(k.value for k in kinds)} and block sizes "
-            f"{sorted({g.block_size for g in config.groups})}"
-        )
 
 
 def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
@@ -246,7 +144,7 @@ class KVCacheManager:
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
                                policy_factory=POLICIES[eviction], events=events)
         self._eagle = spec_decode is SpecDecode.EAGLE
-        _check_spec_decode(config, spec_decode)
+        check_spec_decode(config.groups, spec_decode)
         retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
                               alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
                               spec_decode=spec_decode)
@@ -264,11 +162,8 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * len(config.groups)
-        # per manager (its groups are looked up together, so they always share their counts)
-        self._limited_by: list[dict[HitLimit, int]] = [dict.fromkeys(HitLimit, 0) for _ in self._coordinator.managers]
-        self._manager_of_group = [self._coordinator.managers.index(m) for m, _ in self._groups]
-        self._closed_first = sorted(range(len(self._coordinator.managers)),
-                                    key=lambda i: not self._coordinator.managers[i].downward_closed)
+        self._limits = HitLimitCounter(self._coordinator.managers, [m for m, _ in self._groups],
+                                       self._coordinator.lcm_block_size)
 
     # -- step / lookup --------------------------------------------------------------------------
 
@@ -299,7 +194,7 @@ class KVCacheManager:
             request.num_prompt_tokens = request.num_tokens
         if not self._caching or max_length < self._coordinator.lcm_block_size:
             if self._caching and max_length > 0:
-                self._count_limits({}, 0, max_length, deferred=False)
+                self._limits.count({}, 0, max_length, deferred=False)
             return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
                             pool_epoch=self._pool.evictions)
         coordinator = self._coordinator
@@ -313,7 +208,7 @@ class KVCacheManager:
         deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
         longest = max(first)
         request.shared_prefix_boundary = longest if longest > num_tokens else 0
-        self._count_limits(hashes, num_tokens, max_length, deferred=deferred)
+        self._limits.count(hashes, num_tokens, max_length, deferred=deferred)
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
                         deferred=deferred, pool_epoch=self._pool.evictions)
@@ -332,30 +227,6 @@ class KVCacheManager:
             return hits, 0, first
         tokens -= step
         return [h[: tokens // step] for h in hits], tokens, first
-
-    def _count_limits(self, hashes: dict[int, list[BlockHash]], num_tokens: int, max_length: int, *,
-                      deferred: bool) -> None:
-        """Count, per group, why the hit of `num_tokens` did not reach `max_length` (`hit_limits.py`)."""
-        counts = self._limited_by
-        managers = self._coordinator.managers
-        if deferred:
-            for i, manager in enumerate(managers):
-                if manager.is_state:
-                    counts[i][HitLimit.SAME_STEP] += 1
-        if num_tokens >= max_length:
-            return
-        following = num_tokens + self._coordinator.lcm_block_size
-        if following > max_length:
-            for count in counts:
-                count[HitLimit.BLOCK_FLOOR] += 1
-            return
-        closed_failed = False  # (then a window's completeness is not checked: the hit stopped anyway)
-        for i in self._closed_first:
-            manager = managers[i]
-            limit = manager.limit_at(hashes[manager.block_size], following, num_tokens, window_too=not closed_failed)
-            if limit is not None:
-                counts[i][limit] += 1
-                closed_failed = closed_failed or manager.downward_closed
 
     # -- allocate / cache / free ----------------------------------------------------------------
 
@@ -516,7 +387,7 @@ class KVCacheManager:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                             group_hit_tokens=tuple(self._group_hit_tokens),
-                            limited_by=tuple(dict(self._limited_by[i]) for i in self._manager_of_group))
+                            limited_by=self._limits.per_group())
 
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""

@@ -1,4 +1,4 @@
-"""Which full sliding-window blocks are worth caching (vLLM 0.32's rule, and ours).
+"""Which full sliding-window blocks and state checkpoints are worth caching (vLLM 0.32's rules, and ours).
 
 A sliding-window hit of length L (a multiple of the alignment, the lcm of the group block sizes)
 reads only the `need = ceil((W - 1) / B)` blocks before L. A block that ends no such run can
@@ -11,10 +11,12 @@ content-free blocks, competing with blocks that can. So:
                                      every block is reachable and this caches them all.
     SlidingWindowCaching.ALL         cache every full block (this project's earlier rule)
 
-`prefix_cache_retention_interval` (vLLM's option, same meaning) thins this further:
+`prefix_cache_retention_interval` (vLLM's option, same meaning) thins this further (and, in
+`state_mask`, a state group's checkpoints: the single block ending on each kept boundary):
 
     None   every aligned boundary, as above (dense)
-    0      only the tail before the prompt's replay boundary `prompt - 1` (vLLM 0.32's engine default)
+    0      only the tails before the prompt's replay boundary `prompt - 1` and its shared-prefix
+           junction (vLLM 0.32's engine default)
     k > 0  a tail once per k-token segment, plus the replay boundary (k a multiple of the alignment)
 
 Per segment of `per = segment / B` blocks, block i is kept when `i % per >= per - need`:
@@ -30,6 +32,8 @@ from enum import Enum
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import SpecKind
 
 
 class SpecDecode(Enum):
@@ -39,6 +43,18 @@ class SpecDecode(Enum):
 
     OFF = "off"
     EAGLE = "eagle"
+
+
+def check_spec_decode(groups: Sequence[KVCacheGroupSpec], spec_decode: SpecDecode) -> None:
+    """EAGLE's hit rule is modelled for attention groups of one block size (full, sliding window)."""
+    if spec_decode is SpecDecode.OFF:
+        return
+    kinds = {g.kind for g in groups}
+    if not kinds <= {SpecKind.FULL, SpecKind.SLIDING_WINDOW} or len({g.block_size for g in groups}) > 1:
+        raise ConfigError(
+            f"spec_decode={spec_decode.value} is modelled for full and sliding-window groups of one block size; "
+            f"got kinds {sorted(k.value for k in kinds)} and block sizes {sorted({g.block_size for g in groups})}"
+        )
 
 
 def replay_boundaries(num_prompt_tokens: int, alignment_tokens: int, spec_decode: SpecDecode) -> tuple[int, ...]:
