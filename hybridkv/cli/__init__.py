@@ -3,6 +3,7 @@
     hybridkv plan MODEL...     KV cache layout and capacity from a config.json (no engine, no GPU)
     hybridkv run               the reference engine on a chat workload
     hybridkv serve             an OpenAI-compatible HTTP server on the reference engine
+    hybridkv simulate MODEL    the KV cache manager alone on a trace: hits vs an infinite cache
     hybridkv --version         the installed version
 
 Layout of this package (a newcomer finds each command's code beside its siblings):
@@ -33,7 +34,7 @@ from typing import Annotated
 import typer
 
 from hybridkv import __version__
-from hybridkv.cli import cache_server, openai_server, plan, run
+from hybridkv.cli import cache_server, openai_server, plan, run, simulate
 from hybridkv.cli.errors import OneLineErrors
 
 # Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column; a parse
@@ -60,6 +61,7 @@ app.command("plan")(plan.plan_command)
 app.command("run")(run.run_command)
 app.command("server")(cache_server.server_command)
 app.command("serve")(openai_server.serve_command)
+app.command("simulate")(simulate.simulate_command)
 
 
 def main() -> None:

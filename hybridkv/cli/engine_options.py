@@ -24,6 +24,9 @@ MambaCacheModeOption = Annotated[MambaCacheMode, typer.Option(
     help="state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, "
          "all = at every block boundary")]
 Seed = Annotated[int, typer.Option(help="sampling seed of requests that set none")]
+RetentionInterval = Annotated[int | None, typer.Option(
+    "--prefix-cache-retention-interval", help="vLLM's option: sliding-window tails and state checkpoints kept "
+    "only at each prompt's replay boundary (0), or once per N tokens too (default: at every aligned boundary)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -33,13 +36,13 @@ KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="b
 
 __all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "KVCacheMemoryGiB", "KVServer", "KVServerTimeout",
            "MambaCacheModeOption", "MaxModelLen", "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "PrefixCachingOption",
-           "Seed", "Threads", "engine_options"]
+           "RetentionInterval", "Seed", "Threads", "engine_options"]
 
 
 def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
                    max_model_len: int | None, block_size: int, prefix_caching: PrefixCaching,
                    mamba_cache_mode: MambaCacheMode, seed: int, num_threads: int, kv_server: str | None,
-                   kv_server_timeout_s: float) -> dict[str, Any]:
+                   kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     if kv_server is not None and kv_server != "auto":
@@ -48,7 +51,7 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
         mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
-        kv_server_timeout_s=kv_server_timeout_s)
+        kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval)
     EngineConfig.from_options(options)
     return options
 

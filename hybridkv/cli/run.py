@@ -23,6 +23,7 @@ import json
 import math
 import os
 import time
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -36,7 +37,7 @@ from hybridkv.cli.tables import layer_list, new_table, print_table, stdout_conso
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.workload import Conversation, Turn, builtin_chat, load_jsonl, rounds
 from hybridkv.errors import HybridKVError
-from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.manager import PrefixCaching
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
@@ -58,6 +59,7 @@ def run_command(
     block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
     prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
     mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
+    prefix_cache_retention_interval: opt.RetentionInterval = None,
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
@@ -87,7 +89,8 @@ def run_command(
             kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
-            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s)
+            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
+            prefix_cache_retention_interval=prefix_cache_retention_interval)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")
@@ -113,7 +116,7 @@ def run_command(
         raise usage_error(str(exc), RUN_FLAGS) from None
     report["model"] = model
     report["load_s"] = round(load_s, 3)
-    report["config"] = {k: (v.value if isinstance(v, PrefixCaching | MambaCacheMode) else v)
+    report["config"] = {k: (v.value if isinstance(v, Enum) else v)
                         for k, v in _asdict(config).items()}
     report["config"]["max_model_len"] = llm.max_model_len
     if model == DEFAULT_MODEL_NAME:
@@ -239,8 +242,9 @@ def _memory_report(llm: LLM, requests: dict[str, Any]) -> dict[str, Any]:
         "group_id": g.group_id, "kind": g.kind.value, "layers": list(g.layer_indices), "block_size": g.block_size,
         "window_tokens": g.window_tokens or None, "chunk_tokens": g.chunk_tokens or None,
         "hit_rate": round(hits / stats.query_tokens, 4) if stats.query_tokens else 0.0,
-        "peak_blocks": peak,
-    } for g, hits, peak in zip(plan.config.groups, stats.group_hit_tokens, engine.peak_group_blocks, strict=True)]
+        "peak_blocks": peak, "hit_limited_by": {limit.value: n for limit, n in limits.items()},
+    } for g, hits, peak, limits in zip(plan.config.groups, stats.group_hit_tokens, engine.peak_group_blocks,
+                                       stats.limited_by, strict=True)]
     used, unshared, uniform = engine.peak_kv_bytes, engine.peak_unshared_kv_bytes, engine.peak_uniform_kv_bytes
     prompt_tokens, prompt_hits = requests["prompt_tokens"], requests["prompt_hit_tokens"]
     ratio = plan.capacity_ratio
@@ -343,12 +347,12 @@ def _render(console: Console, report: dict[str, Any]) -> None:
                      "again when it is scheduled; those lookups are not in the hit rate")
     print_table(console, table, title=f"hybridkv run: {report['model']}", caption="; ".join(notes) + ".")
     groups = new_table(("group", "right"), "kind", "layers", ("block", "right"), ("window", "right"),
-                       ("hit rate", "right"), ("peak blocks", "right"))
+                       ("hit rate", "right"), ("peak blocks", "right"), "hit limited by")
     for g in cache["groups"]:
         kind = g["kind"].removesuffix("_window").removesuffix("_local")
         groups.add_row(str(g["group_id"]), kind, layer_list([str(i) for i in g["layers"]]), str(g["block_size"]),
                        str(g["window_tokens"] or g["chunk_tokens"] or "-"), f"{g['hit_rate']:.1%}",
-                       str(g["peak_blocks"]))
+                       str(g["peak_blocks"]), ", ".join(f"{k} {n}" for k, n in g["hit_limited_by"].items() if n) or "-")
     print_table(console, groups, title="KV cache groups",
                 caption="hit rate: tokens this group alone could serve, over every lookup (recomputation included)")
     if len(report["passes"]) > 1 or "kv_server" in report:

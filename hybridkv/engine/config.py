@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import ConfigError
-from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching, SlidingWindowCaching
 from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
@@ -38,6 +38,10 @@ class EngineConfig:
     block_size: int = 16
     prefix_caching: PrefixCaching = PrefixCaching.ON
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
+    #: vLLM's option: None keeps sliding-window tails and state checkpoints at every aligned boundary,
+    #: 0 only at each prompt's replay boundary, N once per N tokens too (docs/prefix_caching.md)
+    prefix_cache_retention_interval: int | None = None
+    sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -62,6 +66,15 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         memory_gib_to_bytes(self.kv_cache_memory_gib, option="kv_cache_memory_gib")
+        interval = self.prefix_cache_retention_interval
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
+            raise ConfigError(f"prefix_cache_retention_interval must be None or an integer >= 0, got {interval!r}")
+        if not isinstance(self.sliding_window_caching, SlidingWindowCaching):
+            values = [m.value for m in SlidingWindowCaching]
+            if self.sliding_window_caching not in values:
+                raise ConfigError(f"sliding_window_caching must be one of {values}, "
+                                  f"got {self.sliding_window_caching!r}")
+            object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ConfigError(f"num_threads must be an integer >= 0 (0 = torch default), got {self.num_threads!r}")
         if self.kv_server is not None and (not isinstance(self.kv_server, str) or not self.kv_server):

@@ -109,11 +109,13 @@ class LLM:
                    weights_bytes=sum(f.stat().st_size for f in safetensors_files(self.model_dir)))
         self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
         self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
-                                      prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode)
+                                      prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode,
+                                      prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
+                                      sliding_window_caching=cfg.sliding_window_caching)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        self.scheduler: Scheduler[Request] = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens(),
                                    connector=self.transfer.connector if self.transfer else None)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
@@ -339,7 +341,7 @@ class LLM:
         self.stats.preemptions += len(out.preempted)
         return self.scheduler.finish_step(work)
 
-    def _load_external(self, work: list[ScheduledWork], tables: dict[RequestId, tuple[list[BlockId], ...]]
+    def _load_external(self, work: list[ScheduledWork[Request]], tables: dict[RequestId, tuple[list[BlockId], ...]]
                        ) -> ConnectorMeta:
         """Load the step's external hits into their blocks; drop (and requeue) the requests whose
         load failed from `work`; returns the step's connector metadata (its saves) without them."""
@@ -360,7 +362,7 @@ class LLM:
                 self.manager.cache(w.request.kv, min(w.start_pos + w.num_tokens, w.request.num_tokens))
         return meta
 
-    def _state_io(self, work: ScheduledWork) -> dict[int, StateIO]:
+    def _state_io(self, work: ScheduledWork[Request]) -> dict[int, StateIO]:
         """Per state group, the blocks the manager says this step restores from and writes to."""
         if not self.runner.states.groups:
             return {}
@@ -370,7 +372,7 @@ class LLM:
                                          writes=tuple((c.num_tokens, int(c.block_id)) for c in s.writes))
                 for s in steps}
 
-    def _track_memory(self, out: SchedulerOutput) -> None:
+    def _track_memory(self, out: SchedulerOutput[Request]) -> None:
         """Peak KV bytes held (hybrid, shared blocks once), the same without sharing, and the uniform layout's."""
         config = self.plan.config
         blocks = self.manager.group_usage()

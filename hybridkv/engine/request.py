@@ -13,14 +13,8 @@ from enum import Enum
 import torch
 
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.kvcache.ids import RequestId
+from hybridkv.engine.scheduler import KVRequestView, RequestStatus
 from hybridkv.kvcache.request import KVRequest
-
-
-class RequestStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class FinishReason(Enum):
@@ -32,7 +26,7 @@ class FinishReason(Enum):
 
 
 @dataclass(slots=True, kw_only=True)
-class Request:
+class Request(KVRequestView):
     """One generation request as the scheduler and engine track it."""
 
     kv: KVRequest
@@ -51,18 +45,6 @@ class Request:
     num_preemptions: int = 0
     eos_token_ids: tuple[int, ...] = field(default=())
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, if asked
-
-    @property
-    def request_id(self) -> RequestId:
-        return self.kv.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return self.kv.num_tokens
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return self.kv.num_computed_tokens
 
     @property
     def output_ids(self) -> list[int]:

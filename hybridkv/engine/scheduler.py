@@ -15,9 +15,10 @@ Each `schedule()` call builds one step:
 
 Recurrent-state models in align mode (`align_tokens` = the state groups' block size): a
 prefill chunk that would cross a block boundary without ending on one is cut back to end on
-the last boundary it reaches (and one that crosses the prompt's last boundary ends there), so
-every step's end state is a checkpoint the manager can cache. Any budget works: a chunk too
-small to reach the next boundary runs as it is.
+the last boundary it reaches, one starting inside a block ends at that block's end, and none
+runs past the last boundary before the known tokens' end (vLLM 0.32's cuts), so every step's
+end state is a checkpoint the manager can cache. Any budget works: a chunk too small to reach
+the next boundary runs as it is.
 
 With a KV connector (`connector`, e.g. the KV cache server's): after the local lookup the
 connector says how many more prompt tokens the external cache holds; they are allocated as
@@ -28,6 +29,9 @@ step, where it hits those blocks locally instead of loading a second copy. Finis
 preempted requests are reported to the connector.
 
 `finish_step` advances computed tokens after the forward pass and releases finished requests.
+
+Torch-free: the scheduler sees a request only through `SchedulableRequest` (the engine's
+`Request`, or `hybridkv simulate`'s token-only request), so the simulator runs this very loop.
 """
 
 from __future__ import annotations
@@ -36,45 +40,97 @@ import bisect
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
 
 from hybridkv.connector.base import KVConnectorScheduler
-from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.errors import CapacityError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import CacheHit, CacheTiming, KVCacheManager
+from hybridkv.kvcache.request import KVRequest
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class SchedulableRequest(Protocol):
+    """What the scheduler reads and writes on a request (`engine.request.Request` has it all)."""
+
+    kv: KVRequest
+    arrival_seq: int  # arrival order; the latest-arrived running request is preempted first
+    prompt_len: int
+    status: RequestStatus
+    prefix_hit_tokens: int  # local prefix-cache hit of the first schedule; -1 until then
+    external_hit_tokens: int
+    computed_prefill_tokens: int
+    num_preemptions: int
+
+    @property
+    def request_id(self) -> RequestId: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+R = TypeVar("R", bound=SchedulableRequest)
+
+
+class KVRequestView:
+    """The three read-only views of `kv` that `SchedulableRequest` asks for (a mixin)."""
+
+    __slots__ = ()
+    kv: KVRequest
+
+    @property
+    def request_id(self) -> RequestId:
+        return self.kv.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.kv.num_computed_tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ScheduledWork:
+class ScheduledWork(Generic[R]):
     """Positions [start_pos, start_pos + num_tokens) of `request` are computed this step.
 
     `samples` is fixed when the work is built: True when the step reaches the request's last
     known token, so its logits pick the next one (it must not change once that token is appended).
     """
 
-    request: Request
+    request: R
     start_pos: int
     num_tokens: int
     samples: bool
     external_tokens: int = 0  # tokens before start_pos the connector loads in this step
 
     @classmethod
-    def of(cls, request: Request, *, start_pos: int, num_tokens: int, external_tokens: int = 0) -> ScheduledWork:
+    def of(cls, request: R, *, start_pos: int, num_tokens: int, external_tokens: int = 0) -> ScheduledWork[R]:
         return cls(request=request, start_pos=start_pos, num_tokens=num_tokens,
                    samples=start_pos + num_tokens == request.num_tokens, external_tokens=external_tokens)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerOutput:
-    work: tuple[ScheduledWork, ...]
-    preempted: tuple[Request, ...]
+class SchedulerOutput(Generic[R]):
+    work: tuple[ScheduledWork[R], ...]
+    preempted: tuple[R, ...]
 
     @property
     def num_tokens(self) -> int:
         return sum(w.num_tokens for w in self.work)
 
 
-class Scheduler:
+class Scheduler(Generic[R]):
     """Decides which tokens of which requests run in each step, within the KV cache manager's blocks."""
 
     def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
@@ -84,25 +140,25 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.align_tokens = align_tokens  # block size prefill chunks end on (0: no alignment)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # sorted by arrival: the last one is the preemption victim
+        self.waiting: deque[R] = deque()
+        self.running: list[R] = []  # sorted by arrival: the last one is the preemption victim
         self.num_preemptions = 0
         self._loading: set[tuple[int, object]] = set()  # first blocks of the prefixes loading in this step
 
-    def add(self, request: Request) -> None:
+    def add(self, request: R) -> None:
         self.waiting.append(request)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[R]:
         """The next step's work; raises CapacityError if a lone request cannot get blocks."""
         self.manager.begin_step()
         self._loading.clear()
         budget = self.max_num_batched_tokens
-        work: dict[RequestId, ScheduledWork] = {}
-        preempted: list[Request] = []
+        work: dict[RequestId, ScheduledWork[R]] = {}
+        preempted: list[R] = []
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
@@ -141,7 +197,7 @@ class Scheduler:
             )
         return SchedulerOutput(work=tuple(scheduled), preempted=tuple(preempted))
 
-    def _admit(self, work: list[ScheduledWork], budget: int) -> None:
+    def _admit(self, work: list[ScheduledWork[R]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit: CacheHit = self.manager.lookup(request.kv)
@@ -171,24 +227,37 @@ class Scheduler:
             budget -= n
 
     @staticmethod
-    def _first_block(request: Request) -> tuple[int, object] | None:
+    def _first_block(request: R) -> tuple[int, object] | None:
         """(block size, hash) of the request's first block at the smallest block size hashed."""
         hashes = request.kv.block_hashes
         return next(((size, hashes[size][0]) for size in sorted(hashes) if hashes[size]), None)
 
-    def _aligned(self, request: Request, start: int, n: int) -> int:
-        """`n` tokens from `start`, cut to end on a block boundary in align mode (module docstring)."""
+    def _aligned(self, request: R, start: int, n: int) -> int:
+        """`n` tokens from `start`, cut to end on a block boundary in align mode (module docstring).
+
+        As vLLM 0.32's scheduler cuts them (`_mamba_block_aligned_split`), except that a chunk too
+        small to reach a boundary runs as it is: a chunk that stops short of the known tokens ends
+        on the last boundary it reaches; a chunk starting inside a block ends at that block's end
+        (a step writes one state: crossing a boundary from inside a block would checkpoint none);
+        no chunk runs past the last boundary strictly before the end, so a resend of the whole
+        prompt (hit at most `num_tokens - 1`) finds a checkpoint there; and none runs past the
+        request's shared-prefix junction (`KVRequest.shared_prefix_boundary`, block-floored), so
+        siblings sharing that prefix find the state there."""
         size = self.align_tokens
         end = start + n
         if not size or n <= 1:
             return n
-        last = request.num_tokens - request.num_tokens % size  # the last boundary of the known tokens
-        if end < last:
+        if end < request.num_tokens:
             boundary = end - end % size
-            return boundary - start if boundary > start else n
-        return last - start if start < last < end else n
+            end = boundary if boundary > start else end
+        next_boundary = start - start % size + size if start % size else 0
+        last = (request.num_tokens - 1) // size * size
+        junction = request.kv.shared_prefix_boundary  # block-floored: only a boundary's state is kept
+        junction_stop = start + (junction - start) // size * size if start < junction < end else 0
+        end = min((s for s in (next_boundary, last, junction_stop) if start < s < end), default=end)
+        return end - start
 
-    def abort(self, requests: Iterable[Request]) -> None:
+    def abort(self, requests: Iterable[R]) -> None:
         """Forget `requests` (a failed `generate`): free their blocks and drop them from the queues."""
         ids = {r.request_id for r in requests}
         for request in [r for r in self.running if r.request_id in ids]:
@@ -196,7 +265,7 @@ class Scheduler:
             self.running.remove(request)
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
 
-    def load_failed(self, requests: Iterable[Request]) -> None:
+    def load_failed(self, requests: Iterable[R]) -> None:
         """The connector could not load these just-admitted requests' external tokens: free their
         blocks and put them back at the head of the queue, to be recomputed without that hit."""
         for request in requests:
@@ -210,12 +279,12 @@ class Scheduler:
                 self.connector.request_load_failed(request.request_id)
             self.waiting.appendleft(request)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: R) -> None:
         if self.connector is not None:
             self.connector.request_finished(request.request_id, self.manager.block_ids(request.request_id))
         self.manager.free(request.kv)
 
-    def _largest_chunk(self, request: Request, n: int, *, hit: CacheHit | None = None, external: int = 0,
+    def _largest_chunk(self, request: R, n: int, *, hit: CacheHit | None = None, external: int = 0,
                        halve: bool = True) -> int:
         """Allocate the first of n, n/2, n/4, ..., 1 tokens that fits (only n unless `halve`);
         returns it, or 0 if none does.
@@ -233,7 +302,7 @@ class Scheduler:
             n //= 2
         return 0
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: R) -> None:
         self._release(request)
         request.kv.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -241,12 +310,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish_step(self, work: Sequence[ScheduledWork]) -> list[Request]:
+    def finish_step(self, work: Sequence[ScheduledWork[R]]) -> list[R]:
         """Advance computed tokens of the step's work; free and return the requests that finished.
 
         Call after the sampled tokens were appended (finished requests have status FINISHED).
         """
-        done: list[Request] = []
+        done: list[R] = []
         for item in work:
             request = item.request
             end = item.start_pos + item.num_tokens

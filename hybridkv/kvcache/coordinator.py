@@ -40,6 +40,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from enum import Enum
+
+import numpy as np
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
@@ -49,6 +52,18 @@ from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
+
+
+class ReleaseOrder(Enum):
+    """The order a finished (or preempted) request's blocks enter the free queue, tail first.
+
+    INTERLEAVED: position by position across groups (the k-th block from the tail of every group
+    before the (k+1)-th of any), so the LRU evicts a position from all groups together.
+    BY_GROUP: group after group in group-id order, each tail first (vLLM 0.32's order: the lowest
+    group's blocks are evicted first)."""
+
+    INTERLEAVED = "interleaved"
+    BY_GROUP = "by_group"
 #: `decode`'s plan per manager: (index of its bounds, manager, table, keep from, grows by one entry, that entry is real)
 _DecodeStep = tuple[int, SingleTypeManager, Table, int, bool, bool]
 NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
@@ -70,6 +85,7 @@ class KVCacheCoordinator:
             raise ConfigError("two managers share one hit rule; expected one manager per rule (make_manager "
                               "takes every group of a rule)")
         self.groups = tuple(placed[g] for g in range(len(placed)))
+        self.release_order = ReleaseOrder.INTERLEAVED
         self.num_groups = len(self.groups)
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
@@ -129,7 +145,7 @@ class KVCacheCoordinator:
         if rid in self.allocated:  # running: its bound is exactly its new blocks
             released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
             if any(part.size for _, part in released):
-                pool.free_tables(released)
+                self._release(released)
             for m, bound in zip(managers, bounds, strict=True):
                 if bound:
                     for g in m.group_ids:
@@ -298,7 +314,17 @@ class KVCacheCoordinator:
             computed = request.num_computed_tokens
             for manager in managers:
                 self.pool.uncache(manager.uncomputed_cached_blocks(rid, computed))
-        self.pool.free_tables([(m.group_ids, m.free(rid)) for m in managers])
+        self._release([(m.group_ids, m.free(rid)) for m in managers])
+
+    def _release(self, tables: Sequence[tuple[Sequence[int], Ids]]) -> None:
+        """Release blocks of several groups (per manager: its group ids and a (groups, n) array,
+        each row tail first) in the release order (`ReleaseOrder`)."""
+        if self.release_order is ReleaseOrder.INTERLEAVED:
+            self.pool.free_tables(tables)
+            return
+        rows = sorted((g, blocks[i]) for group_ids, blocks in tables for i, g in enumerate(group_ids))
+        if rows:
+            self.pool.free(np.concatenate([row for _, row in rows]))
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

@@ -26,10 +26,9 @@ a checkpoint cached since then (`CacheHit.deferred`).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from enum import Enum
 from operator import add
 from typing import cast
 
@@ -46,12 +45,24 @@ from hybridkv.kvcache.coordinator import (
     HybridCoordinator,
     KVCacheCoordinator,
     NoPrefixCacheCoordinator,
+    ReleaseOrder,
     UnitaryCoordinator,
 )
 from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
+from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.results import (
+    CacheHit,
+    CacheTiming,
+    ManagerStats,
+    NewBlocks,
+    PrefixCaching,
+    StateCheckpoint,
+    StateStep,
+)
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode, check_spec_decode
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
@@ -61,124 +72,35 @@ __all__ = [
     "AllocationError",
     "CacheHit",
     "CacheTiming",
+    "HitLimit",
     "IntegrityError",
     "KVCacheManager",
     "MambaCacheMode",
     "ManagerStats",
     "NewBlocks",
     "PrefixCaching",
+    "ReleaseOrder",
+    "SlidingWindowCaching",
+    "SpecDecode",
     "StaleHitError",
     "StateCheckpoint",
     "StateStep",
     "UnknownRequestError",
 ]
 
-class PrefixCaching(Enum):
-    """Whether full blocks are cached and looked up (OFF: state groups keep one running state)."""
-
-    ON = "on"
-    OFF = "off"
-
-
-class CacheTiming(Enum):
-    """When `allocate` caches the newly full blocks: now, or later through `cache`
-    (external KV still loading asynchronously)."""
-
-    IMMEDIATE = "immediate"
-    DELAYED = "delayed"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CacheHit:
-    """The answer of `lookup`: `num_tokens` cached tokens and their block ids per group
-    (0 = the null block, where a group skips the block). Pass it to `allocate` unchanged."""
-
-    request_id: RequestId
-    num_tokens: int
-    blocks: tuple[tuple[BlockId, ...], ...]
-    #: The hit uses a state checkpoint cached in the current step (its state is written only when
-    #: the step runs): `allocate` refuses it (returns None) until the next `begin_step`. Keep the
-    #: request waiting (no preemption helps) and look it up again in the next step.
-    deferred: bool = False
-    pool_epoch: int = field(default=-1, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise AllocationError(f"a cache hit cannot have {self.num_tokens} tokens; expected >= 0")
-
-
-class NewBlocks(tuple[tuple[BlockId, ...], ...]):
-    """The answer of `allocate`: per group (ascending group id), the block ids the step added
-    to the request's table, to append to the runner's block table after `CacheHit.blocks`
-    (0 = the null block where a group skips a position; empty where a group added nothing).
-
-    A tuple of tuples, so `new[g]` and comparison with a plain tuple work as for one."""
-
-    __slots__ = ()
-
-    @property
-    def num_blocks(self) -> int:
-        """New real (non-null) blocks over all groups."""
-        return sum(1 for entries in self for block in entries if block != NULL)
-
-
 def _new_blocks(entries: Iterable[tuple[int, ...]]) -> NewBlocks:
     """`NewBlocks` of the coordinator's int entries (block ids from the pool)."""
     return NewBlocks(cast("Iterable[tuple[BlockId, ...]]", entries))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateCheckpoint:
-    """The state of a state group after the request's first `num_tokens` tokens, in `block_id`."""
-
-    num_tokens: int
-    block_id: BlockId
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateStep:
-    """What the layers of one state group read and write in one step of one request.
-
-    `read`: the state the step starts from (None: the step starts at token 0, from a zero
-    state); after a cache hit it is the hit's checkpoint block, to restore from. `writes`:
-    every state the step must store, ascending by `num_tokens`; the last one is the state after
-    the step's last token (the running state). ALIGN mode writes one state; ALL mode also one
-    per block boundary the step crosses. A write may name the read block (the state is then
-    updated in place); it never names a block another request can read.
-    """
-
-    group_id: GroupId
-    read: StateCheckpoint | None
-    writes: tuple[StateCheckpoint, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ManagerStats:
-    """Prefix-cache statistics since construction.
-
-    `query_tokens` sums the prompt lengths looked up, `hit_tokens` the hits returned;
-    `group_hit_tokens[g]` sums what group g alone could serve when the coordinator first asked
-    it (full attention: the whole prompt; other types: the candidate length at that point),
-    which shows which group limits the hit.
-    """
-
-    lookups: int
-    query_tokens: int
-    hit_tokens: int
-    group_hit_tokens: tuple[int, ...]
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
 
 def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
-                      mamba_cache_mode: MambaCacheMode) -> KVCacheCoordinator:
+                      mamba_cache_mode: MambaCacheMode, retention: Retention) -> KVCacheCoordinator:
     mode = mamba_cache_mode if caching is PrefixCaching.ON else MambaCacheMode.NONE
     by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
     for group in config.groups:
         by_rule.setdefault(rule_of(group), []).append(group)
-    managers = [make_manager(groups, pool, mamba_mode=mode) for groups in by_rule.values()]
+    managers = [make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
     if caching is PrefixCaching.OFF:
         return NoPrefixCacheCoordinator(managers, pool)
     if len(managers) == 1:
@@ -200,6 +122,10 @@ class KVCacheManager:
         eviction: EvictionPolicyName = EvictionPolicyName.LRU,
         events: KVEvents = KVEvents.OFF,
         mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+        sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE,
+        prefix_cache_retention_interval: int | None = None,
+        release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED,
+        spec_decode: SpecDecode = SpecDecode.OFF,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -217,18 +143,27 @@ class KVCacheManager:
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
                                policy_factory=POLICIES[eviction], events=events)
-        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode)
+        self._eagle = spec_decode is SpecDecode.EAGLE
+        check_spec_decode(config.groups, spec_decode)
+        retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
+                              alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
+                              spec_decode=spec_decode)
+        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
+        self._coordinator.release_order = release_order
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
         self._block_sizes = self._coordinator.block_sizes
         self._empty_hit = tuple(() for _ in config.groups)
         self._no_new_blocks = NewBlocks(() for _ in config.groups)
-        self._decodes = self._caching and self._coordinator.decodes
+        # (the decode path releases position by position: vLLM's group-by-group order takes the general path)
+        self._decodes = self._caching and self._coordinator.decodes and release_order is ReleaseOrder.INTERLEAVED
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * len(config.groups)
+        self._limits = HitLimitCounter(self._coordinator.managers, [m for m, _ in self._groups],
+                                       self._coordinator.lcm_block_size)
 
     # -- step / lookup --------------------------------------------------------------------------
 
@@ -254,17 +189,44 @@ class KVCacheManager:
         self._lookups += 1
         self._query_tokens += request.num_tokens
         max_length = min(request.num_tokens - 1, self.max_model_len)
+        request.shared_prefix_boundary = 0
+        if request.num_prompt_tokens is None:
+            request.num_prompt_tokens = request.num_tokens
         if not self._caching or max_length < self._coordinator.lcm_block_size:
+            if self._caching and max_length > 0:
+                self._limits.count({}, 0, max_length, deferred=False)
             return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
                             pool_epoch=self._pool.evictions)
         coordinator = self._coordinator
-        hits, num_tokens, first = coordinator.find_longest_cache_hit(self._hashes(request), max_length)
+        hashes = self._hashes(request)
+        if self._eagle:
+            hits, num_tokens, first = self._eagle_hit(hashes, request.num_tokens, max_length)
+        else:
+            hits, num_tokens, first = coordinator.find_longest_cache_hit(hashes, max_length)
         self._hit_tokens += num_tokens
         self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
+        deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
+        longest = max(first)
+        request.shared_prefix_boundary = longest if longest > num_tokens else 0
+        self._limits.count(hashes, num_tokens, max_length, deferred=deferred)
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
-                        deferred=bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits),
-                        pool_epoch=self._pool.evictions)
+                        deferred=deferred, pool_epoch=self._pool.evictions)
+
+    def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
+                   max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        """EAGLE's hit: every group matches one block past the candidate (a sliding window one more
+        contiguous block), then the last block is dropped (vLLM 0.32's `drop_eagle_block`)."""
+        step = self._coordinator.lcm_block_size
+        # vLLM's hybrid coordinator lets the match run one block past the candidate; its unitary one does not
+        unitary = isinstance(self._coordinator, UnitaryCoordinator)
+        extended = max_length if unitary else min(max_length + step, num_tokens // step * step)
+        hits, tokens, first = self._coordinator.find_longest_cache_hit(hashes, extended)
+        first = [max(0, f - step) for f in first]
+        if not tokens:
+            return hits, 0, first
+        tokens -= step
+        return [h[: tokens // step] for h in hits], tokens, first
 
     # -- allocate / cache / free ----------------------------------------------------------------
 
@@ -424,7 +386,8 @@ class KVCacheManager:
     def stats(self) -> ManagerStats:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
-                            group_hit_tokens=tuple(self._group_hit_tokens))
+                            group_hit_tokens=tuple(self._group_hit_tokens),
+                            limited_by=self._limits.per_group())
 
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""

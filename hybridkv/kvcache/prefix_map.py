@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from enum import Enum
 from itertools import repeat, takewhile
 
 import numpy as np
@@ -34,6 +35,14 @@ from hybridkv.errors import IntegrityError
 from hybridkv.kvcache.ids import BlockHash
 
 Ids = NDArray[np.int64]
+
+
+class Fate(Enum):
+    """What became of a hash that a lookup needed and some group did not hold."""
+
+    ELSEWHERE = "elsewhere"
+    EVICTED = "evicted"
+    NEVER = "never"
 
 
 class PrefixMap:
@@ -50,6 +59,10 @@ class PrefixMap:
         self.dups: list[dict[BlockHash, list[int]]] = [{} for _ in self.group_ids]
         self._free: Ids = np.arange(num_blocks - 1, 0, -1, dtype=np.int64)  # a stack: top = lowest slot
         self._top = num_blocks - 1
+        #: hashes whose last block was evicted, oldest first (the newest `num_blocks` at least): tells an
+        #: evicted block from one never cached when a lookup misses it (`GroupsView.fate`)
+        self.evicted: dict[BlockHash, None] = {}
+        self._evicted_cap = num_blocks
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -106,7 +119,9 @@ class PrefixMap:
         if not len(empty):
             return
         unique: list[int] = list(dict.fromkeys(empty.tolist()))
-        deque(map(self.index.__delitem__, self.key[unique].tolist()), maxlen=0)
+        keys = self.key[unique].tolist()
+        deque(map(self.index.__delitem__, keys), maxlen=0)
+        self._remember(keys)
         self.key[unique] = None
         top = self._top
         self._free[top : top + len(unique)] = unique
@@ -116,12 +131,21 @@ class PrefixMap:
         left = self.count.item(slot) - 1
         self.count[slot] = left
         if not left:
-            del self.index[self.key[slot]]
+            key = self.key[slot]
+            del self.index[key]
+            self._remember((key,))
             self.key[slot] = None
             self._free[self._top] = slot
             self._top += 1
 
+    def _remember(self, keys: Sequence[BlockHash]) -> None:
+        evicted = self.evicted
+        evicted.update(dict.fromkeys(keys))
+        if len(evicted) > 2 * self._evicted_cap:  # keep the newest `cap` (amortized: C-level copies only)
+            self.evicted = dict.fromkeys(list(evicted)[-self._evicted_cap :])
+
     def clear(self) -> None:
+        self.evicted.clear()
         self.index.clear()
         self.blocks[:] = 0
         self.count[:] = 0
@@ -225,6 +249,22 @@ class GroupsView:
         missing = np.flatnonzero(rows.min(axis=0) == 0)
         out: list[list[int]] = (rows[:, : missing[0]] if len(missing) else rows).tolist()
         return out
+
+    def holds(self, key: BlockHash) -> bool:
+        """Every one of these groups holds `key` (scalar reads: no array call)."""
+        slot = self._index.get(key, 0)
+        if not slot:
+            return False
+        blocks = self._map.blocks
+        return all(blocks.item(col, slot) for col in self.cols)
+
+    def fate(self, key: BlockHash) -> Fate:
+        """Why these groups do not all hold `key`: another group of this block size holds it
+        (ELSEWHERE), its last block was evicted (EVICTED), or it was never cached (or was evicted
+        so long ago that it was forgotten: NEVER)."""
+        if key in self._index:
+            return Fate.ELSEWHERE
+        return Fate.EVICTED if key in self._map.evicted else Fate.NEVER
 
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""

@@ -51,6 +51,15 @@ class KVRequest:
     mm_features: tuple[MultiModalFeature, ...] = ()
     num_encoder_tokens: int = 0
     block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
+    #: set by `lookup` (vLLM's `request.shared_prefix_boundary`): where the longest single-group
+    #: hit ends when it is longer than the hit every group serves (a Marconi-style junction: the
+    #: prefix is shared but some group kept no state there), else 0. The scheduler ends an align-mode
+    #: chunk at it (block-floored) so the state there is checkpointed; a sparse sliding-window
+    #: retention keeps the window tail before it.
+    shared_prefix_boundary: int = 0
+    #: the prompt's length: set by the manager when it first sees the request (its tokens then), kept
+    #: across preemption; sparse retention keeps the states a resend of the prompt would read
+    num_prompt_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ takes when `/metrics` is scraped (the engine is only touched on its own thread):
 
     hybridkv_serve_prefix_cache_{queries,hits}_tokens    prompt tokens looked up / served locally
     hybridkv_serve_prefix_cache_group_hits_tokens{group}  what each KV cache group alone could serve
+    hybridkv_serve_prefix_cache_hit_limited_by{group,reason}  lookups a group stopped, by reason
     hybridkv_serve_kv_cache_blocks{group}                 blocks held by requests, per group
     hybridkv_serve_kv_cache_usage_ratio                   held / usable blocks (one shared pool)
     hybridkv_serve_num_preemptions                        requests preempted (recomputed)
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from hybridkv.connector.base import TransferStats
 from hybridkv.engine.llm import LLM
+from hybridkv.kvcache.hit_limits import HitLimit
 
 P = "hybridkv_serve_"
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -39,6 +41,7 @@ class EngineSnapshot:
     query_tokens: int
     hit_tokens: int
     group_hit_tokens: tuple[int, ...]
+    limited_by: tuple[dict[HitLimit, int], ...]
     group_blocks: tuple[int, ...]
     usage: float
     usable_blocks: int
@@ -62,6 +65,7 @@ class EngineSnapshot:
                    external_saved_chunks=ext.saved_chunks,
                    query_tokens=stats.query_tokens, hit_tokens=stats.hit_tokens,
                    group_hit_tokens=stats.group_hit_tokens, group_blocks=llm.manager.group_usage(),
+                   limited_by=stats.limited_by,
                    usage=llm.manager.usage(), usable_blocks=llm.plan.config.num_blocks - 1,
                    preemptions=llm.stats.preemptions, steps=llm.stats.steps,
                    scheduled_tokens=llm.stats.scheduled_tokens, running=len(llm.scheduler.running),
@@ -109,6 +113,12 @@ class _EngineCollector(Collector):
             blocks.add_metric([str(g)], held)
         yield groups
         yield blocks
+        limited = CounterMetricFamily(P + "prefix_cache_hit_limited_by", "Lookups a KV cache group stopped short, "
+                                      "by reason (docs/prefix_caching.md)", labels=["group", "reason"])
+        for g, counts in enumerate(s.limited_by):
+            for limit, count in counts.items():
+                limited.add_metric([str(g), limit.value], count)
+        yield limited
         yield GaugeMetricFamily(P + "kv_cache_usage_ratio", "Held / usable KV cache blocks", value=s.usage)
         yield GaugeMetricFamily(P + "kv_cache_usable_blocks", "Usable KV cache blocks (shared by all groups)",
                                 value=s.usable_blocks)

@@ -30,7 +30,8 @@ def _report(*, passes: int, repeated: int, server: bool) -> dict[str, Any]:
                       "uniform_max_concurrency": 21.33},
     }
     if server:
-        report["kv_server"] = {"url": "tcp://127.0.0.1:1", "started_for_this_run": True, "reachable": True, "chunk_tokens": 16,
+        report["kv_server"] = {"url": "tcp://127.0.0.1:1", "started_for_this_run": True, "reachable": True,
+                               "chunk_tokens": 16,
                                "object_groups": [], "stored_chunks": 1, "loads": 1, "failed_loads": 0, "errors": 0}
     return report
 

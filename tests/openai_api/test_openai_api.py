@@ -181,9 +181,13 @@ def test_prefix_hits_per_group_and_reset_prefix_cache(server: ServeServer, clien
     assert http(server, "/reset_prefix_cache", b"", method="POST") == (200, {"reset": True, "external": False})
     hits = metric(server, "hybridkv_serve_prefix_cache_hits_tokens_total")
     groups = metric(server, "hybridkv_serve_prefix_cache_group_hits_tokens_total", group="0")
+    limited = metric(server, "hybridkv_serve_prefix_cache_hit_limited_by_total", group="0", reason="never_cached")
     for _ in range(2):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert metric(server, "hybridkv_serve_prefix_cache_hits_tokens_total") == hits + 64
+    # the first found nothing cached; the repeat hit all it could (64 of 65), so nothing limited it
+    assert metric(server, "hybridkv_serve_prefix_cache_hit_limited_by_total", group="0",
+                  reason="never_cached") == limited + 1
     assert metric(server, "hybridkv_serve_prefix_cache_group_hits_tokens_total", group="0") >= groups + 64
     assert http(server, "/reset_prefix_cache", b"", method="POST")[0] == 200
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

@@ -24,9 +24,11 @@ from collections.abc import Sequence
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
+from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
     SingleTypeManager,
@@ -63,10 +65,42 @@ class FullAttentionManager(SingleTypeManager):
 class SlidingWindowManager(SingleTypeManager):
     """Sliding window W: the last W-1 tokens before a position must be cached."""
 
-    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
+    reads_from_right = True
+
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
+                 retention: Retention | None = None) -> None:
         super().__init__(group, pool)
         self.window_tokens = self.group.window_tokens
         self.contiguous_blocks = cdiv(self.window_tokens - 1, self.block_size)
+        self.retention = retention or Retention(sliding=SlidingWindowCaching.ALL)
+        if self.retention.spec_decode is SpecDecode.EAGLE:  # one more block, dropped after the match
+            self.contiguous_blocks += 1
+        if not self.retention.caches_every_block(self.block_size, self.contiguous_blocks):
+            self.plain_tables = False  # the decode path caches every block
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Cache the full blocks the retention rule keeps (`retention.py`)."""
+        table = self.table_of[request.request_id]
+        num_full = num_tokens // self.block_size
+        start = table.num_cached
+        if num_full <= start:
+            return
+        mask = self.retention.mask(start, num_full, block_size=self.block_size, need=self.contiguous_blocks,
+                                   replay_boundaries=self.retention.boundaries(request))
+        if mask is None:
+            super().cache_blocks(request, block_hashes, num_tokens)
+            return
+        i = 0
+        while i < len(mask):
+            if not mask[i]:
+                i += 1
+                continue
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            self._pool.cache(self.group_ids, table.ids, block_hashes, start + i, start + j, request.token_ids)
+            i = j
+        table.num_cached = num_full
 
     def first_needed_block(self, num_tokens: int) -> int:
         return max(0, num_tokens - self.window_tokens + 1) // self.block_size
@@ -140,12 +174,16 @@ class CrossAttentionManager(SingleTypeManager):
                   max_length: int) -> list[list[int]]:
         return [[] for _ in view.cols]
 
+    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int, hit_tokens: int, *,
+                 window_too: bool = True) -> HitLimit | None:
+        return HitLimit.NEVER_CACHED
+
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         return
 
 
 def make_manager(group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
-                 mamba_mode: MambaCacheMode) -> SingleTypeManager:
+                 mamba_mode: MambaCacheMode, retention: Retention | None = None) -> SingleTypeManager:
     """The manager for a group, or for several groups of one rule (`rule_of`), by kind."""
     groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
     if len({rule_of(g) for g in groups}) != 1:
@@ -155,11 +193,11 @@ def make_manager(group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: Blo
     if kind is SpecKind.FULL:
         return FullAttentionManager(groups, pool)
     if kind is SpecKind.SLIDING_WINDOW:
-        return SlidingWindowManager(groups, pool)
+        return SlidingWindowManager(groups, pool, retention=retention)
     if kind is SpecKind.CHUNKED_LOCAL:
         return ChunkedLocalManager(groups, pool)
     if kind is SpecKind.MAMBA:
-        return MambaManager(groups, pool, mode=mamba_mode)
+        return MambaManager(groups, pool, mode=mamba_mode, retention=retention)
     if kind is SpecKind.CROSS:
         return CrossAttentionManager(groups, pool)
     raise ConfigError(f"group {groups[0].group_id} has unknown kind {kind!r}; expected one of "

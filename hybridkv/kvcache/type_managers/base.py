@@ -35,6 +35,7 @@ import numpy as np
 
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.hit_limits import HitLimit, limit_of_fate
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
@@ -94,6 +95,10 @@ class SingleTypeManager(ABC):
     #: null before `first_needed_block` and real from there, `cache_blocks` caches every full
     #: block. The coordinator's decode path (`KVCacheCoordinator.decode`) serves only such managers.
     plain_tables = True
+    #: The hit rule reads its blocks right to left (sliding window, state checkpoints).
+    reads_from_right = False
+    #: A recurrent-state group (Mamba, GDN): its blocks are checkpoints.
+    is_state = False
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
@@ -255,6 +260,31 @@ class SingleTypeManager(ABC):
             ids[i, keep_from:num_hits] = row[keep_from:]
         table.num_skipped = skipped = leading_nulls(table, keep_from)
         return [row[skipped:] for row in hits]
+
+    def limit_at(self, block_hashes: Sequence[BlockHash], num_tokens: int, hit_tokens: int, *,
+                 window_too: bool = True) -> HitLimit | None:
+        """Why these groups cannot serve a hit of exactly `num_tokens` tokens (a multiple of the
+        block size within the hashed blocks), or None when they can (`hit_limits.py`). They served
+        `hit_tokens`: a downward-closed rule holds every block below it. Without `window_too` a
+        right-to-left rule whose last block is held answers None unchecked (another group already
+        stopped the hit there)."""
+        start = self.first_needed_block(num_tokens)
+        if self.downward_closed:
+            start = max(start, hit_tokens // self.block_size)
+        keys = block_hashes[start : num_tokens // self.block_size]
+        view = self.view
+        if self.reads_from_right:  # the block ending at num_tokens decides; before it, the window
+            missing = None if view.holds(keys[-1]) else keys[-1]
+            if missing is None:
+                if not window_too or len(keys) < 2:
+                    return None
+                return HitLimit.WINDOW if view.held(keys[:-1])[0].find(0) >= 0 else None
+        else:  # the first block not held (usually the only one: a hit stops one block short)
+            missing = next((key for key in keys if not view.holds(key)), None)
+            if missing is None:
+                return None
+        return limit_of_fate(view.fate(missing), state_group=self.is_state,
+                             caches_every_block=self.plain_tables or self.is_state)
 
     def num_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> int:
         """Real blocks `allocate_new_blocks` needs per group for `total_tokens` slots (after

@@ -17,6 +17,7 @@ from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
     SingleTypeManager,
@@ -30,13 +31,17 @@ from hybridkv.plan.specs import MambaCacheMode
 class MambaManager(SingleTypeManager):
     """Mamba-style recurrent state (Mamba1/2, Gated DeltaNet); see the module docstring."""
 
+    reads_from_right = True
+    is_state = True
+
     defers_same_step_hits = True
     plain_tables = False
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
-                 mode: MambaCacheMode) -> None:
+                 mode: MambaCacheMode, retention: Retention | None = None) -> None:
         super().__init__(group, pool)
         self.mode = mode
+        self.retention = retention  # None or interval None: every checkpoint is cached
         self.skips_blocks = mode is not MambaCacheMode.NONE
         # Hashes of checkpoints cached since the last `new_step`: their state is written by a
         # step that has not run yet, so a hit on one is refused until the next step.
@@ -114,6 +119,17 @@ class MambaManager(SingleTypeManager):
             if num_tokens % size:
                 return
             start = num_full - 1
+        mask = self.retention.state_mask(start, num_full, block_size=size, request=request) if self.retention else None
+        if mask is not None:  # sparse retention: cache the kept checkpoints only
+            for i, keep in enumerate(mask):
+                if keep:
+                    self._cache_range(request, block_hashes, start + i, start + i + 1)
+            return
+        self._cache_range(request, block_hashes, start, num_full)
+
+    def _cache_range(self, request: KVRequest, block_hashes: Sequence[BlockHash], start: int, end: int) -> None:
+        table = self._tables[request.request_id]
+        num_full = end
         self._pool.cache(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
         hash_of = self._pool.hash_of
         self._cached_this_step.update(h for h in map(hash_of, table.ids[:, start:num_full].ravel().tolist())

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Prefix-hit tokens of our KV cache manager vs vLLM 0.32's real one, and vs an infinite cache.
+
+Per layout (Gemma 3: full + sliding window; Qwen3.5: full + Gated DeltaNet; Nemotron-H: full +
+Mamba2, each planned by our planner from the catalog config) and per seeded trace generator
+(and per `prefix_cache_retention_interval`: dense everywhere, 0 everywhere, 4096 on Gemma 3; and
+EAGLE on Gemma 3 and on a full-attention model),
+the same trace runs through `hybridkv simulate`'s loop -- the engine's own scheduler -- twice:
+over our manager, and over vLLM's manager (`vllm_hits_driver.py` under the vLLM venv, every
+option at the same setting). Prints one line per run (hit tokens, requests whose hit differs,
+simulate's wall time) and last:
+
+    hits_vs_vllm=<our hit tokens / vLLM's> hits_vs_ideal=<our hit tokens / the infinite cache's>
+
+    .venv/bin/python benchmarks/bench_hits.py [--quick] [--venv ~/.cache/hybridkv-bench/vllm-manager-venv]
+
+Without the vLLM venv (`$HYBRIDKV_VLLM_VENV` or the default path) the vLLM side is skipped and
+`hits_vs_vllm=skipped`. vLLM's venv lacks xxhash (our hashing imports it): it is installed into
+`~/.cache/hybridkv-bench/xxhash-overlay` with the venv's pip on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hybridkv.catalog import find  # noqa: E402
+from hybridkv.kvcache.manager import MambaCacheMode, ReleaseOrder, SpecDecode  # noqa: E402
+from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
+from hybridkv.plan.planner import GIB, KVCacheConfig, PlannerOptions, plan  # noqa: E402
+from hybridkv.simulate.generators import Generator, GeneratorOptions, generate  # noqa: E402
+from hybridkv.simulate.simulator import SimOptions, simulate  # noqa: E402
+from hybridkv.simulate.trace import TraceRequest  # noqa: E402
+
+LAYOUTS = {"gemma3": "gemma-3-27b-it", "qwen3.5": "qwen3.5-27b", "mamba2": "nemotron-nano-9b-v2",
+           "full": "Llama-3.1-8B-Instruct"}
+VENV = Path(os.environ.get("HYBRIDKV_VLLM_VENV", Path.home() / ".cache/hybridkv-bench/vllm-manager-venv"))
+OVERLAY = Path.home() / ".cache/hybridkv-bench/xxhash-overlay"
+
+
+def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest], SimOptions]:
+    """(our plan's config, the trace, the scheduler options) of a job: the same on both sides."""
+    entry = find(job["model"])
+    assert entry is not None, job["model"]
+    mode = MambaCacheMode(job["mamba_cache_mode"])
+    planned = plan(model_spec_from_config(entry.config, name=entry.hf_id),
+                   PlannerOptions(memory_bytes=int(job["memory_gib"] * GIB), max_model_len=job["max_model_len"],
+                                  max_num_batched_tokens=job["max_num_batched_tokens"], mamba_cache_mode=mode))
+    trace = generate(Generator(job["generator"]), GeneratorOptions(**job["generator_options"]))
+    options = SimOptions(max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
+                         max_num_seqs=job["max_num_seqs"], mamba_cache_mode=mode,
+                         prefix_cache_retention_interval=job["retention"],
+                         release_order=ReleaseOrder(job["release_order"]), spec_decode=SpecDecode(job["spec_decode"]))
+    return planned.config, trace, options
+
+
+def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
+    """Every layout x generator at dense retention, then Gemma 3 (sliding window) at vLLM's
+    retention intervals 0 and 4096 (quick: one generator per layout, and retention 0 once)."""
+    n = 30 if quick else 100
+    generators = [Generator.CHAT] if quick else list(Generator)
+    runs = [(layout, g, None, "off") for layout in ("gemma3", "qwen3.5", "mamba2") for g in generators]
+    runs += [("gemma3", g, r, "off") for r in ((0,) if quick else (0, 4096)) for g in generators]
+    runs += [(layout, g, 0, "off") for layout in ("qwen3.5", "mamba2") for g in generators]
+    runs += [(layout, g, r, "eagle") for layout, r in (("gemma3", None), ("gemma3", 0), ("full", None))
+             for g in generators]
+    return [{"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
+             "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
+             "retention": retention, "release_order": release_order, "spec_decode": spec,
+             "generator": generator.value, "generator_options": {"num_requests": n, "seed": 0}}
+            for layout, generator, retention, spec in runs]
+
+
+def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        return None
+    paths = [str(REPO)]
+    probe = subprocess.run([str(python), "-c", "import xxhash"], capture_output=True)
+    if probe.returncode:
+        if not (OVERLAY / "xxhash").exists():
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--target", str(OVERLAY), "xxhash==4.1.0"],
+                           check=True)
+        paths.append(str(OVERLAY))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    done = subprocess.run([str(python), str(REPO / "benchmarks" / "vllm_hits_driver.py")], input=json.dumps(batch),
+                          capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise SystemExit(f"vLLM driver failed:\n{done.stderr[-3000:]}")
+    result: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def job_name(job: dict[str, Any]) -> str:
+    return "{layout}:{generator}:{n}:{release_order}:retention={retention}:spec={spec_decode}".format(
+        n=job["generator_options"]["num_requests"], **job)
+
+
+def record(path: Path) -> None:
+    """Write vLLM's per-request hits for the quick and the full job lists (the CI fixture)."""
+    batch = jobs(True) + jobs(False)
+    theirs = vllm_side(batch)
+    if theirs is None:
+        raise SystemExit(f"no vLLM venv at {VENV}")
+    version = subprocess.run([str(VENV / "bin" / "python"), "-c", "import vllm; print(vllm.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    runs = {job_name(job): result["request_hits"] for job, result in zip(batch, theirs, strict=True)}
+    path.write_text(json.dumps({"vllm_version": version, "runs": runs}, separators=(",", ":")) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="prefix hits: ours vs vLLM 0.32 vs an infinite cache")
+    parser.add_argument("--quick", action="store_true", help="one short trace per layout (CI smoke)")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's side")
+    parser.add_argument("--record", type=Path, help="write vLLM's hits for every job to this JSON file and exit")
+    parser.add_argument("--release-order", choices=[o.value for o in ReleaseOrder], default="by_group",
+                        help="our manager's free order (by_group: vLLM's, the parity setting)")
+    args = parser.parse_args(argv)
+    if args.record:
+        record(args.record)
+        return 0
+    batch = jobs(args.quick, args.release_order)
+    ours = []
+    for job in batch:
+        config, trace, options = materialize(job)
+        ours.append(simulate(trace, config, options))
+    theirs = None if args.no_vllm else vllm_side(batch)
+    total_ours = sum(r.hit_tokens for r in ours)
+    total_ideal = sum(r.ideal_tokens for r in ours)
+    for i, (job, report) in enumerate(zip(batch, ours, strict=True)):
+        line = (f"layout={job['layout']} trace={job['generator']} retention={job['retention']} "
+                f"spec_decode={job['spec_decode']} "
+                f"requests={report.requests} "
+                f"hits={report.hit_tokens} ideal={report.ideal_tokens} preemptions={report.preemptions} "
+                f"simulate_s={report.wall_s:.2f}")
+        if theirs is not None:
+            other = theirs[i]
+            differ = sum(a != b for a, b in zip(report.request_hits, other["request_hits"], strict=True))
+            line += f" vllm_hits={other['hit_tokens']} requests_differing={differ}"
+        print(line)
+    vs_vllm = (f"{total_ours / max(1, sum(t['hit_tokens'] for t in theirs)):.3f}" if theirs is not None
+               else "skipped")
+    print(f"hits_vs_vllm={vs_vllm} hits_vs_ideal={total_ours / max(1, total_ideal):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""vLLM 0.32's real KV cache manager behind the verbs `hybridkv simulate`'s loop calls.
+
+Run by `bench_hits.py` under the vLLM venv (PYTHONPATH: this repository, and an overlay with
+xxhash when the venv lacks it). Reads a job (JSON on stdin: the layout as our planner planned
+it, the trace generator and the scheduler options), replays the trace through
+`hybridkv.simulate.simulator.simulate` -- the engine's own `Scheduler`, the same synthetic
+tokens -- with `VLLMManager` below in place of our manager, and prints the report as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from math import lcm
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request, RequestStatus
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_hits
+
+from hybridkv.kvcache.manager import CacheHit, ManagerStats
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.plan.planner import KVCacheConfig as OurConfig
+from hybridkv.plan.specs import SpecKind
+from hybridkv.simulate.simulator import simulate
+
+HASH_FN = get_hash_fn_by_name("sha256")
+init_none_hash(HASH_FN)
+SAMPLING = SamplingParams(max_tokens=1 << 20)
+SAMPLING.update_from_generation_config({}, eos_token_id=-1)
+
+
+def vllm_config(ours: OurConfig, *, mamba_mode: str, retention: int | None) -> KVCacheConfig:
+    """Our plan's groups as vLLM specs (head sizes are irrelevant to the manager)."""
+    groups = []
+    for g in ours.groups:
+        if g.kind is SpecKind.FULL:
+            spec: Any = FullAttentionSpec(block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        elif g.kind is SpecKind.SLIDING_WINDOW:
+            spec = SlidingWindowSpec(block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                     sliding_window=g.window_tokens)
+        elif g.kind is SpecKind.MAMBA:
+            spec = MambaSpec(block_size=g.block_size, shapes=((1, 1),), dtypes=(torch.float32,),
+                             mamba_cache_mode=mamba_mode)
+        else:
+            raise SystemExit(f"group kind {g.kind.value!r} is not driven here")
+        groups.append(KVCacheGroupSpec([f"layer.{len(groups)}"], spec))
+    return KVCacheConfig(num_blocks=ours.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                         prefix_cache_retention_interval=retention)
+
+
+class VLLMManager:
+    """The verbs `Scheduler` calls, over vLLM's manager; each `KVRequest` mirrored into a vLLM `Request`
+    (tokens appended as the loop appends them, `num_computed_tokens` copied before each call)."""
+
+    def __init__(self, config: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False) -> None:
+        block = lcm(*(g.kv_cache_spec.block_size for g in config.kv_cache_groups))
+        hash_block = min(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
+        self.manager = VllmKVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block,
+                                          hash_block_size=hash_block, enable_caching=True, use_eagle=use_eagle)
+        self.hasher = get_request_block_hasher(hash_block, HASH_FN)
+        self.requests: dict[str, Request] = {}
+        self.found: dict[str, Any] = {}
+        self.lookups = 0
+
+    def _sync(self, kv: KVRequest) -> Request:
+        request = self.requests.get(kv.request_id)
+        if request is None:
+            request = self.requests[kv.request_id] = Request(
+                request_id=kv.request_id, prompt_token_ids=list(kv.token_ids), sampling_params=SAMPLING,
+                pooling_params=None, block_hasher=self.hasher)
+        for token in kv.token_ids[request.num_tokens:]:
+            request.append_output_token_ids(token)
+        request.num_computed_tokens = kv.num_computed_tokens
+        return request
+
+    def begin_step(self) -> None:
+        self.manager.new_step_starts()
+
+    def lookup(self, kv: KVRequest) -> CacheHit:
+        self.lookups += 1
+        request = self._sync(kv)
+        blocks, num_tokens, boundary = self.manager.get_computed_blocks(request)
+        # vLLM's scheduler keeps the junction on its request (sliding-window retention reads it);
+        # the loop's scheduler reads ours (align-mode chunk stops)
+        request.shared_prefix_boundary = kv.shared_prefix_boundary = boundary
+        self.found[kv.request_id] = blocks
+        return CacheHit(request_id=kv.request_id, num_tokens=num_tokens, blocks=())
+
+    def allocate(self, kv: KVRequest, num_new_tokens: int, *, hit: CacheHit | None = None, **_: Any) -> Any:
+        request = self._sync(kv)
+        if hit is not None:
+            new = self.manager.allocate_slots(request, num_new_tokens, num_new_computed_tokens=hit.num_tokens,
+                                              new_computed_blocks=self.found[kv.request_id])
+        else:
+            new = self.manager.allocate_slots(request, num_new_tokens)
+        if new is None:
+            return None
+        request.status = RequestStatus.RUNNING
+        return ()
+
+    def free(self, kv: KVRequest) -> None:
+        request = self.requests.get(kv.request_id)
+        if request is not None:
+            self.manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+
+    def stats(self) -> ManagerStats:
+        return ManagerStats(lookups=self.lookups, query_tokens=0, hit_tokens=0, group_hit_tokens=())
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    ours, trace, options = bench_hits.materialize(job)
+    manager = VLLMManager(vllm_config(ours, mamba_mode=job["mamba_cache_mode"], retention=job["retention"]),
+                          max_model_len=options.max_model_len, use_eagle=job["spec_decode"] == "eagle")
+    report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
+    return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
+            "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens}
+
+
+def main() -> int:
+    print(json.dumps([run(job) for job in json.load(sys.stdin)]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""`hybridkv simulate MODEL --trace FILE`: the KV cache manager alone on a trace (no engine, no torch).
+
+MODEL is planned as `hybridkv plan` plans it (same layout options); the trace runs through the
+engine's scheduler over a fresh manager (`hybridkv/simulate/`). Prints hit tokens against an
+infinite-cache ideal, why each group stopped hits, preemptions and concurrency; `--json` the
+same as JSON; `--plot FILE` the hit rate against the memory budget (the run repeated at 1/8..4x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from hybridkv.cli.errors import flags_of, usage_error
+from hybridkv.cli.plan_report import PlanRequest
+from hybridkv.cli.tables import stdout_console
+from hybridkv.errors import CapacityError, ConfigError, HybridKVError
+from hybridkv.kvcache.manager import PrefixCaching, ReleaseOrder, SlidingWindowCaching, SpecDecode
+from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
+from hybridkv.plan.specs import MambaCacheMode
+from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
+from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
+from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
+
+SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
+                      "step_ms", "num_requests"])
+PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def simulate_command(
+    model: Annotated[str, typer.Argument(help="catalog name, config.json or model directory")],
+    trace: Annotated[Path | None, typer.Option("--trace", help="JSONL workload or Mooncake trace")] = None,
+    trace_format: Annotated[TraceFormat, typer.Option("--trace-format", help="auto: by hash_ids")] = TraceFormat.AUTO,
+    trace_block_tokens: Annotated[int, typer.Option(
+        "--trace-block-tokens", help="tokens per Mooncake hash_id block")] = 512,
+    generator: Annotated[Generator | None, typer.Option(
+        "--generate", help="a seeded synthetic trace instead of --trace")] = None,
+    num_requests: Annotated[int, typer.Option("--num-requests", help="requests --generate makes")] = 100,
+    seed: Annotated[int, typer.Option("--seed", help="seed of --generate")] = 0,
+    memory_gib: Annotated[float, typer.Option("--memory-gib", help="KV cache memory budget in GiB")] = 16.0,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="longest request")] = 32768,
+    max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="step budget")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="most running requests")] = 256,
+    kv_cache_dtype: Annotated[KVCacheDType, typer.Option("--kv-cache-dtype", help="KV dtype")] = KVCacheDType.AUTO,
+    block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
+    mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
+    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
+        "--mamba-cache-mode", help="state checkpoints")] = MambaCacheMode.ALIGN,
+    prefix_caching: Annotated[PrefixCaching, typer.Option("--prefix-caching", help="on or off")] = PrefixCaching.ON,
+    sliding_window_caching: Annotated[SlidingWindowCaching, typer.Option(
+        "--sliding-window-caching", help="which sliding-window blocks to cache")] = SlidingWindowCaching.REACHABLE,
+    retention_interval: Annotated[int | None, typer.Option(
+        "--prefix-cache-retention-interval", help="vLLM's option: 0 = windows and states kept at the replay "
+        "boundary only; N = also one per N tokens (default: every aligned boundary)")] = None,
+    release_order: Annotated[ReleaseOrder, typer.Option(
+        "--release-order", help="free order of a request's blocks (by_group: vLLM's)")] = ReleaseOrder.INTERLEAVED,
+    spec_decode: Annotated[SpecDecode, typer.Option(
+        "--spec-decode", help="eagle: hits drop one block for the draft model (vLLM's use_eagle)")] = SpecDecode.OFF,
+    step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
+    json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
+) -> None:
+    """Replay a trace through the KV cache manager of MODEL (no engine, no torch)."""
+    from hybridkv.cli.plan_report import make_plan
+
+    if (trace is None) == (generator is None):
+        raise usage_error("give exactly one of --trace FILE or --generate KIND")
+    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise usage_error(f"--plot {plot}: expected a file name ending in .png, .svg or .pdf")
+    try:
+        requests = _trace(trace, trace_format, trace_block_tokens, generator, num_requests, seed)
+        request = PlanRequest(model=model, memory_gib=memory_gib, max_model_len=max_model_len,
+                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                              mamba_alignment=mamba_alignment, spec_options=SpecOptions(kv_cache_dtype=kv_cache_dtype),
+                              mamba_cache_mode=mamba_cache_mode)
+        spec, plan = make_plan(request)
+        options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
+                             mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
+                             prefix_cache_retention_interval=retention_interval, release_order=release_order,
+                             spec_decode=spec_decode)
+        report = simulate(requests, plan.config, options)
+        scales = PLOT_SCALES if plot else ()
+        curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
+    except HybridKVError as exc:
+        raise usage_error(str(exc), SIM_FLAGS) from None
+    if json_output:
+        out = report_json(report)
+        out["model"] = spec.name
+        if curve:
+            out["memory_curve"] = [{"memory_gib": m, "hit_rate": r and r.hit_rate,
+                                    "hits_vs_ideal": r and r.hits_vs_ideal} for m, r in curve]
+        print(json.dumps(out, indent=2))
+    else:
+        render(report, spec.name, memory_gib)
+    if plot is not None:
+        write_memory_plot(curve, plot, model=spec.name)
+
+
+def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: float,
+               options: SimOptions) -> SimReport | None:
+    """The simulation at another memory budget; None where one request alone does not fit."""
+    from hybridkv.cli.plan_report import make_plan
+
+    try:
+        return simulate(requests, make_plan(dataclasses.replace(request, memory_gib=memory_gib))[1].config, options)
+    except (CapacityError, ConfigError):
+        return None
+
+
+def _trace(path: Path | None, trace_format: TraceFormat, block_tokens: int, generator: Generator | None,
+           num_requests: int, seed: int) -> list[TraceRequest]:
+    if path is not None:
+        return read_trace(path, trace_format=trace_format, block_tokens=block_tokens)
+    assert generator is not None
+    return generate(generator, GeneratorOptions(num_requests=num_requests, seed=seed))
+
+
+def report_json(report: SimReport) -> dict[str, Any]:
+    """The report as JSON: every field, plus the two ratios."""
+    out = dataclasses.asdict(report)
+    out["hit_rate"] = report.hit_rate
+    out["hits_vs_ideal"] = report.hits_vs_ideal
+    return out
+
+
+def render(report: SimReport, model: str, memory_gib: float) -> None:
+    from rich.table import Table
+
+    console = stdout_console()
+    summary = Table(title=f"hybridkv simulate: {model} ({memory_gib:g} GiB, {report.num_blocks} blocks)",
+                    show_header=False)
+    summary.add_column(no_wrap=True)
+    summary.add_column(justify="right")
+    rows = [
+        ("requests / steps", f"{report.requests} / {report.steps}"),
+        ("prompt / generated tokens", f"{report.prompt_tokens} / {report.generated_tokens}"),
+        ("prefix-cache hit tokens", f"{report.hit_tokens} ({report.hit_rate:.1%} of prompt tokens)"),
+        ("infinite-cache ideal", f"{report.ideal_tokens} (hits are {report.hits_vs_ideal:.1%} of it)"),
+        ("preemptions", str(report.preemptions)),
+        ("running requests, mean / max", f"{report.mean_running:.1f} / {report.max_running}"),
+        ("lookups", str(report.lookups)),
+        ("simulated in", f"{report.wall_s:.2f} s"),
+    ]
+    for key, value in rows:
+        summary.add_row(key, value)
+    console.print(summary)
+    limits = Table(title="hit limited by (lookups, per group)")
+    limits.add_column("group", justify="right")
+    limits.add_column("kind")
+    limits.add_column("block", justify="right")
+    names = list(report.groups[0].limited_by) if report.groups else []
+    for name in names:
+        limits.add_column(name.replace("_", " "), justify="right")
+    for group in report.groups:
+        limits.add_row(str(group.group_id), group.kind, str(group.block_size),
+                       *(str(group.limited_by[n]) for n in names))
+    console.print(limits)
+
+
+def write_memory_plot(curve: list[tuple[float, SimReport | None]], path: Path, *, model: str) -> None:
+    """Hit rate (and the ideal's) against the memory budget (budgets where a request alone does not
+    fit are left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    points = [(m, r) for m, r in curve if r is not None]
+    memory = [m for m, _ in points]
+    ax.plot(memory, [r.hit_rate for _, r in points], marker="o", label="hybridkv")
+    ax.plot(memory, [r.ideal_tokens / r.prompt_tokens if r.prompt_tokens else 0 for _, r in points], linestyle="--",
+            label="infinite cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("KV cache memory (GiB)")
+    ax.set_ylabel("prefix-cache hit rate")
+    ax.set_title(model)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

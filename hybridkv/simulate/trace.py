@@ -1,0 +1,139 @@
+"""A trace for `hybridkv simulate`, and its two file formats.
+
+A trace is a list of `TraceRequest`s in arrival order. A request's prompt is its `parent`'s whole
+sequence (the parent's prompt plus the tokens it generated) followed by `new_tokens`, or
+`new_tokens` alone without a parent: a chat turn extends the previous turn, a branch extends any
+earlier request. A request arrives at `arrival_ms`, and never before its parent finished.
+
+Formats (one JSON object per line):
+
+- our JSONL workload (`hybridkv run --workload`): `prompt` (text, read as UTF-8 bytes) or
+  `prompt_token_ids`, optional `session`, `max_tokens`, `cache_salt`. Turns of a session extend
+  each other; every first turn arrives at 0 ms.
+- Mooncake (FAST'25 traces): `timestamp` (ms), `input_length`, `output_length`, `hash_ids`: one id
+  per `block_tokens`-token block of the prompt, equal ids = equal content, the last block may be
+  partial. Block id h becomes the tokens `h * block_tokens + i`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from hybridkv.engine.workload import load_jsonl
+from hybridkv.errors import ConfigError
+
+DEFAULT_OUTPUT_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceRequest:
+    """One request of a trace (module docstring)."""
+
+    arrival_ms: float
+    new_tokens: tuple[int, ...]
+    output_tokens: int
+    parent: int | None = None  # index of an earlier request whose whole sequence this prompt extends
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.output_tokens < 1:
+            raise ConfigError(f"a trace request must generate at least 1 token, got output_tokens={self.output_tokens}")
+        if self.parent is None and not self.new_tokens:
+            raise ConfigError("a trace request without a parent needs at least one prompt token")
+        if self.arrival_ms < 0:
+            raise ConfigError(f"arrival time must be >= 0 ms, got {self.arrival_ms}")
+
+
+class TraceFormat(Enum):
+    """How `read_trace` parses a file (AUTO: Mooncake when the first record has `hash_ids`)."""
+
+    AUTO = "auto"
+    WORKLOAD = "workload"
+    MOONCAKE = "mooncake"
+
+
+def read_trace(path: Path, *, trace_format: TraceFormat = TraceFormat.AUTO, block_tokens: int = 512,
+               default_output_tokens: int = DEFAULT_OUTPUT_TOKENS) -> list[TraceRequest]:
+    """The requests of a trace file; `ConfigError` naming the line for bad input."""
+    if trace_format is TraceFormat.AUTO:
+        trace_format = TraceFormat.MOONCAKE if _first_record_has(path, "hash_ids") else TraceFormat.WORKLOAD
+    if trace_format is TraceFormat.MOONCAKE:
+        return read_mooncake(path, block_tokens=block_tokens)
+    return read_workload(path, default_output_tokens=default_output_tokens)
+
+
+def _first_record_has(path: Path, key: str) -> bool:
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip() and not line.lstrip().startswith("#"):
+                    data = json.loads(line)
+                    return isinstance(data, dict) and key in data
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # the chosen reader reports the problem with its line
+    return False
+
+
+def read_workload(path: Path, *, default_output_tokens: int = DEFAULT_OUTPUT_TOKENS) -> list[TraceRequest]:
+    """Our JSONL workload: sessions become parent chains; text prompts are UTF-8 bytes."""
+    last_of_session: dict[str, int] = {}
+    out: list[TraceRequest] = []
+    for turn in load_jsonl(path):
+        tokens = turn.token_ids if turn.token_ids is not None else tuple((turn.text or "").encode("utf-8"))
+        parent = last_of_session.get(turn.session) if turn.session is not None else None
+        if turn.session is not None:
+            last_of_session[turn.session] = len(out)
+        out.append(TraceRequest(arrival_ms=0.0, new_tokens=tuple(tokens), parent=parent,
+                                output_tokens=turn.max_tokens or default_output_tokens, cache_salt=turn.cache_salt))
+    return out
+
+
+def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
+    """A Mooncake trace: prompts built from `hash_ids` (module docstring), arrival = `timestamp`."""
+    if block_tokens < 1:
+        raise ConfigError(f"--trace-block-tokens must be a positive integer, got {block_tokens}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read trace {path}: {exc}") from None
+    out: list[TraceRequest] = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"trace line {line_no}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
+        out.append(_mooncake_request(data, where, block_tokens))
+    if not out:
+        raise ConfigError(f"trace {path} holds no requests; expected one JSON object per line")
+    start = min(r.arrival_ms for r in out)
+    return sorted((TraceRequest(arrival_ms=r.arrival_ms - start, new_tokens=r.new_tokens,
+                                output_tokens=r.output_tokens) for r in out), key=lambda r: r.arrival_ms)
+
+
+def _mooncake_request(data: object, where: str, block_tokens: int) -> TraceRequest:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    fields = {}
+    for key in ("timestamp", "input_length", "output_length"):
+        value = data.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}: {key!r} must be a number >= 0, got {value!r}")
+        fields[key] = value
+    ids = data.get("hash_ids")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
+        raise ConfigError(f"{where}: 'hash_ids' must be a list of non-negative integers, got {ids!r}")
+    length = int(fields["input_length"])
+    if length < 1 or not (len(ids) - 1) * block_tokens < length <= len(ids) * block_tokens:
+        raise ConfigError(
+            f"{where}: input_length {length} does not match {len(ids)} hash_ids of {block_tokens} tokens; expected "
+            f"{(len(ids) - 1) * block_tokens + 1}..{len(ids) * block_tokens} (set --trace-block-tokens)"
+        )
+    tokens = [h * block_tokens + i for h in ids for i in range(block_tokens)][:length]
+    return TraceRequest(arrival_ms=float(fields["timestamp"]), new_tokens=tuple(tokens),
+                        output_tokens=max(1, int(fields["output_length"])))

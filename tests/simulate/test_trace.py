@@ -1,0 +1,64 @@
+"""Trace files for `hybridkv simulate`: the Mooncake format and our JSONL workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridkv.errors import ConfigError
+from hybridkv.simulate.trace import TraceFormat, read_trace
+
+
+def write(tmp_path: Path, records: list[dict[str, object]]) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_mooncake_blocks_become_tokens_and_timestamps_start_at_zero(tmp_path: Path) -> None:
+    path = write(tmp_path, [
+        {"timestamp": 2000, "input_length": 6, "output_length": 3, "hash_ids": [1, 2]},
+        {"timestamp": 1500, "input_length": 4, "output_length": 0, "hash_ids": [1]},
+    ])
+    first, second = read_trace(path, block_tokens=4)  # sorted by arrival
+    assert (first.arrival_ms, first.new_tokens, first.output_tokens) == (0.0, (4, 5, 6, 7), 1)
+    assert (second.arrival_ms, second.new_tokens, second.output_tokens) == (500.0, (4, 5, 6, 7, 8, 9), 3)
+
+
+def test_mooncake_length_that_does_not_match_the_blocks_names_the_option(tmp_path: Path) -> None:
+    path = write(tmp_path, [{"timestamp": 0, "input_length": 900, "output_length": 1, "hash_ids": [1]}])
+    with pytest.raises(ConfigError, match=r"trace line 1: input_length 900 .*--trace-block-tokens"):
+        read_trace(path)
+
+
+def test_workload_sessions_chain_and_text_is_bytes(tmp_path: Path) -> None:
+    path = write(tmp_path, [{"session": "a", "prompt": "hi"}, {"prompt_token_ids": [7, 8], "max_tokens": 2},
+                            {"session": "a", "prompt": "é"}])
+    first, other, second = read_trace(path)
+    assert first.new_tokens == (104, 105) and first.parent is None and first.output_tokens == 16
+    assert other.parent is None and other.output_tokens == 2
+    assert second.parent == 0 and second.new_tokens == (0xC3, 0xA9)
+    with pytest.raises(ConfigError, match=r"timestamp. must be a number"):
+        read_trace(path, trace_format=TraceFormat.MOONCAKE)
+
+
+def test_cli_replays_a_mooncake_trace(tmp_path: Path) -> None:
+    import json as json_module
+
+    from typer.testing import CliRunner
+
+    from hybridkv.cli import app
+
+    # Gemma 3's blocks are 16 tokens: the second request shares its first two 16-token blocks with the first
+    path = write(tmp_path, [
+        {"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 40, "output_length": 4, "hash_ids": [1, 2, 3]},
+    ])
+    result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it", "--trace", str(path), "--trace-block-tokens", "16",
+                                      "--memory-gib", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json_module.loads(result.output)
+    assert (out["requests"], out["prompt_tokens"], out["hit_tokens"], out["ideal_tokens"]) == (2, 72, 32, 32)
+    assert out["request_hits"] == [0, 32] and out["generated_tokens"] == 5
