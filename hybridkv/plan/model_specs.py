@@ -37,6 +37,7 @@ from hybridkv.plan.config_fields import (
     normalize_dtype,
     pattern_roles,
 )
+from hybridkv.plan.generic_specs import FIELD_ALIASES, FIELD_DEFAULTS, GENERIC_FAMILIES
 from hybridkv.plan.mla_specs import (
     DSV4_BACKEND,
     SPARSE_MLA_BACKEND,
@@ -71,7 +72,8 @@ _GEMMA3N_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "sliding_window": 512, "num_kv_shared_layers": 15, "max_position_embeddings": 32_768,
 })
 # Families whose missing fields take their transformers config class default instead of being an error.
-_FIELD_DEFAULTS: dict[str, Mapping[str, Any]] = {"gemma3n": _GEMMA3N_DEFAULTS, "gemma3n_text": _GEMMA3N_DEFAULTS}
+_FIELD_DEFAULTS: dict[str, Mapping[str, Any]] = {"gemma3n": _GEMMA3N_DEFAULTS, "gemma3n_text": _GEMMA3N_DEFAULTS,
+                                                 **FIELD_DEFAULTS}
 
 
 def _declared_head_dim(ctx: SpecContext) -> int:
@@ -263,6 +265,9 @@ _REGISTRY: dict[str, FamilyReader] = {
     "deepseek_v4": read_deepseek_v4,
     "minimax_m3_vl": read_minimax_m3,
     "minimax_m3_vl_text": read_minimax_m3,
+    "qwen2_moe": _qwen_reader(SpecContext.head_dim),
+    "qwen3_moe": _qwen_reader(SpecContext.head_dim),
+    **GENERIC_FAMILIES,
 }
 
 
@@ -279,6 +284,10 @@ def _context(config: Mapping[str, Any], model_type: str, options: SpecOptions) -
     defaults = _FIELD_DEFAULTS.get(model_type)
     if defaults:
         data = {**defaults, **{key: value for key, value in data.items() if value is not None}}
+    aliases = FIELD_ALIASES.get(model_type, {})
+    renamed = {new: data[old] for old, new in aliases.items() if data.get(old) is not None and data.get(new) is None}
+    if renamed:
+        data = {**data, **renamed}
     cfg = ConfigReader(data, model_type=model_type, parent=config if text else None)
     if options.dtype is not None:
         dtype = normalize_dtype(options.dtype, what="SpecOptions.dtype")

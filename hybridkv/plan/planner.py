@@ -268,8 +268,7 @@ def effective_request(model: ModelSpec, options: PlannerOptions) -> tuple[ModelS
         if not isinstance(spec, AttentionSpec) or spec.kind not in (SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL):
             continue
         if max(spec.window_tokens, spec.chunk_tokens) >= options.max_model_len:
-            layers[i] = AttentionSpec(kind=SpecKind.FULL, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                                      dtype=spec.dtype)
+            layers[i] = dataclasses.replace(spec, kind=SpecKind.FULL, window_tokens=0, chunk_tokens=0)
             promoted += 1
     if promoted:
         notes.append(f"{promoted} sliding-window/chunked layers reach at least max_model_len "

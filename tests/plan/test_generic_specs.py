@@ -1,0 +1,107 @@
+"""The generic reader on hand-written config.json files: hub forms, vLLM's window rules, bad input.
+
+Expected values are computed by hand from the fields (and, where vLLM and transformers differ, from
+the vLLM 0.32 model code named in each test).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hybridkv.errors import ConfigError
+from hybridkv.plan.model_specs import model_spec_from_config
+from hybridkv.plan.specs import AttentionSpec, SpecKind
+
+BASE: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
+                        "max_position_embeddings": 4096}
+
+
+def attention_layers(config: dict[str, Any]) -> list[AttentionSpec]:
+    spec = model_spec_from_config(config, name="m")
+    layers = [layer for layer in spec.layers if isinstance(layer, AttentionSpec)]
+    assert len(layers) == len(spec.layers)
+    return layers
+
+
+def test_layer_types_give_each_layer_its_kind_and_window() -> None:
+    layers = attention_layers({**BASE, "model_type": "olmo3", "sliding_window": 64,
+                               "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention",
+                                               "full_attention"]})
+    assert [(layer.kind, layer.window_tokens) for layer in layers] == [(SpecKind.SLIDING_WINDOW, 64)] * 3 + [
+        (SpecKind.FULL, 0)]
+    assert {(layer.num_kv_heads, layer.head_dim) for layer in layers} == {(2, 32)}  # 256 / 8
+    assert layers[3].bytes_per_token == 2 * 2 * 32 * 2  # K and V, 2 heads of 32, bfloat16
+
+
+def test_unknown_layer_type_is_named() -> None:
+    config = {**BASE, "model_type": "olmo3", "sliding_window": 64,
+              "layer_types": ["full_attention", "ring_attention", "full_attention", "full_attention"]}
+    expected = r"layer_types\[1\] = 'ring_attention' is not a layer type.*'sliding_attention'"
+    with pytest.raises(ConfigError, match=expected):
+        model_spec_from_config(config, name="m")
+
+
+@pytest.mark.parametrize(("fields", "kind"), [
+    # no layer list: every layer slides (vLLM's CacheConfig.sliding_window)
+    ({"sliding_window": 128}, SpecKind.SLIDING_WINDOW),
+    ({"sliding_window": 0}, SpecKind.FULL),  # vLLM turns 0 into "no window"
+    ({"sliding_window": None}, SpecKind.FULL),
+    ({"sliding_window": 128, "use_sliding_window": False}, SpecKind.FULL),
+    ({"sliding_window": 128, "layer_types": ["full_attention"] * 4}, SpecKind.FULL),  # Laguna, Mellum defaults
+])
+def test_window_without_layer_types_follows_vllm(fields: dict[str, Any], kind: SpecKind) -> None:
+    layers = attention_layers({**BASE, "model_type": "mixtral", **fields})
+    assert {layer.kind for layer in layers} == {kind}
+
+
+@pytest.mark.parametrize(("kv_heads", "heads"), [(12, 8), (3, 8)])
+def test_kv_heads_must_divide_query_heads(kv_heads: int, heads: int) -> None:
+    for model_type in ("llama", "qwen3_moe", "olmo2"):
+        config = {**BASE, "model_type": model_type, "head_dim": 32, "num_key_value_heads": kv_heads,
+                  "num_attention_heads": heads}
+        with pytest.raises(ConfigError, match=rf"{model_type} config: num_key_value_heads = {kv_heads} must divide "
+                                              rf"num_attention_heads = {heads}.*expected a divisor of {heads}"):
+            model_spec_from_config(config, name="m")
+
+
+def test_falcon_kv_heads_as_vllm_builds_them() -> None:
+    """vLLM's falcon.py: num_kv_heads with the new decoder architecture, else 1 (multi-query) or all heads."""
+    base = {**BASE, "model_type": "falcon", "num_kv_heads": 4}
+    del base["num_key_value_heads"]
+    heads = [attention_layers({**base, **fields})[0].num_kv_heads for fields in (
+        {"new_decoder_architecture": True}, {"multi_query": True}, {"multi_query": False})]
+    assert heads == [4, 1, 8]
+
+
+def test_mimo_v2_flash_hub_form() -> None:
+    """The hub config: hybrid_layer_pattern (1 = sliding), sliding_window_size and the swa_* geometry."""
+    config = {**BASE, "model_type": "mimo_v2_flash", "head_dim": 192, "v_head_dim": 128, "num_key_value_heads": 4,
+              "hybrid_layer_pattern": [0, 1, 1, 0], "sliding_window_size": 128, "swa_num_key_value_heads": 8,
+              "swa_num_attention_heads": 8, "swa_head_dim": 192, "swa_v_head_dim": 128}
+    full, swa, _, _ = attention_layers(config)
+    assert (full.kind, full.num_kv_heads, full.head_dim, full.value_head_dim) == (SpecKind.FULL, 4, 192, 128)
+    assert (swa.kind, swa.window_tokens, swa.num_kv_heads) == (SpecKind.SLIDING_WINDOW, 128, 8)
+    assert swa.bytes_per_token == 8 * (192 + 128) * 2
+
+
+def test_step3p5_hub_form_sliding_layers_own_heads() -> None:
+    """vLLM's step3p5.py: KV heads are num_attention_groups; attention_other_setting gives the sliding layers'
+    heads; without layer_types the even layers slide."""
+    config = {**BASE, "model_type": "step3p5", "num_attention_groups": 2, "head_dim": 128, "sliding_window": 512,
+              "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 8,
+                                          "num_attention_groups": 4, "head_dim": 64}}
+    del config["num_key_value_heads"]
+    layers = attention_layers(config)
+    assert [(layer.kind, layer.num_kv_heads, layer.head_dim) for layer in layers] == [
+        (SpecKind.SLIDING_WINDOW, 4, 64), (SpecKind.FULL, 2, 128)] * 2
+
+
+def test_old_field_names_and_defaults() -> None:
+    gpt2_config = {"model_type": "gpt2", "n_layer": 2, "n_head": 12, "n_embd": 768, "n_positions": 1024}
+    gpt2 = model_spec_from_config(gpt2_config, name="gpt2")
+    assert gpt2.max_position_embeddings == 1024
+    assert [(s.num_kv_heads, s.head_dim) for s in gpt2.layers if isinstance(s, AttentionSpec)] == [(12, 64)] * 2
+    bloom = model_spec_from_config({"model_type": "bloom", "n_layer": 2, "n_head": 8, "hidden_size": 512}, name="b")
+    assert bloom.max_position_embeddings == 2048  # ALiBi: vLLM's default length
