@@ -47,20 +47,20 @@ _FULL, _SLIDING, _CHUNKED = LayerRole.FULL, LayerRole.SLIDING, LayerRole.CHUNKED
 _ATTENTION_ROLES = {_FULL, _SLIDING, _CHUNKED}
 
 _GPT2_NAMES = MappingProxyType({"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-                                "n_embd": "hidden_size", "n_positions": "max_position_embeddings"})
+                                "n_embd": "hidden_size"})
 # Old field name -> the standard one, per model_type (applied only where the standard name is absent).
 FIELD_ALIASES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "gptj": _GPT2_NAMES, "bloom": _GPT2_NAMES,
     "dbrx": MappingProxyType({"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-                              "d_model": "hidden_size", "max_seq_len": "max_position_embeddings"}),
+                              "d_model": "hidden_size"}),
     "longcat_flash": MappingProxyType({"num_layers": "num_hidden_layers"}),
     "step3p5": MappingProxyType({"num_attention_groups": "num_key_value_heads"}),
     "mimo_v2_flash": MappingProxyType({"sliding_window_size": "sliding_window"}),
 })
 # Fields a family's config class gives a default that config.json may omit.
 FIELD_DEFAULTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
-    # BLOOM (ALiBi) has no position limit; vLLM takes its default 2048 tokens.
-    "bloom": MappingProxyType({"max_position_embeddings": 2048}),
+    # No length field at all (BLOOM's ALiBi, the Mamba families): vLLM assumes 2048 tokens.
+    **dict.fromkeys(("bloom", "mamba", "falcon_mamba", "mamba2"), MappingProxyType({"max_position_embeddings": 2048})),
 })
 
 

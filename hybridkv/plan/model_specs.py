@@ -38,6 +38,13 @@ from hybridkv.plan.config_fields import (
     pattern_roles,
 )
 from hybridkv.plan.generic_specs import FIELD_ALIASES, FIELD_DEFAULTS, GENERIC_FAMILIES
+from hybridkv.plan.linear_state_specs import (
+    read_kimi_linear,
+    read_lfm2,
+    read_mamba,
+    read_mamba2,
+    read_olmo_hybrid,
+)
 from hybridkv.plan.mla_specs import (
     DSV4_BACKEND,
     SPARSE_MLA_BACKEND,
@@ -268,6 +275,13 @@ _REGISTRY: dict[str, FamilyReader] = {
     "qwen2_moe": _qwen_reader(SpecContext.head_dim),
     "qwen3_moe": _qwen_reader(SpecContext.head_dim),
     **GENERIC_FAMILIES,
+    "lfm2": read_lfm2,
+    "lfm2_moe": read_lfm2,
+    "kimi_linear": read_kimi_linear,
+    "mamba": read_mamba,
+    "falcon_mamba": read_mamba,
+    "mamba2": read_mamba2,
+    "olmo_hybrid": read_olmo_hybrid,
 }
 
 
@@ -295,6 +309,21 @@ def _context(config: Mapping[str, Any], model_type: str, options: SpecOptions) -
         declared = cfg.inherited("dtype", "torch_dtype")
         dtype = DEFAULT_DTYPE if declared is None else normalize_dtype(declared, what=f"{model_type} config: dtype")
     return SpecContext(cfg=cfg, options=options, dtype=dtype)
+
+
+# vLLM's keys for a model's length, the smallest found wins; `model_max_length` overrides them all
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def _max_length(cfg: ConfigReader) -> int:
+    """The model's length limit read as vLLM reads it (`model_arch_config_convertor`), or a ConfigError."""
+    if cfg.inherited("model_max_length") is not None:
+        return cfg.require_inherited_int("model_max_length")
+    found = [cfg.require_inherited_int(key) for key in _LENGTH_KEYS if cfg.inherited(key) is not None]
+    if not found:
+        return cfg.require_inherited_int("max_position_embeddings")  # the error names the usual field
+    return min(found)
 
 
 def model_spec_from_config(
@@ -327,7 +356,7 @@ def model_spec_from_config(
         dtype=ctx.dtype,
         layers=family.layers + tuple(spec for _, spec in family.second_caches),
         kv_shared_from=dict(family.kv_shared_from),
-        max_position_embeddings=ctx.cfg.require_inherited_int("max_position_embeddings"),
+        max_position_embeddings=_max_length(ctx.cfg),
         decoder_layer_of={num_decoder_layers + k: layer for k, (layer, _) in enumerate(family.second_caches)},
         kernel_block_size=family.kernel_block_size,
         kernel_backend=family.kernel_backend,

@@ -61,11 +61,14 @@ class MambaCacheMode(Enum):
 
 
 class MambaType(Enum):
-    """Which recurrent layer a Mamba-style state belongs to (their state shapes differ)."""
+    """Which recurrent layer a Mamba-style state belongs to (their state shapes differ; all are hit and
+    checkpointed by the same rules, as vLLM keeps them all in its MambaSpec)."""
 
     MAMBA1 = "mamba1"
     MAMBA2 = "mamba2"
     GATED_DELTANET = "gated_deltanet"
+    SHORT_CONV = "short_conv"  # LFM2: a convolution state only
+    KDA = "kda"  # Kimi Delta Attention (Kimi-Linear)
 
 
 def _positive(name: str, value: int) -> None:

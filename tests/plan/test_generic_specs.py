@@ -12,7 +12,7 @@ import pytest
 
 from hybridkv.errors import ConfigError
 from hybridkv.plan.model_specs import model_spec_from_config
-from hybridkv.plan.specs import AttentionSpec, SpecKind
+from hybridkv.plan.specs import AttentionSpec, MambaSpec, MambaType, MLASpec, SpecKind
 
 BASE: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
                         "max_position_embeddings": 4096}
@@ -105,3 +105,44 @@ def test_old_field_names_and_defaults() -> None:
     assert [(s.num_kv_heads, s.head_dim) for s in gpt2.layers if isinstance(s, AttentionSpec)] == [(12, 64)] * 2
     bloom = model_spec_from_config({"model_type": "bloom", "n_layer": 2, "n_head": 8, "hidden_size": 512}, name="b")
     assert bloom.max_position_embeddings == 2048  # ALiBi: vLLM's default length
+
+
+def test_kimi_linear_hub_form_and_kda_state() -> None:
+    """Hub form: linear_attn_config with 1-based kda_layers; KDA keeps one conv state of q, k and v channels and
+    a float32 (H, D, D) recurrent state (vLLM's kda_state_shape / kda_state_dtype); full layers are MLA."""
+    config = {"model_type": "kimi_linear", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+              "kv_lora_rank": 512, "qk_rope_head_dim": 64, "model_max_length": 1048576,
+              "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 32, "head_dim": 128,
+                                     "short_conv_kernel_size": 4}}
+    spec = model_spec_from_config(config, name="kimi")
+    kda = spec.layers[0]
+    assert isinstance(kda, MambaSpec) and kda.mamba_type is MambaType.KDA
+    assert kda.shapes == ((3, 3 * 32 * 128), (32, 128, 128)) and kda.dtypes == ("bfloat16", "float32")
+    assert kda.state_bytes == 3 * 12288 * 2 + 32 * 128 * 128 * 4
+    assert spec.layers[1] == spec.layers[2] == kda
+    mla = spec.layers[3]
+    assert isinstance(mla, MLASpec) and mla.bytes_per_token == (512 + 64) * 2
+    assert spec.max_position_embeddings == 1048576  # model_max_length, as vLLM reads it
+
+
+def test_lfm2_full_attn_idxs_and_short_conv_state() -> None:
+    config = {"model_type": "lfm2", "num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "max_position_embeddings": 128000, "conv_L_cache": 3, "full_attn_idxs": [2]}
+    spec = model_spec_from_config(config, name="lfm2")
+    conv = spec.layers[0]
+    assert isinstance(conv, MambaSpec) and conv.mamba_type is MambaType.SHORT_CONV
+    assert conv.shapes == ((2, 1024),) and conv.state_bytes == 2 * 1024 * 2
+    assert isinstance(spec.layers[2], AttentionSpec) and spec.layers[2].bytes_per_token == 2 * 8 * 64 * 2
+    bad = {**config, "layer_types": ["conv", "conv", "attention", "conv"]}
+    with pytest.raises(ConfigError, match=r"'layer_types' must list 4 entries 'full_attention' or 'conv'"):
+        model_spec_from_config(bad, name="lfm2")
+
+
+def test_pure_mamba_families_default_length_and_checks() -> None:
+    mamba = model_spec_from_config({"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 768,
+                                    "intermediate_size": 1536, "state_size": 16, "conv_kernel": 4}, name="m")
+    assert mamba.max_position_embeddings == 2048  # no length field: vLLM's default
+    assert {s.shapes for s in mamba.layers if isinstance(s, MambaSpec)} == {((3, 1536), (1536, 16))}
+    with pytest.raises(ConfigError, match=r"num_heads \* head_dim = 8 \* 64 must equal expand \* hidden_size = 1536"):
+        model_spec_from_config({"model_type": "mamba2", "num_hidden_layers": 2, "hidden_size": 768, "num_heads": 8,
+                                "head_dim": 64}, name="m2")

@@ -1,0 +1,141 @@
+"""Readers for the state families beyond Mamba hybrids: short convolution, KDA, pure Mamba, OLMo-Hybrid.
+
+Every state here is a `MambaSpec` (one page per request, checkpointed at block boundaries and hit
+with the Mamba rules), as vLLM 0.32 keeps them all in its `MambaSpec`. Shapes per TP rank, `s`
+speculative tokens (vLLM's `MambaStateShapeCalculator`):
+
+    short conv (LFM2)       conv (K-1+s, C/tp)                           C = conv_dim (hidden_size)
+    KDA (Kimi-Linear)       conv (K-1+s, 3*H*D/tp)   recurrent (H/tp, D, D)   float32 unless set
+    Mamba1 / Mamba2         as in state_specs (pure stacks: every layer a state)
+    Gated DeltaNet          as in state_specs (OLMo-Hybrid)
+
+Kimi-Linear's full-attention layers are MLA (one latent per token), as DeepSeek-V3's.
+"""
+
+from __future__ import annotations
+
+from hybridkv.plan.config_fields import FamilyLayers, LayerRole, SpecContext, layer_roles
+from hybridkv.plan.mla_specs import read_deepseek_mla
+from hybridkv.plan.specs import LayerSpec, MambaSpec, MambaType
+from hybridkv.plan.state_specs import gated_deltanet_state, mamba1_state, mamba2_state
+
+__all__ = ["kda_state", "read_kimi_linear", "read_lfm2", "read_mamba", "read_mamba2", "read_olmo_hybrid",
+           "short_conv_state"]
+
+_FULL, _STATE = LayerRole.FULL, LayerRole.STATE
+
+
+def short_conv_state(ctx: SpecContext, *, channels: int, conv_kernel: int) -> MambaSpec:
+    """LFM2's gated short convolution: only a conv state, in the model dtype."""
+    columns = conv_kernel - 1 + ctx.options.num_speculative_tokens
+    return MambaSpec(mamba_type=MambaType.SHORT_CONV, shapes=((columns, ctx.split("conv_dim", channels)),),
+                     dtypes=(ctx.dtype,))
+
+
+def kda_state(ctx: SpecContext, *, num_heads: int, head_dim: int, conv_kernel: int) -> MambaSpec:
+    """Kimi Delta Attention: q, k and v convolutions (one conv state of 3 * H * D channels) and a
+    (H, D, D) recurrent state, float32 unless `mamba_ssm_dtype` says otherwise (vLLM's kda_state_dtype)."""
+    columns = conv_kernel - 1 + ctx.options.num_speculative_tokens
+    heads = ctx.split("linear attention num_heads", num_heads)
+    return MambaSpec(mamba_type=MambaType.KDA,
+                     shapes=((columns, ctx.split("KDA conv channels", 3 * num_heads * head_dim)),
+                             (heads, head_dim, head_dim)),
+                     dtypes=(ctx.dtype, ctx.ssm_dtype(default="float32")))
+
+
+def _stack(roles: list[LayerRole], *, attention: LayerSpec | None, state: LayerSpec) -> FamilyLayers:
+    layers = tuple(attention if role is _FULL else state for role in roles)
+    return FamilyLayers(layers=layers)
+
+
+def read_lfm2(ctx: SpecContext) -> FamilyLayers:
+    """LFM2 / LFM2-MoE: `layer_types` of "full_attention" / "conv" (or `full_attn_idxs`); conv layers keep a
+    short-convolution state of `conv_dim` (default hidden_size) channels and `conv_L_cache` taps."""
+    cfg, n = ctx.cfg, ctx.num_layers
+    names = cfg.str_list("layer_types")
+    if names is not None:
+        if len(names) != n or set(names) - {"full_attention", "conv"}:
+            raise cfg.error(f"field 'layer_types' must list {n} entries 'full_attention' or 'conv', got {names!r}")
+        roles = [_FULL if name == "full_attention" else _STATE for name in names]
+    else:
+        full = cfg.int_list("full_attn_idxs")
+        if full is None:
+            raise cfg.error("needs 'layer_types' (\"full_attention\" / \"conv\" per layer) or 'full_attn_idxs'; "
+                            "got neither")
+        if any(i >= n for i in full):
+            raise cfg.error(f"full_attn_idxs {full} must be below num_hidden_layers = {n}")
+        roles = [_FULL if i in full else _STATE for i in range(n)]
+    state = short_conv_state(ctx, channels=cfg.get_int("conv_dim", default=cfg.require_int("hidden_size")),
+                             conv_kernel=cfg.get_int("conv_L_cache", default=3, minimum=2))
+    attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=ctx.head_dim()) if _FULL in roles else None
+    return _stack(roles, attention=attention, state=state)
+
+
+def _kimi_roles(ctx: SpecContext) -> list[LayerRole]:
+    """`layer_types` (transformers' saved form), else the hub's 1-based `linear_attn_config.kda_layers`."""
+    cfg, n = ctx.cfg, ctx.num_layers
+    roles = layer_roles(cfg, "layer_types", allowed={_FULL, _STATE}, num_layers=n)
+    if roles is not None:
+        return roles
+    kda = cfg.sub_mapping("linear_attn_config").get("kda_layers")
+    if not isinstance(kda, list) or not all(isinstance(i, int) and 1 <= i <= n for i in kda):
+        raise cfg.error(f"needs 'layer_types' or linear_attn_config.kda_layers (1-based layer numbers up to {n}); "
+                        f"got {kda!r}")
+    return [_STATE if i + 1 in kda else _FULL for i in range(n)]
+
+
+def read_kimi_linear(ctx: SpecContext) -> FamilyLayers:
+    """Kimi-Linear: KDA layers with MLA full attention every few layers."""
+    cfg = ctx.cfg
+    roles = _kimi_roles(ctx)
+    hub = cfg.sub_mapping("linear_attn_config")
+    num_heads = hub.get("num_heads", cfg.raw("linear_num_heads"))
+    head_dim = hub.get("head_dim", cfg.raw("linear_head_dim"))
+    kernel = hub.get("short_conv_kernel_size", cfg.raw("linear_conv_kernel_dim"))
+    fields = {"linear_num_heads": num_heads, "linear_head_dim": head_dim, "linear_conv_kernel_dim": kernel or 4}
+    values = cfg.with_fields(fields)
+    state = kda_state(ctx, num_heads=values.require_int("linear_num_heads"),
+                      head_dim=values.require_int("linear_head_dim"),
+                      conv_kernel=values.get_int("linear_conv_kernel_dim", default=4, minimum=2))
+    mla = read_deepseek_mla(ctx).layers[0]
+    return _stack(roles, attention=mla, state=state)
+
+
+def read_mamba(ctx: SpecContext) -> FamilyLayers:
+    """Mamba / Falcon-Mamba: every layer a Mamba1 state (`intermediate_size`, `state_size`, `conv_kernel`)."""
+    cfg = ctx.cfg
+    intermediate = cfg.get_int("intermediate_size", default=cfg.get_int("expand", default=2)
+                               * cfg.require_int("hidden_size"))
+    state = mamba1_state(ctx, intermediate=intermediate, state_size=cfg.get_int("state_size", default=16),
+                         conv_kernel=cfg.get_int("conv_kernel", default=4, minimum=2))
+    return FamilyLayers(layers=(state,) * ctx.num_layers)
+
+
+def read_mamba2(ctx: SpecContext) -> FamilyLayers:
+    """Mamba2: every layer a Mamba2 state (`expand * hidden_size` channels, `num_heads` of `head_dim`)."""
+    cfg = ctx.cfg
+    num_heads, head_dim = cfg.require_int("num_heads"), cfg.require_int("head_dim")
+    intermediate = cfg.get_int("expand", default=2) * cfg.require_int("hidden_size")
+    if num_heads * head_dim != intermediate:
+        raise cfg.error(f"num_heads * head_dim = {num_heads} * {head_dim} must equal expand * hidden_size = "
+                        f"{intermediate}")
+    state = mamba2_state(ctx, intermediate=intermediate, n_groups=cfg.get_int("n_groups", default=1),
+                         num_heads=num_heads, head_dim=head_dim, state_size=cfg.get_int("state_size", default=128),
+                         conv_kernel=cfg.get_int("conv_kernel", default=4, minimum=2))
+    return FamilyLayers(layers=(state,) * ctx.num_layers)
+
+
+def read_olmo_hybrid(ctx: SpecContext) -> FamilyLayers:
+    """OLMo-Hybrid: Gated DeltaNet layers (`linear_*` fields) and full attention, from `layer_types`."""
+    cfg, n = ctx.cfg, ctx.num_layers
+    roles = layer_roles(cfg, "layer_types", allowed={_FULL, _STATE}, num_layers=n)
+    if roles is None:
+        raise cfg.error("required field 'layer_types' is missing; expected \"full_attention\" / \"linear_attention\" "
+                        "per layer")
+    state = gated_deltanet_state(
+        ctx, k_heads=cfg.require_int("linear_num_key_heads"), v_heads=cfg.require_int("linear_num_value_heads"),
+        k_dim=cfg.require_int("linear_key_head_dim"), v_dim=cfg.require_int("linear_value_head_dim"),
+        conv_kernel=cfg.get_int("linear_conv_kernel_dim", default=4, minimum=2),
+    )
+    attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=ctx.head_dim())
+    return _stack(roles, attention=attention, state=state)

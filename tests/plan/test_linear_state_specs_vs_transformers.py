@@ -1,0 +1,73 @@
+"""Short-conv, KDA, pure Mamba and OLMo-Hybrid specs against the caches transformers 5.23 allocates.
+
+Each state layer's conv state is (1, channels, conv_kernel) in transformers and (conv_kernel - 1,
+channels) in our spec (vLLM keeps one column less); the recurrent state is compared after the batch
+dimension, with Gated DeltaNet's (heads, k_dim, v_dim) read as vLLM's (heads, v_dim, k_dim). LFM2 keeps
+no recurrent state. Kimi-Linear's full layers are MLA latents (keys kv_lora_rank, values rope dim).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
+from hybridkv.plan.specs import AttentionSpec, MambaSpec, MambaType, MLASpec  # noqa: E402
+from tests.plan.test_generic_specs_vs_transformers import TINY  # noqa: E402
+
+T = 10
+_MIXED = ["linear_attention", "full_attention", "linear_attention"]
+_MAMBA1 = {"state_size": 8, "conv_kernel": 4, "expand": 2, "intermediate_size": 128, "time_step_rank": 8}
+STATE_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv"], "conv_L_cache": 3},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv"], "conv_L_cache": 3, "num_dense_layers": 1},
+    "mamba": _MAMBA1,
+    "falcon_mamba": _MAMBA1,
+    "mamba2": {"num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 2, "state_size": 8, "conv_kernel": 4,
+               "chunk_size": 4},
+    "olmo_hybrid": {"layer_types": _MIXED, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 8, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 3},
+    "kimi_linear": {"layer_types": _MIXED, "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 3,
+                    "kv_lora_rank": 32, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                    "v_head_dim": 16, "num_key_value_heads": 4, "mlp_layer_types": ["dense"] * 3},
+}
+
+
+def _layers(model_type: str) -> tuple[Any, list[Any]]:
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **STATE_ARCHITECTURES[model_type]})
+    spec = model_spec_from_config(config.to_dict(), name=model_type)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(2, 128, (1, T)), use_cache=True)
+    cache = getattr(out, "past_key_values", None) or out.cache_params
+    return spec, list(cache.layers)
+
+
+@pytest.mark.parametrize("model_type", sorted(STATE_ARCHITECTURES))
+def test_state_shapes_match_transformers(model_type: str) -> None:
+    spec, layers = _layers(model_type)
+    assert len(layers) == spec.num_decoder_layers == len(spec.layers)
+    for i, (layer, own) in enumerate(zip(layers, spec.layers, strict=True)):
+        where = f"{model_type} layer {i}"
+        if isinstance(own, AttentionSpec):
+            assert tuple(layer.keys.shape) == (1, own.num_kv_heads, T, own.head_dim), where
+        elif isinstance(own, MLASpec):
+            assert tuple(layer.keys.shape) == (1, 1, T, own.kv_lora_rank), where
+            assert layer.values.shape[-1] == own.qk_rope_head_dim, where
+        else:
+            assert isinstance(own, MambaSpec), where
+            (columns, channels), *recurrent = own.shapes
+            assert tuple(layer.conv_states[0].shape) == (1, channels, columns + 1), where
+            theirs = layer.recurrent_states[0]
+            if not recurrent:
+                assert own.mamba_type is MambaType.SHORT_CONV and theirs is None, where
+                continue
+            shape = tuple(theirs.shape)[1:]
+            if own.mamba_type is MambaType.GATED_DELTANET:
+                shape = (shape[0], shape[2], shape[1])
+            assert (shape,) == tuple(recurrent), where
