@@ -35,11 +35,10 @@ from hybridkv.plan.config_fields import (
     check_kv_heads,
     layer_roles,
 )
-from hybridkv.plan.mla_specs import read_deepseek_mla
+from hybridkv.plan.mla_specs import read_deepseek_mla, read_longcat
 from hybridkv.plan.specs import LayerSpec
 
-__all__ = ["FIELD_ALIASES", "FIELD_DEFAULTS", "GENERIC_FAMILIES", "generic_roles", "read_generic", "read_longcat",
-           "read_step3p5"]
+__all__ = ["FIELD_ALIASES", "FIELD_DEFAULTS", "GENERIC_FAMILIES", "generic_roles", "read_generic", "read_step3p5"]
 
 FamilyReader = Callable[[SpecContext], FamilyLayers]
 KVHeadsRule = Callable[[SpecContext], int]
@@ -50,7 +49,7 @@ _GPT2_NAMES = MappingProxyType({"n_layer": "num_hidden_layers", "n_head": "num_a
                                 "n_embd": "hidden_size"})
 # Old field name -> the standard one, per model_type (applied only where the standard name is absent).
 FIELD_ALIASES: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "gpt2": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "gptj": _GPT2_NAMES, "bloom": _GPT2_NAMES,
+    "gpt2": _GPT2_NAMES, "gpt-sw3": _GPT2_NAMES, "gpt_bigcode": _GPT2_NAMES, "gptj": _GPT2_NAMES, "bloom": _GPT2_NAMES,
     "dbrx": MappingProxyType({"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                               "d_model": "hidden_size"}),
     "longcat_flash": MappingProxyType({"num_layers": "num_hidden_layers"}),
@@ -181,14 +180,6 @@ def read_step3p5(ctx: SpecContext) -> FamilyLayers:
     return read_generic(dataclasses.replace(ctx, cfg=reader))
 
 
-def read_longcat(ctx: SpecContext) -> FamilyLayers:
-    """LongCat-Flash: two MLA attentions per decoder layer (vLLM's `self_attn[0]` and `self_attn[1]`),
-    the second in an extra cache slot of the same layer."""
-    one = read_deepseek_mla(ctx)
-    return FamilyLayers(layers=one.layers,
-                        second_caches=tuple((i, spec) for i, spec in enumerate(one.layers) if spec is not None))
-
-
 _PLAIN = (
     "afmoe", "apertus", "arcee", "cohere", "cohere2_moe", "cwm", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe",
     "flex_olmo", "gemma", "glm", "glm4", "glm4_moe", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
@@ -196,7 +187,7 @@ _PLAIN = (
     "jais2", "laguna", "mellum", "minimax_m2", "ministral3", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
     "phi", "phi3", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma",
 )
-_MHA = ("bloom", "gpt2", "gptj", "gpt_neox", "hrm_text", "opt")
+_MHA = ("bloom", "gpt2", "gpt-sw3", "gptj", "gpt_neox", "hrm_text", "opt")
 GENERIC_FAMILIES: Mapping[str, FamilyReader] = MappingProxyType({
     **dict.fromkeys(_PLAIN, read_generic),
     **dict.fromkeys(_MHA, _generic_reader(kv_heads=_mha_kv_heads)),
@@ -211,4 +202,6 @@ GENERIC_FAMILIES: Mapping[str, FamilyReader] = MappingProxyType({
     "axk1": read_deepseek_mla,
     "minicpm3": read_deepseek_mla,
     "longcat_flash": read_longcat,
+    # MLA + a DSA indexer on the layers `indexer_types` marks "full" (sparse: its kernels force block 64)
+    "hy_v4": read_deepseek_mla,
 })

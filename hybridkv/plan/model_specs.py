@@ -65,7 +65,7 @@ from hybridkv.plan.state_specs import (
 )
 
 __all__ = ["IndexerFormat", "KVCacheDType", "SpecOptions", "load_config", "model_spec_from_config",
-           "supported_model_types"]
+           "model_type_families", "supported_model_types"]
 
 FamilyReader = Callable[[SpecContext], FamilyLayers]
 HeadDimRule = Callable[[SpecContext], int]
@@ -288,6 +288,25 @@ _REGISTRY: dict[str, FamilyReader] = {
 def supported_model_types() -> list[str]:
     """Every `model_type` that `model_spec_from_config` reads, sorted."""
     return sorted(_REGISTRY)
+
+
+_PURE_STATE = {read_mamba, read_mamba2}
+_FAMILY_OF_MODULE = {
+    "hybridkv.plan.model_specs": "attention: full, sliding window, chunked local",
+    "hybridkv.plan.generic_specs": "attention: full, sliding window, chunked local",
+    "hybridkv.plan.mla_specs": "latent (MLA) and sparse attention",
+    "hybridkv.plan.state_specs": "state hybrids: Mamba, Gated DeltaNet, KDA, short convolution + attention",
+    "hybridkv.plan.linear_state_specs": "state hybrids: Mamba, Gated DeltaNet, KDA, short convolution + attention",
+}
+
+
+def model_type_families() -> dict[str, list[str]]:
+    """Every supported `model_type` by family (what its layers cache), families and types sorted."""
+    families: dict[str, list[str]] = {}
+    for model_type, reader in _REGISTRY.items():
+        family = "pure state: Mamba" if reader in _PURE_STATE else _FAMILY_OF_MODULE[reader.__module__]
+        families.setdefault(family, []).append(model_type)
+    return {family: sorted(types) for family, types in sorted(families.items())}
 
 
 def _context(config: Mapping[str, Any], model_type: str, options: SpecOptions) -> SpecContext:

@@ -54,6 +54,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "glm4": {"head_dim": 16},
     "glm4_moe": {"first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
     "gpt2": {**_GPT2},
+    "gpt-sw3": {**_GPT2},
     "gpt_bigcode": {**_GPT2, "multi_query": True},
     "gpt_neox": {},
     "gptj": {**_GPT2, "rotary_dim": 8},

@@ -16,7 +16,7 @@ block size and page size must be equal.
 Regenerate the fixture: `python -m tests.plan.test_groups_vs_vllm` (needs that venv).
 
 Not compared here (their own tests pin them against vLLM's figures): sparse-attention layouts whose
-kernels force the block size and mix indexer pages (deepseek_v32, glm_moe_dsa, minimax_m3_vl), and
+kernels force the block size and mix indexer pages (deepseek_v32, glm_moe_dsa, hy_v4, minimax_m3_vl), and
 DeepSeek-V4's packed layout.
 """
 
@@ -47,7 +47,7 @@ GENERATOR = HERE / "vllm_fixtures" / "generate_vllm_groups.py"
 VENV = Path(os.environ.get("HYBRIDKV_VLLM_VENV", Path.home() / ".cache/hybridkv-bench/vllm-manager-venv"))
 GIB = 1 << 30
 # Compared elsewhere (see the module docstring); kimi_k2 is deepseek_v3 to transformers.
-NOT_COMPARED = {"deepseek_v32", "glm_moe_dsa", "minimax_m3_vl", "minimax_m3_vl_text", "deepseek_v4", "kimi_k2"}
+NOT_COMPARED = {"deepseek_v32", "glm_moe_dsa", "hy_v4", "minimax_m3_vl", "minimax_m3_vl_text", "deepseek_v4", "kimi_k2"}
 _KINDS = {SpecKind.FULL: "full", SpecKind.SLIDING_WINDOW: "sliding", SpecKind.CHUNKED_LOCAL: "chunked"}
 
 

@@ -32,6 +32,8 @@ MLA_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "deepseek_v3": {**_MLA, "num_hidden_layers": 2},
     "deepseek_v32": {**_DSA, "num_hidden_layers": 3},
     "glm_moe_dsa": {**_DSA, "num_hidden_layers": 4, "index_topk_freq": 2},
+    "hy_v4": {**_DSA, "num_hidden_layers": 3, "indexer_types": ["full", "shared", "full"], "hc_mult": 2,
+              "pad_token_id": 0},
     "glm4_moe_lite": {**_MLA, "num_hidden_layers": 2},
     "axk1": {**_MLA, "num_hidden_layers": 2},
     "minicpm3": {**_MLA, "num_hidden_layers": 2},
