@@ -46,6 +46,9 @@ def _config(kind: str) -> Any:
             floor_scale=8, attn_scale=0.5, architectures=["Llama4ForCausalLM"])
     if kind == "mistral":
         return transformers.MistralConfig(**COMMON, sliding_window=WINDOW, architectures=["MistralForCausalLM"])
+    if kind == "smollm3":  # layer_types: the NoPE layers (1 and 3) slide, the rope layers are full
+        return transformers.SmolLM3Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                          no_rope_layer_interval=2, architectures=["SmolLM3ForCausalLM"])
     return _state_config(kind)
 
 
@@ -75,7 +78,7 @@ def _state_config(kind: str) -> Any:
     raise ValueError(kind)
 
 
-ARCHITECTURES = ("gemma3", "gpt_oss", "llama4", "mistral")
+ARCHITECTURES = ("gemma3", "gpt_oss", "llama4", "mistral", "smollm3")
 STATE_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl")
 
 

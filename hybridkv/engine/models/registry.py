@@ -31,6 +31,7 @@ _BY_ARCHITECTURE: dict[str, type[CausalLM]] = {arch: cls for cls in MODEL_CLASSE
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM, "llama4_text": Llama4ForCausalLM,
     "llama": LlamaLikeForCausalLM, "mistral": LlamaLikeForCausalLM, "qwen2": LlamaLikeForCausalLM,
+    "smollm3": LlamaLikeForCausalLM,
     "gemma3n_text": Gemma3nForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
