@@ -72,6 +72,15 @@ def _state_config(kind: str) -> Any:
     if kind == "qwen3_next":
         return transformers.Qwen3NextConfig(**COMMON, **GATED_DELTANET, **MOE, mlp_only_layers=[1],
                                             architectures=["Qwen3NextForCausalLM"])
+    if kind == "lfm2":  # short convolutions (kernel 3) with attention at layers 1 and 3
+        return transformers.Lfm2Config(**COMMON, conv_L_cache=3, layer_types=["conv", "full_attention"] * 2,
+                                       norm_eps=1e-5, architectures=["Lfm2ForCausalLM"])
+    if kind == "kimi_linear":  # KDA at layers 0, 1, 3; MLA (no rope) at layer 2; dense MLPs
+        mla = dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        return transformers.KimiLinearConfig(
+            **{**COMMON, "num_key_value_heads": 4}, **mla, linear_num_heads=4, linear_head_dim=16,
+            linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+            mlp_layer_types=["dense"] * 4, architectures=["KimiLinearForCausalLM"])
     if kind == "qwen3_5_vl":
         return transformers.Qwen3_5Config(text_config={**COMMON, **GATED_DELTANET}, vision_config=TINY_VISION,
                                           architectures=["Qwen3_5ForConditionalGeneration"])
@@ -79,7 +88,7 @@ def _state_config(kind: str) -> Any:
 
 
 ARCHITECTURES = ("gemma3", "gpt_oss", "llama4", "mistral", "smollm3")
-STATE_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl")
+STATE_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl", "lfm2", "kimi_linear")
 
 
 def _hf_class(config: Any) -> Any:
