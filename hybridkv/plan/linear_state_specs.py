@@ -7,7 +7,8 @@ speculative tokens (vLLM's `MambaStateShapeCalculator`):
     short conv (LFM2)       conv (K-1+s, C/tp)                           C = conv_dim (hidden_size)
     KDA (Kimi-Linear)       conv (K-1+s, 3*H*D/tp)   recurrent (H/tp, D, D)   float32 unless set
     Mamba1 / Mamba2         as in state_specs (pure stacks: every layer a state)
-    Gated DeltaNet          as in state_specs (OLMo-Hybrid)
+    Gated DeltaNet          as in state_specs (OLMo-Hybrid, Qwen4-Exp)
+    PLE short conv          conv ((K-1)*ngram+s, hidden*hc_count)     Qwen4-Exp's PLE layers, not split by TP
 
 Kimi-Linear's full-attention layers are MLA (one latent per token), as DeepSeek-V3's.
 """
@@ -17,10 +18,10 @@ from __future__ import annotations
 from hybridkv.plan.config_fields import FamilyLayers, LayerRole, SpecContext, layer_roles
 from hybridkv.plan.mla_specs import read_deepseek_mla
 from hybridkv.plan.specs import LayerSpec, MambaSpec, MambaType
-from hybridkv.plan.state_specs import gated_deltanet_state, mamba1_state, mamba2_state
+from hybridkv.plan.state_specs import mamba1_state, mamba2_state, read_gated_deltanet_state
 
 __all__ = ["kda_state", "read_kimi_linear", "read_lfm2", "read_mamba", "read_mamba2", "read_olmo_hybrid",
-           "short_conv_state"]
+           "read_qwen4_exp", "short_conv_state"]
 
 _FULL, _STATE = LayerRole.FULL, LayerRole.STATE
 
@@ -132,10 +133,39 @@ def read_olmo_hybrid(ctx: SpecContext) -> FamilyLayers:
     if roles is None:
         raise cfg.error("required field 'layer_types' is missing; expected \"full_attention\" / \"linear_attention\" "
                         "per layer")
-    state = gated_deltanet_state(
-        ctx, k_heads=cfg.require_int("linear_num_key_heads"), v_heads=cfg.require_int("linear_num_value_heads"),
-        k_dim=cfg.require_int("linear_key_head_dim"), v_dim=cfg.require_int("linear_value_head_dim"),
-        conv_kernel=cfg.get_int("linear_conv_kernel_dim", default=4, minimum=2),
-    )
     attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=ctx.head_dim())
-    return _stack(roles, attention=attention, state=state)
+    return _stack(roles, attention=attention, state=read_gated_deltanet_state(ctx))
+
+
+_QWEN4_ATTENTION = {"full_attention", "indexed_attention", "qwen_sparse_attention"}
+
+
+def read_qwen4_exp(ctx: SpecContext) -> FamilyLayers:
+    """Qwen4-Exp: Gated DeltaNet layers and gated full attention (as Qwen3-Next), plus a short-convolution state
+    on the PLE layers (`ple_layer_ids`, 1-based) of `(ple_conv_kernel_size - 1) * ngram_size` columns over
+    `hidden_size * hc_count` channels, never split by TP (vLLM's `get_ple_mamba_state_shape_from_config`).
+
+    With `indexer_n_heads` set the attention layers are QSA sparse attention, whose raw-key ring buffer
+    (vLLM's `CircularBufferSpec`) can never serve a prefix hit: not modelled, refused by name.
+    """
+    cfg, n = ctx.cfg, ctx.num_layers
+    if cfg.has("indexer_n_heads"):
+        raise cfg.error(f"indexer_n_heads = {cfg.raw('indexer_n_heads')} makes the attention layers QSA sparse "
+                        "attention (a raw-key ring buffer that cannot be prefix-cached, compressed keys); its "
+                        "layout is not modelled; expected a config without indexer_n_heads (full attention)")
+    names = cfg.str_list("layer_types")
+    if names is None or len(names) != n or set(names) - _QWEN4_ATTENTION - {"linear_attention"}:
+        raise cfg.error(f"field 'layer_types' must list {n} entries 'linear_attention' or one of "
+                        f"{sorted(_QWEN4_ATTENTION)}, got {names!r}")
+    roles = [_STATE if name == "linear_attention" else _FULL for name in names]
+    gdn = read_gated_deltanet_state(ctx)
+    attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=cfg.require_int("head_dim"))
+    ple = cfg.int_list("ple_layer_ids") or []
+    if any(not 1 <= i <= n for i in ple):
+        raise cfg.error(f"ple_layer_ids {ple} must be layer numbers 1..{n}")
+    columns = (cfg.get_int("ple_conv_kernel_size", default=4, minimum=2) - 1) * cfg.get_int("ngram_size", default=3)
+    channels = cfg.require_int("hidden_size") * cfg.get_int("hc_count", default=4)
+    conv = MambaSpec(mamba_type=MambaType.SHORT_CONV,
+                     shapes=((columns + ctx.options.num_speculative_tokens, channels),), dtypes=(ctx.dtype,))
+    stack = _stack(roles, attention=attention, state=gdn)
+    return FamilyLayers(layers=stack.layers, second_caches=tuple((i - 1, conv) for i in sorted(set(ple))))

@@ -44,6 +44,7 @@ from hybridkv.plan.linear_state_specs import (
     read_mamba,
     read_mamba2,
     read_olmo_hybrid,
+    read_qwen4_exp,
 )
 from hybridkv.plan.mla_specs import (
     DSV4_BACKEND,
@@ -282,6 +283,8 @@ _REGISTRY: dict[str, FamilyReader] = {
     "falcon_mamba": read_mamba,
     "mamba2": read_mamba2,
     "olmo_hybrid": read_olmo_hybrid,
+    "qwen4_exp": read_qwen4_exp,
+    "qwen4_exp_text": read_qwen4_exp,
 }
 
 

@@ -85,6 +85,16 @@ def _assemble(roles: list[LayerRole], *, attention: LayerSpec | None, state: Lay
     return FamilyLayers(layers=tuple(layers), second_caches=tuple(second))
 
 
+def read_gated_deltanet_state(ctx: SpecContext) -> MambaSpec:
+    """The Gated DeltaNet state of the `linear_*` fields (Qwen3-Next, Qwen3.5, Qwen4-Exp)."""
+    cfg = ctx.cfg
+    return gated_deltanet_state(
+        ctx, k_heads=cfg.require_int("linear_num_key_heads"), v_heads=cfg.require_int("linear_num_value_heads"),
+        k_dim=cfg.require_int("linear_key_head_dim"), v_dim=cfg.require_int("linear_value_head_dim"),
+        conv_kernel=cfg.get_int("linear_conv_kernel_dim", default=4, minimum=2),
+    )
+
+
 def read_gated_deltanet_hybrid(ctx: SpecContext) -> FamilyLayers:
     """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet layers with full attention every k-th layer."""
     cfg, n = ctx.cfg, ctx.num_layers
@@ -92,11 +102,7 @@ def read_gated_deltanet_hybrid(ctx: SpecContext) -> FamilyLayers:
     if roles is None:
         period = cfg.get_int("full_attention_interval", default=4)
         roles = pattern_roles(n, period=period, sparse=_FULL, dense=_STATE)
-    state = gated_deltanet_state(
-        ctx, k_heads=cfg.require_int("linear_num_key_heads"), v_heads=cfg.require_int("linear_num_value_heads"),
-        k_dim=cfg.require_int("linear_key_head_dim"), v_dim=cfg.require_int("linear_value_head_dim"),
-        conv_kernel=cfg.get_int("linear_conv_kernel_dim", default=4, minimum=2),
-    )
+    state = read_gated_deltanet_state(ctx)
     attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=cfg.require_int("head_dim"))
     return _assemble(roles, attention=attention, state=state)
 

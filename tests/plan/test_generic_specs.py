@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hybridkv.errors import ConfigError
-from hybridkv.plan.model_specs import model_spec_from_config
+from hybridkv.plan.model_specs import SpecOptions, model_spec_from_config
 from hybridkv.plan.specs import AttentionSpec, MambaSpec, MambaType, MLASpec, SpecKind
 
 BASE: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -146,3 +146,24 @@ def test_pure_mamba_families_default_length_and_checks() -> None:
     with pytest.raises(ConfigError, match=r"num_heads \* head_dim = 8 \* 64 must equal expand \* hidden_size = 1536"):
         model_spec_from_config({"model_type": "mamba2", "num_hidden_layers": 2, "hidden_size": 768, "num_heads": 8,
                                 "head_dim": 64}, name="m2")
+
+
+def test_qwen4_exp_gdn_full_and_ple_short_conv() -> None:
+    """vLLM 0.32's qwen4_exp: without indexer_n_heads the "indexed_attention" layers are Qwen3-Next full attention;
+    each PLE layer (1-based ple_layer_ids) adds a short-conv state of (K-1) * ngram_size columns over
+    hidden_size * hc_count channels (get_ple_mamba_state_shape_from_config), never split by TP."""
+    config = {"model_type": "qwen4_exp_text", "num_hidden_layers": 4, "hidden_size": 2048, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 32768,
+              "layer_types": ["linear_attention"] * 3 + ["indexed_attention"], "linear_num_key_heads": 16,
+              "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+              "linear_conv_kernel_dim": 4, "ple_layer_ids": [1, 3], "ple_conv_kernel_size": 4, "ngram_size": 3,
+              "hc_count": 4}
+    spec = model_spec_from_config(config, name="q4", options=SpecOptions(tp_size=2))
+    gdn, full = spec.layers[0], spec.layers[3]
+    assert isinstance(gdn, MambaSpec) and gdn.shapes == ((3, 8192 // 2), (16, 128, 128))
+    assert isinstance(full, AttentionSpec) and (full.kind, full.num_kv_heads, full.head_dim) == (SpecKind.FULL, 1, 256)
+    assert spec.decoder_layer_of == {4: 0, 5: 2}
+    ple = spec.layers[4]
+    assert isinstance(ple, MambaSpec) and ple.mamba_type is MambaType.SHORT_CONV and ple.shapes == ((9, 8192),)
+    with pytest.raises(ConfigError, match=r"indexer_n_heads = 8 makes the attention layers QSA sparse attention"):
+        model_spec_from_config({**config, "indexer_n_heads": 8}, name="q4")
