@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 from hybridkv.kvcache.manager import PrefixCaching
-from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import SpecKind
 from tests.engine.conftest import hf_greedy, prompts
+from tests.engine.state_checks import assert_corrupted_restore_changes_outputs
 
 GREEDY = SamplingParams(max_tokens=8, eos=EosMode.IGNORE, logprobs=1)
 OPTIONS: dict[str, Any] = dict(max_model_len=512, max_num_batched_tokens=64, block_size=4, kv_cache_memory_gib=0.02)
@@ -50,26 +49,9 @@ def test_prefix_hit_restores_the_kda_checkpoint_and_matches_transformers(
 
 def test_corrupting_the_restored_kda_state_changes_the_outputs(model_dir: Callable[[str], Path]) -> None:
     """Negative control: the comparison above fails when the restored recurrent state is wrong."""
-    path = model_dir("kimi_linear")
     first, second = _prompts()
-    cached = LLM(str(path), **OPTIONS)
-    cached.generate([first], GREEDY)
-    generator = torch.Generator().manual_seed(0)
-
-    def corrupt(group: KVCacheGroupSpec, blocks: list[int]) -> None:
-        for layer in group.layer_indices:
-            state = cached.runner.state_caches[layer]
-            assert state is not None
-            state.recurrent[torch.tensor(blocks)] = torch.randn(state.recurrent[torch.tensor(blocks)].shape,
-                                                                generator=generator)
-
-    cached.runner.states.restore_hook = corrupt
-    corrupted = cached.generate([second], GREEDY)[0]
-    assert corrupted.metrics.prefix_hit_tokens == 128
-    cold = LLM(str(path), prefix_caching=PrefixCaching.OFF, **OPTIONS).generate([second], GREEDY)[0]
-    (token, logprob), = corrupted.logprobs[0].items()
-    (cold_token, cold_logprob), = cold.logprobs[0].items()
-    assert corrupted.token_ids != cold.token_ids or token != cold_token or abs(logprob - cold_logprob) > 0.1
+    assert_corrupted_restore_changes_outputs(model_dir("kimi_linear"), first, second, options=OPTIONS, params=GREEDY,
+                                             expected_hit=128)
 
 
 def test_moe_layers_are_refused_with_the_layers_named(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
