@@ -63,7 +63,7 @@ from hybridkv.engine import kernels
 from hybridkv.engine.threads import kernel_threads
 from hybridkv.errors import ConfigError
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.plan.specs import MambaSpec, SpecKind
+from hybridkv.plan.specs import MambaSpec, MambaType, SpecKind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,9 +120,10 @@ def _torch_dtype(name: str, layer: int) -> torch.dtype:
 def state_view(buffer: torch.Tensor, *, spec: MambaSpec, num_blocks: int, page_bytes: int,
                layer: int) -> StateCache:
     """The state tensors of `spec` over `buffer` (one KV cache tensor: num_blocks pages of page_bytes)."""
-    if len(spec.shapes) not in (1, 2):
-        raise ConfigError(f"layer {layer}: a state layer needs a conv state and at most one recurrent state, got "
-                          f"{len(spec.shapes)} state tensors")
+    conv_only = spec.mamba_type is MambaType.SHORT_CONV
+    if len(spec.shapes) != (1 if conv_only else 2):
+        raise ConfigError(f"layer {layer}: a {spec.mamba_type.value} state layer needs a conv state"
+                          f"{'' if conv_only else ' and a recurrent state'}, got {len(spec.shapes)} state tensors")
     if spec.state_bytes > page_bytes:
         raise ConfigError(f"layer {layer}: state of {spec.state_bytes} bytes exceeds the page of {page_bytes} bytes")
     views: list[torch.Tensor] = []

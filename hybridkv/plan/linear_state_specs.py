@@ -9,6 +9,7 @@ speculative tokens (vLLM's `MambaStateShapeCalculator`):
     Mamba1 / Mamba2         as in state_specs (pure stacks: every layer a state)
     Gated DeltaNet          as in state_specs (OLMo-Hybrid, Qwen4-Exp)
     PLE short conv          conv ((K-1)*ngram+s, hidden*hc_count)     Qwen4-Exp's PLE layers, not split by TP
+    lightning (MiniMax)     state (H/tp, D, D) only, model dtype
 
 Kimi-Linear's full-attention layers are MLA (one latent per token), as DeepSeek-V3's.
 """
@@ -20,8 +21,17 @@ from hybridkv.plan.mla_specs import read_deepseek_mla
 from hybridkv.plan.specs import LayerSpec, MambaSpec, MambaType
 from hybridkv.plan.state_specs import mamba1_state, mamba2_state, read_gated_deltanet_state
 
-__all__ = ["kda_state", "read_kimi_linear", "read_lfm2", "read_mamba", "read_mamba2", "read_olmo_hybrid",
-           "read_qwen4_exp", "short_conv_state"]
+__all__ = [
+    "kda_state",
+    "read_kimi_linear",
+    "read_lfm2",
+    "read_mamba",
+    "read_mamba2",
+    "read_minimax",
+    "read_olmo_hybrid",
+    "read_qwen4_exp",
+    "short_conv_state",
+]
 
 _FULL, _STATE = LayerRole.FULL, LayerRole.STATE
 
@@ -169,3 +179,22 @@ def read_qwen4_exp(ctx: SpecContext) -> FamilyLayers:
                      shapes=((columns + ctx.options.num_speculative_tokens, channels),), dtypes=(ctx.dtype,))
     stack = _stack(roles, attention=attention, state=gdn)
     return FamilyLayers(layers=stack.layers, second_caches=tuple((i - 1, conv) for i in sorted(set(ple))))
+
+
+def read_minimax(ctx: SpecContext) -> FamilyLayers:
+    """MiniMax-Text-01 (model_type minimax): lightning (linear) attention layers with softmax attention every
+    few layers, from `layer_types` or the hub's `attn_type_list` (0 = lightning, 1 = softmax). A lightning layer
+    keeps one (H, D, D) state in the model dtype (vLLM's `linear_attention_state_shape` / `_dtype`)."""
+    cfg, n = ctx.cfg, ctx.num_layers
+    roles = layer_roles(cfg, "layer_types", allowed={_FULL, _STATE}, num_layers=n)
+    if roles is None:
+        kinds = cfg.int_list("attn_type_list")
+        if kinds is None or len(kinds) != n or set(kinds) - {0, 1}:
+            raise cfg.error(f"needs 'layer_types' or 'attn_type_list' ({n} entries, 0 = lightning, 1 = softmax "
+                            f"attention); got {kinds!r}")
+        roles = [_FULL if kind else _STATE for kind in kinds]
+    head_dim = ctx.head_dim()
+    heads = ctx.split("num_attention_heads", cfg.require_int("num_attention_heads"))
+    state = MambaSpec(mamba_type=MambaType.LIGHTNING, shapes=((heads, head_dim, head_dim),), dtypes=(ctx.dtype,))
+    attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=head_dim)
+    return _stack(roles, attention=attention, state=state)

@@ -43,6 +43,7 @@ from hybridkv.plan.linear_state_specs import (
     read_lfm2,
     read_mamba,
     read_mamba2,
+    read_minimax,
     read_olmo_hybrid,
     read_qwen4_exp,
 )
@@ -284,6 +285,7 @@ _REGISTRY: dict[str, FamilyReader] = {
     "mamba2": read_mamba2,
     "olmo_hybrid": read_olmo_hybrid,
     "qwen4_exp": read_qwen4_exp,
+    "minimax": read_minimax,
     "qwen4_exp_text": read_qwen4_exp,
 }
 

@@ -69,6 +69,7 @@ class MambaType(Enum):
     GATED_DELTANET = "gated_deltanet"
     SHORT_CONV = "short_conv"  # LFM2: a convolution state only
     KDA = "kda"  # Kimi Delta Attention (Kimi-Linear)
+    LIGHTNING = "lightning"  # MiniMax-Text-01's lightning attention: one (H, D, D) state, no conv
 
 
 def _positive(name: str, value: int) -> None:

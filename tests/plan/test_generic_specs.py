@@ -167,3 +167,16 @@ def test_qwen4_exp_gdn_full_and_ple_short_conv() -> None:
     assert isinstance(ple, MambaSpec) and ple.mamba_type is MambaType.SHORT_CONV and ple.shapes == ((9, 8192),)
     with pytest.raises(ConfigError, match=r"indexer_n_heads = 8 makes the attention layers QSA sparse attention"):
         model_spec_from_config({**config, "indexer_n_heads": 8}, name="q4")
+
+
+def test_minimax_hub_attn_type_list_and_lightning_state() -> None:
+    """MiniMax-Text-01's hub form: attn_type_list (0 = lightning, 1 = softmax); a lightning layer keeps one
+    (H, D, D) state in the model dtype (vLLM's linear_attention_state_shape), split over TP by heads."""
+    config = {"model_type": "minimax", "num_hidden_layers": 4, "hidden_size": 6144, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 10240000,
+              "attn_type_list": [0, 0, 0, 1]}
+    spec = model_spec_from_config(config, name="m", options=SpecOptions(tp_size=8))
+    state, full = spec.layers[0], spec.layers[3]
+    assert isinstance(state, MambaSpec) and state.mamba_type is MambaType.LIGHTNING
+    assert state.shapes == ((8, 128, 128),) and state.state_bytes == 8 * 128 * 128 * 2
+    assert isinstance(full, AttentionSpec) and full.num_kv_heads == 1

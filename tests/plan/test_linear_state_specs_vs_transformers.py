@@ -71,3 +71,23 @@ def test_state_shapes_match_transformers(model_type: str) -> None:
             if own.mamba_type is MambaType.GATED_DELTANET:
                 shape = (shape[0], shape[2], shape[1])
             assert (shape,) == tuple(recurrent), where
+
+
+def test_minimax_lightning_states_match_transformers_linear_cache() -> None:
+    """MiniMax-Text-01: transformers keeps each lightning layer's (1, H, D, D) state in `linear_cache`
+    (model dtype) and K/V only on the softmax layers."""
+    fields = {"layer_types": _MIXED, "head_dim": 16, "block_size": 4}
+    config = transformers.AutoConfig.for_model("minimax", **{**TINY, **fields})
+    spec = model_spec_from_config(config.to_dict(), name="minimax")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(2, 128, (1, T)), use_cache=True).past_key_values
+    for i, own in enumerate(spec.layers):
+        if isinstance(own, MambaSpec):
+            assert own.mamba_type is MambaType.LIGHTNING and len(own.shapes) == 1
+            state = cache.linear_cache[i]
+            assert (tuple(state.shape)[1:],) == own.shapes and str(state.dtype) == f"torch.{own.dtypes[0]}"
+        else:
+            assert isinstance(own, AttentionSpec)
+            assert tuple(cache.layers[i].keys.shape) == (1, own.num_kv_heads, T, own.head_dim)
