@@ -75,12 +75,14 @@ def _state_config(kind: str) -> Any:
     if kind == "lfm2":  # short convolutions (kernel 3) with attention at layers 1 and 3
         return transformers.Lfm2Config(**COMMON, conv_L_cache=3, layer_types=["conv", "full_attention"] * 2,
                                        norm_eps=1e-5, architectures=["Lfm2ForCausalLM"])
-    if kind == "kimi_linear":  # KDA at layers 0, 1, 3; MLA (no rope) at layer 2; dense MLPs
+    if kind == "kimi_linear":  # KDA at layers 0, 1, 3; MLA (no rope) at layer 2; MoE at layers 1 and 3
         mla = dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
         return transformers.KimiLinearConfig(
             **{**COMMON, "num_key_value_heads": 4}, **mla, linear_num_heads=4, linear_head_dim=16,
             linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
-            mlp_layer_types=["dense"] * 4, architectures=["KimiLinearForCausalLM"])
+            mlp_layer_types=["dense", "sparse", "dense", "sparse"], num_local_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            architectures=["KimiLinearForCausalLM"])
     if kind == "qwen3_5_vl":
         return transformers.Qwen3_5Config(text_config={**COMMON, **GATED_DELTANET}, vision_config=TINY_VISION,
                                           architectures=["Qwen3_5ForConditionalGeneration"])

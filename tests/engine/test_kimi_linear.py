@@ -1,4 +1,4 @@
-"""Kimi-Linear (KDA + MLA without rope) in the engine against transformers: greedy tokens and logprobs, a
+"""Kimi-Linear (KDA + MLA without rope, MoE layers) in the engine against transformers: greedy tokens, a
 prefix hit that restores a KDA checkpoint, and a negative control.
 
 The tiny model's KDA state (conv 3 x 192 + recurrent 4 x 16 x 16 float32 = 6,400 bytes) next to MLA latents
@@ -52,18 +52,3 @@ def test_corrupting_the_restored_kda_state_changes_the_outputs(model_dir: Callab
     first, second = _prompts()
     assert_corrupted_restore_changes_outputs(model_dir("kimi_linear"), first, second, options=OPTIONS, params=GREEDY,
                                              expected_hit=128)
-
-
-def test_moe_layers_are_refused_with_the_layers_named(model_dir: Callable[[str], Path], tmp_path: Path) -> None:
-    import json
-    import shutil
-
-    from hybridkv.errors import ConfigError
-
-    moe = tmp_path / "moe"
-    shutil.copytree(model_dir("kimi_linear"), moe)
-    config = json.loads((moe / "config.json").read_text())
-    config["mlp_layer_types"] = ["dense", "sparse", "sparse", "sparse"]
-    (moe / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"layers \[1, 2, 3\] are MoE .* dense MLP layers only"):
-        LLM(str(moe), **OPTIONS)

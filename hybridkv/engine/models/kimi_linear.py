@@ -11,7 +11,8 @@ unrotated, as transformers) or Kimi Delta Attention (KDA) on linear-attention la
     o = o_proj(rmsnorm(q S / sqrt(D)) * sigmoid(g_b_proj(g_a_proj(x))))   # q, k L2-normalised
 
 The recurrence runs token by token (transformers' recurrent form; its chunked form is the same sum).
-Only dense MLP layers run in the engine (`mlp_layer_types` "dense"); a "sparse" (MoE) layer is refused.
+MoE layers (`mlp_layer_types` "sparse", or from `first_k_dense_replace` on) route as DeepSeek-V3 (sigmoid scores,
+correction bias, groups) over experts of w1 / w3 / w2, plus shared experts.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from torch import nn
 
 from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.decoder import FULL, LINEAR, DecoderForCausalLM, DecoderModel
-from hybridkv.engine.models.deepseek import MLAttention
+from hybridkv.engine.models.deepseek import MLAttention, TopkRouter
 from hybridkv.engine.models.layers import CosSin, GatedMLP, RMSNorm, RotaryEmbedding
+from hybridkv.engine.models.lfm2 import Lfm2MLP
 from hybridkv.engine.state_layers import causal_conv, scan_states
 from hybridkv.errors import ConfigError
 
@@ -131,18 +133,64 @@ class KimiDeltaAttention(nn.Module):
         return -self.A_log.float().view(h, 1).exp() * F.softplus(g)
 
 
+def kimi_sparse_layers(config: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Which layers have a MoE feed-forward: `mlp_layer_types` "sparse", else (the hub form) every layer from
+    `first_k_dense_replace` on when `num_experts` is set."""
+    kinds = config.get("mlp_layer_types")
+    if kinds is not None:
+        if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+            raise ConfigError(f"kimi_linear mlp_layer_types must list {num_layers} entries 'dense' or 'sparse', "
+                              f"got {kinds!r}")
+        return [kind == "sparse" for kind in kinds]
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    first = int(config.get("first_k_dense_replace") or 0)
+    return [bool(experts) and i >= first for i in range(num_layers)]
+
+
+class KimiMoE(nn.Module):
+    """Checkpoint names: `gate` (DeepSeek-V3's sigmoid router with correction bias and groups), `experts.<e>` with
+    w1 / w3 / w2, `shared_experts` (gate/up/down_proj)."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        if (config.get("moe_router_activation_func") or "sigmoid") != "sigmoid":
+            raise ConfigError(f"kimi_linear config: moe_router_activation_func "
+                              f"{config.get('moe_router_activation_func')!r} is not supported; "
+                              f"the engine runs 'sigmoid'")
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        routing = {**config, "n_routed_experts": experts,
+                   "num_experts_per_tok": config.get("num_experts_per_token", config.get("num_experts_per_tok")),
+                   "n_group": config.get("num_expert_group", config.get("n_group")),
+                   "norm_topk_prob": config.get("moe_renormalize", config.get("norm_topk_prob", True))}
+        hidden, width = int(config["hidden_size"]), int(config["moe_intermediate_size"])
+        self.gate = TopkRouter(routing)
+        self.experts = nn.ModuleList(Lfm2MLP(hidden, width) for _ in range(experts))
+        shared = int(config.get("num_shared_experts", config.get("n_shared_experts")) or 0)
+        act = str(config.get("hidden_act", "silu"))
+        self.shared_experts = GatedMLP(hidden, width * shared, act=act) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        index, weight = self.gate(x)  # [T, k] each
+        out = torch.zeros_like(x)
+        for e in index.unique().tolist():
+            token, slot = (index == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.experts[e](x[token]) * weight[token, slot, None].to(x.dtype))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
 class KimiDecoderLayer(nn.Module):
     """x + self_attn(input_layernorm(x)) (MLA or KDA), then + block_sparse_moe(post_attention_layernorm(x))."""
 
-    def __init__(self, config: Mapping[str, Any], layer: int, *, kind: str) -> None:
+    def __init__(self, config: Mapping[str, Any], layer: int, *, kind: str, sparse: bool) -> None:
         super().__init__()
         hidden, eps = int(config["hidden_size"]), float(config.get("rms_norm_eps", 1e-6))
         self.is_state = kind == LINEAR
         self.self_attn: nn.Module = (KimiDeltaAttention(config, layer) if self.is_state
                                      else MLAttention(config, layer, indexer=None, rope=False))
         # the checkpoint names every layer's feed-forward block_sparse_moe, dense ones too
-        self.block_sparse_moe = GatedMLP(hidden, int(config["intermediate_size"]),
-                                         act=str(config.get("hidden_act", "silu")))
+        self.block_sparse_moe: nn.Module = (KimiMoE(config) if sparse else GatedMLP(
+            hidden, int(config["intermediate_size"]), act=str(config.get("hidden_act", "silu"))))
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
 
@@ -156,20 +204,15 @@ class KimiDecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(DecoderForCausalLM):
-    """Kimi-Linear: KDA + MLA (no rope), dense MLPs (MoE layers refused)."""
+    """Kimi-Linear: KDA + MLA (no rope), dense and MoE feed-forwards."""
 
     architectures = ("KimiLinearForCausalLM",)
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         layer_types = kimi_layer_types(config)
-        kinds = config.get("mlp_layer_types")
-        sparse = ([i for i, kind in enumerate(kinds) if kind != "dense"] if kinds is not None else
-                  ["all"] if int(config.get("num_experts") or config.get("num_local_experts") or 0) else [])
-        if sparse:
-            raise ConfigError(f"kimi_linear config: layers {sparse} are MoE ('sparse' in mlp_layer_types); the engine "
-                              f"runs Kimi-Linear with dense MLP layers only (hybridkv plan lays out any)")
+        sparse = kimi_sparse_layers(config, len(layer_types))
         hidden, eps = int(config["hidden_size"]), float(config.get("rms_norm_eps", 1e-6))
-        layers = [KimiDecoderLayer(config, i, kind=kind) for i, kind in enumerate(layer_types)]
+        layers = [KimiDecoderLayer(config, i, kind=kind, sparse=sparse[i]) for i, kind in enumerate(layer_types)]
         rope = RotaryEmbedding.from_config(config, default_theta=10000.0, default_max_positions=4096,
                                            dim=int(config["qk_rope_head_dim"]))
         super().__init__(config, model=DecoderModel(config, layers, norm=RMSNorm(hidden, eps=eps)),
