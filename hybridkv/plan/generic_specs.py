@@ -58,8 +58,9 @@ FIELD_ALIASES: Mapping[str, Mapping[str, str]] = MappingProxyType({
 })
 # Fields a family's config class gives a default that config.json may omit.
 FIELD_DEFAULTS: Mapping[str, Mapping[str, object]] = MappingProxyType({
-    # No length field at all (BLOOM's ALiBi, the Mamba families): vLLM assumes 2048 tokens.
-    **dict.fromkeys(("bloom", "mamba", "falcon_mamba", "mamba2"), MappingProxyType({"max_position_embeddings": 2048})),
+    # No length field at all (BLOOM's ALiBi, the Mamba families, RecurrentGemma): vLLM assumes 2048 tokens.
+    **dict.fromkeys(("bloom", "mamba", "falcon_mamba", "mamba2", "recurrent_gemma"),
+                    MappingProxyType({"max_position_embeddings": 2048})),
 })
 
 

@@ -10,6 +10,7 @@ speculative tokens (vLLM's `MambaStateShapeCalculator`):
     Gated DeltaNet          as in state_specs (OLMo-Hybrid, Qwen4-Exp)
     PLE short conv          conv ((K-1)*ngram+s, hidden*hc_count)     Qwen4-Exp's PLE layers, not split by TP
     lightning (MiniMax)     state (H/tp, D, D) only, model dtype
+    RG-LRU (RecurrentGemma) conv (K-1+s, W/tp), recurrent (W/tp,) float32
 
 Kimi-Linear's full-attention layers are MLA (one latent per token), as DeepSeek-V3's.
 """
@@ -33,7 +34,7 @@ __all__ = [
     "short_conv_state",
 ]
 
-_FULL, _STATE = LayerRole.FULL, LayerRole.STATE
+_FULL, _STATE, _SLIDING = LayerRole.FULL, LayerRole.STATE, LayerRole.SLIDING
 
 
 def short_conv_state(ctx: SpecContext, *, channels: int, conv_kernel: int) -> MambaSpec:
@@ -198,3 +199,21 @@ def read_minimax(ctx: SpecContext) -> FamilyLayers:
     state = MambaSpec(mamba_type=MambaType.LIGHTNING, shapes=((heads, head_dim, head_dim),), dtypes=(ctx.dtype,))
     attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=head_dim)
     return _stack(roles, attention=attention, state=state)
+
+
+def read_recurrent_gemma(ctx: SpecContext) -> FamilyLayers:
+    """RecurrentGemma (Griffin): `block_types` repeated over the layers; "recurrent" layers keep an RG-LRU state
+    (conv (conv1d_width - 1, lru_width) in the model dtype, recurrent (lru_width,) float32, as transformers),
+    "attention" layers are local attention over the last `attention_window_size` positions."""
+    cfg, n = ctx.cfg, ctx.num_layers
+    cycle = cfg.str_list("block_types") or ["recurrent", "recurrent", "attention"]
+    if not cycle or set(cycle) - {"recurrent", "attention"}:
+        raise cfg.error(f"field 'block_types' must list 'recurrent' / 'attention' blocks, got {cycle!r}")
+    roles = [_STATE if cycle[i % len(cycle)] == "recurrent" else _SLIDING for i in range(n)]
+    width = ctx.split("lru_width", cfg.get_int("lru_width", default=cfg.require_int("hidden_size")))
+    columns = cfg.get_int("conv1d_width", default=4, minimum=2) - 1 + ctx.options.num_speculative_tokens
+    state = MambaSpec(mamba_type=MambaType.RG_LRU, shapes=((columns, width), (width,)),
+                      dtypes=(ctx.dtype, ctx.ssm_dtype(default="float32")))
+    window = cfg.get_int("attention_window_size", default=2048)
+    attention = ctx.attention(_SLIDING, kv_heads=ctx.kv_heads(), head_dim=ctx.head_dim(), window_tokens=window)
+    return FamilyLayers(layers=tuple(state if role is _STATE else attention for role in roles))

@@ -46,6 +46,7 @@ from hybridkv.plan.linear_state_specs import (
     read_minimax,
     read_olmo_hybrid,
     read_qwen4_exp,
+    read_recurrent_gemma,
 )
 from hybridkv.plan.mla_specs import (
     DSV4_BACKEND,
@@ -286,6 +287,7 @@ _REGISTRY: dict[str, FamilyReader] = {
     "olmo_hybrid": read_olmo_hybrid,
     "qwen4_exp": read_qwen4_exp,
     "minimax": read_minimax,
+    "recurrent_gemma": read_recurrent_gemma,
     "qwen4_exp_text": read_qwen4_exp,
 }
 

@@ -70,6 +70,7 @@ class MambaType(Enum):
     SHORT_CONV = "short_conv"  # LFM2: a convolution state only
     KDA = "kda"  # Kimi Delta Attention (Kimi-Linear)
     LIGHTNING = "lightning"  # MiniMax-Text-01's lightning attention: one (H, D, D) state, no conv
+    RG_LRU = "rg_lru"  # RecurrentGemma's real-gated linear recurrence: conv + a (width,) state
 
 
 def _positive(name: str, value: int) -> None:

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
-from hybridkv.plan.specs import AttentionSpec, MambaSpec, MambaType, MLASpec  # noqa: E402
+from hybridkv.plan.specs import AttentionSpec, MambaSpec, MambaType, MLASpec, SpecKind  # noqa: E402
 from tests.plan.test_generic_specs_vs_transformers import TINY  # noqa: E402
 
 T = 10
@@ -91,3 +91,31 @@ def test_minimax_lightning_states_match_transformers_linear_cache() -> None:
         else:
             assert isinstance(own, AttentionSpec)
             assert tuple(cache.layers[i].keys.shape) == (1, own.num_kv_heads, T, own.head_dim)
+
+
+def test_recurrent_gemma_states_and_local_attention_match_transformers() -> None:
+    """RecurrentGemma keeps its RG-LRU states on the modules (`conv1d_state` (1, W, K-1), `rg_lru.recurrent_states`
+    (1, W) float32) and local-attention K/V in the cache (the last window - 1 tokens)."""
+    fields = {"num_hidden_layers": 3, "block_types": ["recurrent", "attention"], "attention_window_size": 4,
+              "lru_width": 64, "conv1d_width": 3, "head_dim": 16}
+    config = transformers.AutoConfig.for_model("recurrent_gemma", **{**TINY, **fields})
+    spec = model_spec_from_config(config.to_dict(), name="rg")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cache = transformers.DynamicCache(config=config)  # the model does not return the one it makes
+    with torch.no_grad():
+        model(input_ids=torch.randint(2, 128, (1, T)), use_cache=True, past_key_values=cache)
+    kinds = []
+    for i, (layer, own) in enumerate(zip(model.model.layers, spec.layers, strict=True)):
+        if isinstance(own, MambaSpec):
+            (columns, width), recurrent = own.shapes
+            block = layer.temporal_block
+            assert tuple(block.conv1d_state.shape) == (1, width, columns)
+            assert (tuple(block.rg_lru.recurrent_states.shape)[1:],) == (recurrent,) and own.dtypes[1] == "float32"
+            kinds.append("recurrent")
+        else:
+            assert isinstance(own, AttentionSpec) and own.kind is SpecKind.SLIDING_WINDOW
+            kept = min(T, own.window_tokens - 1)
+            assert tuple(cache.layers[i].keys.shape) == (1, own.num_kv_heads, kept, own.head_dim)
+            kinds.append("attention")
+    assert kinds == ["recurrent", "attention", "recurrent"]
