@@ -26,7 +26,7 @@ from torch import nn
 
 from hybridkv.engine.models.base import ForwardContext, config_value
 from hybridkv.engine.models.decoder import FULL, LINEAR, DecoderForCausalLM, DecoderModel
-from hybridkv.engine.models.deepseek import MLAttention, TopkRouter
+from hybridkv.engine.models.deepseek import MLAttention, TopkRouter, mix_experts
 from hybridkv.engine.models.layers import CosSin, GatedMLP, RMSNorm, RotaryEmbedding
 from hybridkv.engine.models.lfm2 import Lfm2MLP
 from hybridkv.engine.state_layers import causal_conv, scan_states
@@ -171,12 +171,7 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        index, weight = self.gate(x)  # [T, k] each
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, slot = (index == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, self.experts[e](x[token]) * weight[token, slot, None].to(x.dtype))
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return mix_experts(x, self.gate, self.experts, self.shared_experts)
 
 
 class KimiDecoderLayer(nn.Module):
