@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,11 @@ def test_list_types_names_every_supported_type_once() -> None:
     refused = runner.invoke(app, ["plan", "--list-types", "llama"])
     assert refused.exit_code == 2
     assert "--list-types shows every supported model_type and takes no MODEL" in refused.output
+
+
+def test_layer_types_name_the_new_state_kinds() -> None:
+    """LFM2-1.2B: 10 short-convolution layers and 6 attention layers, named as such in the layer-type table."""
+    result = runner.invoke(app, ["plan", "lfm2-1.2b", "--memory-gib", "1"])
+    assert result.exit_code == 0, result.output
+    table = result.output.split("KV cache groups")[0]
+    assert re.search(r"mamba \(short conv\)\s+10\s", table) and re.search(r"\bfull\s+6\s", table), table
