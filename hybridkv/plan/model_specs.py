@@ -64,6 +64,7 @@ from hybridkv.plan.state_specs import (
     read_granitemoehybrid,
     read_jamba,
     read_nemotron_h,
+    read_zamba,
     read_zamba2,
 )
 
@@ -267,6 +268,7 @@ _REGISTRY: dict[str, FamilyReader] = {
     "falcon_h1": read_falcon_h1,
     "nemotron_h": read_nemotron_h,
     "zamba2": read_zamba2,
+    "zamba": read_zamba,
     "deepseek_v2": read_deepseek_mla,
     "deepseek_v3": read_deepseek_mla,
     "kimi_k2": read_deepseek_mla,

@@ -119,3 +119,32 @@ def test_recurrent_gemma_states_and_local_attention_match_transformers() -> None
             assert tuple(cache.layers[i].keys.shape) == (1, own.num_kv_heads, kept, own.head_dim)
             kinds.append("attention")
     assert kinds == ["recurrent", "attention", "recurrent"]
+
+
+def test_zamba_mamba_and_hybrid_layers_match_transformers() -> None:
+    """Zamba1: transformers caches every layer's multi-head Mamba state and, on the hybrid layers, the shared
+    attention's K/V (attention_head_dim = 2 * hidden / heads)."""
+    fields = {"num_hidden_layers": 6, "attn_layer_period": 3, "attn_layer_offset": 1, "n_mamba_heads": 2,
+              "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_expand": 2}
+    config = transformers.AutoConfig.for_model("zamba", **{**TINY, **fields})
+    saved = config.to_dict()
+    spec = model_spec_from_config(saved, name="zamba")
+    derived = model_spec_from_config({k: v for k, v in saved.items() if k != "layers_block_type"}, name="zamba")
+    assert derived.layers == spec.layers  # the hub form (period / offset) reads the same layers
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(input_ids=torch.randint(2, 128, (1, T)), use_cache=True).past_key_values
+    hybrid = sorted(spec.decoder_layer_of.values())
+    assert hybrid == [2, 4]
+    for i, layer in enumerate(cache.layers):
+        own = spec.layers[i]
+        second = next((slot for slot, owner in spec.decoder_layer_of.items() if owner == i), None)
+        state = own if second is None else spec.layers[second]
+        assert isinstance(state, MambaSpec)
+        (columns, channels), recurrent = state.shapes
+        assert tuple(layer.conv_states[0].shape) == (1, channels, columns + 1)
+        assert tuple(layer.recurrent_states[0].shape)[1:] == recurrent
+        if i in hybrid:
+            assert isinstance(own, AttentionSpec)
+            assert tuple(layer.keys.shape) == (1, own.num_kv_heads, T, own.head_dim)

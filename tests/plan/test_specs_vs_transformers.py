@@ -132,7 +132,8 @@ def test_every_supported_type_is_covered() -> None:
     from tests.plan.test_mla_specs_vs_transformers import MLA_ARCHITECTURES, MLA_WRAPPERS, NOT_IN_TRANSFORMERS
 
     covered = [*ARCHITECTURES, *WRAPPERS, *MLA_ARCHITECTURES, *MLA_WRAPPERS, *NOT_IN_TRANSFORMERS, *V4_ARCHITECTURES,
-               *GENERIC, *MLA_TWICE, *NOT_BUILT_BY_TRANSFORMERS, *STATE_ARCHITECTURES, "minimax", "recurrent_gemma"]
+               *GENERIC, *MLA_TWICE, *NOT_BUILT_BY_TRANSFORMERS, *STATE_ARCHITECTURES,
+               "minimax", "recurrent_gemma", "zamba"]
     assert sorted(covered) == supported_model_types()
 
 
