@@ -46,6 +46,7 @@ def _cold(path: Path, prompt: list[int]) -> Any:
     ("qwen3_5_moe", "all", 20, 16),
     ("lfm2", "align", 40, 32),  # LFM2's short-conv state (no recurrent state)
     ("lfm2", "all", 56, 48),
+    ("lfm2_moe", "align", 40, 32),
 ])
 def test_prefix_hit_restores_the_state_checkpoint(
     kind: str, mode: str, prefix: int, expected_hit: int, model_dir: Callable[[str], Path],

@@ -200,17 +200,18 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = GatedMLP(hidden, inter * shared, act=act) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mix_experts(x, self.gate, self.experts, self.shared_experts)
+        index, weight = self.gate(x)  # [T, k] each
+        out = mix_experts(x, index, weight, self.experts)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
-def mix_experts(x: torch.Tensor, gate: TopkRouter, experts: nn.ModuleList, shared: nn.Module | None) -> torch.Tensor:
-    """x [T, hidden] -> the routed experts' weighted sum [T, hidden] (plus the shared experts' output)."""
-    index, weight = gate(x)  # [T, k] each
+def mix_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """x [T, hidden], chosen experts index [T, k] with their weights [T, k] -> the weighted sum [T, hidden]."""
     out = torch.zeros_like(x)
-    for e in index.unique().tolist():
+    for e in torch.unique(index).tolist():
         token, slot = (index == e).nonzero(as_tuple=True)
         out.index_add_(0, token, experts[e](x[token]) * weight[token, slot, None].to(x.dtype))
-    return out if shared is None else out + shared(x)
+    return out
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -171,7 +171,9 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        return mix_experts(x, self.gate, self.experts, self.shared_experts)
+        index, weight = self.gate(x)  # [T, k] each
+        out = mix_experts(x, index, weight, self.experts)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 class KimiDecoderLayer(nn.Module):

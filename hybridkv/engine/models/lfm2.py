@@ -1,4 +1,5 @@
-"""LFM2 (`Lfm2ForCausalLM`, model_type lfm2): gated short convolutions with full attention at a few layers.
+"""LFM2 and LFM2-MoE (`Lfm2ForCausalLM`, `Lfm2MoeForCausalLM`): gated short convolutions with full attention at
+a few layers.
 
 Every layer: x + operator(operator_norm(x)), then x + feed_forward(ffn_norm(x)); the operator is a
 short convolution (`conv`) or attention (`self_attn`: q/k RMSNorm per head, rope, `out_proj`). The
@@ -9,7 +10,8 @@ short convolution keeps only a conv state (the last `conv_L_cache - 1` inputs of
 
 The feed-forward is SwiGLU (`w1`, `w3`, `w2`) whose width transformers adjusts when
 `block_auto_adjust_ff_dim` (2/3 of `intermediate_size`, times `block_ffn_dim_multiplier`, rounded up
-to `block_multiple_of`). Final norm `model.embedding_norm`.
+to `block_multiple_of`; LFM2-MoE's dense layers take `intermediate_size` as it is); LFM2-MoE's layers from
+`num_dense_layers` on route to experts instead (`Lfm2MoE`). Final norm `model.embedding_norm`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from hybridkv.engine.models.base import ForwardContext, attend, config_value, head_dim_of
 from hybridkv.engine.models.decoder import FULL, LINEAR, DecoderForCausalLM, DecoderModel
+from hybridkv.engine.models.deepseek import mix_experts
 from hybridkv.engine.models.layers import CosSin, QKVAttention, RMSNorm, RotaryEmbedding
 from hybridkv.engine.state_layers import causal_conv
 from hybridkv.errors import ConfigError
@@ -42,8 +45,8 @@ def lfm2_layer_types(config: Mapping[str, Any]) -> list[str]:
 
 def _ff_width(config: Mapping[str, Any]) -> int:
     width = int(config_value(config, "intermediate_size", required=True))
-    if not config.get("block_auto_adjust_ff_dim", True):
-        return width
+    if config.get("model_type") == "lfm2_moe" or not config.get("block_auto_adjust_ff_dim", True):
+        return width  # LFM2-MoE's dense layers take intermediate_size as it is
     width = int(2 * width / 3)
     multiplier = config.get("block_ffn_dim_multiplier", 1.0)
     if multiplier is not None:
@@ -63,6 +66,33 @@ class Lfm2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # type: ignore[no-any-return]
+
+
+class Lfm2MoE(nn.Module):
+    """LFM2-MoE's block (checkpoint names `gate`, `expert_bias`, `experts.<e>.w1/w3/w2`): sigmoid scores, top-k
+    chosen on scores + expert_bias (`use_expert_bias`), weights normalised (`norm_topk_prob`, + 1e-6) and scaled."""
+
+    def __init__(self, config: Mapping[str, Any], hidden: int) -> None:
+        super().__init__()
+        experts = int(config_value(config, "num_experts", required=True))
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)
+        width = int(config_value(config, "moe_intermediate_size", required=True))
+        self.experts = nn.ModuleList(Lfm2MLP(hidden, width) for _ in range(experts))
+        self.top_k = int(config_value(config, "num_experts_per_tok", required=True))
+        self.use_bias = bool(config.get("use_expert_bias", True))
+        self.normalize = bool(config.get("norm_topk_prob", True))
+        self.scaling = float(config.get("routed_scaling_factor", 1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        scores = self.gate(x).sigmoid()  # [T, E]
+        choice = scores + self.expert_bias if self.use_bias else scores
+        index = choice.topk(self.top_k, dim=-1).indices  # [T, k]
+        weight = scores.gather(1, index)
+        if self.normalize:
+            weight = weight / (weight.sum(-1, keepdim=True) + 1e-6)
+        return mix_experts(x, index, weight * self.scaling, self.experts)
 
 
 class Lfm2Attention(QKVAttention):
@@ -115,7 +145,8 @@ class Lfm2DecoderLayer(nn.Module):
             self.conv = Lfm2ShortConv(hidden, int(config.get("conv_L_cache", 3)), bias=bool(config.get("conv_bias")))
         else:
             self.self_attn = Lfm2Attention(config, layer, eps=eps)
-        self.feed_forward = Lfm2MLP(hidden, _ff_width(config))
+        sparse = config.get("model_type") == "lfm2_moe" and layer >= int(config.get("num_dense_layers", 2))
+        self.feed_forward: nn.Module = Lfm2MoE(config, hidden) if sparse else Lfm2MLP(hidden, _ff_width(config))
         self.operator_norm = RMSNorm(hidden, eps=eps)
         self.ffn_norm = RMSNorm(hidden, eps=eps)
 
@@ -142,3 +173,9 @@ class Lfm2ForCausalLM(DecoderForCausalLM):
         model = DecoderModel(config, layers, norm=RMSNorm(hidden, eps=eps), norm_name="embedding_norm")
         super().__init__(config, model=model, layer_types=layer_types, ropes=dict.fromkeys(layer_types, rope),
                          tied=bool(config.get("tie_word_embeddings", True)))
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    """LFM2-MoE: LFM2 whose feed-forwards from `num_dense_layers` on are sigmoid-routed experts."""
+
+    architectures = ("Lfm2MoeForCausalLM",)

@@ -15,7 +15,7 @@ from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
 from hybridkv.engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from hybridkv.engine.models.jamba import JambaForCausalLM
 from hybridkv.engine.models.kimi_linear import KimiLinearForCausalLM
-from hybridkv.engine.models.lfm2 import Lfm2ForCausalLM
+from hybridkv.engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.llama_like import LlamaLikeForCausalLM
 from hybridkv.engine.models.nemotron_h import NemotronHForCausalLM
@@ -28,7 +28,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
     DeepseekForCausalLM,
     BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, FalconH1ForCausalLM, JambaForCausalLM,
-    Lfm2ForCausalLM, KimiLinearForCausalLM,
+    Lfm2ForCausalLM, Lfm2MoeForCausalLM, KimiLinearForCausalLM,
 )
 _BY_ARCHITECTURE: dict[str, type[CausalLM]] = {arch: cls for cls in MODEL_CLASSES for arch in cls.architectures}
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
@@ -42,6 +42,7 @@ _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
     "glm_moe_dsa": DeepseekForCausalLM,
     "bamba": BambaForCausalLM, "granitemoehybrid": GraniteMoeHybridForCausalLM, "nemotron_h": NemotronHForCausalLM,
     "falcon_h1": FalconH1ForCausalLM, "jamba": JambaForCausalLM, "lfm2": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2MoeForCausalLM,
     "kimi_linear": KimiLinearForCausalLM,
 }
 
