@@ -134,3 +134,13 @@ def test_mamba_hybrids_place_attention_where_published() -> None:
     nemotron = _entry("nemotron-nano-9b-v2").config
     assert nemotron["hybrid_override_pattern"].count("*") == 4
     assert nemotron["hybrid_override_pattern"].count("M") == 27
+
+
+def test_lfm2_has_six_attention_layers_and_ten_short_conv_states() -> None:
+    from hybridkv.plan.model_specs import model_spec_from_config
+    from hybridkv.plan.specs import MambaSpec
+
+    spec = model_spec_from_config(_entry("lfm2-1.2b").config, name="lfm2")
+    states = [i for i, layer in enumerate(spec.layers) if isinstance(layer, MambaSpec)]
+    assert states == [0, 1, 3, 4, 6, 7, 9, 11, 13, 15]
+    assert {layer.shapes for layer in spec.layers if isinstance(layer, MambaSpec)} == {((2, 2048),)}

@@ -65,6 +65,8 @@ def plan_command(
         "--mamba-cache-mode", help="state checkpoints: align (where a step ends on a block boundary) or all "
                                    "(every boundary: more state blocks per request)")] = MambaCacheMode.ALIGN,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
+    list_types: Annotated[bool, typer.Option(
+        "--list-types", help="show every config.json model_type plan reads, by family, and exit")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option(
         "--plot", help="write a picture (.png, .svg, .pdf) of capacity vs context length")] = None,
@@ -80,6 +82,11 @@ def plan_command(
     from hybridkv.cli import plan_report
 
     console = stdout_console()
+    if list_types:
+        if models or list_catalog:
+            raise usage_error("--list-types shows every supported model_type and takes no MODEL and no --list")
+        _print_model_types(console, json_output=json_output)
+        return
     if list_catalog:
         if models:
             raise usage_error(f"--list shows the whole catalog and takes no MODEL, got {' '.join(models)}; "
@@ -137,6 +144,21 @@ def plan_command(
         typer.echo(f"note: the budget holds no request of max_model_len tokens for {', '.join(short)} "
                    f"(exit status {NO_REQUEST_EXIT_CODE})", err=True)
         raise typer.Exit(code=NO_REQUEST_EXIT_CODE)
+
+
+def _print_model_types(console: Console, *, json_output: bool) -> None:
+    """`plan --list-types`: the model types plan reads, one family per paragraph (or JSON: family -> types)."""
+    from hybridkv.plan.model_specs import model_type_families
+
+    families = model_type_families()
+    if json_output:
+        print(json.dumps(families, indent=2))
+        return
+    total = sum(len(types) for types in families.values())
+    console.print(f"{total} model types (config.json `model_type`), by what their layers cache:", soft_wrap=True)
+    for family, types in families.items():
+        console.print(f"\n{family} ({len(types)})", soft_wrap=True, markup=False, highlight=False)
+        console.print("  " + ", ".join(types), markup=False, highlight=False)
 
 
 def _check_plot_path(plot: Path) -> None:

@@ -37,6 +37,8 @@ from hybridkv.plan.specs import (
     IndexerSpec,
     LayerSpec,
     MambaCacheMode,
+    MambaSpec,
+    MambaType,
     MLASpec,
     ModelSpec,
     SpecKind,
@@ -217,9 +219,16 @@ def layer_names(spec: ModelSpec) -> dict[int, str]:
     return names
 
 
+# state kinds beyond Mamba / Gated DeltaNet, named in the layer-type table (all hit by the Mamba rules)
+_STATE_LABELS = {MambaType.SHORT_CONV: "short conv", MambaType.KDA: "KDA", MambaType.LIGHTNING: "lightning",
+                 MambaType.RG_LRU: "RG-LRU"}
+
+
 def _kind_label(layer_spec: LayerSpec) -> str:
     if isinstance(layer_spec, MLASpec | IndexerSpec | CompressedMLASpec):
         return f"{layer_spec.kind.value} ({cache_name(layer_spec)})"
+    if isinstance(layer_spec, MambaSpec) and layer_spec.mamba_type in _STATE_LABELS:
+        return f"{layer_spec.kind.value} ({_STATE_LABELS[layer_spec.mamba_type]})"
     return layer_spec.kind.value
 
 

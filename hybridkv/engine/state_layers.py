@@ -63,7 +63,7 @@ from hybridkv.engine import kernels
 from hybridkv.engine.threads import kernel_threads
 from hybridkv.errors import ConfigError
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.plan.specs import MambaSpec, SpecKind
+from hybridkv.plan.specs import MambaSpec, MambaType, SpecKind
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +71,7 @@ class StateCache:
     """One state layer's views over the page bytes of its tensor (block b = page b)."""
 
     conv: torch.Tensor  # [num_blocks, K-1, C]
-    recurrent: torch.Tensor  # [num_blocks, *shape]
+    recurrent: torch.Tensor  # [num_blocks, *shape] ([num_blocks, 0, C] for a short convolution: none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,9 +120,10 @@ def _torch_dtype(name: str, layer: int) -> torch.dtype:
 def state_view(buffer: torch.Tensor, *, spec: MambaSpec, num_blocks: int, page_bytes: int,
                layer: int) -> StateCache:
     """The state tensors of `spec` over `buffer` (one KV cache tensor: num_blocks pages of page_bytes)."""
-    if len(spec.shapes) != 2:
-        raise ConfigError(f"layer {layer}: a state layer needs a conv and a recurrent state, got "
-                          f"{len(spec.shapes)} state tensors")
+    conv_only = spec.mamba_type is MambaType.SHORT_CONV
+    if len(spec.shapes) != (1 if conv_only else 2):
+        raise ConfigError(f"layer {layer}: a {spec.mamba_type.value} state layer needs a conv state"
+                          f"{'' if conv_only else ' and a recurrent state'}, got {len(spec.shapes)} state tensors")
     if spec.state_bytes > page_bytes:
         raise ConfigError(f"layer {layer}: state of {spec.state_bytes} bytes exceeds the page of {page_bytes} bytes")
     views: list[torch.Tensor] = []
@@ -137,7 +138,8 @@ def state_view(buffer: torch.Tensor, *, spec: MambaSpec, num_blocks: int, page_b
         inner = torch.empty(shape).stride()
         views.append(typed.as_strided((num_blocks, *shape), (page_bytes // itemsize, *inner), offset // itemsize))
         offset += math.prod(shape) * itemsize
-    return StateCache(conv=views[0], recurrent=views[1])
+    # a short convolution (LFM2) keeps no recurrent state: an empty view
+    return StateCache(conv=views[0], recurrent=views[1] if len(views) > 1 else views[0][:, :0])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

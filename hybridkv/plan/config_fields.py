@@ -96,6 +96,10 @@ class ConfigReader:
         self._parent: Mapping[str, Any] = parent if parent is not None else {}
         self.model_type = model_type
 
+    def with_fields(self, fields: Mapping[str, Any]) -> ConfigReader:
+        """This config with `fields` set over its own (a family's own spelling turned into the standard one)."""
+        return ConfigReader({**self._data, **fields}, model_type=self.model_type, parent=self._parent)
+
     def error(self, message: str) -> ConfigError:
         """A ConfigError prefixed with the model type."""
         return ConfigError(f"{self.model_type} config: {message}")
@@ -236,6 +240,16 @@ def derived_head_dim(cfg: ConfigReader) -> int:
     return hidden // heads
 
 
+def check_kv_heads(cfg: ConfigReader, *, kv_heads: int, heads: int, fields: tuple[str, str]) -> None:
+    """Grouped-query attention as the model builds it: every KV head serves a whole group of query heads,
+    so the KV head count must divide the query head count (transformers' attention reshapes fail otherwise)."""
+    if kv_heads > heads or heads % kv_heads:
+        kv_field, heads_field = fields
+        raise cfg.error(f"{kv_field} = {kv_heads} must divide {heads_field} = {heads} (each KV head serves a "
+                        f"whole group of query heads); expected a divisor of {heads}, e.g. "
+                        f"{max(d for d in range(1, min(kv_heads, heads) + 1) if heads % d == 0)}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FamilyLayers:
     """A family reader's answer: one spec (or None) per decoder layer, plus sharing and second caches.
@@ -265,8 +279,11 @@ class SpecContext:
         return self.cfg.require_int("num_hidden_layers")
 
     def kv_heads(self, default_key: str = "num_attention_heads") -> int:
-        """`num_key_value_heads`, defaulting to `default_key` as transformers does."""
-        return self.cfg.get_int("num_key_value_heads", default=self.cfg.require_int(default_key))
+        """`num_key_value_heads`, defaulting to `default_key` as transformers does; checked against it."""
+        heads = self.cfg.require_int(default_key)
+        kv_heads = self.cfg.get_int("num_key_value_heads", default=heads)
+        check_kv_heads(self.cfg, kv_heads=kv_heads, heads=heads, fields=("num_key_value_heads", default_key))
+        return kv_heads
 
     def head_dim(self) -> int:
         """`head_dim` when set, else `hidden_size // num_attention_heads`."""
@@ -293,7 +310,7 @@ class SpecContext:
         return value // tp
 
     def attention(self, role: LayerRole, *, kv_heads: int, head_dim: int, window_tokens: int | None = None,
-                  chunk_tokens: int | None = None) -> AttentionSpec:
+                  chunk_tokens: int | None = None, value_head_dim: int = 0) -> AttentionSpec:
         """The attention spec of one layer under the options (TP head split, fp8 KV)."""
         tp = self.options.tp_size
         heads = self.cfg.optional_int("num_attention_heads")
@@ -308,17 +325,18 @@ class SpecContext:
         dtype = "fp8" if self.options.kv_cache_dtype is KVCacheDType.FP8 else self.dtype
         per_rank = max(1, kv_heads // tp)
         if role is LayerRole.FULL:
-            return AttentionSpec(kind=SpecKind.FULL, num_kv_heads=per_rank, head_dim=head_dim, dtype=dtype)
+            return AttentionSpec(kind=SpecKind.FULL, num_kv_heads=per_rank, head_dim=head_dim, dtype=dtype,
+                                 value_head_dim=value_head_dim)
         if role is LayerRole.SLIDING:
             if window_tokens is None:
                 raise self.cfg.error("a sliding_attention layer needs 'sliding_window', which is missing or null")
             return AttentionSpec(kind=SpecKind.SLIDING_WINDOW, num_kv_heads=per_rank, head_dim=head_dim,
-                                 dtype=dtype, window_tokens=window_tokens)
+                                 dtype=dtype, window_tokens=window_tokens, value_head_dim=value_head_dim)
         if role is LayerRole.CHUNKED:
             if chunk_tokens is None:
                 raise self.cfg.error("a chunked_attention layer needs 'attention_chunk_size', which is missing or null")
             return AttentionSpec(kind=SpecKind.CHUNKED_LOCAL, num_kv_heads=per_rank, head_dim=head_dim,
-                                 dtype=dtype, chunk_tokens=chunk_tokens)
+                                 dtype=dtype, chunk_tokens=chunk_tokens, value_head_dim=value_head_dim)
         raise AssertionError(f"not an attention role: {role}")
 
     def attention_stack(self, roles: Sequence[LayerRole], *, kv_heads: int, head_dim: int,

@@ -103,6 +103,14 @@ def read_deepseek_mla(ctx: SpecContext) -> FamilyLayers:
                         kernel_block_size=SPARSE_MLA_BLOCK_SIZE, kernel_backend=SPARSE_MLA_BACKEND)
 
 
+def read_longcat(ctx: SpecContext) -> FamilyLayers:
+    """LongCat-Flash: two MLA attentions per decoder layer (vLLM's `self_attn[0]` and `self_attn[1]`),
+    the second in an extra cache slot of the same layer."""
+    one = read_deepseek_mla(ctx)
+    return FamilyLayers(layers=one.layers,
+                        second_caches=tuple((i, spec) for i, spec in enumerate(one.layers) if spec is not None))
+
+
 def minimax_sparse_layers(ctx: SpecContext) -> list[bool]:
     """MiniMax-M3 layers with an indexer: `layer_types[i] == "minimax_m3_sparse"` (transformers' saved
     form), else `sparse_attention_config.sparse_attention_freq[i] != 0` (the Hub form; none when absent,

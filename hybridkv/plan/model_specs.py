@@ -37,6 +37,17 @@ from hybridkv.plan.config_fields import (
     normalize_dtype,
     pattern_roles,
 )
+from hybridkv.plan.generic_specs import FIELD_ALIASES, FIELD_DEFAULTS, GENERIC_FAMILIES
+from hybridkv.plan.linear_state_specs import (
+    read_kimi_linear,
+    read_lfm2,
+    read_mamba,
+    read_mamba2,
+    read_minimax,
+    read_olmo_hybrid,
+    read_qwen4_exp,
+    read_recurrent_gemma,
+)
 from hybridkv.plan.mla_specs import (
     DSV4_BACKEND,
     SPARSE_MLA_BACKEND,
@@ -53,11 +64,12 @@ from hybridkv.plan.state_specs import (
     read_granitemoehybrid,
     read_jamba,
     read_nemotron_h,
+    read_zamba,
     read_zamba2,
 )
 
 __all__ = ["IndexerFormat", "KVCacheDType", "SpecOptions", "load_config", "model_spec_from_config",
-           "supported_model_types"]
+           "model_type_families", "supported_model_types"]
 
 FamilyReader = Callable[[SpecContext], FamilyLayers]
 HeadDimRule = Callable[[SpecContext], int]
@@ -71,7 +83,8 @@ _GEMMA3N_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "sliding_window": 512, "num_kv_shared_layers": 15, "max_position_embeddings": 32_768,
 })
 # Families whose missing fields take their transformers config class default instead of being an error.
-_FIELD_DEFAULTS: dict[str, Mapping[str, Any]] = {"gemma3n": _GEMMA3N_DEFAULTS, "gemma3n_text": _GEMMA3N_DEFAULTS}
+_FIELD_DEFAULTS: dict[str, Mapping[str, Any]] = {"gemma3n": _GEMMA3N_DEFAULTS, "gemma3n_text": _GEMMA3N_DEFAULTS,
+                                                 **FIELD_DEFAULTS}
 
 
 def _declared_head_dim(ctx: SpecContext) -> int:
@@ -255,6 +268,7 @@ _REGISTRY: dict[str, FamilyReader] = {
     "falcon_h1": read_falcon_h1,
     "nemotron_h": read_nemotron_h,
     "zamba2": read_zamba2,
+    "zamba": read_zamba,
     "deepseek_v2": read_deepseek_mla,
     "deepseek_v3": read_deepseek_mla,
     "kimi_k2": read_deepseek_mla,
@@ -263,12 +277,45 @@ _REGISTRY: dict[str, FamilyReader] = {
     "deepseek_v4": read_deepseek_v4,
     "minimax_m3_vl": read_minimax_m3,
     "minimax_m3_vl_text": read_minimax_m3,
+    "qwen2_moe": _qwen_reader(SpecContext.head_dim),
+    "qwen3_moe": _qwen_reader(SpecContext.head_dim),
+    **GENERIC_FAMILIES,
+    "lfm2": read_lfm2,
+    "lfm2_moe": read_lfm2,
+    "kimi_linear": read_kimi_linear,
+    "mamba": read_mamba,
+    "falcon_mamba": read_mamba,
+    "mamba2": read_mamba2,
+    "olmo_hybrid": read_olmo_hybrid,
+    "qwen4_exp": read_qwen4_exp,
+    "minimax": read_minimax,
+    "recurrent_gemma": read_recurrent_gemma,
+    "qwen4_exp_text": read_qwen4_exp,
 }
 
 
 def supported_model_types() -> list[str]:
     """Every `model_type` that `model_spec_from_config` reads, sorted."""
     return sorted(_REGISTRY)
+
+
+_PURE_STATE = {read_mamba, read_mamba2}
+_FAMILY_OF_MODULE = {
+    "hybridkv.plan.model_specs": "attention: full, sliding window, chunked local",
+    "hybridkv.plan.generic_specs": "attention: full, sliding window, chunked local",
+    "hybridkv.plan.mla_specs": "latent (MLA) and sparse attention",
+    "hybridkv.plan.state_specs": "state hybrids: Mamba, Gated DeltaNet, KDA, short convolution + attention",
+    "hybridkv.plan.linear_state_specs": "state hybrids: Mamba, Gated DeltaNet, KDA, short convolution + attention",
+}
+
+
+def model_type_families() -> dict[str, list[str]]:
+    """Every supported `model_type` by family (what its layers cache), families and types sorted."""
+    families: dict[str, list[str]] = {}
+    for model_type, reader in _REGISTRY.items():
+        family = "pure state: Mamba" if reader in _PURE_STATE else _FAMILY_OF_MODULE[reader.__module__]
+        families.setdefault(family, []).append(model_type)
+    return {family: sorted(types) for family, types in sorted(families.items())}
 
 
 def _context(config: Mapping[str, Any], model_type: str, options: SpecOptions) -> SpecContext:
@@ -279,6 +326,10 @@ def _context(config: Mapping[str, Any], model_type: str, options: SpecOptions) -
     defaults = _FIELD_DEFAULTS.get(model_type)
     if defaults:
         data = {**defaults, **{key: value for key, value in data.items() if value is not None}}
+    aliases = FIELD_ALIASES.get(model_type, {})
+    renamed = {new: data[old] for old, new in aliases.items() if data.get(old) is not None and data.get(new) is None}
+    if renamed:
+        data = {**data, **renamed}
     cfg = ConfigReader(data, model_type=model_type, parent=config if text else None)
     if options.dtype is not None:
         dtype = normalize_dtype(options.dtype, what="SpecOptions.dtype")
@@ -286,6 +337,21 @@ def _context(config: Mapping[str, Any], model_type: str, options: SpecOptions) -
         declared = cfg.inherited("dtype", "torch_dtype")
         dtype = DEFAULT_DTYPE if declared is None else normalize_dtype(declared, what=f"{model_type} config: dtype")
     return SpecContext(cfg=cfg, options=options, dtype=dtype)
+
+
+# vLLM's keys for a model's length, the smallest found wins; `model_max_length` overrides them all
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def _max_length(cfg: ConfigReader) -> int:
+    """The model's length limit read as vLLM reads it (`model_arch_config_convertor`), or a ConfigError."""
+    if cfg.inherited("model_max_length") is not None:
+        return cfg.require_inherited_int("model_max_length")
+    found = [cfg.require_inherited_int(key) for key in _LENGTH_KEYS if cfg.inherited(key) is not None]
+    if not found:
+        return cfg.require_inherited_int("max_position_embeddings")  # the error names the usual field
+    return min(found)
 
 
 def model_spec_from_config(
@@ -318,7 +384,7 @@ def model_spec_from_config(
         dtype=ctx.dtype,
         layers=family.layers + tuple(spec for _, spec in family.second_caches),
         kv_shared_from=dict(family.kv_shared_from),
-        max_position_embeddings=ctx.cfg.require_inherited_int("max_position_embeddings"),
+        max_position_embeddings=_max_length(ctx.cfg),
         decoder_layer_of={num_decoder_layers + k: layer for k, (layer, _) in enumerate(family.second_caches)},
         kernel_block_size=family.kernel_block_size,
         kernel_backend=family.kernel_backend,

@@ -65,6 +65,9 @@ def group_layers(buckets: list[list[int]]) -> tuple[int, list[list[int]]]:
     return group_size, groups
 
 
+MLA_STATE_ALIGNMENT = 128
+
+
 def mamba_block_size(*, state_bytes: int, attn_bytes_per_token: int, alignment: int) -> int:
     """Attention block size that makes one attention page hold a whole Mamba state.
 
@@ -81,8 +84,12 @@ def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerO
     if mamba and attention:
         per_token = max(s.bytes_per_token for s in attention)
         state = max(s.state_bytes for s in mamba)
-        base = max(base, mamba_block_size(state_bytes=state, attn_bytes_per_token=per_token,
-                                          alignment=options.mamba_alignment))
+        # vLLM's `_align_hybrid_block_size`: a multiple of the kernel block and of the asked block size;
+        # MLA decode kernels want 128-token multiples next to a state (Kimi-Linear)
+        alignment = max(options.mamba_alignment, base)
+        if any(isinstance(s, MLASpec) for s in attention):
+            alignment = max(alignment, MLA_STATE_ALIGNMENT)
+        base = max(base, mamba_block_size(state_bytes=state, attn_bytes_per_token=per_token, alignment=alignment))
     pages = [s.page_size_bytes(base) for s in specs]
     page = max(pages)
     sizes: list[int] = []
@@ -268,8 +275,7 @@ def effective_request(model: ModelSpec, options: PlannerOptions) -> tuple[ModelS
         if not isinstance(spec, AttentionSpec) or spec.kind not in (SpecKind.SLIDING_WINDOW, SpecKind.CHUNKED_LOCAL):
             continue
         if max(spec.window_tokens, spec.chunk_tokens) >= options.max_model_len:
-            layers[i] = AttentionSpec(kind=SpecKind.FULL, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                                      dtype=spec.dtype)
+            layers[i] = dataclasses.replace(spec, kind=SpecKind.FULL, window_tokens=0, chunk_tokens=0)
             promoted += 1
     if promoted:
         notes.append(f"{promoted} sliding-window/chunked layers reach at least max_model_len "

@@ -61,11 +61,16 @@ class MambaCacheMode(Enum):
 
 
 class MambaType(Enum):
-    """Which recurrent layer a Mamba-style state belongs to (their state shapes differ)."""
+    """Which recurrent layer a Mamba-style state belongs to (their state shapes differ; all are hit and
+    checkpointed by the same rules, as vLLM keeps them all in its MambaSpec)."""
 
     MAMBA1 = "mamba1"
     MAMBA2 = "mamba2"
     GATED_DELTANET = "gated_deltanet"
+    SHORT_CONV = "short_conv"  # LFM2: a convolution state only
+    KDA = "kda"  # Kimi Delta Attention (Kimi-Linear)
+    LIGHTNING = "lightning"  # MiniMax-Text-01's lightning attention: one (H, D, D) state, no conv
+    RG_LRU = "rg_lru"  # RecurrentGemma's real-gated linear recurrence: conv + a (width,) state
 
 
 def _positive(name: str, value: int) -> None:
@@ -80,6 +85,8 @@ class AttentionSpec:
     `window_tokens` (sliding only): a query attends to the last `window_tokens` positions
     including itself, so `window_tokens - 1` earlier tokens must stay cached.
     `chunk_tokens` (chunked local only): a query attends to the positions of its own chunk.
+    `value_head_dim`: the V head size where it differs from the K head size `head_dim` (MiMo-V2-Flash:
+    K 192, V 128; vLLM's `head_size_v`); 0 means equal.
     """
 
     kind: SpecKind
@@ -88,12 +95,15 @@ class AttentionSpec:
     dtype: str
     window_tokens: int = 0
     chunk_tokens: int = 0
+    value_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.kind is SpecKind.MAMBA:
             raise ConfigError("AttentionSpec cannot have kind mamba; use MambaSpec")
         _positive("num_kv_heads", self.num_kv_heads)
         _positive("head_dim", self.head_dim)
+        if self.value_head_dim < 0:
+            raise ConfigError(f"value_head_dim must be 0 (same as head_dim) or positive, got {self.value_head_dim}")
         dtype_bytes(self.dtype)
         if self.kind is SpecKind.SLIDING_WINDOW:
             _positive("window_tokens of a sliding-window layer", self.window_tokens)
@@ -111,7 +121,7 @@ class AttentionSpec:
     @property
     def bytes_per_token(self) -> int:
         """K and V bytes of one token in this layer."""
-        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        return self.num_kv_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * dtype_bytes(self.dtype)
 
     def page_size_bytes(self, block_size: int) -> int:
         """Bytes of one block of this layer."""

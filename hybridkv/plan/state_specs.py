@@ -85,6 +85,16 @@ def _assemble(roles: list[LayerRole], *, attention: LayerSpec | None, state: Lay
     return FamilyLayers(layers=tuple(layers), second_caches=tuple(second))
 
 
+def read_gated_deltanet_state(ctx: SpecContext) -> MambaSpec:
+    """The Gated DeltaNet state of the `linear_*` fields (Qwen3-Next, Qwen3.5, Qwen4-Exp)."""
+    cfg = ctx.cfg
+    return gated_deltanet_state(
+        ctx, k_heads=cfg.require_int("linear_num_key_heads"), v_heads=cfg.require_int("linear_num_value_heads"),
+        k_dim=cfg.require_int("linear_key_head_dim"), v_dim=cfg.require_int("linear_value_head_dim"),
+        conv_kernel=cfg.get_int("linear_conv_kernel_dim", default=4, minimum=2),
+    )
+
+
 def read_gated_deltanet_hybrid(ctx: SpecContext) -> FamilyLayers:
     """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet layers with full attention every k-th layer."""
     cfg, n = ctx.cfg, ctx.num_layers
@@ -92,11 +102,7 @@ def read_gated_deltanet_hybrid(ctx: SpecContext) -> FamilyLayers:
     if roles is None:
         period = cfg.get_int("full_attention_interval", default=4)
         roles = pattern_roles(n, period=period, sparse=_FULL, dense=_STATE)
-    state = gated_deltanet_state(
-        ctx, k_heads=cfg.require_int("linear_num_key_heads"), v_heads=cfg.require_int("linear_num_value_heads"),
-        k_dim=cfg.require_int("linear_key_head_dim"), v_dim=cfg.require_int("linear_value_head_dim"),
-        conv_kernel=cfg.get_int("linear_conv_kernel_dim", default=4, minimum=2),
-    )
+    state = read_gated_deltanet_state(ctx)
     attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=cfg.require_int("head_dim"))
     return _assemble(roles, attention=attention, state=state)
 
@@ -222,3 +228,38 @@ def read_zamba2(ctx: SpecContext) -> FamilyLayers:
     head_dim = cfg.get_int("attention_head_dim", default=2 * hidden // cfg.require_int("num_attention_heads"))
     attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=head_dim)
     return _assemble(roles, attention=attention, state=state)
+
+
+def _zamba_roles(ctx: SpecContext) -> list[LayerRole]:
+    """`layers_block_type`, else transformers' ZambaConfig rule: mamba, mamba, hybrid, then hybrid where
+    `(i - 3) % attn_layer_period == attn_layer_offset`."""
+    cfg, n = ctx.cfg, ctx.num_layers
+    roles = layer_roles(cfg, "layers_block_type", allowed={_STATE, _HYBRID}, num_layers=n)
+    if roles is not None:
+        return roles
+    period = cfg.get_int("attn_layer_period", default=6)
+    offset = cfg.get_int("attn_layer_offset", default=4, minimum=0)
+    rest = [_HYBRID if i % period == offset else _STATE for i in range(max(n - 3, 0))]
+    return [_STATE, _STATE, _HYBRID, *rest][:n]
+
+
+def read_zamba(ctx: SpecContext) -> FamilyLayers:
+    """Zamba (Zamba1): multi-head Mamba layers; "hybrid" layers add the shared attention block's own KV cache.
+
+    The Mamba state keeps conv (d_conv - 1, I) and recurrent (n_mamba_heads, I / n_mamba_heads, d_state), as
+    transformers' cache does (I = mamba_expand * hidden_size); the attention reads 2 * hidden_size channels
+    (`attention_head_dim`, default 2 * hidden_size / num_attention_heads)."""
+    cfg = ctx.cfg
+    hidden, heads = cfg.require_int("hidden_size"), cfg.get_int("n_mamba_heads", default=2)
+    intermediate = ctx.split("mamba intermediate size", cfg.get_int("mamba_expand", default=2) * hidden)
+    if intermediate % heads:
+        raise cfg.error(f"mamba_expand * hidden_size = {intermediate} must be divisible by n_mamba_heads = {heads}")
+    state = MambaSpec(
+        mamba_type=MambaType.MAMBA1,
+        shapes=((_conv_columns(ctx, cfg.get_int("mamba_d_conv", default=4, minimum=2)), intermediate),
+                (ctx.split("n_mamba_heads", heads), intermediate // heads, cfg.get_int("mamba_d_state", default=16))),
+        dtypes=(ctx.dtype, ctx.ssm_dtype()),
+    )
+    head_dim = cfg.get_int("attention_head_dim", default=2 * hidden // cfg.require_int("num_attention_heads"))
+    attention = ctx.attention(_FULL, kv_heads=ctx.kv_heads(), head_dim=head_dim)
+    return _assemble(_zamba_roles(ctx), attention=attention, state=state)

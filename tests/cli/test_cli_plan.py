@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,26 @@ def test_the_state_dtype_override_sets_the_unified_block_size(tmp_path: Path) ->
         assert report["vllm"]["unified_block_size"] == n and report["vllm"]["server_flags"] == ["--chunk-size", str(n)]
     result = runner.invoke(app, ["plan", str(path), "--mamba-ssm-cache-dtype", "float33"])
     assert result.exit_code != 0 and "float33" in result.output and "--mamba-ssm-cache-dtype" in result.output
+
+
+def test_list_types_names_every_supported_type_once() -> None:
+    from hybridkv.plan.model_specs import supported_model_types
+
+    families = json.loads(runner.invoke(app, ["plan", "--list-types", "--json"]).output)
+    listed = [t for types in families.values() for t in types]
+    assert sorted(listed) == supported_model_types() and len(listed) == len(set(listed))
+    assert "lfm2" in families["state hybrids: Mamba, Gated DeltaNet, KDA, short convolution + attention"]
+    assert families["pure state: Mamba"] == ["falcon_mamba", "mamba", "mamba2"]
+    text = runner.invoke(app, ["plan", "--list-types"])
+    assert text.exit_code == 0 and f"{len(listed)} model types" in text.output and "olmo3" in text.output
+    refused = runner.invoke(app, ["plan", "--list-types", "llama"])
+    assert refused.exit_code == 2
+    assert "--list-types shows every supported model_type and takes no MODEL" in refused.output
+
+
+def test_layer_types_name_the_new_state_kinds() -> None:
+    """LFM2-1.2B: 10 short-convolution layers and 6 attention layers, named as such in the layer-type table."""
+    result = runner.invoke(app, ["plan", "lfm2-1.2b", "--memory-gib", "1"])
+    assert result.exit_code == 0, result.output
+    table = result.output.split("KV cache groups")[0]
+    assert re.search(r"mamba \(short conv\)\s+10\s", table) and re.search(r"\bfull\s+6\s", table), table

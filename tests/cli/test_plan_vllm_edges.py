@@ -73,7 +73,7 @@ def test_docs_list_the_supported_and_refused_model_types(tmp_path: Path) -> None
     section = doc.split("## Model types", 1)[1].split("\n## ", 1)[0]
     supported, refused = section.split("Every other `model_type` is refused", 1)
     listed = supported.split("Supported:", 1)[1].split("(`hybridkv.plan", 1)[0]
-    assert re.findall(r"`([a-z0-9_]+)`", listed) == supported_model_types()
+    assert re.findall(r"`([a-z0-9_-]+)`", listed) == supported_model_types()
     named = re.findall(r"`([a-z0-9_]+)`", refused)
     assert len(named) >= 15
     for model_type in named:

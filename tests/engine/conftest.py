@@ -46,6 +46,9 @@ def _config(kind: str) -> Any:
             floor_scale=8, attn_scale=0.5, architectures=["Llama4ForCausalLM"])
     if kind == "mistral":
         return transformers.MistralConfig(**COMMON, sliding_window=WINDOW, architectures=["MistralForCausalLM"])
+    if kind == "smollm3":  # layer_types: the NoPE layers (1 and 3) slide, the rope layers are full
+        return transformers.SmolLM3Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                          no_rope_layer_interval=2, architectures=["SmolLM3ForCausalLM"])
     return _state_config(kind)
 
 
@@ -69,14 +72,31 @@ def _state_config(kind: str) -> Any:
     if kind == "qwen3_next":
         return transformers.Qwen3NextConfig(**COMMON, **GATED_DELTANET, **MOE, mlp_only_layers=[1],
                                             architectures=["Qwen3NextForCausalLM"])
+    if kind == "lfm2":  # short convolutions (kernel 3) with attention at layers 1 and 3
+        return transformers.Lfm2Config(**COMMON, conv_L_cache=3, layer_types=["conv", "full_attention"] * 2,
+                                       norm_eps=1e-5, architectures=["Lfm2ForCausalLM"])
+    if kind == "lfm2_moe":  # LFM2 with sigmoid-routed experts (expert bias) from layer 1 on
+        dense = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+        return transformers.Lfm2MoeConfig(**dense, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                          num_experts_per_tok=2, num_dense_layers=1, routed_scaling_factor=1.5,
+                                          conv_L_cache=3, layer_types=["conv", "full_attention"] * 2, norm_eps=1e-5,
+                                          architectures=["Lfm2MoeForCausalLM"])
+    if kind == "kimi_linear":  # KDA at layers 0, 1, 3; MLA (no rope) at layer 2; MoE at layers 1 and 3
+        mla = dict(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        return transformers.KimiLinearConfig(
+            **{**COMMON, "num_key_value_heads": 4}, **mla, linear_num_heads=4, linear_head_dim=16,
+            linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "dense", "sparse"], num_local_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            architectures=["KimiLinearForCausalLM"])
     if kind == "qwen3_5_vl":
         return transformers.Qwen3_5Config(text_config={**COMMON, **GATED_DELTANET}, vision_config=TINY_VISION,
                                           architectures=["Qwen3_5ForConditionalGeneration"])
     raise ValueError(kind)
 
 
-ARCHITECTURES = ("gemma3", "gpt_oss", "llama4", "mistral")
-STATE_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl")
+ARCHITECTURES = ("gemma3", "gpt_oss", "llama4", "mistral", "smollm3")
+STATE_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl", "lfm2", "lfm2_moe", "kimi_linear")
 
 
 def _hf_class(config: Any) -> Any:
@@ -108,6 +128,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
             cls = _hf_class(config)
             model = (cls(config) if cls is not transformers.AutoModelForCausalLM
                      else cls.from_config(config)).float().eval()
+            for name, buffer in model.named_buffers():  # LFM2-MoE's expert bias starts at 0: make it choose
+                if name.endswith("expert_bias"):
+                    buffer.copy_(torch.randn(buffer.shape))
             path = tmp_path_factory.mktemp(kind)
             model.save_pretrained(path)
             built[kind] = path

@@ -13,15 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 from hybridkv.kvcache.manager import PrefixCaching
-from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import SpecKind
 from tests.engine.conftest import hf_greedy, prompts
 from tests.engine.mamba_fixtures import mamba_dir, mamba_hf  # noqa: F401 (fixtures)
+from tests.engine.state_checks import assert_corrupted_restore_changes_outputs
 
 GREEDY = SamplingParams(max_tokens=8, eos=EosMode.IGNORE, logprobs=1)
 OPTIONS: dict[str, Any] = dict(max_model_len=256, max_num_batched_tokens=40, block_size=4, kv_cache_memory_gib=0.01)
@@ -63,26 +62,9 @@ def test_prefix_hit_restores_the_state_checkpoint(
 
 def test_corrupting_the_restored_state_changes_the_outputs(mamba_dir: Callable[[str], Path]) -> None:  # noqa: F811
     """Negative control: the comparison above fails when the restored Mamba2 state is wrong."""
-    path = mamba_dir("bamba")
     first, second = _shared_prefix(40)
-    cached = LLM(str(path), **OPTIONS)
-    cached.generate([first], GREEDY)
-    generator = torch.Generator().manual_seed(0)
-
-    def corrupt(group: KVCacheGroupSpec, blocks: list[int]) -> None:
-        for layer in group.layer_indices:
-            state = cached.runner.state_caches[layer]
-            assert state is not None
-            index = torch.tensor(blocks)
-            state.recurrent[index] = torch.randn(state.recurrent[index].shape, generator=generator)
-
-    cached.runner.states.restore_hook = corrupt
-    corrupted = cached.generate([second], GREEDY)[0]
-    assert corrupted.metrics.prefix_hit_tokens == 32
-    cold = LLM(str(path), prefix_caching=PrefixCaching.OFF, **OPTIONS).generate([second], GREEDY)[0]
-    (token, logprob), = corrupted.logprobs[0].items()
-    (cold_token, cold_logprob), = cold.logprobs[0].items()
-    assert corrupted.token_ids != cold.token_ids or token != cold_token or abs(logprob - cold_logprob) > 0.1
+    assert_corrupted_restore_changes_outputs(mamba_dir("bamba"), first, second, options=OPTIONS, params=GREEDY,
+                                             expected_hit=32)
 
 
 @pytest.mark.parametrize("mode", ["align", "all"])

@@ -42,7 +42,8 @@ def test_greedy_batch_with_chunked_prefill_matches_transformers(
                 assert abs(logprob - float(reference[step, token])) < TOLERANCE, (kind, step, token)
 
 
-@pytest.mark.parametrize(("kind", "field"), [("mistral", "sliding_window"), ("llama4", "attention_chunk_size")])
+@pytest.mark.parametrize(("kind", "field"), [("mistral", "sliding_window"), ("llama4", "attention_chunk_size"),
+                                           ("smollm3", "sliding_window")])
 def test_window_and_chunk_are_narrow_enough_to_matter(
     kind: str, field: str, model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

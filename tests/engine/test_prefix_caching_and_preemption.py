@@ -18,7 +18,7 @@ from tests.engine.conftest import WINDOW, hf_greedy, prompts
 GREEDY = SamplingParams(max_tokens=8, eos=EosMode.IGNORE)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss", "llama4", "smollm3"])
 def test_shared_prefix_hits_every_group_and_keeps_outputs(
     kind: str, model_dir: Callable[[str], Path], hf_model: Callable[[Path], Any]
 ) -> None:

@@ -1,5 +1,5 @@
-"""Recurrent-state models (Gated DeltaNet hybrids) on the paged cache: prefix hits restore exact
-states, the same-step rule, a negative control, preemption, and the planned memory.
+"""Recurrent-state models (Gated DeltaNet hybrids, LFM2's short convolutions) on the paged cache:
+prefix hits restore exact states, the same-step rule, a negative control, preemption, and the planned memory.
 
 The tiny Qwen3.5 has 16-token state blocks (the planner raises the block size so one attention
 page holds a state). With a 40-token budget the scheduler cuts prefill chunks on block
@@ -21,9 +21,9 @@ from hybridkv.engine import kernels
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
 from hybridkv.kvcache.manager import PrefixCaching
-from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import SpecKind
 from tests.engine.conftest import hf_greedy, prompts
+from tests.engine.state_checks import assert_corrupted_restore_changes_outputs
 
 GREEDY = SamplingParams(max_tokens=8, eos=EosMode.IGNORE, logprobs=1)
 OPTIONS: dict[str, Any] = dict(max_model_len=256, max_num_batched_tokens=40, block_size=4, kv_cache_memory_gib=0.01)
@@ -44,6 +44,9 @@ def _cold(path: Path, prompt: list[int]) -> Any:
     ("qwen3_next", "align", 64, 64),  # ends on a checkpoint
     ("qwen3_5", "all", 56, 48),  # all mode: any block boundary, also inside a step
     ("qwen3_5_moe", "all", 20, 16),
+    ("lfm2", "align", 40, 32),  # LFM2's short-conv state (no recurrent state)
+    ("lfm2", "all", 56, 48),
+    ("lfm2_moe", "align", 40, 32),
 ])
 def test_prefix_hit_restores_the_state_checkpoint(
     kind: str, mode: str, prefix: int, expected_hit: int, model_dir: Callable[[str], Path],
@@ -76,28 +79,13 @@ def test_the_plain_torch_scans_restore_the_same_checkpoints(
     assert hit.token_ids == hf_greedy(hf_model(path), second, 8)[0]
 
 
-def test_corrupting_the_restored_state_changes_the_outputs(model_dir: Callable[[str], Path]) -> None:
-    """Negative control: the comparison above fails when the restored state is wrong."""
-    path = model_dir("qwen3_5")
+@pytest.mark.parametrize("kind", ["qwen3_5", "lfm2"])
+def test_corrupting_the_restored_state_changes_the_outputs(kind: str, model_dir: Callable[[str], Path]) -> None:
+    """Negative control: the comparison above fails when the restored state is wrong (the recurrent state;
+    LFM2 has only its conv state)."""
     first, second = _shared_prefix(40)
-    cached = LLM(str(path), **OPTIONS)
-    cached.generate([first], GREEDY)
-    generator = torch.Generator().manual_seed(0)
-
-    def corrupt(group: KVCacheGroupSpec, blocks: list[int]) -> None:
-        for layer in group.layer_indices:
-            state = cached.runner.state_caches[layer]
-            assert state is not None
-            index = torch.tensor(blocks)
-            state.recurrent[index] = torch.randn(state.recurrent[index].shape, generator=generator)
-
-    cached.runner.states.restore_hook = corrupt
-    corrupted = cached.generate([second], GREEDY)[0]
-    assert corrupted.metrics.prefix_hit_tokens == 32
-    cold = _cold(path, second)
-    (token, logprob), = corrupted.logprobs[0].items()
-    (cold_token, cold_logprob), = cold.logprobs[0].items()
-    assert corrupted.token_ids != cold.token_ids or token != cold_token or abs(logprob - cold_logprob) > 0.1
+    assert_corrupted_restore_changes_outputs(model_dir(kind), first, second, options=OPTIONS, params=GREEDY,
+                                             expected_hit=32)
 
 
 @pytest.mark.parametrize("mode", ["align", "all"])

@@ -238,7 +238,8 @@ def test_tensor_parallel_and_fp8_attention() -> None:
     # More ranks than KV heads: each rank keeps one (replicated) head.
     assert attention(read(model_type="llama", options=SpecOptions(tp_size=16)), 0).num_kv_heads == 1
     with pytest.raises(ConfigError, match=r"num_key_value_heads = 6 is not divisible by the tensor-parallel size 4"):
-        read(model_type="llama", num_key_value_heads=6, options=SpecOptions(tp_size=4))
+        read(model_type="llama", num_attention_heads=24, num_key_value_heads=6, head_dim=128,
+             options=SpecOptions(tp_size=4))
 
 
 def test_tensor_parallel_must_split_heads_evenly_and_head_dim_must_be_whole() -> None:

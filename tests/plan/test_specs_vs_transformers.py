@@ -126,9 +126,14 @@ def _state_of(spec: ModelSpec, layer: int) -> LayerSpec | None:
 
 def test_every_supported_type_is_covered() -> None:
     from tests.plan.test_deepseek_v4_specs_vs_transformers import V4_ARCHITECTURES
+    from tests.plan.test_generic_specs_vs_transformers import ARCHITECTURES as GENERIC
+    from tests.plan.test_generic_specs_vs_transformers import MLA_TWICE, NOT_BUILT_BY_TRANSFORMERS
+    from tests.plan.test_linear_state_specs_vs_transformers import STATE_ARCHITECTURES
     from tests.plan.test_mla_specs_vs_transformers import MLA_ARCHITECTURES, MLA_WRAPPERS, NOT_IN_TRANSFORMERS
 
-    covered = [*ARCHITECTURES, *WRAPPERS, *MLA_ARCHITECTURES, *MLA_WRAPPERS, *NOT_IN_TRANSFORMERS, *V4_ARCHITECTURES]
+    covered = [*ARCHITECTURES, *WRAPPERS, *MLA_ARCHITECTURES, *MLA_WRAPPERS, *NOT_IN_TRANSFORMERS, *V4_ARCHITECTURES,
+               *GENERIC, *MLA_TWICE, *NOT_BUILT_BY_TRANSFORMERS, *STATE_ARCHITECTURES,
+               "minimax", "recurrent_gemma", "zamba"]
     assert sorted(covered) == supported_model_types()
 
 

@@ -107,8 +107,10 @@ class MLAttention(nn.Module):
     """Multi-head latent attention (HF names q_a_proj, q_a_layernorm, q_b_proj or q_proj,
     kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj), optionally with a DSA indexer."""
 
-    def __init__(self, config: Mapping[str, Any], layer: int, *, indexer: DSAIndexer | None) -> None:
+    def __init__(self, config: Mapping[str, Any], layer: int, *, indexer: DSAIndexer | None,
+                 rope: bool = True) -> None:
         super().__init__()
+        self.use_rope = rope  # Kimi-Linear's MLA keeps its rope channels unrotated
         hidden, bias = int(config["hidden_size"]), bool(config.get("attention_bias", False))
         self.layer, self.heads = layer, int(config["num_attention_heads"])
         self.rank, self.rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
@@ -140,10 +142,11 @@ class MLAttention(nn.Module):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid)
         q = q.view(t, self.heads, self.nope + self.rope)  # [T, H, nope + rope]
-        rotate = rotate_pairs if self.interleaved else rotate_halves
-        q = torch.cat([q[..., : self.nope], rotate(q[..., self.nope :], *cos_sin)], dim=-1)
         kv_nope, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        k_rope = rotate(k_rope[:, None, :], *cos_sin)[:, 0]  # [T, rope]
+        if self.use_rope:
+            rotate = rotate_pairs if self.interleaved else rotate_halves
+            q = torch.cat([q[..., : self.nope], rotate(q[..., self.nope :], *cos_sin)], dim=-1)
+            k_rope = rotate(k_rope[:, None, :], *cos_sin)[:, 0]  # [T, rope]
         latent = torch.cat([self.kv_a_layernorm(kv_nope), k_rope], dim=-1)  # [T, rank + rope]
         cache, meta = ctx.kv_cache(self.layer), ctx.metadata(self.layer)
         write_latent(cache, meta, latent)
@@ -198,11 +201,17 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         index, weight = self.gate(x)  # [T, k] each
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            token, slot = (index == e).nonzero(as_tuple=True)
-            out.index_add_(0, token, self.experts[e](x[token]) * weight[token, slot, None].to(x.dtype))
+        out = mix_experts(x, index, weight, self.experts)
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+def mix_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """x [T, hidden], chosen experts index [T, k] with their weights [T, k] -> the weighted sum [T, hidden]."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(index).tolist():
+        token, slot = (index == e).nonzero(as_tuple=True)
+        out.index_add_(0, token, experts[e](x[token]) * weight[token, slot, None].to(x.dtype))
+    return out
 
 
 class DeepseekDecoderLayer(nn.Module):

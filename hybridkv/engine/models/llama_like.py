@@ -1,8 +1,11 @@
-"""Llama, Mistral and Qwen2 (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`).
+"""Llama, Mistral, Qwen2 and SmolLM3 (`LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+`SmolLM3ForCausalLM`).
 
-One decoder: RMSNorm, halves-layout rope, gated SiLU MLP. They differ only in biases and in
-which layers slide: Mistral slides every layer when `sliding_window` is set; Qwen2 slides the
-layers from `max_window_layers` on when `use_sliding_window`; `layer_types` wins when present.
+One decoder: RMSNorm, halves-layout rope, gated SiLU MLP. They differ only in biases, in which
+layers slide and in NoPE layers: Mistral slides every layer when `sliding_window` is set; Qwen2
+slides the layers from `max_window_layers` on when `use_sliding_window`; `layer_types` wins when
+present (SmolLM3 saves it: with `use_sliding_window` its NoPE layers slide). SmolLM3's
+`no_rope_layers[i] == 0` marks a layer that applies no rope.
 """
 
 from __future__ import annotations
@@ -38,17 +41,20 @@ class LlamaAttention(QKVAttention):
         qwen2 = config.get("model_type") == "qwen2"
         bias = bool(config.get("attention_bias", False))
         super().__init__(config, layer, qkv_bias=qwen2 or bias, o_bias=not qwen2 and bias)
+        uses_rope = config.get("no_rope_layers")  # SmolLM3: 0 = NoPE layer
+        self.use_rope = not uses_rope or bool(uses_rope[layer])
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos_sin: CosSin, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.project(x)  # [T, H, D], [T, KVH, D], [T, KVH, D]
-        q, k = rope.rotate(q, *cos_sin), rope.rotate(k, *cos_sin)
+        if self.use_rope:
+            q, k = rope.rotate(q, *cos_sin), rope.rotate(k, *cos_sin)
         return self.o_proj(attend(ctx, self.layer, q, k, v, scale=self.scale))  # type: ignore[no-any-return]
 
 
 class LlamaLikeForCausalLM(DecoderForCausalLM):
-    """Llama / Mistral / Qwen2 decoder with full or sliding-window layers."""
+    """Llama / Mistral / Qwen2 / SmolLM3 decoder with full or sliding-window layers (and NoPE layers)."""
 
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "SmolLM3ForCausalLM")
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         layer_types = llama_like_layer_types(config)

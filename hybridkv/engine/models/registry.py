@@ -14,6 +14,8 @@ from hybridkv.engine.models.gemma3n import Gemma3nForCausalLM
 from hybridkv.engine.models.gpt_oss import GptOssForCausalLM
 from hybridkv.engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from hybridkv.engine.models.jamba import JambaForCausalLM
+from hybridkv.engine.models.kimi_linear import KimiLinearForCausalLM
+from hybridkv.engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from hybridkv.engine.models.llama4 import Llama4ForCausalLM
 from hybridkv.engine.models.llama_like import LlamaLikeForCausalLM
 from hybridkv.engine.models.nemotron_h import NemotronHForCausalLM
@@ -26,18 +28,22 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM,
     DeepseekForCausalLM,
     BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, FalconH1ForCausalLM, JambaForCausalLM,
+    Lfm2ForCausalLM, Lfm2MoeForCausalLM, KimiLinearForCausalLM,
 )
 _BY_ARCHITECTURE: dict[str, type[CausalLM]] = {arch: cls for cls in MODEL_CLASSES for arch in cls.architectures}
 _BY_MODEL_TYPE: dict[str, type[CausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM, "gpt_oss": GptOssForCausalLM, "llama4_text": Llama4ForCausalLM,
     "llama": LlamaLikeForCausalLM, "mistral": LlamaLikeForCausalLM, "qwen2": LlamaLikeForCausalLM,
+    "smollm3": LlamaLikeForCausalLM,
     "gemma3n_text": Gemma3nForCausalLM, "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM, "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "deepseek_v3": DeepseekForCausalLM, "kimi_k2": DeepseekForCausalLM, "deepseek_v32": DeepseekForCausalLM,
     "glm_moe_dsa": DeepseekForCausalLM,
     "bamba": BambaForCausalLM, "granitemoehybrid": GraniteMoeHybridForCausalLM, "nemotron_h": NemotronHForCausalLM,
-    "falcon_h1": FalconH1ForCausalLM, "jamba": JambaForCausalLM,
+    "falcon_h1": FalconH1ForCausalLM, "jamba": JambaForCausalLM, "lfm2": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2MoeForCausalLM,
+    "kimi_linear": KimiLinearForCausalLM,
 }
 
 
