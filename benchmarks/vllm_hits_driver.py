@@ -13,27 +13,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-from math import lcm
 from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import torch
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request, RequestStatus
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_hits
+import vllm_manager
 
 from hybridkv.kvcache.manager import CacheHit, ManagerStats
 from hybridkv.kvcache.request import KVRequest
@@ -41,29 +30,20 @@ from hybridkv.plan.planner import KVCacheConfig as OurConfig
 from hybridkv.plan.specs import SpecKind
 from hybridkv.simulate.simulator import simulate
 
-HASH_FN = get_hash_fn_by_name("sha256")
-init_none_hash(HASH_FN)
-SAMPLING = SamplingParams(max_tokens=1 << 20)
-SAMPLING.update_from_generation_config({}, eos_token_id=-1)
-
 
 def vllm_config(ours: OurConfig, *, mamba_mode: str, retention: int | None) -> KVCacheConfig:
     """Our plan's groups as vLLM specs (head sizes are irrelevant to the manager)."""
-    groups = []
+    specs: list[Any] = []
     for g in ours.groups:
         if g.kind is SpecKind.FULL:
-            spec: Any = FullAttentionSpec(block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            specs.append(vllm_manager.full(g.block_size))
         elif g.kind is SpecKind.SLIDING_WINDOW:
-            spec = SlidingWindowSpec(block_size=g.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                                     sliding_window=g.window_tokens)
+            specs.append(vllm_manager.sliding(g.block_size, g.window_tokens))
         elif g.kind is SpecKind.MAMBA:
-            spec = MambaSpec(block_size=g.block_size, shapes=((1, 1),), dtypes=(torch.float32,),
-                             mamba_cache_mode=mamba_mode)
+            specs.append(vllm_manager.state(g.block_size, mamba_mode))
         else:
             raise SystemExit(f"group kind {g.kind.value!r} is not driven here")
-        groups.append(KVCacheGroupSpec([f"layer.{len(groups)}"], spec))
-    return KVCacheConfig(num_blocks=ours.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
-                         prefix_cache_retention_interval=retention)
+    return vllm_manager.config(specs, num_blocks=ours.num_blocks, retention=retention)
 
 
 class VLLMManager:
@@ -71,11 +51,8 @@ class VLLMManager:
     (tokens appended as the loop appends them, `num_computed_tokens` copied before each call)."""
 
     def __init__(self, config: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False) -> None:
-        block = lcm(*(g.kv_cache_spec.block_size for g in config.kv_cache_groups))
-        hash_block = min(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
-        self.manager = VllmKVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block,
-                                          hash_block_size=hash_block, enable_caching=True, use_eagle=use_eagle)
-        self.hasher = get_request_block_hasher(hash_block, HASH_FN)
+        self.manager = vllm_manager.manager(config, max_model_len=max_model_len, use_eagle=use_eagle)
+        self.hash_block = vllm_manager.hash_block_size(config)
         self.requests: dict[str, Request] = {}
         self.found: dict[str, Any] = {}
         self.lookups = 0
@@ -83,9 +60,8 @@ class VLLMManager:
     def _sync(self, kv: KVRequest) -> Request:
         request = self.requests.get(kv.request_id)
         if request is None:
-            request = self.requests[kv.request_id] = Request(
-                request_id=kv.request_id, prompt_token_ids=list(kv.token_ids), sampling_params=SAMPLING,
-                pooling_params=None, block_hasher=self.hasher)
+            request = self.requests[kv.request_id] = vllm_manager.request(kv.request_id, list(kv.token_ids),
+                                                                          hash_block=self.hash_block)
         for token in kv.token_ids[request.num_tokens:]:
             request.append_output_token_ids(token)
         request.num_computed_tokens = kv.num_computed_tokens

@@ -12,8 +12,9 @@ steps pinned, every hit must be equal, and our manager must accept each request 
 - `test_hits_equal_vllms_recorded_hits`: against `vllm_fixtures/mamba_hits.json`, recorded by
   `vllm_fixtures/generate_vllm_hits.py` with vLLM's own code (command in its docstring). Runs
   everywhere.
-- `test_hits_equal_vllm_live`: runs that generator now, when the shared bench's vLLM venv exists
-  (`~/.cache/hybridkv-bench/vllm-manager-venv`, or `$HYBRIDKV_VLLM_VENV`); skipped otherwise
+- `test_hits_equal_vllm_live`: runs that generator now, when the vLLM manager venv exists
+  (`benchmarks/vllm_manager_venv.sh` builds it:
+  `~/.cache/hybridkv-bench/vllm-manager-venv`, or `$HYBRIDKV_VLLM_VENV`); skipped otherwise
   (CI does not build it: ~1.5 min and ~1.8 GB for what the fixture already pins).
 """
 
@@ -37,10 +38,6 @@ HERE = Path(__file__).parent
 FIXTURE = HERE / "vllm_fixtures" / "mamba_hits.json"
 GENERATOR = HERE / "vllm_fixtures" / "generate_vllm_hits.py"
 VENV = Path(os.environ.get("HYBRIDKV_VLLM_VENV", Path.home() / ".cache/hybridkv-bench/vllm-manager-venv"))
-# the shared bench beside the checkout (../shared), or beside its parent for a worktree
-BENCH_DIR = next((p for p in (Path(os.environ.get("HYBRIDKV_VLLM_BENCH", "/nonexistent")),
-                              HERE.parents[2] / "shared" / "vllm-manager-bench",
-                              HERE.parents[3] / "shared" / "vllm-manager-bench") if p.is_dir()), Path("/nonexistent"))
 MODES = {"align": MambaCacheMode.ALIGN, "all": MambaCacheMode.ALL}
 
 
@@ -139,10 +136,10 @@ def test_the_traces_exercise_the_same_step_rule_and_all_mode_hits_more() -> None
         assert deferred >= 3, f"{mode}: only {deferred} hits were deferred by the same-step rule"
 
 
-@pytest.mark.skipif(not (VENV / "bin" / "python").exists() or not BENCH_DIR.exists(),
-                    reason="the shared bench's vLLM venv is not built (bash ../shared/vllm-manager-bench/setup.sh)")
+@pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
+                    reason="the vLLM manager venv is not built (bash benchmarks/vllm_manager_venv.sh)")
 def test_hits_equal_vllm_live(tmp_path: Path) -> None:
     out = tmp_path / "hits.json"
-    subprocess.run([str(VENV / "bin" / "python"), str(GENERATOR), "--bench-dir", str(BENCH_DIR), "--out", str(out)],
+    subprocess.run([str(VENV / "bin" / "python"), str(GENERATOR), "--out", str(out)],
                    check=True, timeout=600, stdout=sys.stderr)
     assert_equal_request_by_request(json.loads(out.read_text()))

@@ -10,8 +10,9 @@ block size and page size must be equal.
 - `test_groups_equal_vllms_recorded_groups`: against `vllm_fixtures/vllm_groups.json`, recorded by that
   generator with vLLM's code; the recorded input specs (a digest) must be today's (else: regenerate). Runs
   everywhere.
-- `test_groups_equal_vllm_live`: runs the generator now where the shared bench's vLLM venv exists
-  (`~/.cache/hybridkv-bench/vllm-manager-venv` or `$HYBRIDKV_VLLM_VENV`); skipped otherwise.
+- `test_groups_equal_vllm_live`: runs the generator now where the vLLM manager venv exists
+  (`benchmarks/vllm_manager_venv.sh` builds it:
+  `~/.cache/hybridkv-bench/vllm-manager-venv` or `$HYBRIDKV_VLLM_VENV`); skipped otherwise.
 
 Regenerate the fixture: `python -m tests.plan.test_groups_vs_vllm` (needs that venv).
 
@@ -129,7 +130,8 @@ def test_groups_equal_vllms_recorded_groups(model_type: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (VENV / "bin" / "python").exists(), reason="the shared bench's vLLM venv is not built")
+@pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
+                    reason="the vLLM manager venv is not built (bash benchmarks/vllm_manager_venv.sh)")
 def test_groups_equal_vllm_live() -> None:
     cases, ours = {}, {}
     for model_type in compared_types():

@@ -1,14 +1,13 @@
 #!/usr/bin/env python
 """Record vLLM 0.32's real KV cache manager's prefix hits on the shared seeded traces.
 
-Runs under the venv of the shared manager bench (vLLM's real `KVCacheManager`, no model):
+Runs under the vLLM manager venv (vLLM's real `KVCacheManager`, no model):
 
-    bash ../shared/vllm-manager-bench/setup.sh ~/.cache/hybridkv-bench/vllm-manager-venv
+    bash benchmarks/vllm_manager_venv.sh
     ~/.cache/hybridkv-bench/vllm-manager-venv/bin/python \\
-        tests/kvcache/vllm_fixtures/generate_vllm_hits.py \\
-        --out tests/kvcache/vllm_fixtures/mamba_hits.json [--bench-dir ../shared/vllm-manager-bench]
+        tests/kvcache/vllm_fixtures/generate_vllm_hits.py --out tests/kvcache/vllm_fixtures/mamba_hits.json
 
-Layout: 1 full-attention group + 1 Mamba group (`drive_vllm.make_config_mamba_hybrid`), blocks
+Layout: 1 full-attention group + 1 Mamba group (built by `benchmarks/vllm_manager.py`), blocks
 of 16 tokens, a pool large enough to never evict. For each `mamba_cache_mode` (align, all) and
 case (seed, token budget, max running) in `vllm_traces.CASES`, `vllm_traces.replay` drives
 vLLM's manager exactly as vLLM's scheduler calls it (`new_step_starts`, `get_computed_blocks`,
@@ -25,29 +24,33 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/kvcache: vllm_traces
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "benchmarks"))
 
 import vllm_traces  # noqa: E402
 
 CASES = vllm_traces.CASES
 NUM_BLOCKS = 4000
+BLOCK_TOKENS = 16
 
 
 class VLLMDriver:
     """vllm_traces.Driver over vLLM's real manager."""
 
-    def __init__(self, dv, mode: str) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, mode: str) -> None:
+        import vllm_manager as vm
         from vllm.v1.request import RequestStatus
 
-        self.dv = dv
+        self.vm = vm
         self.running_status = RequestStatus.RUNNING
-        self.manager = dv.make_manager(dv.make_config_mamba_hybrid(num_blocks=NUM_BLOCKS, mamba_cache_mode=mode))
+        specs = [vm.full(BLOCK_TOKENS), vm.state(BLOCK_TOKENS, mode)]
+        self.manager = vm.manager(vm.config(specs, num_blocks=NUM_BLOCKS), max_model_len=8192)
         self.hits: dict[str, tuple[object, int]] = {}
 
     def begin_step(self) -> None:
         self.manager.new_step_starts()
 
     def new_request(self, index: int, prompt: list[int]) -> object:
-        return self.dv.make_request(f"r{index}", prompt)
+        return self.vm.request(f"r{index}", prompt, hash_block=BLOCK_TOKENS)
 
     def lookup(self, request) -> int:  # type: ignore[no-untyped-def]
         blocks, num_hit, _ = self.manager.get_computed_blocks(request)
@@ -76,16 +79,14 @@ class VLLMDriver:
         self.manager.free(request)
 
 
-def record(bench_dir: str) -> dict[str, object]:
-    sys.path.insert(0, bench_dir)
-    import drive_vllm as dv  # the shared bench's helpers around vLLM's real manager
+def record() -> dict[str, object]:
     import vllm
 
     result: dict[str, object] = {"vllm_version": vllm.__version__, "num_blocks": NUM_BLOCKS, "modes": {}}
     for mode in ("align", "all"):
         per_seed = {}
         for case in CASES:
-            driver = VLLMDriver(dv, mode)
+            driver = VLLMDriver(mode)
             per_seed[vllm_traces.case_name(case)] = vllm_traces.replay_case(driver, case, mode=mode)
             assert driver.manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
         result["modes"][mode] = per_seed  # type: ignore[index]
@@ -94,11 +95,9 @@ def record(bench_dir: str) -> dict[str, object]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1] if __doc__ else None)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-    parser.add_argument("--bench-dir", default=os.path.join(repo, "..", "shared", "vllm-manager-bench"))
     parser.add_argument("--out", default="-")
     args = parser.parse_args()
-    text = json.dumps(record(os.path.abspath(args.bench_dir)), indent=None, separators=(",", ":"))
+    text = json.dumps(record(), indent=None, separators=(",", ":"))
     if args.out == "-":
         print(text)
     else:

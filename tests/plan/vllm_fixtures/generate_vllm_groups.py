@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Record vLLM 0.32's own KV cache grouping, block sizes and page sizes for layer specs given as JSON.
 
-Runs under the venv of the shared manager bench (vLLM's real code, no model, no GPU):
+Runs under the vLLM manager venv (vLLM's real code, no model, no GPU; `benchmarks/vllm_manager_venv.sh`):
 
     ~/.cache/hybridkv-bench/vllm-manager-venv/bin/python \\
         tests/plan/vllm_fixtures/generate_vllm_groups.py < specs.json > groups.json
