@@ -45,8 +45,6 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
-    if kv_server is not None and kv_server != "auto":
-        check_kv_server_url(kv_server)
     options: dict[str, Any] = dict(
         kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
@@ -54,21 +52,3 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval)
     EngineConfig.from_options(options)
     return options
-
-
-def check_kv_server_url(url: str) -> None:
-    """ConfigError unless `url` is tcp://host:port (port in 1..65535) or ipc://path."""
-    import urllib.parse
-
-    from hybridkv.errors import ConfigError
-
-    expected = "expected auto or a running server's tcp://host:port (or ipc://path)"
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme == "ipc" and len(url) > len("ipc://"):
-        return
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "tcp" or not parts.hostname or port is None or not 0 < port < 65536:
-        raise ConfigError(f"kv_server {url!r} is not a KV cache server URL; {expected}")

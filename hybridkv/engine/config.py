@@ -6,6 +6,7 @@ Pure Python (no torch), so the CLI can build its options without loading the eng
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,8 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be an integer >= 0 (0 = torch default), got {self.num_threads!r}")
         if self.kv_server is not None and (not isinstance(self.kv_server, str) or not self.kv_server):
             raise ConfigError(f"kv_server must be a tcp://host:port URL or 'auto', got {self.kv_server!r}")
+        if self.kv_server not in (None, "auto"):
+            check_kv_server_url(self.kv_server)
         timeout = self.kv_server_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < float("inf"):
             raise ConfigError(f"kv_server_timeout_s must be a positive number of seconds, got {timeout!r}")
@@ -100,3 +103,17 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s) {unknown}; valid options: {', '.join(cls.option_names())}")
         return cls(**options)
+
+
+def check_kv_server_url(url: str) -> None:
+    """ConfigError unless `url` is tcp://host:port (port in 1..65535) or ipc://path."""
+    expected = "expected auto or a running server's tcp://host:port (or ipc://path)"
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "ipc" and len(url) > len("ipc://"):
+        return
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or not 0 < port < 65536:
+        raise ConfigError(f"kv_server {url!r} is not a KV cache server URL; {expected}")

@@ -29,7 +29,6 @@ from hybridkv.connector.client import KVClient, SharedKVBuffers
 from hybridkv.connector.engine_layout import layout_from_kv_cache_config
 from hybridkv.connector.server_process import ServerProcess, start_server_process
 from hybridkv.connector.transfer import ServerConnector, StateSaves
-from hybridkv.errors import ConfigError
 from hybridkv.plan.planner import KVCacheConfig
 from hybridkv.plan.specs import SpecKind
 
@@ -86,9 +85,6 @@ class KVTransfer:
                                           auth_token=auth_token)
             url = server.endpoint
             log.info("started a KV cache server for this engine: %s", server.line)
-        elif not url.startswith(("tcp://", "ipc://")):
-            raise ConfigError(f"kv_server must be a tcp://host:port (or ipc://) URL of a running hybridkv server, "
-                              f"or 'auto' to start one; got {url!r}")
         sizes = [t.size_bytes for t in config.tensors]
         buffers = SharedKVBuffers.create(num_buffers=len(sizes), size_bytes=max(sizes))
         try:
