@@ -94,6 +94,7 @@ class AttentionCall:
     self_causal: bool = False  # row r's keys are its own queries' tokens, mask = causal (keys == queries)
     key_lo: torch.Tensor | None = None  # [rows] one-query calls: row r attends to key slots [key_lo[r], key_hi[r])
     key_hi: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # calls of several queries: `mask` as float32 0 / -inf, for SDPA
 
 
 
@@ -158,6 +159,14 @@ class _CallPlan:
     self_causal: bool  # every row's keys are its own queries' positions under a plain causal mask
     key_lo: torch.Tensor | None  # [R] one-query rows: their keys are the slots [key_lo, key_hi)
     key_hi: torch.Tensor | None
+    bias: torch.Tensor | None  # [R, 1, Q, B * block size] float32 0 (attend) / -inf: rows of several queries
+
+
+def additive_mask(mask: np.ndarray) -> torch.Tensor:
+    """A boolean mask (True = attend) as float32 0 / -inf. SDPA turns a boolean mask into exactly this
+    on every call (the same result); a step's plan converts it once for all the layers of its groups
+    (a 128-query sliding-window tile: ~11% less CPU time in SDPA)."""
+    return torch.from_numpy(np.where(mask, np.float32(0), np.float32(-np.inf)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,13 +212,16 @@ def _call_plan(rows: Sequence[_Row], rule: AttentionRule, block_size: int, table
         mask &= (k_pos[:, None, :] // rule.chunk_tokens) == (q_pos[:, :, None] // rule.chunk_tokens)
     attended = mask.any(axis=1).reshape(len(rows), width, block_size).any(axis=2)  # [R, B]
     span -= table_lo[table][:, None]  # into the rows' table slices
-    key_lo = key_hi = None
+    key_lo = key_hi = bias = None
     if queries == 1:  # one query: its keys are one run of slots (what the decode kernel reads)
         key_lo, key_hi = torch.from_numpy(k_start - first * block_size), torch.from_numpy(end - first * block_size)
+    elif not all(_self_causal(r, rule) for r in rows):  # self-causal calls run SDPA's causal kernel, no mask
+        bias = additive_mask(mask[:, None])
     return _CallPlan(token_start=rows[0].token_start, rows=len(rows), queries=queries,
                      table_rows=torch.from_numpy(table), span=torch.from_numpy(span),
                      mask=torch.from_numpy(mask[:, None]), attended=torch.from_numpy(attended),
-                     self_causal=all(_self_causal(r, rule) for r in rows), key_lo=key_lo, key_hi=key_hi)
+                     self_causal=all(_self_causal(r, rule) for r in rows), key_lo=key_lo, key_hi=key_hi,
+                     bias=bias)
 
 
 def _self_causal(row: _Row, rule: AttentionRule) -> bool:
@@ -288,7 +300,7 @@ def groups_metadata(plan: ReadPlan, block_tables: Sequence[Sequence[Sequence[int
                       calls=tuple(AttentionCall(token_start=call.token_start, rows=call.rows, queries=call.queries,
                                                 block_size=plan.block_size, read_block_ids=blocks[g],
                                                 mask=call.mask, self_causal=call.self_causal,
-                                                key_lo=call.key_lo, key_hi=call.key_hi)
+                                                key_lo=call.key_lo, key_hi=call.key_hi, bias=call.bias)
                                   for call, blocks in zip(plan.calls, reads, strict=True)))
         for g in range(len(block_tables))
     ]
@@ -376,7 +388,8 @@ def _attend(
         return o.reshape(rows, heads, head_dim)  # [R, H, D]
     if sinks is None and softcap is None:
         q4 = q.view(rows, queries, heads, head_dim).transpose(1, 2)  # [R, H, Q, D]
-        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=call.mask, scale=scale, enable_gqa=True)
+        mask = call.mask if call.bias is None else call.bias
+        o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(rows * queries, heads, head_dim)  # [R*Q, H, D]
     # sinks and soft-capping: explicit scores. Fold the query heads sharing a KV head into the
     # query axis: no K/V repeat is needed.

@@ -69,6 +69,31 @@ def test_long_prefill_of_a_window_group_is_cut_into_tiles() -> None:
     assert tiles.mask.shape == (2, 1, 16, 24)
     assert tiles.mask[1, 0, 0].tolist() == [False] + [True] * 8 + [False] * 15  # query 16 sees keys 9-16
     assert not tiles.mask[0, 0, :, 16:].any()  # tile 1's padding
+    assert tiles.bias is not None and tiles.bias.dtype == torch.float32  # the mask as SDPA's additive form
+    assert tiles.bias[1, 0, 0, :10].tolist() == [-math.inf] + [0.0] * 8 + [-math.inf]
+    assert torch.equal(tiles.bias == 0, tiles.mask)
+    assert meta.calls[1].bias is not None  # the last tile also reads earlier keys
+
+
+def test_only_masked_calls_of_several_queries_carry_an_additive_mask() -> None:
+    prompt = build_group_metadata([ScheduledChunk(start_pos=0, end_pos=8, block_ids=[1, 2])], rule=FULL, block_size=4)
+    decode = build_group_metadata([ScheduledChunk(start_pos=8, end_pos=9, block_ids=[1, 2, 3])], rule=FULL,
+                                  block_size=4)
+    assert prompt.calls[0].self_causal and prompt.calls[0].bias is None  # SDPA's causal kernel, no mask
+    assert decode.calls[0].queries == 1 and decode.calls[0].bias is None  # the decode kernel
+
+
+def test_sdpa_gives_the_same_bits_with_the_additive_mask_as_with_the_boolean_one() -> None:
+    meta = build_group_metadata([ScheduledChunk(start_pos=0, end_pos=40, block_ids=list(range(1, 11)))],
+                                rule=sliding(8), block_size=4)
+    call = meta.calls[0]
+    assert call.bias is not None
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(call.rows, 4, call.queries, 8, generator=gen)
+    k, v = (torch.randn(call.rows, 2, call.mask.shape[-1], 8, generator=gen) for _ in range(2))
+    with_bool = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=call.mask, enable_gqa=True)
+    with_bias = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=call.bias, enable_gqa=True)
+    assert torch.equal(with_bool, with_bias)
 
 
 def test_groups_sharing_a_plan_each_read_their_own_tables() -> None:
