@@ -8,12 +8,17 @@ second thread helps depends on the rest of the machine:
                                            (the second thread waits for a core at every join)
     other cores idle (load 1.3)            two threads: the Gemma 3 bench 8.3 s, one thread 10.0 s
 
-So `StepThreads` looks: steps of `SMALL_STEP_TOKENS` or more (prefill) always run on torch's setting;
-a smaller one runs on torch's setting only when the CPU time the rest of the machine used over the
-last `interval_s` leaves a core for each of our threads (with half a core to spare), else on one
-thread. The rest of the machine = all CPUs' busy time (/proc/stat) minus this process's (os.times);
-where /proc/stat cannot be read, small steps run on one thread. The previous setting is restored
-after each step.
+A prefill step's ops are large (a 2048-row matmul: ~13 ms of CPU), but a thread that shares its core
+with other work still holds up every join: under load 9 on 2 cores a two-thread 2048-token prefill
+took 0.91 s of wall time for 0.40 s of CPU, while vLLM's one model thread took 0.50 s.
+
+So `StepThreads` looks at the CPU time the rest of the machine used over the last `interval_s`: a
+step of fewer than `SMALL_STEP_TOKENS` tokens (decodes) runs on torch's setting only when that
+leaves a core for each of our threads (with half a core to spare), a larger one (prefill) unless
+the others took a whole core of the ones our threads need (`LARGE_STEP_SPARE`); else on one
+thread. The rest of the machine = all CPUs' busy time (/proc/stat) minus this process's (os.times).
+Before the first reading, and where /proc/stat cannot be read, large steps run on torch's setting and
+small ones on one thread. The previous setting is restored after each step.
 
 Native kernels (`engine/kernels`) take their thread count from `kernel_threads`: the step's choice,
 also inside `one_thread` blocks and also when OpenMP waits are passive (`passive_waits`), where a
@@ -33,6 +38,7 @@ import torch
 
 SMALL_STEP_TOKENS = 256  # steps of fewer tokens (decodes) run on one thread unless cores are idle
 SPARE_CORES = 0.5  # idle CPU, in cores, that must remain beyond one per thread
+LARGE_STEP_SPARE = 1.0  # large steps: the others may use up to (not including) this much of our threads' cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,24 +134,40 @@ class StepThreads:
     def small_step_threads(self, threads: int) -> int:
         """Threads for a small step given torch's setting `threads`: all of them if the rest of the
         machine used less than `cpus - threads + SPARE_CORES` cores over the last interval, else 1."""
+        if not self._update() or self.others_cores is None:
+            return 1
+        return threads if self.others_cores < self.cpus - threads + SPARE_CORES else 1
+
+    def large_step_threads(self, threads: int) -> int:
+        """Threads for a large step: all of them unless the rest of the machine used at least
+        `cpus - threads + LARGE_STEP_SPARE` cores over the last interval (or none known yet)."""
+        if not self._update() or self.others_cores is None:
+            return threads
+        return threads if self.others_cores < self.cpus - threads + LARGE_STEP_SPARE else 1
+
+    def _update(self) -> bool:
+        """Refresh `others_cores` once `interval_s` has passed since the last reading; False when the
+        machine's CPU time cannot be read."""
         now = self._sample()
         if now is None or self._last is None:
-            return 1
+            return False
         elapsed = now.at - self._last.at
         if elapsed >= self.interval_s:
             others = (now.machine_busy_s - self._last.machine_busy_s) - (now.own_busy_s - self._last.own_busy_s)
             self.others_cores = max(0.0, others / elapsed)
             self._last = now
-        if self.others_cores is None:
-            return 1
-        return threads if self.others_cores < self.cpus - threads + SPARE_CORES else 1
+        return True
 
     @contextmanager
     def __call__(self, num_tokens: int) -> Iterator[None]:
         """Run the step inside on the chosen thread count; the setting is restored after."""
         threads = torch.get_num_threads()
-        if num_tokens >= SMALL_STEP_TOKENS or threads == 1:
+        if threads == 1:
             yield
+            return
+        if num_tokens >= SMALL_STEP_TOKENS:
+            with kernel_threads_as(n := self.large_step_threads(threads)), torch_threads(n):
+                yield
             return
         n = self.small_step_threads(threads)
         with kernel_threads_as(n), torch_threads(1 if passive_waits() else n):

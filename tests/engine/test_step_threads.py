@@ -1,5 +1,6 @@
-"""The runner's per-step thread policy: every thread for prefill steps; for small (decode) steps every
-thread only while the rest of the machine leaves a core for each, else one; the setting restored."""
+"""The runner's per-step thread policy: every thread for prefill steps unless the rest of the machine
+took a whole core; for small (decode) steps every thread only while the rest of the machine leaves a
+core for each, else one; the setting restored."""
 
 from __future__ import annotations
 
@@ -108,13 +109,26 @@ def test_the_reading_is_kept_until_the_interval_has_passed() -> None:
 
 
 @pytest.mark.usefixtures("two_threads")
-def test_large_steps_keep_every_thread_and_unreadable_cpu_means_one_thread() -> None:
+def test_large_steps_drop_to_one_thread_only_when_the_others_took_a_whole_core() -> None:
     cpu = FakeCpu()
-    cpu.others = 2.0
-    policy = StepThreads(cpus=2, sample=cpu)
-    assert threads_in_step(policy, SMALL_STEP_TOKENS) == 2  # busy machine, but a prefill step
+    policy = StepThreads(interval_s=0.5, cpus=2, sample=cpu)
+    # the rest of the machine in the second before each prefill step: idle, 0.6 core (a decode would
+    # drop to one thread), 0.99, 1 (the core our second thread needs), 2, idle again
+    used = []
+    for others in (0.0, 0.6, 0.99, 1.0, 2.0, 0.0):
+        cpu.others = others
+        used.append(threads_in_step(policy, SMALL_STEP_TOKENS))
+    assert used == [2, 2, 2, 1, 1, 2]
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_unreadable_cpu_means_one_thread_for_small_steps_and_every_thread_for_large_ones() -> None:
+    cpu = FakeCpu()
     cpu.readable = False
+    policy = StepThreads(cpus=2, sample=cpu)
     assert threads_in_step(policy, SMALL_STEP_TOKENS - 1) == 1
+    assert threads_in_step(policy, SMALL_STEP_TOKENS) == 2
 
 
 def test_one_thread_setting_is_left_alone() -> None:
