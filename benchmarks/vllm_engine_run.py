@@ -3,7 +3,8 @@
     VLLM_PYTHON benchmarks/vllm_engine_run.py JOB.json
 
 JOB.json: {"model": dir, "prompts": [[ids]], "new_tokens": n, "ttft_prompt": [ids], "max_model_len": n,
-"max_num_batched_tokens": n, "max_num_seqs": n}. After its warm-up it prints the READY line; then each
+"max_num_batched_tokens": n, "max_num_seqs": n}. After its warm-up it prints the READY line (then its
+resolved settings as JSON); then each
 line `pass` on stdin runs the workload once from an empty prefix cache and prints one RESULT line
 of JSON {"tokens": [[ids]], "seconds": s, "cpu_s": s, "ttft_cold_s": s, "ttft_cold_cpu_s": s,
 "ttft_prefix_hit_s": s}; any other line (or end of input) ends it. bench_engine.py so alternates
@@ -75,11 +76,25 @@ def one_pass(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
             "ttft_cold_s": ttft[0][0], "ttft_cold_cpu_s": ttft[0][1], "ttft_prefix_hit_s": ttft[1][0]}
 
 
+def settings(llm: Any) -> dict[str, Any]:
+    """The engine settings that decide its speed here, as vLLM resolved them, and its processes' threads."""
+    import psutil
+
+    config = llm.llm_engine.vllm_config
+    sched, cache = config.scheduler_config, config.cache_config
+    threads = {p.name(): p.num_threads() for p in psutil.Process().children(recursive=True)}
+    return {"chunked_prefill": sched.enable_chunked_prefill, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs, "prefix_caching": cache.enable_prefix_caching,
+            "block_size": cache.block_size, "enforce_eager": config.model_config.enforce_eager,
+            "compilation_mode": str(config.compilation_config.mode), "process_threads": threads,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "(unset)")}
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
     llm = start(job)
-    print(READY, flush=True)
+    print(READY + json.dumps(settings(llm)), flush=True)
     for line in sys.stdin:  # one command per line: "pass" or "quit"
         if line.strip() != "pass":
             break
