@@ -83,10 +83,11 @@ def settings(llm: Any) -> dict[str, Any]:
     config = llm.llm_engine.vllm_config
     sched, cache = config.scheduler_config, config.cache_config
     threads = {p.name(): p.num_threads() for p in psutil.Process().children(recursive=True)}
+    mode = config.compilation_config.mode
     return {"chunked_prefill": sched.enable_chunked_prefill, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "max_num_seqs": sched.max_num_seqs, "prefix_caching": cache.enable_prefix_caching,
             "block_size": cache.block_size, "enforce_eager": config.model_config.enforce_eager,
-            "compilation_mode": str(config.compilation_config.mode), "process_threads": threads,
+            "compilation_mode": getattr(mode, "name", str(mode)), "process_threads": threads,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "(unset)")}
 
 
