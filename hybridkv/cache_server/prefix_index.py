@@ -33,9 +33,16 @@ from hybridkv.errors import IntegrityError
 class PrefixRules(Protocol):
     """The hit rules of one tree: one registered layout and cache salt."""
 
-    tree_id: bytes
-    num_object_groups: int
-    has_state: bool  # a state object group: every resumable prefix owns a state object
+    @property
+    def tree_id(self) -> bytes: ...
+
+    @property
+    def num_object_groups(self) -> int: ...
+
+    @property
+    def has_state(self) -> bool:
+        """A state object group: every resumable prefix owns a state object."""
+        ...
 
     def first_needed(self, object_group: int, hit_chunks: int) -> int:
         """The first chunk the object group needs for a hit of `hit_chunks` chunks."""
