@@ -40,8 +40,8 @@ class PrefixRules(Protocol):
     def num_object_groups(self) -> int: ...
 
     @property
-    def has_state(self) -> bool:
-        """A state object group: every resumable prefix owns a state object."""
+    def state_object_groups(self) -> frozenset[int]:
+        """The object groups holding a state: every resumable prefix owns its state object."""
         ...
 
     def first_needed(self, object_group: int, hit_chunks: int) -> int:
@@ -130,8 +130,10 @@ class PrefixIndex:
         entry = self._objects.get(key)
         if entry is None:
             return
-        if entry[0].resumable:
-            self._endpoints.move_to_end(entry[0])
+        node, o, _ = entry
+        states = node.tree.rules.state_object_groups
+        if node.resumable and (o in states or not states):  # a state layout: a hit landed on this prefix
+            self._endpoints.move_to_end(node)
         if key in self._dead:
             self._dead.move_to_end(key)
 
@@ -171,7 +173,7 @@ class PrefixIndex:
         evicting the first kills the prefix and leaves the rest dead. A prefix that owns nothing (a full +
         window layout's prefix inside a longer one) costs nothing and is passed over."""
         for node in self._endpoints:
-            if node.tree.rules.has_state or node.below == 1:
+            if node.tree.rules.state_object_groups or node.below == 1:
                 yield from self._owned(node)
 
     def _owned(self, node: _Node) -> Iterator[bytes]:

@@ -272,7 +272,9 @@ class TreeRules:
     def __init__(self, tree_id: bytes, rules: ChunkRules, groups: list[ObjectGroup]) -> None:
         self.tree_id = tree_id
         self.num_object_groups = len(groups)
-        self.has_state = any(rules.layout.groups[gid].kind is GroupKind.STATE for og in groups for gid in og.groups)
+        kinds = [{rules.layout.groups[gid].kind for gid in og.groups} for og in groups]
+        self.state_object_groups = frozenset(og.index for og, k in zip(groups, kinds, strict=True)
+                                             if GroupKind.STATE in k)
         self._rules = rules
         self._groups = groups
 

@@ -33,8 +33,8 @@ class Rules:
         return len(self.kinds)
 
     @property
-    def has_state(self) -> bool:
-        return "state" in self.kinds
+    def state_object_groups(self) -> frozenset[int]:
+        return frozenset(o for o, kind in enumerate(self.kinds) if kind == "state")
 
     def first_needed(self, object_group: int, hit_chunks: int) -> int:
         return {"full": 0, "w2": max(0, hit_chunks - 2), "state": hit_chunks - 1}[self.kinds[object_group]]
@@ -107,7 +107,7 @@ def test_index_and_policy_match_brute_force(kinds: tuple[str, ...], ops: list[tu
             after, _ = naive(rules, present - {first})
             assert len(resumable - after) == 1 and after <= resumable
             (killed,) = resumable - after
-            assert rules.has_state or not any(p != killed and p[:len(killed)] == killed for p in resumable)
+            assert rules.state_object_groups or not any(p != killed and p[:len(killed)] == killed for p in resumable)
 
 
 def test_unknown_parent_is_linked_by_a_later_chain() -> None:
