@@ -163,3 +163,22 @@ def test_lru_keeps_useless_attention_resumable_keeps_the_prefix() -> None:
     assert _hand_case("lru") == ([0, 8], 64 * 4)
     # resumable evicts B's dead chunk 0 first: A still hits; only B's chunk 1 is dead
     assert _hand_case("resumable") == ([16, 8], 64)
+
+
+def test_a_wrong_parent_hash_changes_eviction_order_not_answers() -> None:
+    """A client that names a wrong parent for chunk 1 only makes chunk 1 look dead to the index: the
+    store still reports it stored and a lookup still hits both chunks (answers come from the objects)."""
+    chunk = 8
+    config = StoreConfig(chunk_tokens=chunk, l1_bytes=1 << 16, eviction_policy=EvictionPolicyName.RESUMABLE)
+    with running_server(config) as server, fake_engine([make_group(block=8, page=64)]) as engine, \
+            server.client() as c:
+        c.register(engine.layout)
+        tokens = list(range(2 * chunk + 1))
+        hashes = chunk_hashes(tokens, chunk)
+        assert c.store(first_chunk=0, chunk_hashes=hashes[:1], block_ids=[[1]]).stored == [True]
+        reply = c.store(first_chunk=1, chunk_hashes=hashes[1:], block_ids=[[2]], parent_hash=b"not the parent")
+        assert reply.stored == [True] and not reply.refusals
+        l1 = server.store.status()["tiers"][0]
+        assert (l1["resumable_prefixes"], l1["dead_objects"], l1["dead_bytes"]) == (1, 1, 64)
+        assert c.lookup(hashes, num_tokens=len(tokens)).hit_tokens == 2 * chunk
+        server.store.check_integrity()
