@@ -168,7 +168,9 @@ class LookupRequest(Request, tag="lookup", kw_only=True):
 
 class StoreRequest(Request, tag="store", kw_only=True):
     """Store chunks `first_chunk .. first_chunk + len(chunk_hashes) - 1`. `block_ids[g]`: engine
-    group g's block ids covering exactly those chunks (0 = null block)."""
+    group g's block ids covering exactly those chunks (0 = null block). `parent_hash`: chunk
+    first_chunk - 1's hash (empty: not sent); it places the chunks in the server's prefix tree,
+    which orders eviction (never what a lookup answers)."""
 
     instance_id: int
     token: str = ""  # the registration's secret (the register reply's `token`)
@@ -177,6 +179,7 @@ class StoreRequest(Request, tag="store", kw_only=True):
     chunk_hashes: list[bytes]
     block_ids: list[list[int]]
     cache_salt: str = ""
+    parent_hash: bytes = b""
 
 
 class RetrieveRequest(Request, tag="retrieve", kw_only=True):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.cache_server.keys import namespace
-from hybridkv.cache_server.registered_layout import ChunkRules, ObjectGroup, RequestError
+from hybridkv.cache_server.registered_layout import ChunkRules, ObjectGroup, RequestError, TreeRules
 from hybridkv.cache_server.shm import MappedBuffers
 from hybridkv.wire import ErrorCode, Layout, ObjectGroupInfo, RegistrationAccess
 
@@ -40,6 +40,7 @@ class Engine:
     buffers: MappedBuffers | None  # None: a lookup-only registration
     owner: int | None  # the registration connection (its lease); None: made in-process
     namespaces: dict[tuple[int, str], bytes] = field(default_factory=dict)
+    trees: dict[str, TreeRules] = field(default_factory=dict)  # per cache salt
 
     def namespace(self, og: ObjectGroup, salt: str) -> bytes:
         ns = self.namespaces.get((og.index, salt))
@@ -48,6 +49,16 @@ class Engine:
                 self.namespaces.clear()
             ns = self.namespaces[(og.index, salt)] = namespace(self.layout, og.name, salt)
         return ns
+
+    def tree(self, salt: str) -> TreeRules:
+        """The rules of this layout's prefix tree under `salt` (one tree per layout and salt, shared by
+        every registration of the layout, as its objects are)."""
+        rules = self.trees.get(salt)
+        if rules is None:
+            if len(self.trees) >= MAX_NAMESPACES:
+                self.trees.clear()
+            rules = self.trees[salt] = TreeRules(namespace(self.layout, "", salt), self.rules, self.groups)
+        return rules
 
     def describe(self) -> dict[str, Any]:
         """The registration as `/status` shows it to an authenticated caller."""

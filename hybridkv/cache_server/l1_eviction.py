@@ -1,6 +1,13 @@
 """The L1 eviction-policy seam: which unlocked object goes first when the pool needs room.
 
 A policy only orders keys; the pool decides what is evictable (unlocked) and what is removed.
+
+- `lru`: least recently used object first, each object on its own (an attention chunk may stay
+  while the state that makes it a hit is gone).
+- `resumable`: dead objects first (no resumable prefix needs them: prefix_index.py), then the
+  least recently used resumable prefix as a unit, the objects only it needs, tail first (its state
+  and window tail, then its own attention chain back to where another prefix shares it), then
+  whatever is left, least recently used first.
 """
 
 from __future__ import annotations
@@ -10,11 +17,13 @@ from collections.abc import Iterator
 from enum import Enum
 from typing import Protocol
 
+from hybridkv.cache_server.prefix_index import PrefixIndex
 from hybridkv.errors import ConfigError
 
 
 class EvictionPolicyName(Enum):
     LRU = "lru"
+    RESUMABLE = "resumable"
 
 
 class EvictionPolicy(Protocol):
@@ -30,7 +39,7 @@ class EvictionPolicy(Protocol):
         ...
 
     def order(self) -> Iterator[bytes]:
-        """Every key, first-to-evict first."""
+        """Every key, first-to-evict first (the pool stops iterating once it removes one)."""
         ...
 
 
@@ -53,10 +62,34 @@ class LRUPolicy:
         return iter(self._keys)
 
 
-def make_policy(name: EvictionPolicyName | str) -> EvictionPolicy:
+class ResumablePolicy(LRUPolicy):
+    """Dead objects, then resumable prefixes as units (least recently used first), then LRU."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        super().__init__()
+        self._index = index
+
+    def order(self) -> Iterator[bytes]:
+        seen: set[bytes] = set()
+        for key in self._index.dead_keys():
+            seen.add(key)
+            yield key
+        for key in self._index.unit_keys():
+            if key not in seen:
+                seen.add(key)
+                yield key
+        for key in self._keys:
+            if key not in seen:
+                yield key
+
+
+def make_policy(name: EvictionPolicyName | str, index: PrefixIndex) -> EvictionPolicy:
+    """The policy called `name`; `index` is the pool's prefix index (read by `resumable`)."""
     try:
         name = EvictionPolicyName(name)
     except ValueError:
         raise ConfigError(f"unknown eviction policy {name!r}; expected one of "
                           f"{[p.value for p in EvictionPolicyName]}") from None
+    if name is EvictionPolicyName.RESUMABLE:
+        return ResumablePolicy(index)
     return LRUPolicy()

@@ -45,6 +45,10 @@ class ServerMetrics:
         self.lock_expired = Counter(P + "lock_expired", "Lookups whose locks expired unretrieved", registry=r)
         self.l1_bytes = Gauge(P + "l1_bytes_used", "Bytes in L1", registry=r)
         self.l1_objects = Gauge(P + "l1_objects", "Objects in L1", registry=r)
+        self.l1_resumable_prefixes = Gauge(P + "l1_resumable_prefixes", "Chunk prefixes L1 can serve as a hit "
+                                           "(every object group's objects present)", registry=r)
+        self.l1_dead_objects = Gauge(P + "l1_dead_objects", "L1 objects no resumable prefix needs", registry=r)
+        self.l1_dead_bytes = Gauge(P + "l1_dead_bytes", "Bytes of L1 objects no resumable prefix needs", registry=r)
         self.l1_capacity = Gauge(P + "l1_capacity_bytes", "L1 capacity", registry=r)
         self.engines = Gauge(P + "registered_engines", "Registered engine instances", registry=r)
         self.leases_released = Counter(P + "leases_released", "Registrations dropped because their registration "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from hybridkv.cache_server.arena import Arena, aligned
 from hybridkv.cache_server.l1_eviction import EvictionPolicy
+from hybridkv.cache_server.prefix_index import IndexStats, ObjectPlace, PrefixIndex
 from hybridkv.cache_server.shm import Bytes
 from hybridkv.errors import IntegrityError
 
@@ -36,15 +37,17 @@ class PoolStats:
     capacity_bytes: int
     locked_objects: int
     evictions: int
+    prefixes: IndexStats  # resumable prefixes and dead objects (prefix_index.py)
 
 
 class L1Pool:
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, *,
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, *, index: PrefixIndex | None = None,
                  on_evict: Callable[[bytes, int], None] | None = None,
                  can_reuse: Callable[[], bool] | None = None) -> None:
         self._arena = Arena(capacity_bytes)
         self.capacity_bytes = capacity_bytes
         self._policy = policy
+        self.index = index or PrefixIndex()  # where each object sits among the resumable prefixes
         self._entries: dict[bytes, _Entry] = {}
         self._used = 0  # object bytes
         self._locked_extent_bytes = 0
@@ -63,11 +66,16 @@ class L1Pool:
         entry = self._entries.get(key)
         if entry is None:
             return None
-        self._policy.touch(key)
+        self._touch(key)
         return self._view(entry)
 
-    def put(self, key: bytes, nbytes: int, fill: Callable[[Bytes], None]) -> bool:
+    def _touch(self, key: bytes) -> None:
+        self._policy.touch(key)
+        self.index.touch(key)
+
+    def put(self, key: bytes, nbytes: int, fill: Callable[[Bytes], None], place: ObjectPlace | None = None) -> bool:
         """Place a new object of `nbytes` under `key`, written by `fill(view)`; False = nothing placed.
+        `place`: its chunk in its prefix tree (None: outside any, evicted by the policy's fallback).
 
         `key` must not be in the pool. If `fill` raises, the space is given back and the error propagates."""
         if key in self._entries:
@@ -91,6 +99,7 @@ class L1Pool:
             raise
         self._entries[key] = entry
         self._policy.insert(key)
+        self.index.insert(key, nbytes, place)
         self._used += nbytes
         return True
 
@@ -119,6 +128,7 @@ class L1Pool:
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)
         self._policy.remove(key)
+        self.index.remove(key)
         self._arena.free(entry.offset, entry.nbytes)
         self._used -= entry.nbytes
 
@@ -130,7 +140,7 @@ class L1Pool:
             self._locked_extent_bytes += aligned(max(entry.nbytes, 1))
             self._locked_objects += 1
         entry.locks += 1
-        self._policy.touch(key)
+        self._touch(key)
         return True
 
     def unlock(self, key: bytes) -> None:
@@ -151,7 +161,7 @@ class L1Pool:
 
     def stats(self) -> PoolStats:
         return PoolStats(objects=len(self._entries), bytes_used=self._used, capacity_bytes=self.capacity_bytes,
-                         locked_objects=self._locked_objects, evictions=self._evictions)
+                         locked_objects=self._locked_objects, evictions=self._evictions, prefixes=self.index.stats())
 
     def check_integrity(self) -> None:
         used = sum(e.nbytes for e in self._entries.values())
@@ -163,3 +173,4 @@ class L1Pool:
                                  f"(actual {locked}), {len(in_policy)} keys in the policy vs "
                                  f"{len(self._entries)} objects")
         self._arena.check_integrity(extents)
+        self.index.check_integrity()

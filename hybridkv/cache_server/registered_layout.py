@@ -264,3 +264,22 @@ class ChunkRules:
                 return offset + (block - kept.start) * self.section_block_bytes(gid)
             offset += len(kept) * self.section_block_bytes(member)
         raise KeyError(f"group {gid} is not in object group {og.name}")
+
+
+class TreeRules:
+    """The hit rules of one registered layout and cache salt, per object group (prefix_index.PrefixRules)."""
+
+    def __init__(self, tree_id: bytes, rules: ChunkRules, groups: list[ObjectGroup]) -> None:
+        self.tree_id = tree_id
+        self.num_object_groups = len(groups)
+        kinds = [{rules.layout.groups[gid].kind for gid in og.groups} for og in groups]
+        self.state_object_groups = frozenset(og.index for og, k in zip(groups, kinds, strict=True)
+                                             if GroupKind.STATE in k)
+        self._rules = rules
+        self._groups = groups
+
+    def first_needed(self, object_group: int, hit_chunks: int) -> int:
+        return min(self._rules.first_needed_chunk(gid, hit_chunks) for gid in self._groups[object_group].groups)
+
+    def empty(self, object_group: int, chunk: int) -> bool:
+        return self._rules.object_bytes(self._groups[object_group], chunk) == 0

@@ -26,6 +26,7 @@ from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
 from hybridkv.cache_server.l2 import TierSet
 from hybridkv.cache_server.metrics import ServerMetrics
 from hybridkv.cache_server.pool import L1Pool
+from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex
 from hybridkv.cache_server.registered_layout import (
     ChunkRules,
     ObjectGroup,
@@ -88,7 +89,8 @@ class KVStore:
         self.metrics = metrics or ServerMetrics()
         self.metrics.l1_capacity.set(config.l1_bytes)
         self.tiers = TierSet(tiers, self.metrics)
-        self._pool = L1Pool(config.l1_bytes, make_policy(config.eviction_policy),
+        index = PrefixIndex()
+        self._pool = L1Pool(config.l1_bytes, make_policy(config.eviction_policy, index), index=index,
                             on_evict=lambda _k, _n: self.metrics.evictions.inc(),
                             can_reuse=self._l2_has_everything if len(self.tiers) else None)
         self.metrics.watch_tiers(self.tiers.stats)
@@ -155,6 +157,8 @@ class KVStore:
             if req.first_chunk < 0:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"first_chunk must be >= 0, got {req.first_chunk}")
             self.metrics.store_requests.inc()
+            parent = req.parent_hash if req.first_chunk and req.parent_hash else None
+            self._pool.index.link_chain(engine.tree(req.cache_salt), req.first_chunk, parent, req.chunk_hashes)
             stored: list[bool] = []
             refusals: list[Refusal] = []
             pinned: list[bytes] = []
@@ -209,6 +213,10 @@ class KVStore:
         buffers = engine.mapped("store")
         nbytes = rules.object_bytes(og, chunk)
 
+        parent = req.chunk_hashes[i - 1] if i else (req.parent_hash or None) if chunk else None
+        place = ObjectPlace(rules=engine.tree(req.cache_salt), chunk=chunk, chunk_hash=chunk_hash,
+                            parent_hash=parent, object_group=og.index)
+
         def fill(value: Bytes) -> None:
             offset = 0
             for gid, bid in pages:
@@ -216,7 +224,7 @@ class KVStore:
                     value[offset:offset + page] = buffers.page(buffer, bid, page)
                     offset += page
 
-        if not self._pool.put(key, nbytes, fill):
+        if not self._pool.put(key, nbytes, fill, place):
             return self._refuse(og, "l1_full", f"L1 cannot place {nbytes} bytes: the pool ({self.config.l1_bytes} "
                                 "bytes) is full of locked objects, too small, or still writing evicted ones to L2")
         self.metrics.bytes_in.inc(nbytes)
@@ -267,10 +275,11 @@ class KVStore:
             max_chunks = min(len(req.chunk_hashes), max(0, req.num_tokens - 1) // self.config.chunk_tokens)
             hashes = req.chunk_hashes[:max_chunks]
             keys = [[self._key(engine, og, req.cache_salt, j, h) for j, h in enumerate(hashes)] for og in engine.groups]
+            self._pool.index.link_chain(engine.tree(req.cache_salt), 0, None, hashes)
             where = self._where(engine, keys)
             while True:
                 hit, per_group = self._hit(engine, [[w is not None for w in ws] for ws in where], max_chunks)
-                locked = self._lock_hit(engine, keys, where, hit)
+                locked = self._lock_hit(engine, keys, where, hit, req.cache_salt, hashes)
                 if locked is not None:
                     break
             lookup_id = 0
@@ -325,7 +334,7 @@ class KVStore:
         return hit, per_group
 
     def _lock_hit(self, engine: Engine, keys: list[list[bytes]], where: list[list[int | None]],
-                  hit: int) -> list[bytes] | None:
+                  hit: int, salt: str, hashes: list[bytes]) -> list[bytes] | None:
         """Lock every object the hit needs, reading L2 objects into L1 first; None (with `where`
         updated and nothing left locked) when an object could not be had: look again."""
         needed = [(o, j) for o, og in enumerate(engine.groups) for j in range(self._first_needed(engine, og, hit), hit)
@@ -333,7 +342,9 @@ class KVStore:
         locked: list[bytes] = []
         for o, j in sorted(needed, key=lambda n: where[n[0]][n[1]] != -1):  # L1 first: promotion must not evict them
             key = keys[o][j]
-            if where[o][j] != -1 and not self._promote(engine, o, j, key, where[o][j]):
+            place = ObjectPlace(rules=engine.tree(salt), chunk=j, chunk_hash=hashes[j],
+                                parent_hash=hashes[j - 1] if j else None, object_group=o)
+            if where[o][j] != -1 and not self._promote(engine, place, key, where[o][j]):
                 where[o][j] = None
                 for k in locked:
                     self._pool.unlock(k)
@@ -346,10 +357,10 @@ class KVStore:
             locked.append(key)
         return locked
 
-    def _promote(self, engine: Engine, o: int, chunk: int, key: bytes, tier: int | None) -> bool:
+    def _promote(self, engine: Engine, place: ObjectPlace, key: bytes, tier: int | None) -> bool:
         if tier is None:
             return False
-        expected = engine.rules.object_bytes(engine.groups[o], chunk)
+        expected = engine.rules.object_bytes(engine.groups[place.object_group], place.chunk)
         value = self.tiers.get(tier, key, expected)
         if value is None:
             return False
@@ -357,7 +368,7 @@ class KVStore:
         def fill(view: Bytes) -> None:
             view[:] = np.frombuffer(value, dtype=np.uint8)
 
-        return self._pool.put(key, len(value), fill)
+        return self._pool.put(key, len(value), fill, place)
 
     # ---- retrieve, release ------------------------------------------------------------------
 
@@ -474,6 +485,9 @@ class KVStore:
         stats = self._pool.stats()
         self.metrics.l1_bytes.set(stats.bytes_used)
         self.metrics.l1_objects.set(stats.objects)
+        self.metrics.l1_resumable_prefixes.set(stats.prefixes.resumable_prefixes)
+        self.metrics.l1_dead_objects.set(stats.prefixes.dead_objects)
+        self.metrics.l1_dead_bytes.set(stats.prefixes.dead_bytes)
 
     def check_integrity(self) -> None:
         with self._lock:
@@ -489,7 +503,8 @@ class KVStore:
             held = len(self._leases)
         tiers = [{"name": "l1", "objects": pool.objects, "bytes_used": pool.bytes_used,
                   "capacity_bytes": pool.capacity_bytes, "evictions": pool.evictions,
-                  "locked_objects": pool.locked_objects}]
+                  "locked_objects": pool.locked_objects, "resumable_prefixes": pool.prefixes.resumable_prefixes,
+                  "dead_objects": pool.prefixes.dead_objects, "dead_bytes": pool.prefixes.dead_bytes}]
         return {"chunk_tokens": self.config.chunk_tokens, "object_groups": self.config.object_groups.value,
                 "eviction_policy": self.config.eviction_policy.value, "held_lookups": held,
                 "registered_engines": registered, "engines": engines, "tiers": tiers + self.tiers.describe()}

@@ -93,6 +93,7 @@ class SaveSpec:
     chunk_hashes: tuple[bytes, ...]
     block_ids: tuple[tuple[int, ...], ...]
     cache_salt: str
+    parent_hash: bytes = b""  # chunk first_chunk - 1's hash (b"" for chunk 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -218,13 +218,14 @@ class KVClient:
             num_tokens=num_tokens, cache_salt=cache_salt), LookupReply)
 
     def store(self, *, first_chunk: int, chunk_hashes: Sequence[bytes], block_ids: Sequence[Sequence[int]],
-              cache_salt: str = "") -> StoreReply:
-        """Store chunks first_chunk.. (block_ids[g]: group g's blocks of exactly those chunks).
+              cache_salt: str = "", parent_hash: bytes = b"") -> StoreReply:
+        """Store chunks first_chunk.. (block_ids[g]: group g's blocks of exactly those chunks;
+        `parent_hash`: chunk first_chunk - 1's hash, which lets the server evict by resumable prefix).
         `reply.stored[i]` is True only when every object group committed chunk first_chunk + i."""
         return self._engine_call(lambda r: StoreRequest(
             req_id=0, instance_id=r.instance_id, token=r.token, fingerprint=self._fp(), first_chunk=first_chunk,
-            chunk_hashes=list(chunk_hashes), block_ids=[list(b) for b in block_ids], cache_salt=cache_salt),
-            StoreReply)
+            chunk_hashes=list(chunk_hashes), block_ids=[list(b) for b in block_ids], cache_salt=cache_salt,
+            parent_hash=parent_hash), StoreReply)
 
     def retrieve(self, lookup_id: int, *, block_ids: Sequence[Sequence[int]], num_tokens: int = -1,
                  skip_tokens: int = 0) -> RetrieveReply:

@@ -231,7 +231,8 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
         first, last = work.start // chunk, work.end // chunk  # chunks first .. last-1 end in (start, end]
         if last <= first:
             return None
-        hashes = self._chunk_hashes(work.request, work.end)[first:last]
+        chain = self._chunk_hashes(work.request, work.end)
+        hashes, parent = chain[first:last], chain[first - 1] if first else b""
         blocks: list[tuple[int, ...]] = []
         for gid, (table, g) in enumerate(zip(work.block_tables, self.layout.groups, strict=True)):
             if g.kind is GroupKind.CROSS:
@@ -248,7 +249,7 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
                         ids[(j - first + 1) * bpc - 1] = 0
             blocks.append(tuple(ids))
         return SaveSpec(request_id=work.request.request_id, first_chunk=first, chunk_hashes=tuple(hashes),
-                        block_ids=tuple(blocks), cache_salt=work.request.cache_salt or "")
+                        block_ids=tuple(blocks), cache_salt=work.request.cache_salt or "", parent_hash=parent)
 
     def request_finished(self, request_id: str, block_tables: BlockTables) -> bool:
         self._release_pending(request_id)
@@ -289,7 +290,8 @@ class ServerConnector(KVConnectorScheduler, KVConnectorWorker):
                 self.stats.failed_saves += len(save.chunk_hashes)
                 continue
             reply = self._try(partial(self.client.store, first_chunk=save.first_chunk, chunk_hashes=save.chunk_hashes,
-                                      block_ids=save.block_ids, cache_salt=save.cache_salt), "store")
+                                      block_ids=save.block_ids, cache_salt=save.cache_salt,
+                                      parent_hash=save.parent_hash), "store")
             if reply is None:
                 self.stats.failed_saves += len(save.chunk_hashes)
                 continue

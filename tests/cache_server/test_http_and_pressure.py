@@ -30,11 +30,14 @@ def test_http_endpoints() -> None:
         metrics = server.http("/metrics")
         assert 'hybridkv_server_objects_stored_total{object_group="full"} 3.0' in metrics
         assert "hybridkv_server_l1_bytes_used 384.0" in metrics
+        assert "hybridkv_server_l1_resumable_prefixes 3.0" in metrics  # one full group: every stored chunk ends one
+        assert "hybridkv_server_l1_dead_bytes 0.0" in metrics
         status = json.loads(server.http("/status"))
         assert status["chunk_tokens"] == CHUNK and status["object_groups"] == "separate"
         assert status["engines"][0]["object_groups"] == [{"name": "full", "groups": [0]}]
         assert status["tiers"][0] == {"name": "l1", "objects": 3, "bytes_used": 384, "capacity_bytes": 1 << 20,
-                                      "evictions": 0, "locked_objects": 0}
+                                      "evictions": 0, "locked_objects": 0, "resumable_prefixes": 3,
+                                      "dead_objects": 0, "dead_bytes": 0}
         with pytest.raises(urllib.error.HTTPError) as e:
             server.http("/cache/clear")  # GET is not allowed: clearing must be a POST
         assert e.value.code == 405

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridkv.cache_server.keys import namespace, object_key
+from hybridkv.cache_server.l1_eviction import EvictionPolicyName
 from hybridkv.cache_server.registered_layout import object_groups
 from hybridkv.cache_server.store import KVStore, StoreConfig
 from hybridkv.connector.client import chunk_hashes
@@ -44,11 +45,13 @@ def needed_tokens(g: object, hit: int) -> range:
 
 
 class ServerMachine(RuleBasedStateMachine):
+    policy = EvictionPolicyName.LRU
+
     def __init__(self) -> None:
         super().__init__()
         self.src = make_engine(GROUPS, num_blocks=96, seed=1)
         self.dst = make_engine(GROUPS, num_blocks=96, seed=None)
-        self.store = KVStore(StoreConfig(chunk_tokens=CHUNK, l1_bytes=1 << 22))
+        self.store = KVStore(StoreConfig(chunk_tokens=CHUNK, l1_bytes=1 << 22, eviction_policy=self.policy))
         src = self.store.register(self.src.layout, self.src.buffers.fds)
         dst = self.store.register(self.dst.layout, self.dst.buffers.fds)
         self.iid, self.src_token = src.instance_id, src.token
@@ -160,3 +163,13 @@ class ServerMachine(RuleBasedStateMachine):
 
 TestServerMachine = ServerMachine.TestCase
 TestServerMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+class ResumableServerMachine(ServerMachine):
+    """The same model under `--eviction-policy resumable` (its prefix index recounted at every step)."""
+
+    policy = EvictionPolicyName.RESUMABLE
+
+
+TestResumableServerMachine = ResumableServerMachine.TestCase
+TestResumableServerMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)

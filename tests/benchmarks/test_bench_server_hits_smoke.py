@@ -1,0 +1,23 @@
+"""The server-hits benchmark's CI smoke run: a line per layout and generator, its ratio last."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAST = re.compile(r"server_hits_resumable_vs_lru=\d+\.\d+ worst=\d+\.\d+")
+
+
+@pytest.mark.slow
+def test_bench_server_hits_quick_prints_its_line_last() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_server_hits.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert LAST.fullmatch(lines[-1]), lines
+    assert len(lines) == 9 and all(" hit tokens lru=" in line for line in lines[:-1])
