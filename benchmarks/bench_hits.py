@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -58,8 +59,15 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
     options = SimOptions(max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
                          max_num_seqs=job["max_num_seqs"], mamba_cache_mode=mode,
                          prefix_cache_retention_interval=job["retention"],
-                         release_order=ReleaseOrder(job["release_order"]), spec_decode=SpecDecode(job["spec_decode"]))
+                         release_order=ReleaseOrder(job["release_order"]), spec_decode=SpecDecode(job["spec_decode"]),
+                         prefix_match_unit=match_unit(job, planned.config))
     return planned.config, trace, options
+
+
+def match_unit(job: dict[str, Any], config: KVCacheConfig) -> int | None:
+    """The job's prefix_match_unit in tokens ("block": the planned scheduler block)."""
+    unit = job.get("prefix_match_unit")
+    return math.lcm(*(g.block_size for g in config.groups)) if unit == "block" else unit
 
 
 def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
@@ -72,11 +80,16 @@ def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
     runs += [(layout, g, 0, "off") for layout in ("qwen3.5", "mamba2") for g in generators]
     runs += [(layout, g, r, "eagle") for layout, r in (("gemma3", None), ("gemma3", 0), ("full", None))
              for g in generators]
-    return [{"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
-             "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
-             "retention": retention, "release_order": release_order, "spec_decode": spec,
-             "generator": generator.value, "generator_options": {"num_requests": n, "seed": 0}}
-            for layout, generator, retention, spec in runs]
+    batch = [{"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
+              "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
+              "retention": retention, "release_order": release_order, "spec_decode": spec,
+              "generator": generator.value, "generator_options": {"num_requests": n, "seed": 0}}
+             for layout, generator, retention, spec in runs]
+    # prefix_match_unit: finer keys on Gemma 3 (hits stay on the block: its sliding window cannot look
+    # up inside a block); the state block itself on Qwen3.5 and the Mamba2 hybrid
+    units: dict[str, int | str] = {"gemma3": 8, "qwen3.5": "block", "mamba2": "block"}
+    return batch + [{**job, "prefix_match_unit": units[job["layout"]]} for job in batch
+                    if job["layout"] in units and job["retention"] is None and job["spec_decode"] == "off"]
 
 
 def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -100,8 +113,10 @@ def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
 
 
 def job_name(job: dict[str, Any]) -> str:
-    return "{layout}:{generator}:{n}:{release_order}:retention={retention}:spec={spec_decode}".format(
+    name = "{layout}:{generator}:{n}:{release_order}:retention={retention}:spec={spec_decode}".format(
         n=job["generator_options"]["num_requests"], **job)
+    unit = job.get("prefix_match_unit")
+    return name if unit is None else f"{name}:prefix_match_unit={unit}"
 
 
 def record(path: Path) -> None:
@@ -137,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     total_ideal = sum(r.ideal_tokens for r in ours)
     for i, (job, report) in enumerate(zip(batch, ours, strict=True)):
         line = (f"layout={job['layout']} trace={job['generator']} retention={job['retention']} "
-                f"spec_decode={job['spec_decode']} "
+                f"spec_decode={job['spec_decode']} prefix_match_unit={job.get('prefix_match_unit')} "
                 f"requests={report.requests} "
                 f"hits={report.hit_tokens} ideal={report.ideal_tokens} preemptions={report.preemptions} "
                 f"simulate_s={report.wall_s:.2f}")

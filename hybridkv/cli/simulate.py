@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from hybridkv.cli.engine_options import MatchUnitOption
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
@@ -27,7 +28,7 @@ from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
 from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
 
 SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
-                      "step_ms", "num_requests"])
+                      "prefix_match_unit", "step_ms", "num_requests"])
 PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
@@ -56,6 +57,7 @@ def simulate_command(
     retention_interval: Annotated[int | None, typer.Option(
         "--prefix-cache-retention-interval", help="vLLM's option: 0 = windows and states kept at the replay "
         "boundary only; N = also one per N tokens (default: every aligned boundary)")] = None,
+    prefix_match_unit: MatchUnitOption = None,
     release_order: Annotated[ReleaseOrder, typer.Option(
         "--release-order", help="free order of a request's blocks (by_group: vLLM's)")] = ReleaseOrder.INTERLEAVED,
     spec_decode: Annotated[SpecDecode, typer.Option(
@@ -82,7 +84,7 @@ def simulate_command(
                              max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
                              mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
                              prefix_cache_retention_interval=retention_interval, release_order=release_order,
-                             spec_decode=spec_decode)
+                             spec_decode=spec_decode, prefix_match_unit=prefix_match_unit)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]

@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching, SlidingWindowCaching
+from hybridkv.plan.match_unit import check_prefix_match_unit
 from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
@@ -43,6 +44,9 @@ class EngineConfig:
     #: 0 only at each prompt's replay boundary, N once per N tokens too (docs/prefix_caching.md)
     prefix_cache_retention_interval: int | None = None
     sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
+    #: vLLM's option (alias hash_block_size): tokens per prefix-cache key; None = the block size
+    #: (docs/prefix_caching.md); checked against the planned block sizes when the engine starts
+    prefix_match_unit: int | None = None
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -70,6 +74,7 @@ class EngineConfig:
         interval = self.prefix_cache_retention_interval
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
             raise ConfigError(f"prefix_cache_retention_interval must be None or an integer >= 0, got {interval!r}")
+        check_prefix_match_unit(self.prefix_match_unit)
         if not isinstance(self.sliding_window_caching, SlidingWindowCaching):
             values = [m.value for m in SlidingWindowCaching]
             if self.sliding_window_caching not in values:

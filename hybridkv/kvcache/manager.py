@@ -65,6 +65,7 @@ from hybridkv.kvcache.results import (
 from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode, check_spec_decode
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
+from hybridkv.plan.match_unit import MatchUnit, resolve_match_unit
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
 
@@ -77,6 +78,7 @@ __all__ = [
     "KVCacheManager",
     "MambaCacheMode",
     "ManagerStats",
+    "MatchUnit",
     "NewBlocks",
     "PrefixCaching",
     "ReleaseOrder",
@@ -126,6 +128,7 @@ class KVCacheManager:
         prefix_cache_retention_interval: int | None = None,
         release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED,
         spec_decode: SpecDecode = SpecDecode.OFF,
+        prefix_match_unit: int | None = None,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -139,6 +142,16 @@ class KVCacheManager:
                               f"got {mamba_cache_mode!r}")
         self.config = config
         self.max_model_len = max_model_len
+        #: where hits land (vLLM's prefix_match_unit resolved for these groups; docs/prefix_caching.md)
+        self.match_unit = resolve_match_unit(config.groups, prefix_match_unit,
+                                             caching=prefix_caching is PrefixCaching.ON,
+                                             mamba_cache_mode=mamba_cache_mode)
+        if self.match_unit.partial_hits and prefix_match_unit is not None:
+            raise ConfigError(
+                f"prefix_match_unit={self.match_unit.hash_unit_tokens} would make hits land inside the "
+                f"{self.match_unit.scheduler_block_tokens}-token blocks of this layout (a state group in align "
+                "mode), which this manager does not do yet; expected a unit of at least the state block "
+                "(or None)")
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,

@@ -69,6 +69,7 @@ class SimOptions:
     prefix_cache_retention_interval: int | None = None
     release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED
     spec_decode: SpecDecode = SpecDecode.OFF
+    prefix_match_unit: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -205,7 +206,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         config, max_model_len=options.max_model_len, prefix_caching=options.prefix_caching,
         mamba_cache_mode=options.mamba_cache_mode, sliding_window_caching=options.sliding_window_caching,
         prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order,
-        spec_decode=options.spec_decode)
+        spec_decode=options.spec_decode, prefix_match_unit=options.prefix_match_unit)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens
