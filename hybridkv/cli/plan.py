@@ -19,7 +19,7 @@ from hybridkv.cli.errors import flags_of, in_flag_words, usage_error
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import HybridKVError
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
-from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, StateLayout
 from hybridkv.plan.specs import MambaCacheMode
 
 if TYPE_CHECKING:
@@ -64,6 +64,10 @@ def plan_command(
     mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
         "--mamba-cache-mode", help="state checkpoints: align (where a step ends on a block boundary) or all "
                                    "(every boundary: more state blocks per request)")] = MambaCacheMode.ALIGN,
+    state_layout: Annotated[StateLayout, typer.Option(
+        "--state-layout", help="Mamba hybrids: one_page (a state in one page: attention blocks of hundreds of "
+                               "tokens, as vLLM) or multi_page (a state over several pages of --block-size "
+                               "tokens: short prefixes hit)")] = StateLayout.ONE_PAGE,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     list_types: Annotated[bool, typer.Option(
         "--list-types", help="show every config.json model_type plan reads, by family, and exit")] = False,
@@ -113,7 +117,8 @@ def plan_command(
             plan_report.PlanRequest(
                 model=m, memory_gib=memory_gib, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                mamba_alignment=mamba_alignment, spec_options=spec_options, mamba_cache_mode=mamba_cache_mode)
+                mamba_alignment=mamba_alignment, spec_options=spec_options, mamba_cache_mode=mamba_cache_mode,
+                state_layout=state_layout)
             for m in models
         ]
     except HybridKVError as exc:
