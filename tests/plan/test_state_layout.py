@@ -96,3 +96,8 @@ def test_plan_cli_reports_both_layouts() -> None:
     assert (last["state_page"], last["page_bytes_used"]) == (33, STATE_BYTES - 33 * 32768)
     text = CliRunner().invoke(app, ["plan", "Qwen/Qwen3.5-0.8B", "--memory-gib", "1", "--max-model-len", "512"])
     assert "State layouts" in text.output and "34 x 32,768 B" in text.output
+
+
+def test_plan_vllm_flags_refuse_the_multi_page_layout() -> None:
+    out = CliRunner().invoke(app, ["plan", "Qwen/Qwen3.5-0.8B", "--state-layout", "multi_page", "--vllm"])
+    assert out.exit_code == 2 and "--state-layout one_page" in out.output
