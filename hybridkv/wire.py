@@ -68,7 +68,11 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
     group whose layers share one page size (every layout before it existed).
 
     `layer_buffers` (DeepSeek-V4's packed layout, several groups in one segment): the buffer index
-    of each layer. None: layer j lives in buffer j (vLLM's shared tensors)."""
+    of each layer. None: layer j lives in buffer j (vLLM's shared tensors).
+
+    `state_pages` > 1 (a state group of the multi-page state layout): this group holds page `state_page`
+    of a state spanning `state_pages` pages; groups `gid - state_page .. + state_pages - 1` are the pages
+    of one state, and the server keeps them as one object group (one opaque state object per chunk)."""
 
     kind: GroupKind
     num_layers: int
@@ -77,6 +81,8 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
     window_tokens: int = -1
     layer_page_bytes: list[int] | None = None
     layer_buffers: list[int] | None = None
+    state_page: int = 0
+    state_pages: int = 1
 
 
 class BufferLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -357,4 +363,6 @@ def _fingerprint_fields(g: GroupLayout) -> dict[str, Any]:
                               "page_bytes": g.page_bytes, "window_tokens": g.window_tokens}
     if g.layer_page_bytes is not None:
         fields["layer_page_bytes"] = list(g.layer_page_bytes)
+    if g.state_pages > 1:  # absent for one-page states: their fingerprints are unchanged
+        fields["state_page"], fields["state_pages"] = g.state_page, g.state_pages
     return fields

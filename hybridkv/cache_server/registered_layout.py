@@ -103,12 +103,30 @@ def _validate_group(gid: int, g: GroupLayout, layout: Layout, chunk_tokens: int)
             raise _bad_layout(f"group {gid}: layer_page_bytes must list {g.num_layers} positive page sizes (one "
                               f"per layer) whose largest is page_bytes {g.page_bytes}, got {pages}")
     _validate_group_buffers(gid, g, layout)
+    _validate_state_pages(gid, g, layout)
     if g.kind in (GroupKind.SLIDING, GroupKind.CHUNKED) and g.window_tokens <= 0:
         raise _bad_layout(f"group {gid} ({g.kind.value}) needs window_tokens > 0, got {g.window_tokens}")
     if g.kind is not GroupKind.CROSS and chunk_tokens % g.block_tokens:
         raise _bad_layout(
             f"chunk size {chunk_tokens} must be a multiple of group {gid}'s block size {g.block_tokens} "
             f"({g.kind.value}); valid chunk sizes: {valid_chunk_sizes(layout)} ...")
+
+
+def _validate_state_pages(gid: int, g: GroupLayout, layout: Layout) -> None:
+    """The pages of a multi-page state are consecutive state groups of one block size and layer count."""
+    if g.state_pages == 1 and g.state_page == 0:
+        return
+    lead = gid - g.state_page
+    same = (g.kind is GroupKind.STATE and 0 <= g.state_page < g.state_pages and lead >= 0
+            and lead + g.state_pages <= len(layout.groups))
+    if same:
+        pages = layout.groups[lead : lead + g.state_pages]
+        same = all(p.kind is GroupKind.STATE and p.state_pages == g.state_pages and p.state_page == i
+                   and p.block_tokens == g.block_tokens and p.num_layers == g.num_layers for i, p in enumerate(pages))
+    if not same:
+        raise _bad_layout(f"group {gid}: state page {g.state_page} of {g.state_pages} must be one of "
+                          f"{g.state_pages} consecutive state groups numbered 0..{g.state_pages - 1} with one block "
+                          f"size and layer count (the multi-page state layout)")
 
 
 def _validate_group_buffers(gid: int, g: GroupLayout, layout: Layout) -> None:
@@ -162,7 +180,7 @@ def _object_group_name(gid: int, g: GroupLayout, chunk_tokens: int) -> str:
         return f"window:{math.ceil((g.window_tokens - 1) / chunk_tokens)}"
     if g.kind is GroupKind.CHUNKED:
         return f"chunked:{g.window_tokens}"
-    return f"state:g{gid}"
+    return f"state:g{gid - g.state_page}"  # every page of a multi-page state: one object group
 
 
 def object_group_infos(groups: list[ObjectGroup]) -> list[ObjectGroupInfo]:

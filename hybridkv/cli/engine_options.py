@@ -9,6 +9,7 @@ import typer
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
+from hybridkv.plan.kv_cache_config import StateLayout
 
 DEFAULTS = EngineConfig.defaults()
 
@@ -23,6 +24,9 @@ PrefixCachingOption = Annotated[PrefixCaching, typer.Option(help="prefix caching
 MambaCacheModeOption = Annotated[MambaCacheMode, typer.Option(
     help="state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, "
          "all = at every block boundary")]
+StateLayoutOption = Annotated[StateLayout, typer.Option(
+    "--state-layout", help="Mamba hybrids: one_page (a state in one page, attention blocks of hundreds of tokens, "
+                           "as vLLM) or multi_page (a state over several --block-size pages: short prefixes hit)")]
 Seed = Annotated[int, typer.Option(help="sampling seed of requests that set none")]
 RetentionInterval = Annotated[int | None, typer.Option(
     "--prefix-cache-retention-interval", help="vLLM's option: sliding-window tails and state checkpoints kept "
@@ -40,14 +44,15 @@ KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="b
 __all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "KVCacheMemoryGiB", "KVServer", "KVServerTimeout",
            "MambaCacheModeOption", "MatchUnitOption",
            "MaxModelLen", "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "PrefixCachingOption",
-           "RetentionInterval", "Seed", "Threads", "engine_options"]
+           "RetentionInterval", "Seed", "StateLayoutOption", "Threads", "engine_options"]
 
 
 def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
                    max_model_len: int | None, block_size: int, prefix_caching: PrefixCaching,
                    mamba_cache_mode: MambaCacheMode, seed: int, num_threads: int, kv_server: str | None,
                    kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None,
-                   prefix_match_unit: int | None = None) -> dict[str, Any]:
+                   prefix_match_unit: int | None = None,
+                   state_layout: StateLayout = StateLayout.ONE_PAGE) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
@@ -55,6 +60,6 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
         mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
-        prefix_match_unit=prefix_match_unit)
+        prefix_match_unit=prefix_match_unit, state_layout=state_layout)
     EngineConfig.from_options(options)
     return options

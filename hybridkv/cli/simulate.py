@@ -21,6 +21,7 @@ from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.manager import PrefixCaching, ReleaseOrder, SlidingWindowCaching, SpecDecode
+from hybridkv.plan.kv_cache_config import StateLayout
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.specs import MambaCacheMode
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
@@ -51,6 +52,9 @@ def simulate_command(
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
     mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
         "--mamba-cache-mode", help="state checkpoints")] = MambaCacheMode.ALIGN,
+    state_layout: Annotated[StateLayout, typer.Option(
+        "--state-layout", help="Mamba hybrids: one_page (vLLM's) or multi_page (small attention blocks, a state "
+                               "over several pages)")] = StateLayout.ONE_PAGE,
     prefix_caching: Annotated[PrefixCaching, typer.Option("--prefix-caching", help="on or off")] = PrefixCaching.ON,
     sliding_window_caching: Annotated[SlidingWindowCaching, typer.Option(
         "--sliding-window-caching", help="which sliding-window blocks to cache")] = SlidingWindowCaching.REACHABLE,
@@ -78,7 +82,7 @@ def simulate_command(
         request = PlanRequest(model=model, memory_gib=memory_gib, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               mamba_alignment=mamba_alignment, spec_options=SpecOptions(kv_cache_dtype=kv_cache_dtype),
-                              mamba_cache_mode=mamba_cache_mode)
+                              mamba_cache_mode=mamba_cache_mode, state_layout=state_layout)
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,

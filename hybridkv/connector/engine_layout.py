@@ -22,14 +22,18 @@ _KINDS = {
 }
 
 
-def group_layout(group: KVCacheGroupSpec) -> GroupLayout:
+def group_layout(group: KVCacheGroupSpec, page_size_bytes: int) -> GroupLayout:
     """The registration of one group; a group of mixed pages (MLA latents + indexer keys, MiniMax-M3)
-    lists its layers' page sizes (`layer_page_bytes`, the largest as `page_bytes`)."""
+    lists its layers' page sizes (`layer_page_bytes`, the largest as `page_bytes`); a page of a
+    multi-page state moves the whole page (`page_size_bytes`) and says which page it is."""
     window = group.window_tokens or group.chunk_tokens or -1
     pages = list(group.layer_page_bytes()) if group.mixed_pages else None
     page = max(pages) if pages else group.spec.page_size_bytes(group.block_size)
+    if group.state_pages > 1:
+        page = page_size_bytes
     return GroupLayout(kind=_KINDS[group.kind], num_layers=len(group.layer_indices), block_tokens=group.block_size,
-                       page_bytes=page, window_tokens=window, layer_page_bytes=pages)
+                       page_bytes=page, window_tokens=window, layer_page_bytes=pages, state_page=group.state_page,
+                       state_pages=group.state_pages)
 
 
 def layout_from_kv_cache_config(config: KVCacheConfig, *, buffers: Sequence[BufferLayout], model: str | None = None,
@@ -40,7 +44,7 @@ def layout_from_kv_cache_config(config: KVCacheConfig, *, buffers: Sequence[Buff
     buffer on that segment at the layer's offset in the block (its group's earlier pages)."""
     from hybridkv.connector.client import make_layout
 
-    groups = [group_layout(g) for g in config.groups]
+    groups = [group_layout(g, config.page_size_bytes) for g in config.groups]
     stride = config.page_size_bytes
     if config.page_layout is PageLayout.LAYER_TENSORS:
         (only,) = config.groups

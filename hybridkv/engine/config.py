@@ -13,7 +13,7 @@ from typing import Any
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching, SlidingWindowCaching
 from hybridkv.plan.match_unit import check_prefix_match_unit
-from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, StateLayout, memory_gib_to_bytes
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -40,6 +40,8 @@ class EngineConfig:
     block_size: int = 16
     prefix_caching: PrefixCaching = PrefixCaching.ON
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
+    #: Mamba hybrids: a state in one page (vLLM's) or over several pages of `block_size` tokens (docs/state_layout.md)
+    state_layout: StateLayout = StateLayout.ONE_PAGE
     #: vLLM's option: None keeps sliding-window tails and state checkpoints at every aligned boundary,
     #: 0 only at each prompt's replay boundary, N once per N tokens too (docs/prefix_caching.md)
     prefix_cache_retention_interval: int | None = None
@@ -64,6 +66,11 @@ class EngineConfig:
             if self.mamba_cache_mode not in values:
                 raise ConfigError(f"mamba_cache_mode must be one of {values}, got {self.mamba_cache_mode!r}")
             object.__setattr__(self, "mamba_cache_mode", MambaCacheMode(self.mamba_cache_mode))
+        if not isinstance(self.state_layout, StateLayout):
+            values = [m.value for m in StateLayout]
+            if self.state_layout not in values:
+                raise ConfigError(f"state_layout must be one of {values}, got {self.state_layout!r}")
+            object.__setattr__(self, "state_layout", StateLayout(self.state_layout))
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if name == "max_model_len" and value is None:

@@ -104,7 +104,7 @@ class LLM:
             memory_bytes=memory_gib_to_bytes(cfg.kv_cache_memory_gib, option="kv_cache_memory_gib"),
             max_model_len=self.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
-            mamba_cache_mode=cfg.mamba_cache_mode))
+            mamba_cache_mode=cfg.mamba_cache_mode, state_layout=cfg.state_layout))
         check_fits(kv_cache_gib=cfg.kv_cache_memory_gib,
                    weights_bytes=sum(f.stat().st_size for f in safetensors_files(self.model_dir)))
         self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
@@ -167,7 +167,12 @@ class LLM:
         if (not state_blocks or cfg.prefix_caching is PrefixCaching.OFF
                 or cfg.mamba_cache_mode in (MambaCacheMode.ALL, MambaCacheMode.NONE)):
             return 0
-        return max(state_blocks)
+        block = max(state_blocks)
+        if self.plan.config.pages_per_state > 1 and self.transfer is not None:
+            # multi-page states have small blocks: cut on the server's chunks too, so a prompt's last
+            # checkpoint lands where the server stores a chunk (docs/state_layout.md)
+            return math.lcm(block, self.transfer.connector.chunk_tokens or block)
+        return block
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -31,6 +31,7 @@ from hybridkv.engine.loader import torch_dtype
 from hybridkv.engine.mla_attention import latent_view
 from hybridkv.engine.models.base import CausalLM, ForwardContext
 from hybridkv.engine.state_layers import StateCache, StateIO, StateLayers
+from hybridkv.engine.state_pages import PagedStates
 from hybridkv.engine.threads import StepThreads
 from hybridkv.errors import ConfigError
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
@@ -88,7 +89,7 @@ class ModelRunner:
         self.buffers: list[torch.Tensor] = []
         self.layer_group: list[int] = [-1] * self.num_layers
         views: list[torch.Tensor | StateCache | None] = [None] * self.num_layers
-        group_of = {layer: g for g in kv_config.groups for layer in g.layer_indices}
+        group_of = {layer: g for g in kv_config.groups if g.state_lead for layer in g.layer_indices}
         beyond = sorted(layer for layer in group_of if layer >= self.num_layers)
         if beyond:
             raise ConfigError(f"the KV cache layout of {kv_config.model!r} caches layers {beyond} but "
@@ -99,6 +100,9 @@ class ModelRunner:
         for i, tensor in enumerate(kv_config.tensors):
             self.buffers.append(torch.zeros(tensor.size_bytes, dtype=torch.uint8) if buffers is None else buffers[i])
         self.states = StateLayers(kv_config, self.buffers)
+        pages = [b.view(kv_config.num_blocks, -1) for b in self.buffers]
+        self.paged = {g.group_id: PagedStates(kv_config, g, pages)
+                      for g in kv_config.groups if g.state_pages > 1 and g.state_lead}
         for tensor, buffer in zip(kv_config.tensors, self.buffers, strict=True):
             for layer in tensor.shared_by:
                 views[layer] = self._layer_view(buffer, group_of[layer], layer)
@@ -123,6 +127,8 @@ class ModelRunner:
 
     def _layer_view(self, buffer: torch.Tensor, group: KVCacheGroupSpec, layer: int) -> torch.Tensor | StateCache:
         spec = group.spec_of(layer)
+        if spec.kind is SpecKind.MAMBA and group.state_pages > 1:
+            return self.paged[group.group_id].caches[layer]
         if spec.kind is SpecKind.MAMBA:
             return self.states.view(buffer, group, layer)
         if isinstance(spec, MLASpec | IndexerSpec):
@@ -189,14 +195,32 @@ class ModelRunner:
             for g, meta in zip(members, metas, strict=True):
                 groups[g] = meta
         states = {}
+        state_caches = self.state_caches
         if self.states.groups:
-            states = self.states.prepare(spans, [it.state_io for it in ordered])
+            io = [it.state_io for it in ordered]
+            for g, paged in self.paged.items():  # multi-page states: gathered into slots for this step
+                io = [{**known, g: slot_io} for known, slot_io in zip(io, paged.gather(io), strict=True)]
+            states = self.states.prepare(spans, io, {g: p.slot_pages for g, p in self.paged.items()})
+            state_caches = self._step_state_caches()
         ends = torch.tensor([len(it.token_ids) for it in ordered]).cumsum(0) - 1  # [N] last token of each item
         row_of = {original: int(ends[k]) for k, original in enumerate(order)}
         rows = torch.tensor([row_of[i] for i, it in enumerate(items) if it.sample], dtype=torch.int64)
         ctx = ForwardContext(positions=positions, groups=groups, kv_caches=self.kv_caches,
                              layer_group=self.layer_group, kv_shared_from=self.kv_config.kv_shared_from,
-                             state_caches=self.state_caches, state_groups=states, sample_rows=rows)
+                             state_caches=state_caches, state_groups=states, sample_rows=rows)
         with torch.inference_mode(), self.step_threads(len(ids)):
             hidden = self.model(ids, positions, ctx)  # [N, hidden]: the sampling items' last tokens
-            return self.model.compute_logits(hidden).float()  # [N, vocab]
+            logits = self.model.compute_logits(hidden).float()  # [N, vocab]
+        for paged in self.paged.values():
+            paged.scatter()
+        return logits
+
+    def _step_state_caches(self) -> list[StateCache | None]:
+        """The state views of this step: a multi-page state's layers view its slots (`state_pages.py`)."""
+        if not self.paged:
+            return self.state_caches
+        caches = list(self.state_caches)
+        for paged in self.paged.values():
+            for layer, cache in paged.caches.items():
+                caches[layer] = cache
+        return caches

@@ -164,7 +164,8 @@ class StateLayers:
 
     def __init__(self, kv_config: KVCacheConfig, buffers: Sequence[torch.Tensor]) -> None:
         self.kv_config = kv_config
-        self.groups = [g for g in kv_config.groups if g.kind is SpecKind.MAMBA]
+        # page groups 1.. of a multi-page state follow page group 0 (`state_pages.py` gathers their pages)
+        self.groups = [g for g in kv_config.groups if g.kind is SpecKind.MAMBA and g.state_lead]
         # [blocks, page]; a layout of mixed pages (no state groups) has one tensor per layer, of its own page
         self._pages = [b.view(kv_config.num_blocks, -1) for b in buffers]
         self.restore_hook: Callable[[KVCacheGroupSpec, list[int]], None] | None = None  # tests only
@@ -174,12 +175,13 @@ class StateLayers:
         return state_view(buffer, spec=group.spec, num_blocks=self.kv_config.num_blocks,
                           page_bytes=self.kv_config.page_size_bytes, layer=layer)
 
-    def prepare(self, spans: Sequence[tuple[int, int]], io: Sequence[Mapping[int, StateIO]]
-                ) -> dict[int, StateMetadata]:
+    def prepare(self, spans: Sequence[tuple[int, int]], io: Sequence[Mapping[int, StateIO]],
+                pages: Mapping[int, Sequence[torch.Tensor]] | None = None) -> dict[int, StateMetadata]:
         """Restore copies, zeroing, and the metadata of every state group for one step.
 
         `spans[i]` = (start_pos, end_pos) of item i in flattened order (decodes first); `io[i][g]`
-        where it reads and writes group g's state.
+        where it reads and writes group g's state. `pages[g]`: the [slots, state bytes] tensors group
+        g's states are in this step instead of the KV cache tensors (a multi-page state's scratch).
         """
         out: dict[int, StateMetadata] = {}
         for group in self.groups:
@@ -188,11 +190,11 @@ class StateLayers:
             if missing:
                 raise RuntimeError(f"internal error: step items {missing} do not say where state group {g} is "
                                    f"read and written (StepItem.state_io, from KVCacheManager.state_steps)")
-            out[g] = self._prepare_group(group, spans, [known[g] for known in io])
+            out[g] = self._prepare_group(group, spans, [known[g] for known in io], (pages or {}).get(g))
         return out
 
     def _prepare_group(self, group: KVCacheGroupSpec, spans: Sequence[tuple[int, int]],
-                       steps: Sequence[StateIO]) -> StateMetadata:
+                       steps: Sequence[StateIO], pages: Sequence[torch.Tensor] | None) -> StateMetadata:
         sources: list[int] = []
         targets: list[int] = []
         fresh: list[int] = []
@@ -223,12 +225,14 @@ class StateLayers:
         if clash:
             raise RuntimeError(f"internal error: state blocks {clash} are restored from by one request and written by "
                                f"another in the same step; a checkpoint cached in a step must not be hit in that step")
-        self._copy(group, sources, targets, fresh)
+        self._copy(group, sources, targets, fresh, pages)
         return StateMetadata(num_decodes=len(decodes), decode_blocks=torch.tensor(decodes, dtype=torch.int64),
                              sequences=tuple(sequences))
 
-    def _copy(self, group: KVCacheGroupSpec, sources: list[int], targets: list[int], fresh: list[int]) -> None:
-        pages = self._pages[: len(group.layer_indices)]  # tensor i holds layer i of every group
+    def _copy(self, group: KVCacheGroupSpec, sources: list[int], targets: list[int], fresh: list[int],
+              pages: Sequence[torch.Tensor] | None) -> None:
+        if pages is None:
+            pages = self._pages[: len(group.layer_indices)]  # tensor i holds layer i of every group
         if sources:
             src, dst = torch.tensor(sources), torch.tensor(targets)
             for page in pages:

@@ -44,6 +44,21 @@ def resolve_max_model_len(requested: int | None, *, model: str, model_limit: int
     return requested
 
 
+class StateLayout(Enum):
+    """Where a Mamba hybrid's recurrent state lives in the pool (docs/state_layout.md).
+
+    ONE_PAGE (vLLM's layout): one page holds a whole state, so the attention block size is raised
+    until an attention page is as large as a state (`mamba_block_size`, 544..8,320 tokens).
+    MULTI_PAGE: attention keeps `block_size`-token blocks and a state spans
+    `k = ceil(state_bytes / page_bytes)` pages: its group becomes k page groups of the same layers
+    (page group s holds bytes [s * page, (s + 1) * page) of every layer's state), which the KV cache
+    manager allocates, caches and hits together as one logical state block of `block_size` tokens.
+    """
+
+    ONE_PAGE = "one_page"
+    MULTI_PAGE = "multi_page"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannerOptions:
     """What the planner needs besides the model: the budget and the scheduler limits."""
@@ -55,6 +70,8 @@ class PlannerOptions:
     mamba_alignment: int = 16
     #: How state groups are prefix-cached; sizes their per-request need (see `MambaSpec.blocks_needed`).
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
+    #: Where a Mamba hybrid's states live: one page each, or several small pages (`StateLayout`).
+    state_layout: StateLayout = StateLayout.ONE_PAGE
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment"):
@@ -64,6 +81,9 @@ class PlannerOptions:
         if not isinstance(self.mamba_cache_mode, MambaCacheMode):
             raise ConfigError(f"mamba_cache_mode must be one of {[m.value for m in MambaCacheMode]}, "
                               f"got {self.mamba_cache_mode!r}")
+        if not isinstance(self.state_layout, StateLayout):
+            raise ConfigError(f"state_layout must be one of {[m.value for m in StateLayout]}, "
+                              f"got {self.state_layout!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +105,8 @@ class KVCacheGroupSpec:
     block_size: int
     padding_layers: int = 0
     layer_specs: tuple[LayerSpec, ...] = ()
+    state_page: int = 0
+    state_pages: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -98,6 +120,17 @@ class KVCacheGroupSpec:
                               f"{len(self.layer_indices)} layers; expected one spec per layer")
         if self.layer_specs and self.layer_specs[0] != self.spec:
             raise ConfigError(f"group {self.group_id}: spec must be the first of layer_specs")
+        if self.state_pages < 1 or not 0 <= self.state_page < self.state_pages:
+            raise ConfigError(f"group {self.group_id}: state page {self.state_page} of {self.state_pages}; expected "
+                              f"0 <= state_page < state_pages")
+        if self.state_pages > 1 and self.spec.kind is not SpecKind.MAMBA:
+            raise ConfigError(f"group {self.group_id}: a {self.spec.kind.value} group spans one page per block; "
+                              f"only a state group spans several (got state_pages {self.state_pages})")
+
+    @property
+    def state_lead(self) -> bool:
+        """True for every group but pages 1.. of a multi-page state (those follow page 0's group)."""
+        return self.state_page == 0
 
     @property
     def kind(self) -> SpecKind:
@@ -173,6 +206,17 @@ class KVCacheConfig:
     kv_shared_from: dict[int, int] = field(default_factory=dict)
     block_size_note: str = ""
     page_layout: PageLayout = PageLayout.SHARED_TENSORS
+    state_layout: StateLayout = StateLayout.ONE_PAGE
+
+    @property
+    def pages_per_state(self) -> int:
+        """Pages one state spans (1 in the one-page layout or without state groups)."""
+        return max(g.state_pages for g in self.groups)
+
+    @property
+    def shortest_cacheable_prefix(self) -> int:
+        """Tokens of the shortest prefix every group can serve as a hit: the lcm of the block sizes."""
+        return math.lcm(*(g.block_size for g in self.groups))
 
     @property
     def usable_blocks(self) -> int:
@@ -209,6 +253,21 @@ class UniformLayout:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StateLayoutSummary:
+    """One state layout of a Mamba hybrid at the plan's budget: what `plan` shows side by side."""
+
+    state_layout: StateLayout
+    attention_block_size: int
+    state_block_tokens: int  # a state checkpoint every this many tokens (the state groups' block)
+    page_size_bytes: int
+    pages_per_state: int
+    num_blocks: int
+    max_concurrency: float
+    bytes_per_request: int
+    shortest_cacheable_prefix: int  # tokens: no shorter prefix is ever a hit
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """The planner's full answer: the hybrid layout, its capacity and the uniform comparison."""
 
@@ -222,6 +281,8 @@ class Plan:
     recommended_chunk_size: int
     uniform: UniformLayout
     notes: tuple[str, ...] = ()  # what the planner changed from the literal request, and why
+    #: For a Mamba hybrid, both state layouts side by side (this plan's first); empty otherwise.
+    state_layouts: tuple[StateLayoutSummary, ...] = ()
 
     @property
     def runnable(self) -> bool:

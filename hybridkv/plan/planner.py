@@ -25,6 +25,8 @@ from hybridkv.plan.kv_cache_config import (
     PageLayout,
     Plan,
     PlannerOptions,
+    StateLayout,
+    StateLayoutSummary,
     UniformLayout,
     budget_reason,
     memory_gib_to_bytes,
@@ -44,7 +46,8 @@ from hybridkv.plan.specs import (
 
 __all__ = [  # the planner's types live in kv_cache_config; importing them from here keeps working
     "DEFAULT_MAX_NUM_BATCHED_TOKENS", "GIB", "MIN_CHUNK_TOKENS", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor",
-    "PageLayout", "Plan", "PlannerOptions", "UniformLayout", "budget_reason", "build_kv_cache_config",
+    "PageLayout", "Plan", "PlannerOptions", "StateLayout", "StateLayoutSummary", "UniformLayout", "budget_reason",
+    "build_kv_cache_config",
     "effective_request", "group_layers", "mamba_block_size", "memory_gib_to_bytes", "plan", "recommended_chunk_size",
     "resolve_max_model_len",
 ]
@@ -77,11 +80,18 @@ def mamba_block_size(*, state_bytes: int, attn_bytes_per_token: int, alignment: 
 
 
 def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerOptions) -> tuple[list[int], int]:
-    """Block size per distinct spec and the common page size."""
+    """Block size per distinct spec and the common page size.
+
+    One-page state layout: the attention block grows until an attention page holds a whole state.
+    Multi-page: it stays at the base block size and a state spans several pages (`_state_pages`).
+    """
     attention = [s for s in specs if not isinstance(s, MambaSpec)]
     mamba = [s for s in specs if isinstance(s, MambaSpec)]
     base = base_block_size
-    if mamba and attention:
+    if mamba and attention and options.state_layout is StateLayout.MULTI_PAGE:
+        if any(isinstance(s, MLASpec) for s in attention):
+            base = max(base, MLA_STATE_ALIGNMENT)
+    elif mamba and attention:
         per_token = max(s.bytes_per_token for s in attention)
         state = max(s.state_bytes for s in mamba)
         # vLLM's `_align_hybrid_block_size`: a multiple of the kernel block and of the asked block size;
@@ -90,7 +100,8 @@ def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerO
         if any(isinstance(s, MLASpec) for s in attention):
             alignment = max(alignment, MLA_STATE_ALIGNMENT)
         base = max(base, mamba_block_size(state_bytes=state, attn_bytes_per_token=per_token, alignment=alignment))
-    pages = [s.page_size_bytes(base) for s in specs]
+    pages = [s.page_size_bytes(base) for s in (attention if options.state_layout is StateLayout.MULTI_PAGE
+                                               and attention else specs)]
     page = max(pages)
     sizes: list[int] = []
     for spec in specs:
@@ -106,6 +117,11 @@ def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerO
             )
         sizes.append(page // spec.bytes_per_token)
     return sizes, page
+
+
+def _state_pages(spec: LayerSpec, page_bytes: int) -> int:
+    """Pages one layer's state spans (1 for attention, and for a state that fits one page)."""
+    return math.ceil(spec.state_bytes / page_bytes) if isinstance(spec, MambaSpec) else 1
 
 
 def _type_key(spec: LayerSpec) -> tuple[SpecKind, int, int]:
@@ -210,22 +226,24 @@ def build_kv_cache_config(model: ModelSpec, options: PlannerOptions) -> KVCacheC
     sizes, page = _block_sizes(distinct, base, options)
     group_size, grouped = group_layers(buckets)
     spec_of = {layer: spec for layer, spec in owned}
-    groups = []
-    for gid, layers in enumerate(grouped):
+    groups: list[KVCacheGroupSpec] = []
+    for layers in grouped:  # a state of k pages becomes k page groups of the same layers
         spec = spec_of[layers[0]]
-        groups.append(KVCacheGroupSpec(
-            group_id=gid, spec=spec, layer_indices=tuple(layers),
-            block_size=sizes[distinct.index(spec)], padding_layers=group_size - len(layers),
-        ))
+        k, first = _state_pages(spec, page), len(groups)
+        groups.extend(KVCacheGroupSpec(
+            group_id=first + s, spec=spec, layer_indices=tuple(layers), block_size=sizes[distinct.index(spec)],
+            padding_layers=group_size - len(layers), state_page=s, state_pages=k,
+        ) for s in range(k))
     num_blocks = _num_blocks(options.memory_bytes, page, group_size)
     tensors = tuple(
         KVCacheTensor(size_bytes=num_blocks * page,
-                      shared_by=tuple(g.layer_indices[i] for g in groups if i < len(g.layer_indices)))
+                      shared_by=tuple(g.layer_indices[i] for g in groups if i < len(g.layer_indices) and g.state_lead))
         for i in range(group_size)
     )
+    layout = StateLayout.MULTI_PAGE if any(g.state_pages > 1 for g in groups) else StateLayout.ONE_PAGE
     return KVCacheConfig(model=model.name, num_blocks=num_blocks, page_size_bytes=page,
                          group_size=group_size, groups=tuple(groups), tensors=tensors,
-                         kv_shared_from=dict(model.kv_shared_from), block_size_note=note)
+                         kv_shared_from=dict(model.kv_shared_from), block_size_note=note, state_layout=layout)
 
 
 _NOT_UNIFORM: tuple[tuple[type[CompressedMLASpec] | type[MambaSpec], str], ...] = (
@@ -296,16 +314,48 @@ def recommended_chunk_size(config: KVCacheConfig, minimum_tokens: int = MIN_CHUN
     return step * max(1, math.ceil(minimum_tokens / step))
 
 
-def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
-    """Lay out `model` in the hybrid layout and compare it with the uniform one (see `effective_request`)."""
-    model, options, notes = effective_request(model, options)
-    config = build_kv_cache_config(model, options)
-    need = tuple(
+def _request_need(config: KVCacheConfig, options: PlannerOptions) -> tuple[int, ...]:
+    """Blocks one request of `max_model_len` tokens holds at once, per group."""
+    return tuple(
         g.spec.blocks_needed(block_size=g.block_size, max_model_len=options.max_model_len,
                              max_num_batched_tokens=options.max_num_batched_tokens,
                              mamba_cache_mode=options.mamba_cache_mode)
         for g in config.groups
     )
+
+
+def _state_layouts(model: ModelSpec, options: PlannerOptions, config: KVCacheConfig,
+                   need: tuple[int, ...]) -> tuple[StateLayoutSummary, ...]:
+    """Both state layouts of a Mamba hybrid (the planned one first); () for other models."""
+    kinds = {g.kind is SpecKind.MAMBA for g in config.groups}
+    if kinds != {True, False} or config.page_layout is not PageLayout.SHARED_TENSORS:
+        return ()
+    other_layout = (StateLayout.ONE_PAGE if options.state_layout is StateLayout.MULTI_PAGE
+                    else StateLayout.MULTI_PAGE)
+    other_options = dataclasses.replace(options, state_layout=other_layout)
+    try:
+        other = build_kv_cache_config(model, other_options)
+    except CapacityError:
+        return (_summary(config, options, need),)
+    return (_summary(config, options, need), _summary(other, other_options, _request_need(other, other_options)))
+
+
+def _summary(config: KVCacheConfig, options: PlannerOptions, need: tuple[int, ...]) -> StateLayoutSummary:
+    state_blocks = [g.block_size for g in config.groups if g.kind is SpecKind.MAMBA]
+    return StateLayoutSummary(
+        state_layout=options.state_layout, attention_block_size=config.attention_block_size,
+        state_block_tokens=min(state_blocks), page_size_bytes=config.page_size_bytes,
+        pages_per_state=config.pages_per_state, num_blocks=config.num_blocks,
+        max_concurrency=config.usable_blocks / sum(need), bytes_per_request=sum(need) * config.bytes_per_block,
+        shortest_cacheable_prefix=config.shortest_cacheable_prefix,
+    )
+
+
+def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
+    """Lay out `model` in the hybrid layout and compare it with the uniform one (see `effective_request`)."""
+    model, options, notes = effective_request(model, options)
+    config = build_kv_cache_config(model, options)
+    need = _request_need(config, options)
     concurrency = config.usable_blocks / sum(need)
     # At full load the pool's blocks split among groups in proportion to what a request needs of
     # each; a block of a group with p padding slots leaves p pages of the shared tensors empty.
@@ -319,5 +369,5 @@ def plan(model: ModelSpec, options: PlannerOptions) -> Plan:
         kv_capacity_tokens=int(concurrency * options.max_model_len), padding_waste_bytes=waste,
         bytes_per_request=sum(need) * config.bytes_per_block,
         recommended_chunk_size=recommended_chunk_size(config), uniform=_uniform_layout(model, options),
-        notes=notes,
+        notes=notes, state_layouts=_state_layouts(model, options, config, need),
     )

@@ -19,6 +19,7 @@ Checked after every step, against models that do not use the manager's code:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -62,12 +63,21 @@ LAYOUTS: dict[str, tuple[list[KVCacheGroupSpec], int]] = {  # groups, num_blocks
         make_group(kind="mamba", block_size=4),
     ], 26),
     "mixed_all": (MIXED, 40),
+    # the multi-page state layout: one state of 3 pages = 3 page groups of one hit rule, with small
+    # attention blocks beside it (StateLayout.MULTI_PAGE)
+    "multi_page": ([
+        make_group(kind="full", block_size=2),
+        make_group(kind="sliding", block_size=2, window_tokens=5),
+        *(dataclasses.replace(make_group(kind="mamba", block_size=2), state_page=s, state_pages=3)
+          for s in range(3)),
+    ], 44),
 }
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9], [7] * 16]
 MAX_MODEL_LEN = 32
 # What the run must have exercised (counted below; `TestManagerStateMachine` checks every one).
 COVERAGE: Counter[str] = Counter()
-REQUIRED = ("layout:mixed", "layout:twin_sliding", "layout:two_block_sizes", "layout:mixed_all", "hit", "deferred",
+REQUIRED = ("layout:mixed", "layout:twin_sliding", "layout:two_block_sizes", "layout:mixed_all", "layout:multi_page",
+            "hit", "deferred",
             "refused_new", "refused_running",
             "evicted", "uncached_unrun_step", "stale_hit", "kept_hit_used", "reset")
 

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Prefix hits and capacity of a Mamba hybrid in the two state layouts (`--state-layout`).
+
+A seeded shared-prefix trace (each request: one of a few shared prefixes of 100-500 tokens, then a
+suffix of its own) runs through `hybridkv simulate`'s loop on Qwen3.5-0.8B (catalog config; full
+attention + Gated DeltaNet) planned in the one-page layout (vLLM's: 544-token blocks) and in the
+multi-page layout (16-token blocks, a state over 34 pages), at the same budget. Prints one line per
+layout, then the planner's max concurrency of both at a short `max_model_len`, and last:
+
+    multi_page_hits=<hit tokens> one_page_hits=<hit tokens> concurrency_ratio=<multi / one page>
+
+    .venv/bin/python benchmarks/bench_state_layout.py [--quick]
+
+Counts, not times: the figures do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hybridkv.catalog import find  # noqa: E402
+from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
+from hybridkv.plan.planner import GIB, PlannerOptions, StateLayout, plan  # noqa: E402
+from hybridkv.plan.specs import ModelSpec  # noqa: E402
+from hybridkv.simulate.simulator import SimOptions, simulate  # noqa: E402
+from hybridkv.simulate.trace import TraceRequest  # noqa: E402
+
+MODEL = "Qwen/Qwen3.5-0.8B"
+MEMORY_GIB = 4.0
+MAX_MODEL_LEN = 4096
+SHORT_LEN = 512  # "short requests" for the capacity figure
+
+
+def shared_prefix_trace(*, num_requests: int, num_prefixes: int, seed: int) -> list[TraceRequest]:
+    """Requests opening with one of `num_prefixes` prefixes of 100-500 tokens, then 10-60 tokens of their own."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(32_000) for _ in range(rng.randint(100, 500))] for _ in range(num_prefixes)]
+    return [TraceRequest(arrival_ms=100.0 * i, output_tokens=16,
+                         new_tokens=tuple(rng.choice(prefixes) + [rng.randrange(32_000)
+                                                                  for _ in range(rng.randint(10, 60))]))
+            for i in range(num_requests)]
+
+
+def model() -> ModelSpec:
+    entry = find(MODEL)
+    assert entry is not None
+    return model_spec_from_config(entry.config, name=entry.hf_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="prefix hits and capacity: one-page vs multi-page states")
+    parser.add_argument("--quick", action="store_true", help="a short trace (CI smoke)")
+    args = parser.parse_args(argv)
+    spec = model()
+    trace = shared_prefix_trace(num_requests=24 if args.quick else 200, num_prefixes=4 if args.quick else 8, seed=0)
+    hits = {}
+    for layout in StateLayout:
+        config = plan(spec, PlannerOptions(memory_bytes=int(MEMORY_GIB * GIB), max_model_len=MAX_MODEL_LEN,
+                                           state_layout=layout)).config
+        report = simulate(trace, config, SimOptions(max_model_len=MAX_MODEL_LEN))
+        hits[layout] = report.hit_tokens
+        print(f"layout={layout.value} model={MODEL} memory_gib={MEMORY_GIB} requests={report.requests} "
+              f"prompt_tokens={report.prompt_tokens} hits={report.hit_tokens} ideal={report.ideal_tokens} "
+              f"attention_block={config.attention_block_size} pages_per_state={config.pages_per_state}")
+    short = plan(spec, PlannerOptions(memory_bytes=int(MEMORY_GIB * GIB), max_model_len=SHORT_LEN))
+    one, multi = short.state_layouts
+    ratio = multi.max_concurrency / one.max_concurrency
+    print(f"max_concurrency max_model_len={SHORT_LEN} one_page={one.max_concurrency:.2f} "
+          f"multi_page={multi.max_concurrency:.2f}")
+    print(f"multi_page_hits={hits[StateLayout.MULTI_PAGE]} one_page_hits={hits[StateLayout.ONE_PAGE]} "
+          f"concurrency_ratio={ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
