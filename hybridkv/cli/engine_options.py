@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
-from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.manager import CheckpointPlacement, EvictionPolicyName, MambaCacheMode, PrefixCaching
 
 DEFAULTS = EngineConfig.defaults()
 
@@ -27,6 +27,12 @@ Seed = Annotated[int, typer.Option(help="sampling seed of requests that set none
 RetentionInterval = Annotated[int | None, typer.Option(
     "--prefix-cache-retention-interval", help="vLLM's option: sliding-window tails and state checkpoints kept "
     "only at each prompt's replay boundary (0), or once per N tokens too (default: at every aligned boundary)")]
+Eviction = Annotated[EvictionPolicyName, typer.Option(
+    "--eviction", help="which cached block is reused first: lru (vLLM's) or value (recency plus compute saved per "
+    "byte; window tails and checkpoints at hit points kept, waiting requests' hits protected)")]
+Placement = Annotated[CheckpointPlacement, typer.Option(
+    "--checkpoint-placement", help="where state checkpoints are written: junction (vLLM's) or placed (also at "
+    "popular branch depths)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -34,21 +40,41 @@ KVServer = Annotated[str | None, typer.Option(
 KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="bound on each call to the KV cache "
                                                                                "server")]
 
-__all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "KVCacheMemoryGiB", "KVServer", "KVServerTimeout",
-           "MambaCacheModeOption", "MaxModelLen", "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "PrefixCachingOption",
-           "RetentionInterval", "Seed", "Threads", "engine_options"]
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_MODEL_NAME",
+    "BlockSize",
+    "Eviction",
+    "KVCacheMemoryGiB",
+    "KVServer",
+    "KVServerTimeout",
+    "MambaCacheModeOption",
+    "MaxModelLen",
+    "MaxNumBatchedTokens",
+    "MaxNumSeqs",
+    "Model",
+    "Placement",
+    "PrefixCachingOption",
+    "RetentionInterval",
+    "Seed",
+    "Threads",
+    "engine_options",
+]
 
 
 def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
                    max_model_len: int | None, block_size: int, prefix_caching: PrefixCaching,
                    mamba_cache_mode: MambaCacheMode, seed: int, num_threads: int, kv_server: str | None,
-                   kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None) -> dict[str, Any]:
+                   kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None,
+                   eviction: EvictionPolicyName = EvictionPolicyName.LRU,
+                   checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
         kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
         mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
-        kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval)
+        kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
+        eviction=eviction, checkpoint_placement=checkpoint_placement)
     EngineConfig.from_options(options)
     return options

@@ -61,6 +61,8 @@ def serve_command(
     prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
     mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
     prefix_cache_retention_interval: opt.RetentionInterval = None,
+    eviction: opt.Eviction = opt.DEFAULTS["eviction"],
+    checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
 ) -> None:
@@ -88,7 +90,8 @@ def serve_command(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
-            prefix_cache_retention_interval=prefix_cache_retention_interval)
+            prefix_cache_retention_interval=prefix_cache_retention_interval, eviction=eviction,
+            checkpoint_placement=checkpoint_placement)
         from hybridkv.engine.llm import LLM
 
         llm = LLM(model, **options)

@@ -60,6 +60,8 @@ def run_command(
     prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
     mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
     prefix_cache_retention_interval: opt.RetentionInterval = None,
+    eviction: opt.Eviction = opt.DEFAULTS["eviction"],
+    checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
@@ -90,7 +92,8 @@ def run_command(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
-            prefix_cache_retention_interval=prefix_cache_retention_interval)
+            prefix_cache_retention_interval=prefix_cache_retention_interval, eviction=eviction,
+            checkpoint_placement=checkpoint_placement)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")

@@ -111,7 +111,8 @@ class LLM:
         self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
                                       prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode,
                                       prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
-                                      sliding_window_caching=cfg.sliding_window_caching)
+                                      sliding_window_caching=cfg.sliding_window_caching,
+                                      eviction=cfg.eviction, checkpoint_placement=cfg.checkpoint_placement)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)

@@ -211,6 +211,7 @@ class Scheduler(Generic[R]):
             n = self._aligned(request, start, min(request.num_tokens - start, budget))
             n = self._largest_chunk(request, n, hit=hit, external=external, halve=not self.running)
             if not n:
+                self.manager.protect(hit)  # a value-aware eviction keeps the blocks it will take
                 break  # with others running, blocks come back as they finish; alone, not even 1 token fits
             self.waiting.popleft()
             if first_block is not None:

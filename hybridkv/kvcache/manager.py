@@ -231,6 +231,13 @@ class KVCacheManager:
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
                         deferred=deferred, pool_epoch=self._pool.evictions)
 
+    def protect(self, hit: CacheHit) -> None:
+        """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks
+        last (queue-aware retention); no-op with LRU."""
+        protect = self._pool.protect
+        if protect is not None and hit.num_tokens:
+            protect([b for blocks in hit.blocks for b in blocks])
+
     def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
                    max_length: int) -> tuple[GroupBlocks, int, list[int]]:
         """EAGLE's hit: every group matches one block past the candidate (a sliding window one more

@@ -107,16 +107,12 @@ class ValuePolicy:
                 marks[block] = value
 
     def protect(self, ids: Sequence[int]) -> None:
-        """Move free cached blocks `ids` into PROTECTED (a waiting request's hit); held ones are marked."""
+        """Move free cached blocks `ids` into PROTECTED (a waiting request's hit), as if released now;
+        held ones are left alone (a hit that takes a block back ends its protection)."""
         for block in ids:
-            if not block:
-                continue
-            where = self._where[block]
-            if where < 0:
-                self._marks[block] = max(self._marks[block], BlockValue.PROTECTED)
-            elif where != BlockValue.PROTECTED and where != BlockValue.EMPTY:
+            where = self._where[block] if block else -1
+            if where > BlockValue.EMPTY and where != BlockValue.PROTECTED:
                 self._stamp[block] += 1
-                self._marks[block] = BlockValue.PROTECTED
                 self._queues[BlockValue.PROTECTED].append((block, self._clock, self._stamp[block]))
                 self._where[block] = BlockValue.PROTECTED
                 self._clock += 1
