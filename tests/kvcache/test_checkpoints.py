@@ -75,7 +75,7 @@ def test_a_finished_sequence_keeps_its_window_tail() -> None:
     full = manager.block_ids(a.request_id)[0]
     tail = manager.block_ids(a.request_id)[1][3]
     manager.free(a)
-    policy = manager._pool._policy  # noqa: SLF001 (the order is what is tested)
+    policy = manager._pool._policy  # (the eviction order is what is tested)
     assert isinstance(policy, ValuePolicy)
     assert policy.value_of(tail) is BlockValue.ANCHOR
     order = policy.ordered()
