@@ -10,6 +10,7 @@ import pytest
 
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
+from hybridkv.errors import ConfigError
 from tests.engine.conftest import prompts
 
 GREEDY = SamplingParams(max_tokens=4, eos=EosMode.IGNORE)
@@ -26,16 +27,19 @@ def test_outputs_are_identical_across_policies(model_dir: Callable[[str], Path],
     outputs = {}
     for eviction, placement in POLICIES:
         llm = LLM(str(model_dir(arch)), eviction=eviction, checkpoint_placement=placement, **options)
-        first = llm.generate([shared + t for t in tails[:3]], GREEDY)
+        first = llm.generate([shared + t for t in tails[:3]], GREEDY, cache_checkpoints=[[40], [], [20, 40]])
         turn = llm.generate([shared + tails[0] + first[0].token_ids + tails[3]], GREEDY)
         outputs[(eviction, placement)] = [o.token_ids for o in first + turn]
     assert outputs[("value", "junction")] == outputs[("lru", "junction")]
     assert outputs[("value", "placed")] == outputs[("lru", "junction")]
+    with pytest.raises(ConfigError, match="cache_checkpoints of prompt 0 must be positive token positions"):
+        llm.generate([shared], GREEDY, cache_checkpoints=[[0]])
+    with pytest.raises(ConfigError, match="one sequence of positions per prompt"):
+        llm.generate([shared], GREEDY, cache_checkpoints=[])
 
 
 def test_engine_config_names_a_bad_policy() -> None:
     from hybridkv.engine.config import EngineConfig
-    from hybridkv.errors import ConfigError
 
     with pytest.raises(ConfigError, match="eviction must be one of"):
         EngineConfig(eviction="fifo")  # type: ignore[arg-type]
