@@ -22,11 +22,14 @@ Without the vLLM venv (`$HYBRIDKV_VLLM_VENV` or the default path) the vLLM side 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +37,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hybridkv.catalog import find  # noqa: E402
-from hybridkv.kvcache.manager import MambaCacheMode, ReleaseOrder, SpecDecode  # noqa: E402
+from hybridkv.errors import CapacityError  # noqa: E402
+from hybridkv.kvcache.manager import (  # noqa: E402
+    CheckpointPlacement,
+    EvictionPolicyName,
+    MambaCacheMode,
+    ReleaseOrder,
+    SpecDecode,
+)
 from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
 from hybridkv.plan.planner import GIB, KVCacheConfig, PlannerOptions, plan  # noqa: E402
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate  # noqa: E402
 from hybridkv.simulate.simulator import SimOptions, simulate  # noqa: E402
-from hybridkv.simulate.trace import TraceRequest  # noqa: E402
+from hybridkv.simulate.trace import TraceRequest, read_mooncake  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mooncake_trace  # noqa: E402
 
 LAYOUTS = {"gemma3": "gemma-3-27b-it", "qwen3.5": "qwen3.5-27b", "mamba2": "nemotron-nano-9b-v2",
            "full": "Llama-3.1-8B-Instruct"}
@@ -55,13 +68,23 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
     planned = plan(model_spec_from_config(entry.config, name=entry.hf_id),
                    PlannerOptions(memory_bytes=int(job["memory_gib"] * GIB), max_model_len=job["max_model_len"],
                                   max_num_batched_tokens=job["max_num_batched_tokens"], mamba_cache_mode=mode))
-    trace = generate(Generator(job["generator"]), GeneratorOptions(**job["generator_options"]))
+    if job["generator"] == "mooncake":
+        with tempfile.TemporaryDirectory() as tmp:
+            path = mooncake_trace.write(Path(tmp) / "mooncake.jsonl", **job["generator_options"])
+            trace = read_mooncake(path)
+    else:
+        trace = generate(Generator(job["generator"]), GeneratorOptions(**job["generator_options"]))
+    config = planned.config
+    if job.get("num_blocks"):
+        config = dataclasses.replace(config, num_blocks=job["num_blocks"])
     options = SimOptions(max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
                          max_num_seqs=job["max_num_seqs"], mamba_cache_mode=mode,
                          prefix_cache_retention_interval=job["retention"],
                          release_order=ReleaseOrder(job["release_order"]), spec_decode=SpecDecode(job["spec_decode"]),
-                         prefix_match_unit=match_unit(job, planned.config))
-    return planned.config, trace, options
+                         prefix_match_unit=match_unit(job, planned.config),
+                         eviction=EvictionPolicyName(job.get("eviction", "lru")),
+                         checkpoint_placement=CheckpointPlacement(job.get("checkpoint_placement", "junction")))
+    return config, trace, options
 
 
 def match_unit(job: dict[str, Any], config: KVCacheConfig) -> int | None:
@@ -131,6 +154,71 @@ def record(path: Path) -> None:
     path.write_text(json.dumps({"vllm_version": version, "runs": runs}, separators=(",", ":")) + "\n")
 
 
+TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
+TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
+OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved"}
+
+
+def budget_blocks(config: KVCacheConfig, distinct_tokens: int, fraction: float) -> int:
+    """Blocks holding `fraction` of the distinct tokens with every group caching every block."""
+    return 1 + math.ceil(fraction * distinct_tokens * sum(1 / g.block_size for g in config.groups))
+
+
+def targets(seed: int, num_requests: int) -> int:
+    """At a pool holding 25% / 100% of each trace's distinct tokens: our manager (value-aware eviction,
+    placed checkpoints) vs vLLM 0.32's manager at its best retention setting (None or 0), and vs the
+    infinite cache. Prints per run a line, then per layout the medians over the traces, and last
+    `best_vs_vllm_25pct=<min over layouts> hits_vs_ideal_100pct=<min over layouts>`."""
+    rows: list[tuple[str, str, float, int, int, int, int]] = []  # layout, trace, fraction, nb, ours, vllm, ideal
+    batch: list[dict[str, Any]] = []
+    ours: list[Any] = []
+    for layout in TARGET_LAYOUTS:
+        for trace_name in TARGET_TRACES:
+            base = {"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
+                    "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
+                    "retention": None, "release_order": "by_group", "spec_decode": "off", "generator": trace_name,
+                    "generator_options": {"num_requests": num_requests, "seed": seed}}
+            config, trace, options = materialize(base)
+            distinct = simulate(trace, config, options).distinct_tokens
+            for fraction in (0.25, 1.0):
+                nb = budget_blocks(config, distinct, fraction)
+                while True:
+                    job = {**base, **OURS, "num_blocks": nb}
+                    try:
+                        config_b, trace_b, options_b = materialize(job)
+                        report = simulate(trace_b, config_b, options_b)
+                        break
+                    except CapacityError:
+                        nb = nb * 5 // 4 + 1  # a request alone does not fit: the smallest pool that runs it
+                ours.append((layout, trace_name, fraction, nb, report))
+                batch += [{**base, "num_blocks": nb, "retention": r} for r in (None, 0)]
+    theirs = vllm_side(batch)
+    source = "vllm"
+    if theirs is None:  # our manager at vLLM's settings: equal to vLLM's hits request by request (docs)
+        source = "ours-at-vllm-settings"
+        theirs = []
+        for job in batch:
+            config, trace, options = materialize(job)
+            theirs.append({"hit_tokens": simulate(trace, config, options).hit_tokens})
+    for i, (layout, trace_name, fraction, nb, report) in enumerate(ours):
+        best = max(theirs[2 * i]["hit_tokens"], theirs[2 * i + 1]["hit_tokens"])
+        rows.append((layout, trace_name, fraction, nb, report.hit_tokens, best, report.ideal_tokens))
+        print(f"layout={layout} trace={trace_name} budget={fraction:.0%} num_blocks={nb} hits={report.hit_tokens} "
+              f"{source}_best={best} "
+              f"(retention None {theirs[2 * i]['hit_tokens']}, 0 {theirs[2 * i + 1]['hit_tokens']}) "
+              f"ideal={report.ideal_tokens} preemptions={report.preemptions}")
+    vs_vllm, vs_ideal = {}, {}
+    for layout in TARGET_LAYOUTS:
+        mine = [r for r in rows if r[0] == layout]
+        vs_vllm[layout] = statistics.median(r[4] / max(1, r[5]) for r in mine if r[2] == 0.25)
+        vs_ideal[layout] = statistics.median(r[4] / max(1, r[6]) for r in mine if r[2] == 1.0)
+        print(f"layout={layout} median_vs_{source}_25pct={vs_vllm[layout]:.3f} "
+              f"median_vs_ideal_100pct={vs_ideal[layout]:.3f}")
+    print(f"best_vs_vllm_25pct={min(vs_vllm.values()):.3f} hits_vs_ideal_100pct={min(vs_ideal.values()):.3f} "
+          f"seed={seed} vllm_side={source}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="prefix hits: ours vs vLLM 0.32 vs an infinite cache")
     parser.add_argument("--quick", action="store_true", help="one short trace per layout (CI smoke)")
@@ -138,7 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, help="write vLLM's hits for every job to this JSON file and exit")
     parser.add_argument("--release-order", choices=[o.value for o in ReleaseOrder], default="by_group",
                         help="our manager's free order (by_group: vLLM's, the parity setting)")
+    parser.add_argument("--targets", action="store_true",
+                        help="issue 29's targets: ours (value eviction, placed checkpoints) vs vLLM's best at "
+                             "25%% / 100%% of each trace's distinct tokens")
+    parser.add_argument("--seed", type=int, default=0, help="--targets: the traces' seed")
     args = parser.parse_args(argv)
+    if args.targets:
+        return targets(args.seed, 30 if args.quick else 100)
     if args.record:
         record(args.record)
         return 0

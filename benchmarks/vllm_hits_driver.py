@@ -72,6 +72,10 @@ class VLLMManager:
     def begin_step(self) -> None:
         self.manager.new_step_starts()
 
+    def protect(self, hit: CacheHit) -> None:
+        """vLLM 0.32 has no queue-aware retention."""
+        del hit
+
     def lookup(self, kv: KVRequest) -> CacheHit:
         self.lookups += 1
         request = self._sync(kv)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
-from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.manager import CheckpointPlacement, EvictionPolicyName, MambaCacheMode, PrefixCaching
 from hybridkv.plan.kv_cache_config import StateLayout
 
 DEFAULTS = EngineConfig.defaults()
@@ -34,6 +34,12 @@ RetentionInterval = Annotated[int | None, typer.Option(
 MatchUnitOption = Annotated[int | None, typer.Option(
     "--prefix-match-unit", "--hash-block-size", help="vLLM's option: tokens per prefix-cache key (default: the block "
     "size; finer units make hits land inside a block only with a state group in align mode)")]
+Eviction = Annotated[EvictionPolicyName, typer.Option(
+    "--eviction", help="which cached block is reused first: lru (vLLM's) or value (recency plus compute saved per "
+    "byte; window tails and checkpoints at hit points kept, waiting requests' hits protected)")]
+Placement = Annotated[CheckpointPlacement, typer.Option(
+    "--checkpoint-placement", help="where state checkpoints are written: junction (vLLM's) or placed (also at "
+    "popular branch depths)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -41,10 +47,10 @@ KVServer = Annotated[str | None, typer.Option(
 KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="bound on each call to the KV cache "
                                                                                "server")]
 
-__all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "KVCacheMemoryGiB", "KVServer", "KVServerTimeout",
-           "MambaCacheModeOption", "MatchUnitOption",
-           "MaxModelLen", "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "PrefixCachingOption",
-           "RetentionInterval", "Seed", "StateLayoutOption", "Threads", "engine_options"]
+__all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "Eviction", "KVCacheMemoryGiB", "KVServer",
+           "KVServerTimeout", "MambaCacheModeOption", "MatchUnitOption", "MaxModelLen", "MaxNumBatchedTokens",
+           "MaxNumSeqs", "Model", "Placement", "PrefixCachingOption", "RetentionInterval", "Seed",
+           "StateLayoutOption", "Threads", "engine_options"]
 
 
 def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
@@ -52,7 +58,9 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    mamba_cache_mode: MambaCacheMode, seed: int, num_threads: int, kv_server: str | None,
                    kv_server_timeout_s: float, prefix_cache_retention_interval: int | None = None,
                    prefix_match_unit: int | None = None,
-                   state_layout: StateLayout = StateLayout.ONE_PAGE) -> dict[str, Any]:
+                   state_layout: StateLayout = StateLayout.ONE_PAGE,
+                   eviction: EvictionPolicyName = EvictionPolicyName.LRU,
+                   checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
@@ -60,6 +68,7 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size, prefix_caching=prefix_caching,
         mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
-        prefix_match_unit=prefix_match_unit, state_layout=state_layout)
+        prefix_match_unit=prefix_match_unit, state_layout=state_layout, eviction=eviction,
+        checkpoint_placement=checkpoint_placement)
     EngineConfig.from_options(options)
     return options

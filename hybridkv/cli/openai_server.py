@@ -63,6 +63,8 @@ def serve_command(
     state_layout: opt.StateLayoutOption = opt.DEFAULTS["state_layout"],
     prefix_cache_retention_interval: opt.RetentionInterval = None,
     prefix_match_unit: opt.MatchUnitOption = None,
+    eviction: opt.Eviction = opt.DEFAULTS["eviction"],
+    checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
 ) -> None:
@@ -91,7 +93,7 @@ def serve_command(
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
-            state_layout=state_layout)
+            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement)
         from hybridkv.engine.llm import LLM
 
         llm = LLM(model, **options)

@@ -62,6 +62,8 @@ def run_command(
     state_layout: opt.StateLayoutOption = opt.DEFAULTS["state_layout"],
     prefix_cache_retention_interval: opt.RetentionInterval = None,
     prefix_match_unit: opt.MatchUnitOption = None,
+    eviction: opt.Eviction = opt.DEFAULTS["eviction"],
+    checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
@@ -93,7 +95,7 @@ def run_command(
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
-            state_layout=state_layout)
+            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")

@@ -15,12 +15,20 @@ from typing import Annotated, Any
 
 import typer
 
+from hybridkv.cli import engine_options as opt
 from hybridkv.cli.engine_options import MatchUnitOption
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
-from hybridkv.kvcache.manager import PrefixCaching, ReleaseOrder, SlidingWindowCaching, SpecDecode
+from hybridkv.kvcache.manager import (
+    CheckpointPlacement,
+    EvictionPolicyName,
+    PrefixCaching,
+    ReleaseOrder,
+    SlidingWindowCaching,
+    SpecDecode,
+)
 from hybridkv.plan.kv_cache_config import StateLayout
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.specs import MambaCacheMode
@@ -31,6 +39,12 @@ from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
 SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
                       "prefix_match_unit", "step_ms", "num_requests"])
 PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+#: the policies `--plot` draws side by side (each at the run's other options)
+PLOT_POLICIES = {
+    "lru (vLLM)": (EvictionPolicyName.LRU, CheckpointPlacement.JUNCTION),
+    "value": (EvictionPolicyName.VALUE, CheckpointPlacement.JUNCTION),
+    "value + placed checkpoints": (EvictionPolicyName.VALUE, CheckpointPlacement.PLACED),
+}
 
 
 def simulate_command(
@@ -66,6 +80,11 @@ def simulate_command(
         "--release-order", help="free order of a request's blocks (by_group: vLLM's)")] = ReleaseOrder.INTERLEAVED,
     spec_decode: Annotated[SpecDecode, typer.Option(
         "--spec-decode", help="eagle: hits drop one block for the draft model (vLLM's use_eagle)")] = SpecDecode.OFF,
+    eviction: opt.Eviction = EvictionPolicyName.LRU,
+    checkpoint_placement: opt.Placement = CheckpointPlacement.JUNCTION,
+    checkpoint_interval: Annotated[int | None, typer.Option(
+        "--checkpoint-interval", help="with --checkpoint-placement placed: also a state checkpoint every N "
+        "tokens (a multiple of the block size)")] = None,
     step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
@@ -88,10 +107,14 @@ def simulate_command(
                              max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
                              mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
                              prefix_cache_retention_interval=retention_interval, release_order=release_order,
-                             spec_decode=spec_decode, prefix_match_unit=prefix_match_unit)
+                             spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,
+                             checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
+        curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s, dataclasses.replace(
+            options, eviction=eviction, checkpoint_placement=placement))) for s in scales]
+            for label, (eviction, placement) in PLOT_POLICIES.items()} if plot else {}
     except HybridKVError as exc:
         raise usage_error(str(exc), SIM_FLAGS) from None
     if json_output:
@@ -104,7 +127,7 @@ def simulate_command(
     else:
         render(report, spec.name, memory_gib)
     if plot is not None:
-        write_memory_plot(curve, plot, model=spec.name)
+        write_memory_plot(curves, plot, model=spec.name)
 
 
 def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: float,
@@ -168,18 +191,20 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
     console.print(limits)
 
 
-def write_memory_plot(curve: list[tuple[float, SimReport | None]], path: Path, *, model: str) -> None:
-    """Hit rate (and the ideal's) against the memory budget (budgets where a request alone does not
-    fit are left out)."""
+def write_memory_plot(curves: dict[str, list[tuple[float, SimReport | None]]], path: Path, *, model: str) -> None:
+    """Hit rate of each policy (and the ideal's) against the memory budget (budgets where a request
+    alone does not fit are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    points = [(m, r) for m, r in curve if r is not None]
+    points: list[tuple[float, SimReport]] = []
+    for label, curve in curves.items():
+        points = [(m, r) for m, r in curve if r is not None]
+        ax.plot([m for m, _ in points], [r.hit_rate for _, r in points], marker="o", label=label)
     memory = [m for m, _ in points]
-    ax.plot(memory, [r.hit_rate for _, r in points], marker="o", label="hybridkv")
     ax.plot(memory, [r.ideal_tokens / r.prompt_tokens if r.prompt_tokens else 0 for _, r in points], linestyle="--",
             label="infinite cache")
     ax.set_xscale("log", base=2)

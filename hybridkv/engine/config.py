@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import ConfigError
-from hybridkv.kvcache.manager import MambaCacheMode, PrefixCaching, SlidingWindowCaching
+from hybridkv.kvcache.manager import (
+    CheckpointPlacement,
+    EvictionPolicyName,
+    MambaCacheMode,
+    PrefixCaching,
+    SlidingWindowCaching,
+)
 from hybridkv.plan.match_unit import check_prefix_match_unit
 from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, StateLayout, memory_gib_to_bytes
 
@@ -49,6 +55,10 @@ class EngineConfig:
     #: vLLM's option (alias hash_block_size): tokens per prefix-cache key; None = the block size
     #: (docs/prefix_caching.md); checked against the planned block sizes when the engine starts
     prefix_match_unit: int | None = None
+    #: lru (vLLM's) or value (recency plus compute saved per byte, hit points kept; docs/prefix_caching.md)
+    eviction: EvictionPolicyName = EvictionPolicyName.LRU
+    #: junction (vLLM's chunk cuts) or placed (also popular branch depths: state checkpoints where hits land)
+    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -88,6 +98,13 @@ class EngineConfig:
                 raise ConfigError(f"sliding_window_caching must be one of {values}, "
                                   f"got {self.sliding_window_caching!r}")
             object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
+        for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement)):
+            value = getattr(self, name)
+            if not isinstance(value, enum):
+                values = [m.value for m in enum]
+                if value not in values:
+                    raise ConfigError(f"{name} must be one of {values}, got {value!r}")
+                object.__setattr__(self, name, enum(value))
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ConfigError(f"num_threads must be an integer >= 0 (0 = torch default), got {self.num_threads!r}")
         if self.kv_server is not None and (not isinstance(self.kv_server, str) or not self.kv_server):

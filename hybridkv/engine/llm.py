@@ -112,7 +112,8 @@ class LLM:
                                       prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode,
                                       prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
                                       sliding_window_caching=cfg.sliding_window_caching,
-                                      prefix_match_unit=cfg.prefix_match_unit)
+                                      prefix_match_unit=cfg.prefix_match_unit, eviction=cfg.eviction,
+                                      checkpoint_placement=cfg.checkpoint_placement)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
@@ -189,11 +190,15 @@ class LLM:
         *,
         on_finish: Callable[[RequestOutput], None] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        cache_checkpoints: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order.
 
         `cache_salt` (one for all, or one per prompt): requests with different salts never share
         a cached block, locally or through the KV cache server (tenant isolation).
+        `cache_checkpoints` (one sequence of token positions per prompt): where later requests are
+        expected to resume (e.g. the ends of a chat's turns); state checkpoints are written there and
+        a value-aware eviction keeps them (docs/prefix_caching.md).
 
         Raises ConfigError (naming the prompt's index) for a bare str instead of a list, an empty
         prompt, a non-integer or out-of-vocabulary token id, a prompt longer than `max_model_len`
@@ -213,8 +218,12 @@ class LLM:
         if len(salts) != len(prompts) or any(x is not None and not isinstance(x, str) for x in salts):
             raise ConfigError(f"cache_salt must be a str, None, or one str/None per prompt ({len(prompts)}); got "
                               f"{reprlib.repr(cache_salt)}")
-        requests = [self._make_request(p, s, index=i, cache_salt=salt)
-                    for i, (p, s, salt) in enumerate(zip(prompts, params, salts, strict=True))]
+        checkpoints = list(cache_checkpoints) if cache_checkpoints is not None else [()] * len(prompts)
+        if len(checkpoints) != len(prompts):
+            raise ConfigError(f"cache_checkpoints must hold one sequence of positions per prompt ({len(prompts)}); "
+                              f"got {len(checkpoints)}")
+        requests = [self._make_request(p, s, index=i, cache_salt=salt, cache_checkpoints=points)
+                    for i, (p, s, salt, points) in enumerate(zip(prompts, params, salts, checkpoints, strict=True))]
         ids = [self._enqueue(request) for request in requests]
         outputs: dict[str, RequestOutput] = {}
         try:
@@ -231,7 +240,7 @@ class LLM:
         return [outputs[request_id] for request_id in ids]
 
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, cache_checkpoints: Sequence[int] = ()) -> str:
         """Queue one request (text or token ids) for the next `step`; returns its id.
 
         Validated as `generate` validates a prompt (ConfigError, naming it "prompt"), so nothing is
@@ -240,7 +249,7 @@ class LLM:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ConfigError(f"cache_salt must be a str or None, got {reprlib.repr(cache_salt)}")
         return self._enqueue(self._make_request(prompt, sampling or SamplingParams(), index=None,
-                                                cache_salt=cache_salt))
+                                                cache_salt=cache_salt, cache_checkpoints=cache_checkpoints))
 
     def step(self) -> list[StepOutput]:
         """Run one engine step; per request that got tokens in it (or finished), a StepOutput.
@@ -299,8 +308,12 @@ class LLM:
         return ids
 
     def _make_request(self, prompt: Prompt, sampling: SamplingParams, *, index: int | None,
-                      cache_salt: str | None = None) -> Request:
+                      cache_salt: str | None = None, cache_checkpoints: Sequence[int] = ()) -> Request:
         ids = self._prompt_ids(prompt, index)
+        points = tuple(cache_checkpoints)
+        if any(isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in points):
+            where = "" if index is None else f" of prompt {index}"
+            raise ConfigError(f"cache_checkpoints{where} must be positive token positions, got {reprlib.repr(points)}")
         vocab = int(self.model.hf_config["vocab_size"])
         label = "" if index is None else f" {index}"
         if not isinstance(sampling, SamplingParams):
@@ -312,7 +325,8 @@ class LLM:
         self._next_id += 1
         seed = sampling.seed if sampling.seed is not None else self.config.seed + seq
         return Request(
-            kv=KVRequest(request_id=RequestId(f"req-{seq}"), token_ids=list(ids), cache_salt=cache_salt),
+            kv=KVRequest(request_id=RequestId(f"req-{seq}"), token_ids=list(ids), cache_salt=cache_salt,
+                         cache_checkpoints=points),
             arrival_seq=seq,
             prompt_len=len(ids), sampling=sampling, generator=torch.Generator().manual_seed(seed),
             arrival_s=time.perf_counter(), eos_token_ids=self.model.eos_token_ids,

@@ -211,6 +211,7 @@ class Scheduler(Generic[R]):
             n = self._aligned(request, start, min(request.num_tokens - start, budget))
             n = self._largest_chunk(request, n, hit=hit, external=external, halve=not self.running)
             if not n:
+                self.manager.protect(hit)  # a value-aware eviction keeps the blocks it will take
                 break  # with others running, blocks come back as they finish; alone, not even 1 token fits
             self.waiting.popleft()
             if first_block is not None:
@@ -242,7 +243,8 @@ class Scheduler(Generic[R]):
         no chunk runs past the last boundary strictly before the end, so a resend of the whole
         prompt (hit at most `num_tokens - 1`) finds a checkpoint there; and none runs past the
         request's shared-prefix junction (`KVRequest.shared_prefix_boundary`, block-floored), so
-        siblings sharing that prefix find the state there."""
+        siblings sharing that prefix find the state there, nor past a placed checkpoint
+        (`KVRequest.checkpoint_stops`, `kvcache/checkpoints.py`)."""
         size = self.align_tokens
         end = start + n
         if not size or n <= 1:
@@ -252,9 +254,11 @@ class Scheduler(Generic[R]):
             end = boundary if boundary > start else end
         next_boundary = start - start % size + size if start % size else 0
         last = (request.num_tokens - 1) // size * size
-        junction = request.kv.shared_prefix_boundary  # block-floored: only a boundary's state is kept
-        junction_stop = start + (junction - start) // size * size if start < junction < end else 0
-        end = min((s for s in (next_boundary, last, junction_stop) if start < s < end), default=end)
+        stops = [next_boundary, last]
+        for junction in (request.kv.shared_prefix_boundary, *request.kv.checkpoint_stops):
+            if start < junction < end:  # block-floored: only a boundary's state is kept
+                stops.append(start + (junction - start) // size * size)
+        end = min((s for s in stops if start < s < end), default=end)
         return end - start
 
     def abort(self, requests: Iterable[R]) -> None:

@@ -105,6 +105,12 @@ class BlockPool:
         self.num_groups = len(self._groups)
         self._group_ids = np.arange(len(self._groups), dtype=np.int64)
         self._policy = policy_factory(num_blocks, self.has_hash)
+        bind = getattr(self._policy, "bind", None)
+        if bind is not None:  # a value-aware policy reads each block's group (value_policy.py)
+            bind(self.group_of, [g.kind for g in self._groups])
+        #: the policy's `mark` / `protect` (value_policy.py), None for a policy without values
+        self.mark = getattr(self._policy, "mark", None)
+        self.protect = getattr(self._policy, "protect", None)
         self.slot_of = np.zeros(num_blocks, np.int64)
         by_size: dict[int, list[int]] = {}
         for g, spec in enumerate(self._groups):

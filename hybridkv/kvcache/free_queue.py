@@ -34,6 +34,7 @@ class EvictionPolicyName(Enum):
     """The eviction policies a `KVCacheManager` can be built with."""
 
     LRU = "lru"
+    VALUE = "value"  # value_policy.py: recency plus compute saved per byte, dead blocks first
 
 
 class EvictionPolicy(Protocol):

@@ -40,6 +40,7 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent, KVEvents
+from hybridkv.kvcache.checkpoints import Anchors, CheckpointPlacement, CheckpointPlanner
 from hybridkv.kvcache.coordinator import (
     GroupBlocks,
     HybridCoordinator,
@@ -48,7 +49,7 @@ from hybridkv.kvcache.coordinator import (
     ReleaseOrder,
     UnitaryCoordinator,
 )
-from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
+from hybridkv.kvcache.free_queue import EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
@@ -65,6 +66,7 @@ from hybridkv.kvcache.results import (
 from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode, check_spec_decode
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
+from hybridkv.kvcache.value_policy import ALL_POLICIES
 from hybridkv.plan.match_unit import MatchUnit, resolve_match_unit
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
@@ -73,6 +75,8 @@ __all__ = [
     "AllocationError",
     "CacheHit",
     "CacheTiming",
+    "CheckpointPlacement",
+    "EvictionPolicyName",
     "HitLimit",
     "IntegrityError",
     "KVCacheManager",
@@ -129,6 +133,8 @@ class KVCacheManager:
         release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED,
         spec_decode: SpecDecode = SpecDecode.OFF,
         prefix_match_unit: int | None = None,
+        checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
+        checkpoint_interval_tokens: int | None = None,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -155,7 +161,7 @@ class KVCacheManager:
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
-                               policy_factory=POLICIES[eviction], events=events)
+                               policy_factory=ALL_POLICIES[eviction], events=events)
         self._eagle = spec_decode is SpecDecode.EAGLE
         check_spec_decode(config.groups, spec_decode)
         retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
@@ -163,6 +169,14 @@ class KVCacheManager:
                               spec_decode=spec_decode)
         self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
         self._coordinator.release_order = release_order
+        alignment = self._coordinator.lcm_block_size
+        self._checkpoints = CheckpointPlanner(checkpoint_placement, alignment_tokens=alignment,
+                                              interval_tokens=checkpoint_interval_tokens)
+        self._placing = checkpoint_placement is not CheckpointPlacement.JUNCTION
+        mark = self._pool.mark
+        #: a value-aware policy's anchors (checkpoints.py); None with LRU (nothing to mark)
+        self._anchors = (Anchors(self._coordinator.managers, alignment, mark)
+                         if mark is not None and self._caching else None)
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
@@ -221,10 +235,21 @@ class KVCacheManager:
         deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
         longest = max(first)
         request.shared_prefix_boundary = longest if longest > num_tokens else 0
+        if self._placing:
+            self._checkpoints.observe(longest)
+        if self._placing or request.cache_checkpoints:
+            request.checkpoint_stops = self._checkpoints.stops(request)
         self._limits.count(hashes, num_tokens, max_length, deferred=deferred)
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
                         deferred=deferred, pool_epoch=self._pool.evictions)
+
+    def protect(self, hit: CacheHit) -> None:
+        """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks
+        last (queue-aware retention); no-op with LRU."""
+        protect = self._pool.protect
+        if protect is not None and hit.num_tokens:
+            protect([b for blocks in hit.blocks for b in blocks])
 
     def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
                    max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -290,6 +315,8 @@ class KVCacheManager:
                 if self._decodes and caching is CacheTiming.IMMEDIATE:  # one new entry per group at most
                     entries = coordinator.decode(request, computed, end, self._hashes)
                     if entries is not None:
+                        if self._anchors is not None:
+                            self._anchors.allocated(request, end)
                         return _new_blocks(entries)
         hit_blocks = self._check_start(request, hit)
         hit_tokens = hit.num_tokens if hit is not None else 0
@@ -301,9 +328,14 @@ class KVCacheManager:
                 f"request {request.request_id!r} would need {total} token slots; "
                 f"expected at most max_model_len={self.max_model_len}"
             )
+        admitted = not coordinator.is_running(request.request_id)
         new = coordinator.allocate(request, hit_blocks, first_new, total)
         if new is None:
             return None
+        if self._anchors is not None:
+            if admitted:
+                self._anchors.admitted(request, hit_tokens)
+            self._anchors.allocated(request, end)
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
         coordinator.update_quiet(request.request_id)
@@ -339,6 +371,8 @@ class KVCacheManager:
                 blocks it cached beyond that (a step allocated, then preempted before it ran)
                 are uncached, since their KV was never written.
         """
+        if self._anchors is not None:
+            self._anchors.finished(request)
         self._coordinator.free(request)
 
     def block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:

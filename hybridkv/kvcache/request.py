@@ -60,6 +60,13 @@ class KVRequest:
     #: the prompt's length: set by the manager when it first sees the request (its tokens then), kept
     #: across preemption; sparse retention keeps the states a resend of the prompt would read
     num_prompt_tokens: int | None = None
+    #: token positions where a later hit is expected (an application's `cache_checkpoints` hint, or
+    #: the ends of a chat's turns): align-mode chunks end there, so a state checkpoint exists, and a
+    #: value-aware eviction keeps the window tails and checkpoints there (`checkpoints.py`)
+    cache_checkpoints: tuple[int, ...] = ()
+    #: set by `lookup` from the checkpoint placement: where align-mode chunks must end (the
+    #: scheduler reads it with `shared_prefix_boundary`)
+    checkpoint_stops: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -74,6 +74,28 @@ class ChatTemplate:
             return template
         return None
 
+    def turn_ends(self, messages: Sequence[ChatMessage], prompt_ids: Sequence[int]) -> tuple[int, ...]:
+        """Where each earlier message ends in `prompt_ids` (the conversation rendered without the
+        later messages and the generation prompt, where that is a prefix of the prompt): the positions
+        the next turn of this chat resumes from. Templates that render a prefix differently give none."""
+        ends: list[int] = []
+        for count in range(1, len(messages)):
+            pairs = [(m.role, m.text(i)) for i, m in enumerate(messages[:count])]
+            if self._template is None:
+                ids = self._tokenizer.encode(plain_template(pairs))
+            else:
+                from jinja2 import TemplateError
+
+                try:
+                    text = self._template.render(messages=[{"role": r, "content": c} for r, c in pairs],
+                                                 add_generation_prompt=False, **self._special)
+                except TemplateError:
+                    return tuple(ends)
+                ids = self._tokenizer.encode_continuation(text)
+            if 0 < len(ids) < len(prompt_ids) and list(prompt_ids[: len(ids)]) == list(ids):
+                ends.append(len(ids))
+        return tuple(ends)
+
     def prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The prompt ids of a conversation; BadRequest for no messages or a template's refusal."""
         if not messages:

@@ -72,6 +72,7 @@ class _Add:
     sampling: SamplingParams
     cache_salt: str | None
     stream: RequestStream
+    cache_checkpoints: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -121,10 +122,10 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, prompt_ids: list[int], sampling: SamplingParams, *,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, cache_checkpoints: tuple[int, ...] = ()) -> RequestStream:
         """Queue a request; its tokens arrive on the returned stream (call on the event loop)."""
         stream = RequestStream(asyncio.get_running_loop())
-        self._inbox.put(_Add(prompt_ids, sampling, cache_salt, stream))
+        self._inbox.put(_Add(prompt_ids, sampling, cache_salt, stream, cache_checkpoints))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -170,7 +171,8 @@ class EngineLoop:
         if isinstance(command, _Add):
             try:
                 request_id = self.llm.add_request(command.prompt_ids, command.sampling,
-                                                  cache_salt=command.cache_salt)
+                                                  cache_salt=command.cache_salt,
+                                                  cache_checkpoints=command.cache_checkpoints)
             except Exception as exc:  # a prompt the engine refuses: that request's error only
                 command.stream.put(exc)
                 return

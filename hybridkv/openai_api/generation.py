@@ -51,7 +51,8 @@ class Generation:
         self._last_token_s: float | None = None
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        stream = self.engine.submit(self.job.prompt_ids, self.job.sampling, cache_salt=self.job.cache_salt)
+        stream = self.engine.submit(self.job.prompt_ids, self.job.sampling, cache_salt=self.job.cache_salt,
+                                    cache_checkpoints=self.job.cache_checkpoints)
         self.metrics.prompt_tokens.inc(len(self.job.prompt_ids))
         try:
             while self.finish_reason is None:

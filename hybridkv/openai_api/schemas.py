@@ -77,6 +77,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     cache_salt: str | None = None  # requests of different salts share no cached block
+    # token positions where later requests will resume (state checkpoints kept there; chat: turn ends too)
+    cache_checkpoints: list[int] | None = None
     # vLLM's extensions, accepted at their neutral value only
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -216,6 +218,7 @@ class GenerationJob:
     return_token_ids: bool
     tokens_as_ids: bool  # logprob tokens as "token_id:<id>"
     cache_salt: str | None
+    cache_checkpoints: tuple[int, ...] = ()  # the body's hint, plus a chat's turn ends
 
 
 def to_job(body: Body, prompt_ids: list[int], *, max_model_len: int, vocab_size: int) -> GenerationJob:
@@ -247,7 +250,8 @@ def to_job(body: Body, prompt_ids: list[int], *, max_model_len: int, vocab_size:
                          stream=body.stream,
                          include_usage=bool(body.stream_options and body.stream_options.include_usage),
                          logprobs=logprobs, return_token_ids=body.return_token_ids,
-                         tokens_as_ids=body.return_tokens_as_token_ids, cache_salt=body.cache_salt)
+                         tokens_as_ids=body.return_tokens_as_token_ids, cache_salt=body.cache_salt,
+                         cache_checkpoints=_checkpoints(body.cache_checkpoints, len(prompt_ids)))
 
 
 def _sampling(body: Body, *, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
@@ -313,3 +317,13 @@ def _refuse_unsupported(body: Body) -> None:
         what = "that option" if lacks == "option" else lacks
         raise BadRequest(f"{name}={value!r} is not supported by this server (the reference engine has no {what}); "
                          f"leave it out or set it to {neutral!r}", param=name)
+
+
+def _checkpoints(points: list[int] | None, prompt_len: int) -> tuple[int, ...]:
+    """The body's `cache_checkpoints`: positive token positions (those past the prompt are dropped)."""
+    if points is None:
+        return ()
+    if any(isinstance(p, bool) or not isinstance(p, int) or p <= 0 for p in points):
+        raise BadRequest(f"cache_checkpoints must be positive token positions, got {points[:8]!r}",
+                         param="cache_checkpoints")
+    return tuple(sorted({p for p in points if p < prompt_len}))

@@ -53,3 +53,13 @@ class IdealCache:
         key = tuple(tokens)
         at = bisect.bisect_left(seqs, key)
         return max((common_prefix(key, seqs[i]) for i in (at - 1, at) if 0 <= i < len(seqs)), default=0)
+
+    def distinct_tokens(self) -> int:
+        """Tokens of every sequence kept, each shared prefix counted once (the prefix tree's size)."""
+        total = 0
+        for seqs in self._sorted.values():
+            previous: tuple[int, ...] = ()
+            for seq in seqs:
+                total += len(seq) - common_prefix(previous, seq)
+                previous = seq
+        return total

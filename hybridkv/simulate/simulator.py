@@ -23,6 +23,8 @@ from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import (
+    CheckpointPlacement,
+    EvictionPolicyName,
     KVCacheManager,
     MambaCacheMode,
     PrefixCaching,
@@ -70,6 +72,9 @@ class SimOptions:
     release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED
     spec_decode: SpecDecode = SpecDecode.OFF
     prefix_match_unit: int | None = None
+    eviction: EvictionPolicyName = EvictionPolicyName.LRU
+    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
+    checkpoint_interval_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -106,6 +111,8 @@ class SimReport:
     num_blocks: int
     wall_s: float
     groups: tuple[GroupLimits, ...]
+    #: tokens of every prompt and computed sequence, shared prefixes counted once
+    distinct_tokens: int = 0
     #: per trace request (in trace order): its hit tokens at its first admission
     request_hits: tuple[int, ...] = field(default=())
     #: (simulated ms, running requests, waiting requests), sampled every `concurrency_every` steps
@@ -206,7 +213,9 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         config, max_model_len=options.max_model_len, prefix_caching=options.prefix_caching,
         mamba_cache_mode=options.mamba_cache_mode, sliding_window_caching=options.sliding_window_caching,
         prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order,
-        spec_decode=options.spec_decode, prefix_match_unit=options.prefix_match_unit)
+        spec_decode=options.spec_decode, prefix_match_unit=options.prefix_match_unit, eviction=options.eviction,
+        checkpoint_placement=options.checkpoint_placement,
+        checkpoint_interval_tokens=options.checkpoint_interval_tokens)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens
@@ -245,6 +254,6 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         preemptions=run.scheduler.num_preemptions, lookups=stats.lookups, max_running=max_running,
         mean_running=running_sum / steps if steps else 0.0, num_blocks=config.num_blocks,
         wall_s=time.perf_counter() - started, groups=_limits_of(config, stats.limited_by),
-        concurrency=tuple(samples),
+        concurrency=tuple(samples), distinct_tokens=run.ideal.distinct_tokens(),
         request_hits=tuple(r.prefix_hit_tokens for r in sorted(requests, key=lambda r: r.arrival_seq)),
     )

@@ -30,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hybridkv.errors import StaleHitError
 from hybridkv.kvcache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvents
-from hybridkv.kvcache.manager import CacheHit, KVCacheManager, MambaCacheMode
+from hybridkv.kvcache.manager import CacheHit, CheckpointPlacement, EvictionPolicyName, KVCacheManager, MambaCacheMode
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import SpecKind
@@ -79,7 +79,7 @@ COVERAGE: Counter[str] = Counter()
 REQUIRED = ("layout:mixed", "layout:twin_sliding", "layout:two_block_sizes", "layout:mixed_all", "layout:multi_page",
             "hit", "deferred",
             "refused_new", "refused_running",
-            "evicted", "uncached_unrun_step", "stale_hit", "kept_hit_used", "reset")
+            "evicted", "uncached_unrun_step", "stale_hit", "kept_hit_used", "reset", "eviction:value", "eviction:lru")
 
 
 @dataclass
@@ -98,15 +98,18 @@ class ManagerMachine(RuleBasedStateMachine):
         self.stored: Counter[tuple[int, bytes]] = Counter()  # (group, hash) -> copies, from events
         self.stored_this_step: set[tuple[int, bytes]] = set()  # BlockStored since the last begin_step
 
-    @initialize(layout=st.sampled_from(sorted(LAYOUTS)))
-    def build(self, layout: str) -> None:
+    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), eviction=st.sampled_from(list(EvictionPolicyName)),
+                placement=st.sampled_from(list(CheckpointPlacement)))
+    def build(self, layout: str, eviction: EvictionPolicyName, placement: CheckpointPlacement) -> None:
         groups, num_blocks = LAYOUTS[layout]
         mode = MambaCacheMode.ALL if layout.endswith("_all") else MambaCacheMode.ALIGN
         self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=MAX_MODEL_LEN,
-                                      events=KVEvents.ON, mamba_cache_mode=mode)
+                                      events=KVEvents.ON, mamba_cache_mode=mode, eviction=eviction,
+                                      checkpoint_placement=placement)
         self.groups = self.manager.config.groups
         self.tracker = ContentTracker(self.groups, mode)
         COVERAGE[f"layout:{layout}"] += 1
+        COVERAGE[f"eviction:{eviction.value}"] += 1
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -68,3 +68,24 @@ def test_a_chat_template_jinja_file_wins_and_can_refuse(tmp_path: Path) -> None:
 def test_without_a_template_the_plain_one_is_used(tmp_path: Path) -> None:
     ids = ChatTemplate(tmp_path, BYTES).prompt_ids(_msgs(("user", "hi"), ("assistant", "yo"), ("user", "?")))
     assert ids == [2, *(b + 3 for b in b"<|user|>\nhi\n<|assistant|>\nyo\n<|user|>\n?\n<|assistant|>\n")]
+
+
+def test_turn_ends_are_where_each_earlier_message_ends_in_the_prompt(tmp_path: Path) -> None:
+    template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    chat = ChatTemplate(tmp_path, BYTES)
+    messages = _msgs(("system", "be brief"), ("user", "hi"), ("assistant", "yo"), ("user", "?"))
+    ids = chat.prompt_ids(messages)
+    # "<s>[system] be brief\n" is 21 bytes, "[user] hi\n" 10 more, "[assistant] yo\n" 15 more
+    assert chat.turn_ends(messages, ids) == (21, 31, 46)
+
+
+def test_cache_checkpoints_in_a_body_are_checked_and_kept_within_the_prompt() -> None:
+    from hybridkv.openai_api.schemas import CompletionRequest, to_job
+
+    body = CompletionRequest(prompt=[5] * 40, max_tokens=2, cache_checkpoints=[32, 16, 99])
+    assert to_job(body, [5] * 40, max_model_len=128, vocab_size=300).cache_checkpoints == (16, 32)
+    with pytest.raises(BadRequest, match="cache_checkpoints must be positive token positions"):
+        to_job(CompletionRequest(prompt=[5] * 40, cache_checkpoints=[0]), [5] * 40, max_model_len=128,
+               vocab_size=300)

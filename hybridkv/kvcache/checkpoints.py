@@ -1,0 +1,127 @@
+"""Where hits will land: checkpoint placement for state groups, and the anchors value-aware eviction keeps.
+
+A state group (Mamba, Gated DeltaNet) in align mode keeps a checkpoint only where a scheduled
+step ends, and a sliding-window group serves a hit only where the window before it is cached. A
+hit lands where a later request diverges from (or extends) an earlier one, so both should be
+kept exactly there. The positions, per request:
+
+    prompt end      the replay boundary `prompt - 1` (a resend of the same prompt)
+    sequence end    the tokens computed when the request finishes (the next chat turn / agent step)
+    hit point       where its own hit ended (a branch point of the prefix tree)
+    junction        where full attention matched further than every group (`shared_prefix_boundary`)
+    hints           `KVRequest.cache_checkpoints`: an application's positions, or chat-turn ends
+    every K         `checkpoint_interval_tokens` (PLACED)
+    popular depths  the `budget` most frequent branch depths seen so far (PLACED): a system prompt's
+                    end gets its checkpoint from the first request that carries it
+
+`CheckpointPlacement` decides where align-mode chunks end (`KVRequest.checkpoint_stops`, which
+the scheduler reads): JUNCTION is vLLM 0.32's rule (chunk ends, the prompt's last boundary, the
+junction) plus hints; PLACED adds every K and the popular depths. `Anchors` marks, for a
+value-aware eviction policy (`value_policy.py`), the window tails and checkpoints at every
+position above as ANCHOR blocks, kept after the full-attention blocks they make usable.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from enum import Enum
+
+from hybridkv.errors import ConfigError
+from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.type_managers.base import SingleTypeManager
+from hybridkv.kvcache.value_policy import BlockValue
+from hybridkv.plan.specs import SpecKind
+
+
+class CheckpointPlacement(Enum):
+    """Where align-mode prefill chunks end, i.e. where state checkpoints exist (module docstring)."""
+
+    JUNCTION = "junction"
+    PLACED = "placed"
+
+
+class CheckpointPlanner:
+    """Computes a request's checkpoint stops and learns popular branch depths from lookups."""
+
+    def __init__(self, placement: CheckpointPlacement, *, alignment_tokens: int,
+                 interval_tokens: int | None = None, budget: int = 8) -> None:
+        if interval_tokens is not None and (interval_tokens <= 0 or interval_tokens % alignment_tokens):
+            raise ConfigError(f"checkpoint_interval_tokens must be a positive multiple of the alignment "
+                              f"{alignment_tokens} tokens, got {interval_tokens}")
+        if budget < 0:
+            raise ConfigError(f"checkpoint budget must be >= 0, got {budget}")
+        self.placement = placement
+        self.alignment = alignment_tokens
+        self.interval = interval_tokens
+        self.budget = budget
+        self._depths: Counter[int] = Counter()
+        self._popular: list[int] = []
+
+    def observe(self, depth: int) -> None:
+        """A lookup's branch depth: how far full attention matched cached content."""
+        depth -= depth % self.alignment
+        if depth <= 0 or self.placement is not CheckpointPlacement.PLACED:
+            return
+        self._depths[depth] += 1
+        self._popular = sorted(d for d, n in self._depths.most_common(self.budget) if n >= 2)
+
+    def stops(self, request: KVRequest) -> tuple[int, ...]:
+        """Where the request's align-mode chunks must end (besides the scheduler's own cuts)."""
+        end = request.num_tokens
+        stops = {c for c in request.cache_checkpoints if 0 < c < end}
+        if self.placement is CheckpointPlacement.PLACED:
+            stops.update(d for d in self._popular if d < end)
+            if self.interval:
+                stops.update(range(self.interval, end, self.interval))
+        return tuple(sorted(stops))
+
+
+class Anchors:
+    """Marks the window tails and state checkpoints at a request's hit points as ANCHOR blocks."""
+
+    def __init__(self, managers: Sequence[SingleTypeManager], alignment_tokens: int,
+                 mark: object) -> None:
+        self._marked = [m for m in managers if m.group.kind in (SpecKind.SLIDING_WINDOW, SpecKind.MAMBA)]
+        self._alignment = alignment_tokens
+        self._mark = mark
+        self._pending: dict[RequestId, list[int]] = {}
+
+    def admitted(self, request: KVRequest, hit_tokens: int) -> None:
+        """A request's first allocation: its anchors below the prompt's end."""
+        prompt = request.num_prompt_tokens if request.num_prompt_tokens is not None else request.num_tokens
+        points = {hit_tokens, prompt - 1, request.shared_prefix_boundary, *request.cache_checkpoints,
+                  *request.checkpoint_stops}
+        self._pending[request.request_id] = sorted(p for p in points if p > 0)
+
+    def allocated(self, request: KVRequest, num_tokens: int) -> None:
+        """Mark the anchors whose blocks are now all allocated (`num_tokens` slots)."""
+        pending = self._pending.get(request.request_id)
+        while pending and pending[0] <= num_tokens:
+            self._mark_at(request.request_id, pending.pop(0))
+
+    def finished(self, request: KVRequest) -> None:
+        """Before the request's blocks are released: its computed end is where the next turn lands."""
+        self._pending.pop(request.request_id, None)
+        if request.num_computed_tokens > 0:
+            self._mark_at(request.request_id, request.num_computed_tokens)
+
+    def _mark_at(self, request_id: RequestId, point: int) -> None:
+        point -= point % self._alignment
+        if point <= 0:
+            return
+        mark = self._mark
+        assert callable(mark)
+        for manager in self._marked:
+            table = manager.table_of.get(request_id)
+            if table is None:
+                continue
+            last = min(point // manager.block_size, table.length)
+            if manager.group.kind is SpecKind.MAMBA:
+                first = last - 1
+            else:
+                first = last - -(-(manager.group.window_tokens - 1) // manager.block_size)
+            first = max(first, table.num_skipped, 0)
+            if first < last:
+                mark(table.ids[:, first:last].ravel().tolist(), BlockValue.ANCHOR)
