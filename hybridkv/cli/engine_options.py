@@ -9,6 +9,7 @@ import typer
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.kvcache.manager import (
+    AdmissionHeadroom,
     CheckpointPlacement,
     DecodeCheckpoints,
     EvictionPolicyName,
@@ -49,6 +50,9 @@ Placement = Annotated[CheckpointPlacement, typer.Option(
 DecodeCheckpointsOption = Annotated[DecodeCheckpoints, typer.Option(
     "--decode-checkpoints", help="state checkpoints decode leaves cached: every (vLLM's: one per block boundary "
     "crossed) or last (a request's newest replaces its previous one)")]
+Headroom = Annotated[AdmissionHeadroom, typer.Option(
+    "--admission-headroom", help="what a new request leaves free for the running ones: none (vLLM's) or "
+    "next_block (one block per group each: no admit-then-preempt churn)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -56,10 +60,30 @@ KVServer = Annotated[str | None, typer.Option(
 KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="bound on each call to the KV cache "
                                                                                "server")]
 
-__all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "DecodeCheckpointsOption", "Eviction", "KVCacheMemoryGiB",
-           "KVServer", "KVServerTimeout", "MambaCacheModeOption", "MatchUnitOption", "MaxModelLen",
-           "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "Placement", "PrefixCachingOption", "RetentionInterval",
-           "Seed", "StateLayoutOption", "Threads", "engine_options"]
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_MODEL_NAME",
+    "BlockSize",
+    "DecodeCheckpointsOption",
+    "Eviction",
+    "Headroom",
+    "KVCacheMemoryGiB",
+    "KVServer",
+    "KVServerTimeout",
+    "MambaCacheModeOption",
+    "MatchUnitOption",
+    "MaxModelLen",
+    "MaxNumBatchedTokens",
+    "MaxNumSeqs",
+    "Model",
+    "Placement",
+    "PrefixCachingOption",
+    "RetentionInterval",
+    "Seed",
+    "StateLayoutOption",
+    "Threads",
+    "engine_options",
+]
 
 
 def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
@@ -70,7 +94,8 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    state_layout: StateLayout = StateLayout.ONE_PAGE,
                    eviction: EvictionPolicyName = EvictionPolicyName.LRU,
                    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
-                   decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY) -> dict[str, Any]:
+                   decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
+                   admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
@@ -79,6 +104,7 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
         prefix_match_unit=prefix_match_unit, state_layout=state_layout, eviction=eviction,
-        checkpoint_placement=checkpoint_placement, decode_checkpoints=decode_checkpoints)
+        checkpoint_placement=checkpoint_placement, decode_checkpoints=decode_checkpoints,
+        admission_headroom=admission_headroom)
     EngineConfig.from_options(options)
     return options

@@ -22,6 +22,7 @@ from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.manager import (
+    AdmissionHeadroom,
     CheckpointPlacement,
     DecodeCheckpoints,
     EvictionPolicyName,
@@ -41,12 +42,17 @@ SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs",
                       "prefix_match_unit", "step_ms", "num_requests"])
 PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: the policies `--plot` draws side by side (each at the run's other options)
-PLOT_POLICIES = {
-    "lru (vLLM)": (EvictionPolicyName.LRU, CheckpointPlacement.JUNCTION, DecodeCheckpoints.EVERY),
-    "value": (EvictionPolicyName.VALUE, CheckpointPlacement.JUNCTION, DecodeCheckpoints.EVERY),
-    "value + placed checkpoints": (EvictionPolicyName.VALUE, CheckpointPlacement.PLACED, DecodeCheckpoints.EVERY),
-    "value + placed + last decode checkpoint": (EvictionPolicyName.VALUE, CheckpointPlacement.PLACED,
-                                                DecodeCheckpoints.LAST),
+_VLLM: dict[str, Any] = {"eviction": EvictionPolicyName.LRU, "checkpoint_placement": CheckpointPlacement.JUNCTION,
+                         "decode_checkpoints": DecodeCheckpoints.EVERY, "admission_headroom": AdmissionHeadroom.NONE}
+#: the policies `--plot` draws side by side: SimOptions fields over vLLM's settings
+PLOT_POLICIES: dict[str, dict[str, Any]] = {
+    "lru (vLLM)": _VLLM,
+    "value": {**_VLLM, "eviction": EvictionPolicyName.VALUE},
+    "value + placed checkpoints": {**_VLLM, "eviction": EvictionPolicyName.VALUE,
+                                   "checkpoint_placement": CheckpointPlacement.PLACED},
+    "value + placed + last decode checkpoint + headroom": {
+        "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
+        "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.NEXT_BLOCK},
 }
 
 
@@ -86,6 +92,7 @@ def simulate_command(
     eviction: opt.Eviction = EvictionPolicyName.LRU,
     checkpoint_placement: opt.Placement = CheckpointPlacement.JUNCTION,
     decode_checkpoints: opt.DecodeCheckpointsOption = DecodeCheckpoints.EVERY,
+    admission_headroom: opt.Headroom = AdmissionHeadroom.NONE,
     checkpoint_interval: Annotated[int | None, typer.Option(
         "--checkpoint-interval", help="with --checkpoint-placement placed: also a state checkpoint every N "
         "tokens (a multiple of the block size)")] = None,
@@ -113,13 +120,13 @@ def simulate_command(
                              prefix_cache_retention_interval=retention_interval, release_order=release_order,
                              spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,
                              checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval,
-                             decode_checkpoints=decode_checkpoints)
+                             decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
-        curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s, dataclasses.replace(
-            options, eviction=eviction, checkpoint_placement=placement, decode_checkpoints=decode)))
-            for s in scales] for label, (eviction, placement, decode) in PLOT_POLICIES.items()} if plot else {}
+        curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s,
+                                                      dataclasses.replace(options, **fields))) for s in scales]
+                  for label, fields in PLOT_POLICIES.items()} if plot else {}
     except HybridKVError as exc:
         raise usage_error(str(exc), SIM_FLAGS) from None
     if json_output:

@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import (
+    AdmissionHeadroom,
     CheckpointPlacement,
     DecodeCheckpoints,
     EvictionPolicyName,
@@ -62,6 +63,8 @@ class EngineConfig:
     checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
     #: every (vLLM's: a state checkpoint at each block boundary decode crosses) or last (one per request)
     decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
+    #: none (vLLM's) or next_block (a new request leaves one block per group free for each running one)
+    admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -102,7 +105,7 @@ class EngineConfig:
                                   f"got {self.sliding_window_caching!r}")
             object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
         for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement),
-                           ("decode_checkpoints", DecodeCheckpoints)):
+                           ("decode_checkpoints", DecodeCheckpoints), ("admission_headroom", AdmissionHeadroom)):
             value = getattr(self, name)
             if not isinstance(value, enum):
                 values = [m.value for m in enum]

@@ -114,7 +114,8 @@ class LLM:
                                       sliding_window_caching=cfg.sliding_window_caching,
                                       prefix_match_unit=cfg.prefix_match_unit, eviction=cfg.eviction,
                                       checkpoint_placement=cfg.checkpoint_placement,
-                                      decode_checkpoints=cfg.decode_checkpoints)
+                                      decode_checkpoints=cfg.decode_checkpoints,
+                                      admission_headroom=cfg.admission_headroom)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)

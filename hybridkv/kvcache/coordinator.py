@@ -64,6 +64,24 @@ class ReleaseOrder(Enum):
 
     INTERLEAVED = "interleaved"
     BY_GROUP = "by_group"
+
+
+class AdmissionHeadroom(Enum):
+    """What a new request's first allocation must leave free for the requests already running.
+
+    NONE: nothing (vLLM's: a request is admitted when its first chunk fits). NEXT_BLOCK: one new
+    block in every group per running request -- what each needs when its computation crosses
+    its next block boundary (for a state group: the new state its next checkpoint is written
+    into, k pages in the multi-page layout). Without it, a request admitted into the last free
+    blocks is preempted by the first running request that crosses a boundary, re-admitted the
+    next step, and preempted again: with small blocks and large states that churn recomputes
+    prompts and evicts the prefixes it then misses (docs/prefix_caching.md).
+    """
+
+    NONE = "none"
+    NEXT_BLOCK = "next_block"
+
+
 #: `decode`'s plan per manager: (index of its bounds, manager, table, keep from, grows by one entry, that entry is real)
 _DecodeStep = tuple[int, SingleTypeManager, Table, int, bool, bool]
 NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
@@ -86,6 +104,8 @@ class KVCacheCoordinator:
                               "takes every group of a rule)")
         self.groups = tuple(placed[g] for g in range(len(placed)))
         self.release_order = ReleaseOrder.INTERLEAVED
+        #: blocks a new request must leave free per running request (`AdmissionHeadroom`)
+        self.headroom_blocks = 0
         self.num_groups = len(self.groups)
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
@@ -136,10 +156,11 @@ class KVCacheCoordinator:
         manager_hits = self._by_manager(hits)
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
-        if sum(bounds) > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
+        reserve = self.headroom_blocks * len(self.allocated) if rid not in self.allocated else 0
+        if sum(bounds) + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
             need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
                        for m, h in zip(managers, manager_hits, strict=True))
-            if need > pool.num_free:
+            if need + reserve > pool.num_free:
                 return None
         counts = [0] * self.num_groups
         if rid in self.allocated:  # running: its bound is exactly its new blocks

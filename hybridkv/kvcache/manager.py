@@ -42,6 +42,7 @@ from hybridkv.errors import (
 from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent, KVEvents
 from hybridkv.kvcache.checkpoints import Anchors, CheckpointPlacement, CheckpointPlanner
 from hybridkv.kvcache.coordinator import (
+    AdmissionHeadroom,
     GroupBlocks,
     HybridCoordinator,
     KVCacheCoordinator,
@@ -78,6 +79,7 @@ from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
 
 __all__ = [
+    "AdmissionHeadroom",
     "AllocationError",
     "CacheHit",
     "CacheTiming",
@@ -143,6 +145,7 @@ class KVCacheManager:
         checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
         checkpoint_interval_tokens: int | None = None,
         decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
+        admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -177,6 +180,8 @@ class KVCacheManager:
                               spec_decode=spec_decode, decode_checkpoints=decode_checkpoints)
         self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
         self._coordinator.release_order = release_order
+        if admission_headroom is AdmissionHeadroom.NEXT_BLOCK:
+            self._coordinator.headroom_blocks = len(config.groups)
         alignment = self._coordinator.lcm_block_size
         self._checkpoints = CheckpointPlanner(checkpoint_placement, alignment_tokens=alignment,
                                               interval_tokens=checkpoint_interval_tokens)

@@ -23,6 +23,7 @@ from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import (
+    AdmissionHeadroom,
     CheckpointPlacement,
     DecodeCheckpoints,
     EvictionPolicyName,
@@ -77,6 +78,7 @@ class SimOptions:
     checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
     checkpoint_interval_tokens: int | None = None
     decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
+    admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -219,6 +221,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order,
         spec_decode=options.spec_decode, prefix_match_unit=options.prefix_match_unit, eviction=options.eviction,
         checkpoint_placement=options.checkpoint_placement, decode_checkpoints=options.decode_checkpoints,
+        admission_headroom=options.admission_headroom,
         checkpoint_interval_tokens=options.checkpoint_interval_tokens)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
