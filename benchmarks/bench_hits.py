@@ -226,7 +226,8 @@ def targets(seed: int, num_requests: int) -> int:
               f"{source}_best={best} "
               f"(retention None {theirs[2 * i]['hit_tokens']}, 0 {theirs[2 * i + 1]['hit_tokens']}) "
               f"ideal={report.ideal_tokens} preemptions={report.preemptions}/{other['preemptions']} "
-              f"prefill_tokens={report.prefill_tokens}/{other['prefill_tokens']}")
+              f"prefill_tokens={report.prefill_tokens}/{other['prefill_tokens']} "
+              f"held={report.mean_held_fraction:.2f}/{other['mean_held_fraction']:.2f}")
     vs_vllm, vs_ideal = {}, {}
     for layout in TARGET_LAYOUTS:
         mine = [r for r in rows if r[0] == layout]

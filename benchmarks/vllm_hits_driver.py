@@ -104,6 +104,9 @@ class VLLMManager:
             self.manager.free(request)
             request.status = RequestStatus.PREEMPTED
 
+    def usage(self) -> float:
+        return float(self.manager.usage)
+
     def stats(self) -> ManagerStats:
         return ManagerStats(lookups=self.lookups, query_tokens=0, hit_tokens=0, group_hit_tokens=())
 
@@ -116,7 +119,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
     return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
             "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens,
-            "prefill_tokens": report.prefill_tokens}
+            "prefill_tokens": report.prefill_tokens, "mean_held_fraction": report.mean_held_fraction}
 
 
 def main() -> int:

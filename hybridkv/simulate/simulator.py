@@ -121,6 +121,9 @@ class SimReport:
     request_hits: tuple[int, ...] = field(default=())
     #: prompt tokens the model computed: the prompts less their hits, plus every recompute after a preemption
     prefill_tokens: int = 0
+    #: the pool's fraction held by running requests after each step's allocation, averaged over steps
+    #: (the rest is what the prefix cache keeps)
+    mean_held_fraction: float = 0.0
     #: (simulated ms, running requests, waiting requests), sampled every `concurrency_every` steps
     concurrency: tuple[tuple[float, int, int], ...] = field(default=())
 
@@ -228,6 +231,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens
     run = _Run(trace, manager, options, align)
     steps = running_sum = max_running = 0
+    held_sum = 0.0
     samples: list[tuple[float, int, int]] = []
     while run.pending or run.blocked or run.scheduler.has_unfinished:
         run.arrive()
@@ -247,6 +251,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
             ) from None
         steps += 1
         running_sum += running
+        held_sum += manager.usage()
         max_running = max(max_running, running)
         if steps % concurrency_every == 0:
             samples.append((run.clock_ms, running, len(run.scheduler.waiting)))
@@ -264,4 +269,5 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         concurrency=tuple(samples), distinct_tokens=run.ideal.distinct_tokens(),
         request_hits=tuple(r.prefix_hit_tokens for r in sorted(requests, key=lambda r: r.arrival_seq)),
         prefill_tokens=sum(r.computed_prefill_tokens for r in requests),
+        mean_held_fraction=held_sum / steps if steps else 0.0,
     )

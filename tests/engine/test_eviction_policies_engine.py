@@ -14,7 +14,13 @@ from hybridkv.errors import ConfigError
 from tests.engine.conftest import prompts
 
 GREEDY = SamplingParams(max_tokens=4, eos=EosMode.IGNORE)
-POLICIES = (("lru", "junction"), ("value", "junction"), ("value", "placed"))
+POLICIES: dict[str, dict[str, str]] = {
+    "vllm": {"eviction": "lru", "checkpoint_placement": "junction"},
+    "value": {"eviction": "value", "checkpoint_placement": "junction"},
+    "placed": {"eviction": "value", "checkpoint_placement": "placed"},
+    "ours": {"eviction": "value", "checkpoint_placement": "placed", "decode_checkpoints": "last",
+             "admission_headroom": "next_block", "state_layout": "multi_page"},
+}
 
 
 @pytest.mark.slow
@@ -25,13 +31,14 @@ def test_outputs_are_identical_across_policies(model_dir: Callable[[str], Path],
     options: dict[str, Any] = dict(max_model_len=128, max_num_batched_tokens=32, block_size=4,
                                    kv_cache_memory_gib=0.004, max_num_seqs=2)
     outputs = {}
-    for eviction, placement in POLICIES:
-        llm = LLM(str(model_dir(arch)), eviction=eviction, checkpoint_placement=placement, **options)
+    for name, policy in POLICIES.items():
+        llm = LLM(str(model_dir(arch)), **policy, **options)
         first = llm.generate([shared + t for t in tails[:3]], GREEDY, cache_checkpoints=[[40], [], [20, 40]])
         turn = llm.generate([shared + tails[0] + first[0].token_ids + tails[3]], GREEDY)
-        outputs[(eviction, placement)] = [o.token_ids for o in first + turn]
-    assert outputs[("value", "junction")] == outputs[("lru", "junction")]
-    assert outputs[("value", "placed")] == outputs[("lru", "junction")]
+        outputs[name] = [o.token_ids for o in first + turn]
+    assert outputs["value"] == outputs["vllm"]
+    assert outputs["placed"] == outputs["vllm"]
+    assert outputs["ours"] == outputs["vllm"]
     with pytest.raises(ConfigError, match="cache_checkpoints of prompt 0 must be positive token positions"):
         llm.generate([shared], GREEDY, cache_checkpoints=[[0]])
     with pytest.raises(ConfigError, match="one sequence of positions per prompt"):
