@@ -117,9 +117,12 @@ class LLM:
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
+        align = self._align_tokens()
+        unit = self.manager.match_unit
         self.scheduler: Scheduler[Request] = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens(),
-                                   connector=self.transfer.connector if self.transfer else None)
+                                   max_num_seqs=cfg.max_num_seqs, align_tokens=align,
+                                   connector=self.transfer.connector if self.transfer else None,
+                                   partial_unit_tokens=unit.hash_unit_tokens if align and unit.partial_hits else 0)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())
@@ -335,6 +338,8 @@ class LLM:
     def _step(self) -> list[Request]:
         out = self.scheduler.schedule()
         self._track_memory(out)
+        if out.copies:  # partial hits' copy on write: before anything reads or writes those blocks
+            self.runner.copy_blocks([(int(c.src_block_id), int(c.dst_block_id)) for c in out.copies])
         work = list(out.work)
         tables = {w.request.request_id: self.manager.block_ids(w.request.request_id) for w in work}
         saves = self._load_external(work, tables) if self.transfer is not None else None
