@@ -109,6 +109,9 @@ class KVCacheCoordinator:
         self.copies: list[tuple[int, int, int]] = []
         #: the blocks each copy holds a reference to until `take_copies` (src and dst of each)
         self.retained: list[int] = []
+        #: a refused allocate of a running request still releases the blocks its step no longer
+        #: needs (vLLM 0.32's order; set with partial hits, whose copy-on-write steps can be refused)
+        self.release_when_refused = False
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -152,12 +155,13 @@ class KVCacheCoordinator:
             need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
                        for m, h in zip(managers, manager_hits, strict=True))
             if need + extra > pool.num_free:
+                if self.release_when_refused and rid in self.allocated:
+                    self._release_skipped(rid, first_new)
+                    self.update_quiet(rid)
                 return None
         counts = [0] * self.num_groups
         if rid in self.allocated:  # running: its bound is exactly its new blocks
-            released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
-            if any(part.size for _, part in released):
-                self._release(released)
+            self._release_skipped(rid, first_new)
             for m, bound in zip(managers, bounds, strict=True):
                 if bound:
                     for g in m.group_ids:
@@ -190,6 +194,12 @@ class KVCacheCoordinator:
                 new[g] = np.concatenate([np.array(copied[g], np.int64), row]) if len(copied[g]) else row
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
+
+    def _release_skipped(self, rid: RequestId, first_new: int) -> None:
+        """Release the blocks a running request no longer needs once `first_new` tokens precede its step."""
+        released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
+        if any(part.size for _, part in released):
+            self._release(released)
 
     def _cows(self, rid: RequestId, manager_hits: list[list[list[int]] | None],
               hit_tokens: int) -> list[tuple[int, list[int]] | None]:

@@ -134,6 +134,7 @@ def _check_partial(unit: MatchUnit, config: KVCacheConfig, spec_decode: SpecDeco
 def _enable_partial_hits(coordinator: KVCacheCoordinator, unit: int) -> None:
     """Hits land every `unit` tokens; the full-attention and state managers look up inside blocks."""
     coordinator.hit_step = unit
+    coordinator.release_when_refused = True
     for manager in coordinator.managers:
         if manager.block_size > unit and (manager.downward_closed or manager.is_state):
             manager.partial_unit = unit
