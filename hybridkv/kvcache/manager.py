@@ -116,13 +116,12 @@ def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCac
     return HybridCoordinator(managers, pool)
 
 
-def _check_partial(unit: MatchUnit, config: KVCacheConfig, spec_decode: SpecDecode,
-                   retention_interval: int | None) -> None:
-    """ConfigError for partial hits combined with an option this manager does not pair them with."""
+def _check_partial(unit: MatchUnit, config: KVCacheConfig, retention_interval: int | None) -> None:
+    """ConfigError for partial hits combined with an option this manager does not pair them with
+    (EAGLE with state groups is refused by `check_spec_decode`)."""
     if not unit.partial_hits:
         return
-    other = ("spec_decode=eagle" if spec_decode is SpecDecode.EAGLE
-             else f"prefix_cache_retention_interval={retention_interval}" if retention_interval is not None
+    other = (f"prefix_cache_retention_interval={retention_interval}" if retention_interval is not None
              else "the multi_page state layout" if config.pages_per_state > 1 else None)
     if other is not None:
         raise ConfigError(
@@ -178,7 +177,7 @@ class KVCacheManager:
         self.match_unit = resolve_match_unit(config.groups, prefix_match_unit,
                                              caching=prefix_caching is PrefixCaching.ON,
                                              mamba_cache_mode=mamba_cache_mode)
-        _check_partial(self.match_unit, config, spec_decode, prefix_cache_retention_interval)
+        _check_partial(self.match_unit, config, prefix_cache_retention_interval)
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
