@@ -182,7 +182,7 @@ class KVCacheCoordinator:
                 if cow is not None:
                     for g in m.group_ids:
                         counts[g] += 1
-        fresh: list[list[int]] | list[Ids] | None = pool.allocate(counts) if any(counts) else None
+        fresh: list[Sequence[int] | Ids] | None = list(pool.allocate(counts)) if any(counts) else None
         copied: list[Sequence[int]] = [()] * self.num_groups
         if extra and fresh is not None:
             copied = self._copy_on_write(rid, cows, fresh)
@@ -217,7 +217,7 @@ class KVCacheCoordinator:
         return out
 
     def _copy_on_write(self, rid: RequestId, cows: list[tuple[int, list[int]] | None],
-                       fresh: list[list[int]] | list[Ids]) -> list[Sequence[int]]:
+                       fresh: list[Sequence[int] | Ids]) -> list[Sequence[int]]:
         """Take each copy's block (the first popped of its group, so `fresh` keeps the rest) and
         record the copies. A new request's table takes the copy in place of the hit block; a
         running request keeps its block and its partial entry moves to the copy. Both ends of a

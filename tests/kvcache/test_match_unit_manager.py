@@ -48,7 +48,7 @@ def test_finer_keys_beside_a_sliding_window_leave_hits_on_the_block() -> None:
 def test_a_unit_below_the_state_block_turns_partial_hits_on() -> None:
     groups = [make_group(kind="full", block_size=64), make_group(kind="mamba", block_size=64)]
     m = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=16)
-    assert (m.match_unit.hit_alignment_tokens, m.match_unit.partial_hits) == (16, True)  # tests/kvcache/test_partial_hits.py
+    assert (m.match_unit.hit_alignment_tokens, m.match_unit.partial_hits) == (16, True)  # (test_partial_hits.py)
     # the state block itself is fine (hits on the block, as with the option off)
     same = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=64)
     assert same.match_unit.hit_alignment_tokens == 64
