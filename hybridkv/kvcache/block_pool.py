@@ -49,6 +49,7 @@ from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
 from hybridkv.kvcache.free_queue import Ids, PolicyFactory
 from hybridkv.kvcache.ids import BlockHash, GroupId
+from hybridkv.kvcache.partial_hits import PartialEntries
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
 from hybridkv.plan.planner import KVCacheGroupSpec
 
@@ -129,10 +130,8 @@ class BlockPool:
         self._events: list[KVEvent] = []
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
         self.evictions = 0
-        #: block -> the partial key it holds (as its hash or as an extra entry)
-        self._partial: dict[int, BlockHash] = {}
-        #: per group: partial key -> blocks holding it as an extra entry (they carry another hash)
-        self._extra: list[dict[BlockHash, list[int]]] = [{} for _ in self._groups]
+        #: the partial entries (`partial_hits.py`): block -> its partial key, and the extra holders
+        self._partial = PartialEntries(len(self._groups))
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -234,7 +233,7 @@ class BlockPool:
             self._unmap(evicted.tolist())
             return
         if self._partial:
-            self._forget_partial(evicted.tolist())
+            self._partial.forget(evicted.tolist(), self.group_of)
         groups = self.group_of[evicted]
         for pmap in self._pmaps:
             ids = evicted
@@ -268,9 +267,9 @@ class BlockPool:
             pmap, col = self._place[group_id]
             slot = slot_of.item(block)
             block_hash = pmap.key[slot]
-            quiet = bool(partial) and partial.get(block) == block_hash  # a partial entry records no event
+            quiet = bool(partial) and partial.key_of.get(block) == block_hash  # a partial entry records no event
             if partial:
-                self._forget_partial([block])
+                partial.forget([block], group_of)
             if pmap.blocks.item(col, slot) != block:  # a waiting copy
                 pmap.take_dup(col, slot, block_hash, block)
             elif pmap.waiting.item(col, slot):  # a waiting copy becomes the primary
@@ -479,13 +478,13 @@ class BlockPool:
         """Make `block` (of group `group_id`) reachable under `key`, the hash of a prefix that ends
         inside it (module docstring); False, nothing done, for the null block or a block that
         already holds `key`."""
-        if block == NULL or self._partial.get(block) == key or self.hash_of(block) == key:
+        if block == NULL or self.partial_key(block) == key or self.hash_of(block) == key:
             return False
-        if self._partial.get(block) is not None:  # one partial entry per block: the newer replaces it
+        if self.partial_key(block) is not None:  # one partial entry per block: the newer replaces it
             self.drop_partial(block)
-        self._partial[block] = key
-        if self.has_hash.item(block):
-            self._extra[group_id].setdefault(key, []).append(block)
+        carries = bool(self.has_hash.item(block))
+        self._partial.add(group_id, block, key, extra=carries)
+        if carries:
             return True
         pmap, col = self._place[group_id]
         slot = pmap.slot_for(key)
@@ -507,54 +506,39 @@ class BlockPool:
             slot = pmap.index.get(key, 0)
             block = pmap.blocks.item(col, slot) if slot else NULL
             if block == NULL:
-                extra = self._extra[group_id].get(key)
-                if not extra:
+                block = self._partial.extra_holder(group_id, key) or NULL
+                if block == NULL:
                     return None
-                block = extra[0]
             out.append(block)
         return out
 
     def partial_key(self, block: int) -> BlockHash | None:
         """The partial key `block` holds (as its hash or an extra entry), None if none."""
-        return self._partial.get(block) if self._partial else None
+        return self._partial.key_of.get(block) if self._partial else None
 
     def holds_partial(self, block: int, key: BlockHash) -> bool:
         """Whether `block` is reachable under `key` (its hash or its partial entry)."""
-        return self._partial.get(block) == key or self.hash_of(block) == key
+        return self.partial_key(block) == key or self.hash_of(block) == key
 
     def drop_partial(self, block: int) -> None:
         """Forget the partial entry of `block` (no-op without one); hits taken before are re-verified."""
-        key = self._partial.get(block)
+        key = self.partial_key(block)
         if key is None:
             return
         if self.hash_of(block) == key:
             self._drop_hash(block)
         else:
-            self._forget_partial([block])
+            self._partial.forget([block], self.group_of)
             self.evictions += 1
 
     def move_partial(self, group_id: int, src: int, dst: int) -> None:
         """Re-point the partial entry of `src` to `dst` (a fresh block of the same group that
         will hold a copy of `src`'s content); no-op when `src` holds none."""
-        key = self._partial.get(src)
+        key = self.partial_key(src)
         if key is None:
             return
         self.drop_partial(src)
         self.cache_partial(group_id, dst, key)
-
-    def _forget_partial(self, blocks: Sequence[int]) -> None:
-        """Drop the partial records of `blocks` (being evicted or uncached): their extra entries go."""
-        partial = self._partial
-        for block in blocks:
-            key = partial.pop(block, None)
-            if key is None:
-                continue
-            extra = self._extra[self.group_of.item(block)]
-            holders = extra.get(key)
-            if holders and block in holders:
-                holders.remove(block)
-                if not holders:
-                    del extra[key]
 
     # -- slow path ----------------------------------------------------------------------------
 
@@ -606,8 +590,6 @@ class BlockPool:
         for pmap in self._pmaps:
             pmap.clear()
         self._partial.clear()
-        for extra in self._extra:
-            extra.clear()
         self.slot_of[:] = 0
         self.has_hash[:] = False
         self.evictions += 1
@@ -646,13 +628,7 @@ class BlockPool:
         groups = self.group_of.tolist()
         hashes = self.block_hash
         entries = sum(pmap.check(hashes, groups, self.slot_of) for pmap in self._pmaps)
-        for group_id, extra in enumerate(self._extra):
-            for key, blocks in extra.items():
-                for block in blocks:
-                    if self._partial.get(block) != key or not self.has_hash[block] or groups[block] != group_id:
-                        raise IntegrityError(f"extra partial entry of block {block} (group {group_id}) is not "
-                                             f"recorded, or the block carries no hash or belongs to group "
-                                             f"{groups[block]}")
+        self._partial.check(self.has_hash.tolist(), groups)
         hashed = sum(1 for h in hashes if h is not None)
         if hashed != entries:
             raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")

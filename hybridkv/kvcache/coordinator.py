@@ -121,6 +121,15 @@ class KVCacheCoordinator:
 
     # -- allocation -----------------------------------------------------------------------------
 
+    def enable_partial_hits(self, unit: int) -> None:
+        """Hits land every `unit` tokens; the full-attention and state managers look up inside blocks;
+        a refused allocate of a running request still releases its skipped blocks (vLLM 0.32's order)."""
+        self.hit_step = unit
+        self.release_when_refused = True
+        for manager in self.managers:
+            if manager.block_size > unit and (manager.downward_closed or manager.is_state):
+                manager.partial_unit = unit
+
     def is_running(self, request_id: RequestId) -> bool:
         return request_id in self.allocated
 

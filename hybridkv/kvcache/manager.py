@@ -15,7 +15,12 @@ A step of one request, in tokens (`allocate` arguments in brackets):
 
 The engine advances `request.num_computed_tokens` itself, after the step, to `end`.
 Verbs: begin_step, lookup, allocate, cache, free, block_ids, state_steps, reset_prefix_cache,
-usage, group_usage, stats, take_events, check_integrity. See docs/kv_cache_manager.md.
+usage, group_usage, stats, take_pending_copies, take_events, check_integrity. See
+docs/kv_cache_manager.md.
+
+Partial hits (`prefix_match_unit` below a state group's block in align mode, `match_unit`): a hit
+may end inside a block; the request then gets a private copy of that block, and the copies to run
+before the step's forward come from `take_pending_copies` (docs/prefix_caching.md).
 
 State groups (Mamba, Gated DeltaNet): `mamba_cache_mode=MambaCacheMode.ALIGN | ALL` selects
 where checkpoints are kept; `state_steps` tells the runner which block each state is read from
@@ -53,6 +58,7 @@ from hybridkv.kvcache.free_queue import EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
+from hybridkv.kvcache.partial_hits import check_partial_hits
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.results import (
     BlockCopy,
@@ -116,29 +122,6 @@ def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCac
     return HybridCoordinator(managers, pool)
 
 
-def _check_partial(unit: MatchUnit, config: KVCacheConfig, retention_interval: int | None) -> None:
-    """ConfigError for partial hits combined with an option this manager does not pair them with
-    (EAGLE with state groups is refused by `check_spec_decode`)."""
-    if not unit.partial_hits:
-        return
-    other = (f"prefix_cache_retention_interval={retention_interval}" if retention_interval is not None
-             else "the multi_page state layout" if config.pages_per_state > 1 else None)
-    if other is not None:
-        raise ConfigError(
-            f"prefix_match_unit={unit.hash_unit_tokens} makes hits land inside the {unit.scheduler_block_tokens}-token "
-            f"blocks of this layout (partial hits), which this manager does not combine with {other}; expected a "
-            f"unit of at least {unit.scheduler_block_tokens} tokens (or None), or that option off")
-
-
-def _enable_partial_hits(coordinator: KVCacheCoordinator, unit: int) -> None:
-    """Hits land every `unit` tokens; the full-attention and state managers look up inside blocks."""
-    coordinator.hit_step = unit
-    coordinator.release_when_refused = True
-    for manager in coordinator.managers:
-        if manager.block_size > unit and (manager.downward_closed or manager.is_state):
-            manager.partial_unit = unit
-
-
 class KVCacheManager:
     """Hands out block ids per KV cache group and keeps the prefix cache of all groups."""
 
@@ -177,7 +160,7 @@ class KVCacheManager:
         self.match_unit = resolve_match_unit(config.groups, prefix_match_unit,
                                              caching=prefix_caching is PrefixCaching.ON,
                                              mamba_cache_mode=mamba_cache_mode)
-        _check_partial(self.match_unit, config, prefix_cache_retention_interval)
+        check_partial_hits(self.match_unit, config, prefix_cache_retention_interval)
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
@@ -191,7 +174,7 @@ class KVCacheManager:
         self._coordinator.release_order = release_order
         self._partial = self.match_unit.partial_hits
         if self._partial:
-            _enable_partial_hits(self._coordinator, self.match_unit.hash_unit_tokens)
+            self._coordinator.enable_partial_hits(self.match_unit.hash_unit_tokens)
         alignment = self._coordinator.lcm_block_size
         self._checkpoints = CheckpointPlanner(checkpoint_placement, alignment_tokens=alignment,
                                               interval_tokens=checkpoint_interval_tokens)
