@@ -133,6 +133,12 @@ class LLM:
         cfg = self.config
         assert cfg.kv_server is not None
         has_state = any(g.kind is SpecKind.MAMBA for g in self.plan.config.groups)
+        unit = self.manager.match_unit
+        if unit.partial_hits:
+            raise ConfigError(f"kv_server with prefix_match_unit={unit.hash_unit_tokens} (hits inside the "
+                              f"{unit.scheduler_block_tokens}-token blocks, copied on write) is not supported yet; "
+                              f"expected a unit of at least {unit.scheduler_block_tokens} tokens (or None), "
+                              "or no kv_server")
         if has_state and cfg.prefix_caching is PrefixCaching.OFF:
             raise ConfigError("kv_server with a state model (Mamba / Gated DeltaNet) needs prefix_caching on: "
                               "without it a state group keeps one running state, no checkpoint to store")
