@@ -15,7 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.errors import CapacityError
-from hybridkv.kvcache.manager import BlockCopy, CacheHit, KVCacheManager, NewBlocks
+from hybridkv.kvcache.manager import (
+    BlockCopy,
+    CacheHit,
+    CheckpointPlacement,
+    EvictionPolicyName,
+    KVCacheManager,
+    NewBlocks,
+)
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.simulate.simulator import SimOptions, simulate
 from hybridkv.simulate.trace import TraceRequest
@@ -84,13 +91,17 @@ def traces(draw: st.DrawFn) -> list[TraceRequest]:
     return out
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trace=traces(), num_blocks=st.integers(10, 40), budget=st.sampled_from([4, 8, 13, 64]))
-def test_partial_hits_stay_sound_and_the_pool_consistent(trace: list[TraceRequest], num_blocks: int,
-                                                         budget: int) -> None:
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces(), num_blocks=st.integers(10, 40), budget=st.sampled_from([4, 8, 13, 64]),
+       eviction=st.sampled_from(list(EvictionPolicyName)), placement=st.sampled_from(list(CheckpointPlacement)))
+def test_partial_hits_stay_sound_and_the_pool_consistent(trace: list[TraceRequest], num_blocks: int, budget: int,
+                                                         eviction: EvictionPolicyName,
+                                                         placement: CheckpointPlacement) -> None:
     config = make_config(groups=GROUPS, num_blocks=num_blocks)
-    options = SimOptions(max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4, prefix_match_unit=UNIT)
-    manager = Checked(KVCacheManager(config, max_model_len=64, prefix_match_unit=UNIT))
+    options = SimOptions(max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4, prefix_match_unit=UNIT,
+                         eviction=eviction, checkpoint_placement=placement)
+    manager = Checked(KVCacheManager(config, max_model_len=64, prefix_match_unit=UNIT, eviction=eviction,
+                                     checkpoint_placement=placement))
     assert manager.match_unit.partial_hits
     try:
         report = simulate(trace, config, options, manager=manager)  # type: ignore[arg-type]
