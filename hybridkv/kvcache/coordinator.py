@@ -112,6 +112,9 @@ class KVCacheCoordinator:
         #: a refused allocate of a running request still releases the blocks its step no longer
         #: needs (vLLM 0.32's order; set with partial hits, whose copy-on-write steps can be refused)
         self.release_when_refused = False
+        #: hits may end inside blocks (`enable_partial_hits`): allocate may copy on write
+        self.partial_hits = False
+        self._no_cows: list[tuple[int, list[int]] | None] = []
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -125,6 +128,7 @@ class KVCacheCoordinator:
         """Hits land every `unit` tokens; the full-attention and state managers look up inside blocks;
         a refused allocate of a running request still releases its skipped blocks (vLLM 0.32's order)."""
         self.hit_step = unit
+        self.partial_hits = True
         self.release_when_refused = True
         for manager in self.managers:
             if manager.block_size > unit and (manager.downward_closed or manager.is_state):
@@ -156,8 +160,8 @@ class KVCacheCoordinator:
         if hits and self.defers(hits):
             return None
         manager_hits = self._by_manager(hits)
-        cows = self._cows(rid, manager_hits, hit_tokens)
-        extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None)
+        cows = self._cows(rid, manager_hits, hit_tokens) if self.partial_hits else self._no_cows
+        extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
         if sum(bounds) + extra > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
