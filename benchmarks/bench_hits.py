@@ -40,11 +40,13 @@ from hybridkv.catalog import find  # noqa: E402
 from hybridkv.errors import CapacityError  # noqa: E402
 from hybridkv.kvcache.manager import (  # noqa: E402
     CheckpointPlacement,
+    DecodeCheckpoints,
     EvictionPolicyName,
     MambaCacheMode,
     ReleaseOrder,
     SpecDecode,
 )
+from hybridkv.plan.kv_cache_config import StateLayout  # noqa: E402
 from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
 from hybridkv.plan.planner import GIB, KVCacheConfig, PlannerOptions, plan  # noqa: E402
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate  # noqa: E402
@@ -67,7 +69,8 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
     mode = MambaCacheMode(job["mamba_cache_mode"])
     planned = plan(model_spec_from_config(entry.config, name=entry.hf_id),
                    PlannerOptions(memory_bytes=int(job["memory_gib"] * GIB), max_model_len=job["max_model_len"],
-                                  max_num_batched_tokens=job["max_num_batched_tokens"], mamba_cache_mode=mode))
+                                  max_num_batched_tokens=job["max_num_batched_tokens"], mamba_cache_mode=mode,
+                                  state_layout=StateLayout(job.get("state_layout", "one_page"))))
     if job["generator"] == "mooncake":
         with tempfile.TemporaryDirectory() as tmp:
             path = mooncake_trace.write(Path(tmp) / "mooncake.jsonl", **job["generator_options"])
@@ -77,14 +80,22 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
     config = planned.config
     if job.get("num_blocks"):
         config = dataclasses.replace(config, num_blocks=job["num_blocks"])
+    elif job.get("pool_bytes"):  # the same bytes whatever the layout's page size
+        config = dataclasses.replace(config, num_blocks=max(2, int(job["pool_bytes"] // bytes_per_block(config))))
     options = SimOptions(max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
                          max_num_seqs=job["max_num_seqs"], mamba_cache_mode=mode,
                          prefix_cache_retention_interval=job["retention"],
                          release_order=ReleaseOrder(job["release_order"]), spec_decode=SpecDecode(job["spec_decode"]),
                          prefix_match_unit=match_unit(job, planned.config),
                          eviction=EvictionPolicyName(job.get("eviction", "lru")),
-                         checkpoint_placement=CheckpointPlacement(job.get("checkpoint_placement", "junction")))
+                         checkpoint_placement=CheckpointPlacement(job.get("checkpoint_placement", "junction")),
+                         decode_checkpoints=DecodeCheckpoints(job.get("decode_checkpoints", "every")))
     return config, trace, options
+
+
+def bytes_per_block(config: KVCacheConfig) -> float:
+    """KV cache bytes one block id stands for (every tensor's page of it)."""
+    return sum(t.size_bytes for t in config.tensors) / config.num_blocks
 
 
 def match_unit(job: dict[str, Any], config: KVCacheConfig) -> int | None:
@@ -159,7 +170,10 @@ def record(path: Path) -> None:
 
 TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
 TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
-OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved"}
+#: our setting: small attention blocks with a state over several pages (Mamba hybrids; one page otherwise),
+#: value-aware eviction, placed checkpoints, one decode checkpoint per request
+OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved",
+        "state_layout": "multi_page", "decode_checkpoints": "last"}
 
 
 def budget_blocks(config: KVCacheConfig, distinct_tokens: int, fraction: float) -> int:
@@ -185,8 +199,8 @@ def targets(seed: int, num_requests: int) -> int:
             distinct = simulate(trace, config, options).distinct_tokens
             for fraction in (0.25, 1.0):
                 nb = budget_blocks(config, distinct, fraction)
-                while True:
-                    job = {**base, **OURS, "num_blocks": nb}
+                while True:  # the same bytes on both sides: vLLM's blocks, ours at our layout's page size
+                    job = {**base, **OURS, "pool_bytes": nb * bytes_per_block(config)}
                     try:
                         config_b, trace_b, options_b = materialize(job)
                         report = simulate(trace_b, config_b, options_b)

@@ -123,7 +123,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                           prefix_match_unit=options.prefix_match_unit)
     report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
     return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
-            "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens}
+            "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens,
+            "prefill_tokens": report.prefill_tokens}
 
 
 def main() -> int:

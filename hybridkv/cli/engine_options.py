@@ -8,7 +8,13 @@ from typing import Annotated, Any
 import typer
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
-from hybridkv.kvcache.manager import CheckpointPlacement, EvictionPolicyName, MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.manager import (
+    CheckpointPlacement,
+    DecodeCheckpoints,
+    EvictionPolicyName,
+    MambaCacheMode,
+    PrefixCaching,
+)
 from hybridkv.plan.kv_cache_config import StateLayout
 
 DEFAULTS = EngineConfig.defaults()
@@ -40,6 +46,9 @@ Eviction = Annotated[EvictionPolicyName, typer.Option(
 Placement = Annotated[CheckpointPlacement, typer.Option(
     "--checkpoint-placement", help="where state checkpoints are written: junction (vLLM's) or placed (also at "
     "popular branch depths)")]
+DecodeCheckpointsOption = Annotated[DecodeCheckpoints, typer.Option(
+    "--decode-checkpoints", help="state checkpoints decode leaves cached: every (vLLM's: one per block boundary "
+    "crossed) or last (a request's newest replaces its previous one)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -47,10 +56,10 @@ KVServer = Annotated[str | None, typer.Option(
 KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="bound on each call to the KV cache "
                                                                                "server")]
 
-__all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "Eviction", "KVCacheMemoryGiB", "KVServer",
-           "KVServerTimeout", "MambaCacheModeOption", "MatchUnitOption", "MaxModelLen", "MaxNumBatchedTokens",
-           "MaxNumSeqs", "Model", "Placement", "PrefixCachingOption", "RetentionInterval", "Seed",
-           "StateLayoutOption", "Threads", "engine_options"]
+__all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "BlockSize", "DecodeCheckpointsOption", "Eviction", "KVCacheMemoryGiB",
+           "KVServer", "KVServerTimeout", "MambaCacheModeOption", "MatchUnitOption", "MaxModelLen",
+           "MaxNumBatchedTokens", "MaxNumSeqs", "Model", "Placement", "PrefixCachingOption", "RetentionInterval",
+           "Seed", "StateLayoutOption", "Threads", "engine_options"]
 
 
 def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, max_num_seqs: int,
@@ -60,7 +69,8 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    prefix_match_unit: int | None = None,
                    state_layout: StateLayout = StateLayout.ONE_PAGE,
                    eviction: EvictionPolicyName = EvictionPolicyName.LRU,
-                   checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION) -> dict[str, Any]:
+                   checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
+                   decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
@@ -69,6 +79,6 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads, kv_server=kv_server,
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
         prefix_match_unit=prefix_match_unit, state_layout=state_layout, eviction=eviction,
-        checkpoint_placement=checkpoint_placement)
+        checkpoint_placement=checkpoint_placement, decode_checkpoints=decode_checkpoints)
     EngineConfig.from_options(options)
     return options

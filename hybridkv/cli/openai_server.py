@@ -65,6 +65,7 @@ def serve_command(
     prefix_match_unit: opt.MatchUnitOption = None,
     eviction: opt.Eviction = opt.DEFAULTS["eviction"],
     checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
+    decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
 ) -> None:
@@ -93,7 +94,8 @@ def serve_command(
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
-            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement)
+            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
+            decode_checkpoints=decode_checkpoints)
         from hybridkv.engine.llm import LLM
 
         llm = LLM(model, **options)

@@ -64,6 +64,7 @@ def run_command(
     prefix_match_unit: opt.MatchUnitOption = None,
     eviction: opt.Eviction = opt.DEFAULTS["eviction"],
     checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
+    decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
@@ -95,7 +96,8 @@ def run_command(
             prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
-            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement)
+            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
+            decode_checkpoints=decode_checkpoints)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")

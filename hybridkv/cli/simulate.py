@@ -23,6 +23,7 @@ from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.manager import (
     CheckpointPlacement,
+    DecodeCheckpoints,
     EvictionPolicyName,
     PrefixCaching,
     ReleaseOrder,
@@ -41,9 +42,11 @@ SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs",
 PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: the policies `--plot` draws side by side (each at the run's other options)
 PLOT_POLICIES = {
-    "lru (vLLM)": (EvictionPolicyName.LRU, CheckpointPlacement.JUNCTION),
-    "value": (EvictionPolicyName.VALUE, CheckpointPlacement.JUNCTION),
-    "value + placed checkpoints": (EvictionPolicyName.VALUE, CheckpointPlacement.PLACED),
+    "lru (vLLM)": (EvictionPolicyName.LRU, CheckpointPlacement.JUNCTION, DecodeCheckpoints.EVERY),
+    "value": (EvictionPolicyName.VALUE, CheckpointPlacement.JUNCTION, DecodeCheckpoints.EVERY),
+    "value + placed checkpoints": (EvictionPolicyName.VALUE, CheckpointPlacement.PLACED, DecodeCheckpoints.EVERY),
+    "value + placed + last decode checkpoint": (EvictionPolicyName.VALUE, CheckpointPlacement.PLACED,
+                                                DecodeCheckpoints.LAST),
 }
 
 
@@ -82,6 +85,7 @@ def simulate_command(
         "--spec-decode", help="eagle: hits drop one block for the draft model (vLLM's use_eagle)")] = SpecDecode.OFF,
     eviction: opt.Eviction = EvictionPolicyName.LRU,
     checkpoint_placement: opt.Placement = CheckpointPlacement.JUNCTION,
+    decode_checkpoints: opt.DecodeCheckpointsOption = DecodeCheckpoints.EVERY,
     checkpoint_interval: Annotated[int | None, typer.Option(
         "--checkpoint-interval", help="with --checkpoint-placement placed: also a state checkpoint every N "
         "tokens (a multiple of the block size)")] = None,
@@ -108,13 +112,14 @@ def simulate_command(
                              mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
                              prefix_cache_retention_interval=retention_interval, release_order=release_order,
                              spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,
-                             checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval)
+                             checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval,
+                             decode_checkpoints=decode_checkpoints)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
         curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s, dataclasses.replace(
-            options, eviction=eviction, checkpoint_placement=placement))) for s in scales]
-            for label, (eviction, placement) in PLOT_POLICIES.items()} if plot else {}
+            options, eviction=eviction, checkpoint_placement=placement, decode_checkpoints=decode)))
+            for s in scales] for label, (eviction, placement, decode) in PLOT_POLICIES.items()} if plot else {}
     except HybridKVError as exc:
         raise usage_error(str(exc), SIM_FLAGS) from None
     if json_output:

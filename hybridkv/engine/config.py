@@ -13,6 +13,7 @@ from typing import Any
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import (
     CheckpointPlacement,
+    DecodeCheckpoints,
     EvictionPolicyName,
     MambaCacheMode,
     PrefixCaching,
@@ -59,6 +60,8 @@ class EngineConfig:
     eviction: EvictionPolicyName = EvictionPolicyName.LRU
     #: junction (vLLM's chunk cuts) or placed (also popular branch depths: state checkpoints where hits land)
     checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
+    #: every (vLLM's: a state checkpoint at each block boundary decode crosses) or last (one per request)
+    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -98,7 +101,8 @@ class EngineConfig:
                 raise ConfigError(f"sliding_window_caching must be one of {values}, "
                                   f"got {self.sliding_window_caching!r}")
             object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
-        for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement)):
+        for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement),
+                           ("decode_checkpoints", DecodeCheckpoints)):
             value = getattr(self, name)
             if not isinstance(value, enum):
                 values = [m.value for m in enum]

@@ -113,7 +113,8 @@ class LLM:
                                       prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
                                       sliding_window_caching=cfg.sliding_window_caching,
                                       prefix_match_unit=cfg.prefix_match_unit, eviction=cfg.eviction,
-                                      checkpoint_placement=cfg.checkpoint_placement)
+                                      checkpoint_placement=cfg.checkpoint_placement,
+                                      decode_checkpoints=cfg.decode_checkpoints)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)

@@ -540,6 +540,19 @@ class BlockPool:
         self.drop_partial(src)
         self.cache_partial(group_id, dst, key)
 
+    def discard(self, blocks: Sequence[int], block_hash: BlockHash) -> bool:
+        """Drop `block_hash` from free `blocks` that still carry it (a cached entry no lookup will
+        want): they become content-free and are reused first. False, and nothing changes, when
+        any of them is held or carries another hash (reused or hit since)."""
+        if any(self.ref_cnt.item(b) or self.hash_of(b) != block_hash for b in blocks):
+            return False
+        ids = list(blocks)
+        self._policy.remove_few(ids)
+        for block in ids:
+            self._drop_hash(block)
+        self._policy.release_few(ids)
+        return True
+
     # -- slow path ----------------------------------------------------------------------------
 
     def _evict_one(self, block: int) -> None:

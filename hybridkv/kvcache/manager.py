@@ -70,7 +70,13 @@ from hybridkv.kvcache.results import (
     StateCheckpoint,
     StateStep,
 )
-from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode, check_spec_decode
+from hybridkv.kvcache.retention import (
+    DecodeCheckpoints,
+    Retention,
+    SlidingWindowCaching,
+    SpecDecode,
+    check_spec_decode,
+)
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
 from hybridkv.kvcache.value_policy import ALL_POLICIES
@@ -84,6 +90,7 @@ __all__ = [
     "CacheHit",
     "CacheTiming",
     "CheckpointPlacement",
+    "DecodeCheckpoints",
     "EvictionPolicyName",
     "HitLimit",
     "IntegrityError",
@@ -143,6 +150,7 @@ class KVCacheManager:
         prefix_match_unit: int | None = None,
         checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
         checkpoint_interval_tokens: int | None = None,
+        decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -169,7 +177,7 @@ class KVCacheManager:
         check_spec_decode(config.groups, spec_decode)
         retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
                               alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
-                              spec_decode=spec_decode)
+                              spec_decode=spec_decode, decode_checkpoints=decode_checkpoints)
         self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
         self._coordinator.release_order = release_order
         self._partial = self.match_unit.partial_hits

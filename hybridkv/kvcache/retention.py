@@ -67,6 +67,21 @@ def replay_boundaries(num_prompt_tokens: int, alignment_tokens: int, spec_decode
     return tuple(sorted({max(resend - alignment_tokens, 0), max(extension - alignment_tokens, 0)}))
 
 
+class DecodeCheckpoints(Enum):
+    """Which state checkpoints a request's decode leaves cached (align mode).
+
+    EVERY: one at every block boundary decode crosses (vLLM 0.32). With the small blocks of the
+    multi-page state layout that is a checkpoint of k pages every 16 generated tokens, and only
+    the last one -- where the next turn or tool call resumes -- is ever hit. LAST: a decode
+    checkpoint replaces the request's previous one, which is dropped from the cache (the blocks
+    become content-free, reused first) unless another request holds it. Prompt checkpoints
+    (chunk ends, junctions, placed stops) are unaffected.
+    """
+
+    EVERY = "every"
+    LAST = "last"
+
+
 class SlidingWindowCaching(Enum):
     """Which full sliding-window blocks `allocate` caches (module docstring)."""
 
@@ -76,12 +91,13 @@ class SlidingWindowCaching(Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Retention:
-    """The caching rule of the sliding-window groups of one manager."""
+    """The caching rule of the sliding-window groups and state checkpoints of one manager."""
 
     sliding: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
     interval_tokens: int | None = None  # vLLM's prefix_cache_retention_interval
     alignment_tokens: int = 1  # the lcm of every group's block size
     spec_decode: SpecDecode = SpecDecode.OFF
+    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
 
     def __post_init__(self) -> None:
         interval = self.interval_tokens

@@ -24,6 +24,7 @@ from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import (
     CheckpointPlacement,
+    DecodeCheckpoints,
     EvictionPolicyName,
     KVCacheManager,
     MambaCacheMode,
@@ -76,6 +77,7 @@ class SimOptions:
     eviction: EvictionPolicyName = EvictionPolicyName.LRU
     checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
     checkpoint_interval_tokens: int | None = None
+    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -116,6 +118,8 @@ class SimReport:
     distinct_tokens: int = 0
     #: per trace request (in trace order): its hit tokens at its first admission
     request_hits: tuple[int, ...] = field(default=())
+    #: prompt tokens the model computed: the prompts less their hits, plus every recompute after a preemption
+    prefill_tokens: int = 0
     #: (simulated ms, running requests, waiting requests), sampled every `concurrency_every` steps
     concurrency: tuple[tuple[float, int, int], ...] = field(default=())
     #: block copies the manager asked for (partial hits' copy on write; nothing is copied here)
@@ -219,7 +223,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         mamba_cache_mode=options.mamba_cache_mode, sliding_window_caching=options.sliding_window_caching,
         prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order,
         spec_decode=options.spec_decode, prefix_match_unit=options.prefix_match_unit, eviction=options.eviction,
-        checkpoint_placement=options.checkpoint_placement,
+        checkpoint_placement=options.checkpoint_placement, decode_checkpoints=options.decode_checkpoints,
         checkpoint_interval_tokens=options.checkpoint_interval_tokens)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
@@ -265,4 +269,5 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         concurrency=tuple(samples), distinct_tokens=run.ideal.distinct_tokens(),
         request_hits=tuple(r.prefix_hit_tokens for r in sorted(requests, key=lambda r: r.arrival_seq)),
         block_copies=run.block_copies,
+        prefill_tokens=sum(r.computed_prefill_tokens for r in requests),
     )

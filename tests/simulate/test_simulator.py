@@ -35,6 +35,7 @@ def test_a_turn_hits_its_parents_full_blocks_and_the_ideal_is_what_the_parent_co
     report = simulate(trace, make_config(num_blocks=64), OPTIONS)
     assert (report.prompt_tokens, report.ideal_tokens, report.hit_tokens) == (40 + 54, 43, 32)
     assert report.generated_tokens == 4 + 1 and report.preemptions == 0
+    assert report.prefill_tokens == 40 + 54 - 32  # every prompt token but B's hit is computed once
     # A found nothing cached at 16 tokens; B's next block (tokens 32..47) was never cached (partial in A)
     assert limits(report) == {"never_cached": 2}
 

@@ -17,13 +17,14 @@ from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.retention import Retention
+from hybridkv.kvcache.retention import DecodeCheckpoints, Retention
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
     SingleTypeManager,
     StateEntries,
     cdiv,
 )
+from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
 
@@ -46,6 +47,9 @@ class MambaManager(SingleTypeManager):
         # Hashes of checkpoints cached since the last `new_step`: their state is written by a
         # step that has not run yet, so a hit on one is refused until the next step.
         self._cached_this_step: set[BlockHash] = set()
+        self._last_only = retention is not None and retention.decode_checkpoints is DecodeCheckpoints.LAST
+        # DecodeCheckpoints.LAST: per request, its latest decode checkpoint (blocks, hash)
+        self._decode_checkpoint: dict[RequestId, tuple[list[int], BlockHash]] = {}
 
     @property
     def hit_rule(self) -> tuple[object, ...]:
@@ -147,6 +151,8 @@ class MambaManager(SingleTypeManager):
             if num_tokens % size:
                 return
             start = num_full - 1
+            if self._last_only:
+                self._replace_decode_checkpoint(request, block_hashes[start], table.ids[:, start].tolist())
         mask = self.retention.state_mask(start, num_full, block_size=size, request=request) if self.retention else None
         if mask is not None:  # sparse retention: cache the kept checkpoints only
             for i, keep in enumerate(mask):
@@ -167,6 +173,22 @@ class MambaManager(SingleTypeManager):
         self._tables[request.request_id].num_cached = registered[0]
         hash_of = self._pool.hash_of
         self._cached_this_step.update(h for h in map(hash_of, registered[1]) if h is not None)
+
+    def _replace_decode_checkpoint(self, request: KVRequest, block_hash: BlockHash, blocks: list[int]) -> None:
+        """DecodeCheckpoints.LAST: a checkpoint past the prompt drops the request's previous one."""
+        prompt = request.num_prompt_tokens
+        if prompt is None or request.num_computed_tokens < prompt:
+            return  # a prompt checkpoint (or a recompute after preemption): kept
+        previous = self._decode_checkpoint.get(request.request_id)
+        if previous is not None and previous[1] != block_hash:
+            self._pool.discard(*previous)
+        self._decode_checkpoint[request.request_id] = (blocks, block_hash)
+        if self._pool.mark is not None:  # a value-aware policy keeps it: the next turn resumes here
+            self._pool.mark(blocks, BlockValue.ANCHOR)
+
+    def free(self, request_id: RequestId) -> Ids:
+        self._decode_checkpoint.pop(request_id, None)  # its last decode checkpoint stays cached
+        return super().free(request_id)
 
     def _cache_range(self, request: KVRequest, block_hashes: Sequence[BlockHash], start: int, end: int) -> None:
         table = self._tables[request.request_id]
