@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.errors import ConfigError
+from hybridkv.errors import ConfigError, StaleHitError
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, KVCacheManager, NewBlocks
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
@@ -180,3 +180,23 @@ def test_partial_hits_with_a_retention_interval_are_refused() -> None:
     same = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=64,
                           prefix_cache_retention_interval=0)
     assert not same.match_unit.partial_hits
+
+
+def test_a_partial_hit_gone_stale_is_refused() -> None:
+    """The hit's partial blocks are verified like whole ones: after a reset the kept hit is stale."""
+    m = _manager(full=64, state=64, unit=16, num_blocks=32)
+    r0 = make_request(request_id="r0", token_ids=list(range(100)))
+    m.begin_step()
+    _step(m, r0, 64, m.lookup(r0))
+    for num_new in (32, 4):
+        m.begin_step()
+        _step(m, r0, num_new)
+    m.free(r0)
+    m.begin_step()
+    r1 = make_request(request_id="r1", token_ids=[*range(98), 7, 7])
+    hit = m.lookup(r1)
+    assert hit.num_tokens == 96
+    assert m.reset_prefix_cache()
+    with pytest.raises(StaleHitError, match="was evicted after lookup"):
+        m.allocate(r1, 4, hit=hit)
+    m.check_integrity()
