@@ -124,8 +124,11 @@ def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
     # prefix_match_unit: finer keys on Gemma 3 (hits stay on the block: its sliding window cannot look
     # up inside a block); the state block itself on Qwen3.5 and the Mamba2 hybrid
     units: dict[str, int | str] = {"gemma3": 8, "qwen3.5": "block", "mamba2": "block"}
-    return batch + [{**job, "prefix_match_unit": units[job["layout"]]} for job in batch
-                    if job["layout"] in units and job["retention"] is None and job["spec_decode"] == "off"]
+    plain = [job for job in batch if job["retention"] is None and job["spec_decode"] == "off"]
+    # and a unit below the state block on both (hits land inside blocks: partial hits, copy on write)
+    partial = [{**job, "prefix_match_unit": 16} for job in plain if job["layout"] in ("qwen3.5", "mamba2")]
+    block = [{**job, "prefix_match_unit": units[job["layout"]]} for job in plain if job["layout"] in units]
+    return batch + block + partial
 
 
 def vllm_side(batch: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

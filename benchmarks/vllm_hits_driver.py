@@ -107,6 +107,14 @@ class VLLMManager:
     def usage(self) -> float:
         return float(self.manager.usage)
 
+    def take_pending_copies(self) -> tuple[Any, ...]:
+        """What vLLM's scheduler does at the end of `schedule()` (no async scheduling): drain the
+        copy-on-write copies of partial hits and release the blocks they held."""
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        if retained:
+            self.manager.block_pool.free_blocks(retained)
+        return tuple(copies)
+
     def stats(self) -> ManagerStats:
         return ManagerStats(lookups=self.lookups, query_tokens=0, hit_tokens=0, group_hit_tokens=())
 

@@ -183,6 +183,7 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
         ("prefix-cache hit tokens", f"{report.hit_tokens} ({report.hit_rate:.1%} of prompt tokens)"),
         ("infinite-cache ideal", f"{report.ideal_tokens} (hits are {report.hits_vs_ideal:.1%} of it)"),
         ("preemptions", str(report.preemptions)),
+        *([("block copies (partial hits)", str(report.block_copies))] if report.block_copies else []),
         ("running requests, mean / max", f"{report.mean_running:.1f} / {report.max_running}"),
         ("lookups", str(report.lookups)),
         ("simulated in", f"{report.wall_s:.2f} s"),

@@ -119,9 +119,12 @@ class LLM:
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
+        align = self._align_tokens()
+        unit = self.manager.match_unit
         self.scheduler: Scheduler[Request] = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_num_seqs=cfg.max_num_seqs, align_tokens=self._align_tokens(),
-                                   connector=self.transfer.connector if self.transfer else None)
+                                   max_num_seqs=cfg.max_num_seqs, align_tokens=align,
+                                   connector=self.transfer.connector if self.transfer else None,
+                                   partial_unit_tokens=unit.hash_unit_tokens if align and unit.partial_hits else 0)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())
@@ -132,6 +135,12 @@ class LLM:
         cfg = self.config
         assert cfg.kv_server is not None
         has_state = any(g.kind is SpecKind.MAMBA for g in self.plan.config.groups)
+        unit = self.manager.match_unit
+        if unit.partial_hits:
+            raise ConfigError(f"kv_server with prefix_match_unit={unit.hash_unit_tokens} (hits inside the "
+                              f"{unit.scheduler_block_tokens}-token blocks, copied on write) is not supported yet; "
+                              f"expected a unit of at least {unit.scheduler_block_tokens} tokens (or None), "
+                              "or no kv_server")
         if has_state and cfg.prefix_caching is PrefixCaching.OFF:
             raise ConfigError("kv_server with a state model (Mamba / Gated DeltaNet) needs prefix_caching on: "
                               "without it a state group keeps one running state, no checkpoint to store")
@@ -337,6 +346,8 @@ class LLM:
     def _step(self) -> list[Request]:
         out = self.scheduler.schedule()
         self._track_memory(out)
+        if out.copies:  # partial hits' copy on write: before anything reads or writes those blocks
+            self.runner.copy_blocks([(int(c.src_block_id), int(c.dst_block_id)) for c in out.copies])
         work = list(out.work)
         tables = {w.request.request_id: self.manager.block_ids(w.request.request_id) for w in work}
         saves = self._load_external(work, tables) if self.transfer is not None else None

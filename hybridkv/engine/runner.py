@@ -179,6 +179,24 @@ class ModelRunner:
         """Bytes of every KV cache tensor allocated."""
         return sum(b.numel() for b in self.buffers)
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy block `src` to block `dst` for each (src, dst), in order: the page of every KV cache
+        tensor (block b occupies the same bytes of each; the manager's copy on write of a partial
+        hit: K/V pages of an attention group, the state of a state group)."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long)
+        if len(set(dst.tolist()) & set(src.tolist())):  # a chain: one copy after another
+            for a, b in copies:
+                for buffer in self.buffers:
+                    pages = buffer.view(self.kv_config.num_blocks, -1)
+                    pages[b] = pages[a]
+            return
+        for buffer in self.buffers:
+            pages = buffer.view(self.kv_config.num_blocks, -1)
+            pages[dst] = pages[src]
+
     def execute(self, items: Sequence[StepItem]) -> torch.Tensor:
         """Run one step; returns logits [N, vocab] of the sampling items, in the given order."""
         # decodes first, by position (attention calls group decodes of similar length), then prefills as given

@@ -18,7 +18,12 @@ prefill chunk that would cross a block boundary without ending on one is cut bac
 the last boundary it reaches, one starting inside a block ends at that block's end, and none
 runs past the last boundary before the known tokens' end (vLLM 0.32's cuts), so every step's
 end state is a checkpoint the manager can cache. Any budget works: a chunk too small to reach
-the next boundary runs as it is.
+the next boundary runs as it is. With partial hits (`partial_unit_tokens`: a prefix_match_unit
+below the state block), a chunk also stops at the prompt's last unit boundary, whose state the
+manager keeps as a partial checkpoint (vLLM 0.32's tail stop).
+
+Copy on write: the block copies the step's allocations asked for (`KVCacheManager.take_pending_copies`,
+partial hits) come with the step (`SchedulerOutput.copies`); the engine runs them before the forward.
 
 With a KV connector (`connector`, e.g. the KV cache server's): after the local lookup the
 connector says how many more prompt tokens the external cache holds; they are allocated as
@@ -46,7 +51,7 @@ from typing import Generic, Protocol, TypeVar
 from hybridkv.connector.base import KVConnectorScheduler
 from hybridkv.errors import CapacityError
 from hybridkv.kvcache.ids import RequestId
-from hybridkv.kvcache.manager import CacheHit, CacheTiming, KVCacheManager
+from hybridkv.kvcache.manager import BlockCopy, CacheHit, CacheTiming, KVCacheManager
 from hybridkv.kvcache.request import KVRequest
 
 
@@ -124,6 +129,8 @@ class ScheduledWork(Generic[R]):
 class SchedulerOutput(Generic[R]):
     work: tuple[ScheduledWork[R], ...]
     preempted: tuple[R, ...]
+    #: block copies to run before the step's forward, in order (partial hits' copy on write)
+    copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -134,8 +141,10 @@ class Scheduler(Generic[R]):
     """Decides which tokens of which requests run in each step, within the KV cache manager's blocks."""
 
     def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
-                 align_tokens: int = 0, connector: KVConnectorScheduler | None = None) -> None:
+                 align_tokens: int = 0, connector: KVConnectorScheduler | None = None,
+                 partial_unit_tokens: int = 0) -> None:
         self.manager = manager
+        self.partial_unit_tokens = partial_unit_tokens  # align mode with partial hits: the prefix_match_unit
         self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -195,7 +204,8 @@ class Scheduler(Generic[R]):
                 f"with no other request running; raise the KV cache budget (kv_cache_memory_gib, "
                 f"--kv-cache-memory-gib) or shorten the prompt"
             )
-        return SchedulerOutput(work=tuple(scheduled), preempted=tuple(preempted))
+        return SchedulerOutput(work=tuple(scheduled), preempted=tuple(preempted),
+                               copies=self.manager.take_pending_copies())
 
     def _admit(self, work: list[ScheduledWork[R]], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -255,6 +265,11 @@ class Scheduler(Generic[R]):
         next_boundary = start - start % size + size if start % size else 0
         last = (request.num_tokens - 1) // size * size
         stops = [next_boundary, last]
+        unit = self.partial_unit_tokens
+        if unit:  # the prompt's partial checkpoint (what a resend of the prompt hits)
+            tail = (request.prompt_len - 1) // unit * unit
+            if last < tail < request.prompt_len:
+                stops.append(tail)
         for junction in (request.kv.shared_prefix_boundary, *request.kv.checkpoint_stops):
             if start < junction < end:  # block-floored: only a boundary's state is kept
                 stops.append(start + (junction - start) // size * size)

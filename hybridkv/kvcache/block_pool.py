@@ -27,6 +27,11 @@ One public verb per operation (the fast variants for a handful of blocks are pri
 - `cache` maps full blocks to their hashes; `uncache` drops hashes of blocks never written.
 - Identical content may be cached in two blocks (two requests computed it concurrently); the
   first stays in the map, later ones wait in a side table and are promoted when it is evicted.
+- Partial entries (`prefix_match_unit` below the block, docs/prefix_caching.md): `cache_partial`
+  makes a block reachable under the hash of a prefix that ends inside it. A block without a
+  hash takes that key as its hash (in its group's map, like a full block); a block that already
+  carries one keeps it and holds the key as an *extra* entry (`partial_blocks` finds both).
+  `move_partial` re-points a partial entry to a private copy. Partial entries record no events.
 
 The null block's ref count is `NULL_REF_CNT` and never changes (touch and release skip id 0).
 """
@@ -44,6 +49,7 @@ from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
 from hybridkv.kvcache.free_queue import Ids, PolicyFactory
 from hybridkv.kvcache.ids import BlockHash, GroupId
+from hybridkv.kvcache.partial_hits import PartialEntries
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
 from hybridkv.plan.planner import KVCacheGroupSpec
 
@@ -124,6 +130,8 @@ class BlockPool:
         self._events: list[KVEvent] = []
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
         self.evictions = 0
+        #: the partial entries (`partial_hits.py`): block -> its partial key, and the extra holders
+        self._partial = PartialEntries(len(self._groups))
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -224,6 +232,8 @@ class BlockPool:
         if self._events_on:  # one event per block, in pop order
             self._unmap(evicted.tolist())
             return
+        if self._partial:
+            self._partial.forget(evicted.tolist(), self.group_of)
         groups = self.group_of[evicted]
         for pmap in self._pmaps:
             ids = evicted
@@ -251,11 +261,15 @@ class BlockPool:
         hashes (the caller clears `has_hash`)."""
         slot_of = self.slot_of
         group_of = self.group_of
+        partial = self._partial
         for block in blocks:  # scalar reads with .item(): no numpy scalar objects
             group_id = group_of.item(block)
             pmap, col = self._place[group_id]
             slot = slot_of.item(block)
             block_hash = pmap.key[slot]
+            quiet = bool(partial) and partial.key_of.get(block) == block_hash  # a partial entry records no event
+            if partial:
+                partial.forget([block], group_of)
             if pmap.blocks.item(col, slot) != block:  # a waiting copy
                 pmap.take_dup(col, slot, block_hash, block)
             elif pmap.waiting.item(col, slot):  # a waiting copy becomes the primary
@@ -263,7 +277,7 @@ class BlockPool:
             else:
                 pmap.blocks[col, slot] = NULL
                 pmap.release_one(slot)
-            if self._events_on:
+            if self._events_on and not quiet:
                 self._record_removed(group_id, block_hash)
             slot_of[block] = 0
         self.evictions += len(blocks)
@@ -458,6 +472,74 @@ class BlockPool:
             if self.has_hash.item(block):
                 self._drop_hash(block)
 
+    # -- partial entries ----------------------------------------------------------------------
+
+    def cache_partial(self, group_id: int, block: int, key: BlockHash) -> bool:
+        """Make `block` (of group `group_id`) reachable under `key`, the hash of a prefix that ends
+        inside it (module docstring); False, nothing done, for the null block or a block that
+        already holds `key`."""
+        if block == NULL or self.partial_key(block) == key or self.hash_of(block) == key:
+            return False
+        if self.partial_key(block) is not None:  # one partial entry per block: the newer replaces it
+            self.drop_partial(block)
+        carries = bool(self.has_hash.item(block))
+        self._partial.add(group_id, block, key, extra=carries)
+        if carries:
+            return True
+        pmap, col = self._place[group_id]
+        slot = pmap.slot_for(key)
+        self.has_hash[block] = True
+        self.slot_of[block] = slot
+        if pmap.blocks.item(col, slot) == NULL:
+            pmap.blocks[col, slot] = block
+            pmap.count[slot] += 1
+        else:
+            pmap.add_dup(col, slot, key, block)
+        return True
+
+    def partial_blocks(self, group_ids: Sequence[int], key: BlockHash) -> list[int] | None:
+        """The block every group of `group_ids` holds under `key` (its hash or an extra partial
+        entry), one per group; None unless every group holds one."""
+        out = []
+        for group_id in group_ids:
+            pmap, col = self._place[group_id]
+            slot = pmap.index.get(key, 0)
+            block = pmap.blocks.item(col, slot) if slot else NULL
+            if block == NULL:
+                block = self._partial.extra_holder(group_id, key) or NULL
+                if block == NULL:
+                    return None
+            out.append(block)
+        return out
+
+    def partial_key(self, block: int) -> BlockHash | None:
+        """The partial key `block` holds (as its hash or an extra entry), None if none."""
+        return self._partial.key_of.get(block) if self._partial else None
+
+    def holds_partial(self, block: int, key: BlockHash) -> bool:
+        """Whether `block` is reachable under `key` (its hash or its partial entry)."""
+        return self.partial_key(block) == key or self.hash_of(block) == key
+
+    def drop_partial(self, block: int) -> None:
+        """Forget the partial entry of `block` (no-op without one); hits taken before are re-verified."""
+        key = self.partial_key(block)
+        if key is None:
+            return
+        if self.hash_of(block) == key:
+            self._drop_hash(block)
+        else:
+            self._partial.forget([block], self.group_of)
+            self.evictions += 1
+
+    def move_partial(self, group_id: int, src: int, dst: int) -> None:
+        """Re-point the partial entry of `src` to `dst` (a fresh block of the same group that
+        will hold a copy of `src`'s content); no-op when `src` holds none."""
+        key = self.partial_key(src)
+        if key is None:
+            return
+        self.drop_partial(src)
+        self.cache_partial(group_id, dst, key)
+
     def discard(self, blocks: Sequence[int], block_hash: BlockHash) -> bool:
         """Drop `block_hash` from free `blocks` that still carry it (a cached entry no lookup will
         want): they become content-free and are reused first. False, and nothing changes, when
@@ -477,7 +559,7 @@ class BlockPool:
         """`_drop_hash` of a popped block (scalar reads; the common case without copies or events inline)."""
         slot = self.slot_of.item(block)
         pmap, col = self._place[self.group_of.item(block)]
-        if self._events_on or pmap.waiting.item(col, slot) or pmap.blocks.item(col, slot) != block:
+        if self._events_on or self._partial or pmap.waiting.item(col, slot) or pmap.blocks.item(col, slot) != block:
             self._drop_hash(block)
             return
         pmap.blocks[col, slot] = NULL
@@ -520,6 +602,7 @@ class BlockPool:
             return False
         for pmap in self._pmaps:
             pmap.clear()
+        self._partial.clear()
         self.slot_of[:] = 0
         self.has_hash[:] = False
         self.evictions += 1
@@ -558,6 +641,7 @@ class BlockPool:
         groups = self.group_of.tolist()
         hashes = self.block_hash
         entries = sum(pmap.check(hashes, groups, self.slot_of) for pmap in self._pmaps)
+        self._partial.check(self.has_hash.tolist(), groups)
         hashed = sum(1 for h in hashes if h is not None)
         if hashed != entries:
             raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")

@@ -122,6 +122,19 @@ class KVCacheCoordinator:
         #: Every manager follows the base table rules (and serves ascending group ids): `decode` applies.
         self.decodes = all(m.plain_tables and list(m.group_ids) == sorted(m.group_ids) for m in managers)
         self._no_entries: tuple[tuple[int, ...], ...] = tuple(() for _ in self.groups)
+        #: hits land every `hit_step` tokens (the lcm of the block sizes, or the prefix_match_unit
+        #: where partial hits are on)
+        self.hit_step = self.lcm_block_size
+        #: copy-on-write copies (group, src, dst) since the last `take_copies`, in allocation order
+        self.copies: list[tuple[int, int, int]] = []
+        #: the blocks each copy holds a reference to until `take_copies` (src and dst of each)
+        self.retained: list[int] = []
+        #: a refused allocate of a running request still releases the blocks its step no longer
+        #: needs (vLLM 0.32's order; set with partial hits, whose copy-on-write steps can be refused)
+        self.release_when_refused = False
+        #: hits may end inside blocks (`enable_partial_hits`): allocate may copy on write
+        self.partial_hits = False
+        self._no_cows: list[tuple[int, list[int]] | None] = []
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -130,6 +143,16 @@ class KVCacheCoordinator:
         return [[] for _ in self.groups], 0, [0] * self.num_groups
 
     # -- allocation -----------------------------------------------------------------------------
+
+    def enable_partial_hits(self, unit: int) -> None:
+        """Hits land every `unit` tokens; the full-attention and state managers look up inside blocks;
+        a refused allocate of a running request still releases its skipped blocks (vLLM 0.32's order)."""
+        self.hit_step = unit
+        self.partial_hits = True
+        self.release_when_refused = True
+        for manager in self.managers:
+            if manager.block_size > unit and (manager.downward_closed or manager.is_state):
+                manager.partial_unit = unit
 
     def is_running(self, request_id: RequestId) -> bool:
         return request_id in self.allocated
@@ -146,27 +169,33 @@ class KVCacheCoordinator:
         return [[hits[g] for g in m.group_ids] for m in self.managers]
 
     def allocate(self, request: KVRequest, hits: GroupBlocks | None, first_new: int,
-                 total_tokens: int) -> NewEntries | None:
-        """New entries per group for `total_tokens` slots, or None (nothing changed)."""
+                 total_tokens: int, hit_tokens: int = 0) -> NewEntries | None:
+        """New entries per group for `total_tokens` slots, or None (nothing changed).
+
+        A partial hit (`hit_tokens` inside a block of a group) or a state's partial entry in its
+        running block (`producer_cow`) takes one more block per group: the copy (`_copy_on_write`)."""
         managers = self.managers
         rid = request.request_id
         pool = self.pool
         if hits and self.defers(hits):
             return None
         manager_hits = self._by_manager(hits)
+        cows = self._cows(rid, manager_hits, hit_tokens) if self.partial_hits else self._no_cows
+        extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
         reserve = self.headroom_blocks * len(self.allocated) if rid not in self.allocated else 0
-        if sum(bounds) + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
+        if sum(bounds) + extra + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
             need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
                        for m, h in zip(managers, manager_hits, strict=True))
-            if need + reserve > pool.num_free:
+            if need + extra + reserve > pool.num_free:
+                if self.release_when_refused and rid in self.allocated:
+                    self._release_skipped(rid, first_new)
+                    self.update_quiet(rid)
                 return None
         counts = [0] * self.num_groups
         if rid in self.allocated:  # running: its bound is exactly its new blocks
-            released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
-            if any(part.size for _, part in released):
-                self._release(released)
+            self._release_skipped(rid, first_new)
             for m, bound in zip(managers, bounds, strict=True):
                 if bound:
                     for g in m.group_ids:
@@ -182,15 +211,86 @@ class KVCacheCoordinator:
                 count = m.num_new_blocks(request, first_new, total_tokens)
                 for g in m.group_ids:
                     counts[g] = count
-        fresh = pool.allocate(counts) if any(counts) else None
+        if extra:
+            for m, cow in zip(managers, cows, strict=True):
+                if cow is not None:
+                    for g in m.group_ids:
+                        counts[g] += 1
+        fresh: list[Sequence[int] | Ids] | None = list(pool.allocate(counts)) if any(counts) else None
+        copied: list[Sequence[int]] = [()] * self.num_groups
+        if extra and fresh is not None:
+            copied = self._copy_on_write(rid, cows, fresh)
         new: NewEntries = [EMPTY] * self.num_groups
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
             blocks = [fresh[g] for g in m.group_ids] if fresh is not None else [[]] * m.num_groups
             for g, row in zip(m.group_ids, m.allocate_new_blocks(request, first_new, total_tokens, blocks),
                               strict=True):
-                new[g] = row
+                new[g] = np.concatenate([np.array(copied[g], np.int64), row]) if len(copied[g]) else row
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
+
+    def _release_skipped(self, rid: RequestId, first_new: int) -> None:
+        """Release the blocks a running request no longer needs once `first_new` tokens precede its step."""
+        released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
+        if any(part.size for _, part in released):
+            self._release(released)
+
+    def _cows(self, rid: RequestId, manager_hits: list[list[list[int]] | None],
+              hit_tokens: int) -> list[tuple[int, list[int]] | None]:
+        """Per manager, (entry, source block per group) to copy on write in this allocate, or None."""
+        out: list[tuple[int, list[int]] | None] = []
+        for m, hits in zip(self.managers, manager_hits, strict=True):
+            cow = None
+            if m.partial_unit:
+                if hits and hits[0] and hit_tokens % m.block_size:  # a partial hit: the block it ends in
+                    index = hit_tokens // m.block_size
+                    cow = index, [row[index] for row in hits]
+                elif rid in self.allocated:
+                    cow = m.producer_cow(rid)
+            out.append(cow)
+        return out
+
+    def _copy_on_write(self, rid: RequestId, cows: list[tuple[int, list[int]] | None],
+                       fresh: list[Sequence[int] | Ids]) -> list[Sequence[int]]:
+        """Take each copy's block (the first popped of its group, so `fresh` keeps the rest) and
+        record the copies. A new request's table takes the copy in place of the hit block; a
+        running request keeps its block and its partial entry moves to the copy. Both ends of a
+        copy keep a reference until `take_copies` (the copy runs before the step's forward)."""
+        pool = self.pool
+        running = rid in self.allocated
+        copied: list[Sequence[int]] = [()] * self.num_groups
+        for m, cow in zip(self.managers, cows, strict=True):
+            if cow is None:
+                continue
+            index, sources = cow
+            dsts = []
+            for g, src in zip(m.group_ids, sources, strict=True):
+                dst = int(fresh[g][0])
+                fresh[g] = fresh[g][1:]
+                dsts.append(dst)
+                self.copies.append((g, src, dst))
+                self.retained += (src, dst)
+                if running:
+                    pool.move_partial(g, src, dst)
+                    pool.ref_cnt[src] += 1
+                else:
+                    pool.ref_cnt[dst] += 1
+                    copied[g] = (dst,)
+            if running:
+                m.producer_copied(rid, dsts)
+            else:
+                m.apply_cow(rid, index, dsts)
+        return copied
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The pending copies (group, src, dst), group by group; their references are dropped."""
+        copies = self.copies
+        if not copies:
+            return []
+        order = sorted(range(len(copies)), key=lambda i: copies[i][0])
+        self.pool.free([b for i in order for b in self.retained[2 * i : 2 * i + 2]])
+        self.copies, self.retained = [], []
+        return [copies[i] for i in order]
 
     def decode(self, request: KVRequest, first_new: int, end: int,
                hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]]) -> tuple[tuple[int, ...], ...] | None:
@@ -355,9 +455,10 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
         return
 
 
-def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]], max_length: int) -> list[list[int]]:
-    """The hit of every group of `manager`, looked up together."""
-    return manager.find_hits(manager.view, hashes[manager.block_size], max_length)
+def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]],
+          max_length: int) -> tuple[list[list[int]], int]:
+    """The hit of every group of `manager`, looked up together, and its length in tokens."""
+    return manager.find_hit_tokens(manager.view, hashes, max_length)
 
 
 class UnitaryCoordinator(KVCacheCoordinator):
@@ -368,8 +469,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
         blocks: GroupBlocks = [[] for _ in self.groups]
         tokens = 0
         for manager in self.managers:  # one manager, unless several were built for one rule
-            hits = _find(manager, hashes, max_length)
-            tokens = len(hits[0]) * manager.block_size
+            hits, tokens = _find(manager, hashes, max_length)
             for g, group_hits in zip(manager.group_ids, hits, strict=True):
                 blocks[g] = group_hits
         return blocks, tokens, [tokens] * self.num_groups
@@ -385,13 +485,12 @@ class HybridCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int) -> tuple[GroupBlocks, int, list[int]]:
-        step = self.lcm_block_size
+        step = self.hit_step
         length = max_length // step * step
         first = [0] * self.num_groups
         found: list[tuple[SingleTypeManager, list[list[int]]]] = []
         for cls in self._closed:
-            hits = _find(cls, hashes, length)
-            got = len(hits[0]) * cls.block_size
+            hits, got = _find(cls, hashes, length)
             for g in cls.group_ids:
                 first[g] = got
             length = min(length, got) // step * step
@@ -405,8 +504,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 answer = answers[i]
                 if answer is not None and answer[0] == length:
                     continue
-                hits = _find(cls, hashes, length)
-                got = len(hits[0]) * cls.block_size
+                hits, got = _find(cls, hashes, length)
                 if answer is None:
                     for g in cls.group_ids:
                         first[g] = got
@@ -419,7 +517,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 settled = False
         blocks: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
         for cls, hits in found:
-            cut = length // cls.block_size
+            cut = -(-length // cls.block_size)  # (a partial hit keeps the block it ends in)
             for g, group_hits in zip(cls.group_ids, hits, strict=True):
                 blocks[g] = group_hits[:cut]
         for cls, answer in zip(others, answers, strict=True):

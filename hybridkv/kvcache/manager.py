@@ -15,7 +15,12 @@ A step of one request, in tokens (`allocate` arguments in brackets):
 
 The engine advances `request.num_computed_tokens` itself, after the step, to `end`.
 Verbs: begin_step, lookup, allocate, cache, free, block_ids, state_steps, reset_prefix_cache,
-usage, group_usage, stats, take_events, check_integrity. See docs/kv_cache_manager.md.
+usage, group_usage, stats, take_pending_copies, take_events, check_integrity. See
+docs/kv_cache_manager.md.
+
+Partial hits (`prefix_match_unit` below a state group's block in align mode, `match_unit`): a hit
+may end inside a block; the request then gets a private copy of that block, and the copies to run
+before the step's forward come from `take_pending_copies` (docs/prefix_caching.md).
 
 State groups (Mamba, Gated DeltaNet): `mamba_cache_mode=MambaCacheMode.ALIGN | ALL` selects
 where checkpoints are kept; `state_steps` tells the runner which block each state is read from
@@ -54,8 +59,10 @@ from hybridkv.kvcache.free_queue import EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
+from hybridkv.kvcache.partial_hits import check_partial_hits
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.results import (
+    BlockCopy,
     CacheHit,
     CacheTiming,
     ManagerStats,
@@ -81,6 +88,7 @@ from hybridkv.plan.specs import MambaCacheMode
 __all__ = [
     "AdmissionHeadroom",
     "AllocationError",
+    "BlockCopy",
     "CacheHit",
     "CacheTiming",
     "CheckpointPlacement",
@@ -163,12 +171,7 @@ class KVCacheManager:
         self.match_unit = resolve_match_unit(config.groups, prefix_match_unit,
                                              caching=prefix_caching is PrefixCaching.ON,
                                              mamba_cache_mode=mamba_cache_mode)
-        if self.match_unit.partial_hits and prefix_match_unit is not None:
-            raise ConfigError(
-                f"prefix_match_unit={self.match_unit.hash_unit_tokens} would make hits land inside the "
-                f"{self.match_unit.scheduler_block_tokens}-token blocks of this layout (a state group in align "
-                "mode), which this manager does not do yet; expected a unit of at least the state block "
-                "(or None)")
+        check_partial_hits(self.match_unit, config, prefix_cache_retention_interval)
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
@@ -182,6 +185,9 @@ class KVCacheManager:
         self._coordinator.release_order = release_order
         if admission_headroom is AdmissionHeadroom.NEXT_BLOCK:
             self._coordinator.headroom_blocks = len(config.groups)
+        self._partial = self.match_unit.partial_hits
+        if self._partial:
+            self._coordinator.enable_partial_hits(self.match_unit.hash_unit_tokens)
         alignment = self._coordinator.lcm_block_size
         self._checkpoints = CheckpointPlanner(checkpoint_placement, alignment_tokens=alignment,
                                               interval_tokens=checkpoint_interval_tokens)
@@ -193,11 +199,13 @@ class KVCacheManager:
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
-        self._block_sizes = self._coordinator.block_sizes
+        self._block_sizes = tuple(sorted({*self._coordinator.block_sizes, self._coordinator.hit_step}))
+        self._copies = 0
         self._empty_hit = tuple(() for _ in config.groups)
         self._no_new_blocks = NewBlocks(() for _ in config.groups)
         # (the decode path releases position by position: vLLM's group-by-group order takes the general path)
-        self._decodes = self._caching and self._coordinator.decodes and release_order is ReleaseOrder.INTERLEAVED
+        self._decodes = (self._caching and self._coordinator.decodes and release_order is ReleaseOrder.INTERLEAVED
+                         and not self._partial)
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -232,7 +240,7 @@ class KVCacheManager:
         request.shared_prefix_boundary = 0
         if request.num_prompt_tokens is None:
             request.num_prompt_tokens = request.num_tokens
-        if not self._caching or max_length < self._coordinator.lcm_block_size:
+        if not self._caching or max_length < self._coordinator.hit_step:
             if self._caching and max_length > 0:
                 self._limits.count({}, 0, max_length, deferred=False)
             return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
@@ -252,7 +260,8 @@ class KVCacheManager:
             self._checkpoints.observe(longest)
         if self._placing or request.cache_checkpoints:
             request.checkpoint_stops = self._checkpoints.stops(request)
-        self._limits.count(hashes, num_tokens, max_length, deferred=deferred)
+        step = self._coordinator.lcm_block_size  # (why the hit stops short of the next lcm boundary)
+        self._limits.count(hashes, num_tokens // step * step, max_length, deferred=deferred)
         return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
                         deferred=deferred, pool_epoch=self._pool.evictions)
@@ -342,7 +351,7 @@ class KVCacheManager:
                 f"expected at most max_model_len={self.max_model_len}"
             )
         admitted = not coordinator.is_running(request.request_id)
-        new = coordinator.allocate(request, hit_blocks, first_new, total)
+        new = coordinator.allocate(request, hit_blocks, first_new, total, hit_tokens)
         if new is None:
             return None
         if self._anchors is not None:
@@ -447,7 +456,17 @@ class KVCacheManager:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                             group_hit_tokens=tuple(self._group_hit_tokens),
-                            limited_by=self._limits.per_group())
+                            limited_by=self._limits.per_group(), block_copies=self._copies)
+
+    def take_pending_copies(self) -> tuple[BlockCopy, ...]:
+        """The block copies the engine must run before the next forward, in order (copy on write
+        of partial hits, docs/prefix_caching.md): each copies every page of `src_block_id` to
+        `dst_block_id` (one group). Call once per step, after its last `allocate`; the blocks the
+        copies read stay allocated until this call. Empty unless partial hits are on."""
+        copies = self._coordinator.take_copies()
+        self._copies += len(copies)
+        return tuple(BlockCopy(group_id=GroupId(g), src_block_id=BlockId(src), dst_block_id=BlockId(dst))
+                     for g, src, dst in copies)
 
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""
@@ -480,6 +499,7 @@ class KVCacheManager:
                         raise IntegrityError(f"request {rid!r} holds block {block} in group {g} "
                                              f"but the block belongs to group {groups[block]}")
                     expected[block] += 1
+        expected.update(self._coordinator.retained)  # the ends of copies not taken yet
         self._pool.check_integrity(expected)
 
     # -- internals ------------------------------------------------------------------------------
@@ -523,12 +543,12 @@ class KVCacheManager:
             )
         sizes = self._group_block_sizes
         if len(hit.blocks) != len(sizes) or any(
-            len(ids) != hit.num_tokens // size for ids, size in zip(hit.blocks, sizes, strict=False)
+            len(ids) != -(-hit.num_tokens // size) for ids, size in zip(hit.blocks, sizes, strict=False)
         ):
             raise AllocationError(
                 f"cache hit of request {request.request_id!r} for {hit.num_tokens} tokens has "
                 f"{[len(ids) for ids in hit.blocks]} blocks per group; expected "
-                f"{[hit.num_tokens // size for size in sizes]} (pass the CacheHit of this manager unchanged)"
+                f"{[-(-hit.num_tokens // size) for size in sizes]} (pass the CacheHit of this manager unchanged)"
             )
         num_blocks = self._pool.num_blocks
         groups: GroupBlocks = [list(ids) for ids in hit.blocks]
@@ -539,17 +559,25 @@ class KVCacheManager:
                     f"{num_blocks} blocks (pass the CacheHit of this manager unchanged)"
                 )
         if hit.pool_epoch != self._pool.evictions:
-            self._verify_hit(request, groups)
+            self._verify_hit(request, groups, hit.num_tokens)
         return groups
 
-    def _verify_hit(self, request: KVRequest, groups: GroupBlocks) -> None:
+    def _verify_hit(self, request: KVRequest, groups: GroupBlocks, num_tokens: int) -> None:
         hashes = self._hashes(request)
-        hash_of = self._pool.hash_of
-        group_of = self._pool.group_of.tolist()
+        pool = self._pool
+        group_of = pool.group_of.tolist()
+        unit = self.match_unit.hash_unit_tokens
         for g, blocks in enumerate(groups):
-            expected = hashes[self._group_block_sizes[g]]
+            size = self._group_block_sizes[g]
+            expected = hashes[size]
             for i, block in enumerate(blocks):
-                if block != NULL and (hash_of(block) != expected[i] or group_of[block] != g):
+                if block == NULL:
+                    continue
+                if (i + 1) * size > num_tokens:  # the block a partial hit ends in: its partial entry
+                    held = pool.holds_partial(block, hashes[unit][num_tokens // unit - 1])
+                else:
+                    held = pool.hash_of(block) == expected[i]
+                if not held or group_of[block] != g:
                     raise StaleHitError(
                         f"cache hit of request {request.request_id!r}: block {block} (group {g}, "
                         f"position {i}) was evicted after lookup; call lookup again right before allocate"

@@ -53,6 +53,9 @@ class NewBlocks(tuple[tuple[BlockId, ...], ...]):
     to the request's table, to append to the runner's block table after `CacheHit.blocks`
     (0 = the null block where a group skips a position; empty where a group added nothing).
 
+    After a partial hit (its length not a multiple of a group's block size) the group's first
+    new entry is the request's private copy of the hit's last block, and replaces it.
+
     A tuple of tuples, so `new[g]` and comparison with a plain tuple work as for one."""
 
     __slots__ = ()
@@ -61,6 +64,18 @@ class NewBlocks(tuple[tuple[BlockId, ...], ...]):
     def num_blocks(self) -> int:
         """New real (non-null) blocks over all groups."""
         return sum(1 for entries in self for block in entries if block != NULL_BLOCK_ID)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockCopy:
+    """A copy the engine runs before the step's forward (`take_pending_copies`): every page of
+    `src_block_id` to `dst_block_id`, both blocks of group `group_id` (the K/V pages of an
+    attention group, the state of a state group). A partial hit's private block, or a state's
+    partial checkpoint kept before its own request overwrites it."""
+
+    group_id: GroupId
+    src_block_id: BlockId
+    dst_block_id: BlockId
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +120,8 @@ class ManagerStats:
     group_hit_tokens: tuple[int, ...]
     #: per group, lookups whose hit this group stopped, by reason (`hit_limits.HitLimit`)
     limited_by: tuple[dict[HitLimit, int], ...] = ()
+    #: block copies handed out by `take_pending_copies` (partial hits' copy on write)
+    block_copies: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -35,6 +35,7 @@ from hybridkv.kvcache.manager import (
     SpecDecode,
 )
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.plan.match_unit import resolve_match_unit
 from hybridkv.plan.planner import KVCacheConfig
 from hybridkv.plan.specs import SpecKind
 from hybridkv.simulate.ideal import IdealCache
@@ -126,6 +127,8 @@ class SimReport:
     mean_held_fraction: float = 0.0
     #: (simulated ms, running requests, waiting requests), sampled every `concurrency_every` steps
     concurrency: tuple[tuple[float, int, int], ...] = field(default=())
+    #: block copies the manager asked for (partial hits' copy on write; nothing is copied here)
+    block_copies: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -151,13 +154,14 @@ class _Run:
     """The state of one simulation (`simulate` drives it)."""
 
     def __init__(self, trace: Sequence[TraceRequest], manager: KVCacheManager, options: SimOptions,
-                 align_tokens: int) -> None:
+                 align_tokens: int, partial_unit_tokens: int) -> None:
         self.trace = trace
         self.options = options
         self.manager = manager
         self.scheduler: Scheduler[SimRequest] = Scheduler(
             manager, max_num_batched_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs,
-            align_tokens=align_tokens)
+            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens)
+        self.block_copies = 0
         self.ideal = IdealCache()
         self.pending = deque(sorted(range(len(trace)), key=lambda i: (trace[i].arrival_ms, i)))
         self.blocked: list[int] = []  # arrived, waiting for their parent to finish
@@ -192,6 +196,7 @@ class _Run:
 
     def step(self) -> int:
         out = self.scheduler.schedule()
+        self.block_copies += len(out.copies)  # (no pages here: a copy is only counted)
         max_len = self.options.max_model_len
         for work in out.work:
             if work.samples:
@@ -229,7 +234,10 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens
-    run = _Run(trace, manager, options, align)
+    unit = resolve_match_unit(config.groups, options.prefix_match_unit,
+                              caching=options.prefix_caching is PrefixCaching.ON,
+                              mamba_cache_mode=options.mamba_cache_mode)
+    run = _Run(trace, manager, options, align, unit.hash_unit_tokens if align and unit.partial_hits else 0)
     steps = running_sum = max_running = 0
     held_sum = 0.0
     samples: list[tuple[float, int, int]] = []
@@ -268,6 +276,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         wall_s=time.perf_counter() - started, groups=_limits_of(config, stats.limited_by),
         concurrency=tuple(samples), distinct_tokens=run.ideal.distinct_tokens(),
         request_hits=tuple(r.prefix_hit_tokens for r in sorted(requests, key=lambda r: r.arrival_seq)),
+        block_copies=run.block_copies,
         prefill_tokens=sum(r.computed_prefill_tokens for r in requests),
         mean_held_fraction=held_sum / steps if steps else 0.0,
     )

@@ -1,7 +1,9 @@
-"""`--prefix-match-unit` on run, serve and simulate: a bad value or a unit the layout cannot take is
-a usage error (exit 2) naming it, before any model loads."""
+"""`--prefix-match-unit` on run, serve and simulate: a bad value or a combination the manager does
+not take is a usage error (exit 2) naming it, before any model loads."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -18,11 +20,17 @@ def test_engine_commands_refuse_a_non_positive_unit(command: str) -> None:
     assert "--prefix-match-unit must be None or a positive integer (tokens), got 0" in result.output
 
 
-def test_simulate_takes_the_option_and_refuses_sub_block_hits() -> None:
+def test_simulate_takes_the_option_with_sub_block_hits() -> None:
     ok = runner.invoke(app, ["simulate", "gemma-3-4b", "--generate", "chat", "--num-requests", "3",
                              "--prefix-match-unit", "8", "--json"])
     assert ok.exit_code == 0, ok.output
+    # 32 tokens inside Qwen3.5-0.8B's 544-token blocks: hits land every 32 tokens, blocks are copied on write
+    sub = runner.invoke(app, ["simulate", "qwen3.5-0.8b", "--generate", "chat", "--num-requests", "3",
+                              "--prefix-match-unit", "32", "--json"])
+    assert sub.exit_code == 0, sub.output
+    report = json.loads(sub.output)
+    assert report["block_copies"] > 0 and any(h % 544 for h in report["request_hits"])
     refused = runner.invoke(app, ["simulate", "qwen3.5-0.8b", "--generate", "chat", "--num-requests", "3",
-                                  "--prefix-match-unit", "32"])
+                                  "--prefix-match-unit", "32", "--prefix-cache-retention-interval", "0"])
     assert refused.exit_code == 2
-    assert "inside the 544-token blocks" in refused.output
+    assert "inside the 544-token blocks" in refused.output and "prefix_cache_retention_interval=0" in refused.output

@@ -4,8 +4,8 @@ Where vLLM keeps hits on the scheduler block (a sliding-window group beside full
 manager cannot look up inside a block), a finer unit changes no hit: the same requests hit the
 same tokens as with the option off (hand-derived below; the trace-level comparison with vLLM's
 own manager is `benchmarks/bench_hits.py`'s prefix_match_unit runs, recorded in
-vllm_fixtures/simulate_hits.json). A unit that would make hits land inside a block (a state group
-in align mode) is refused with a clear error: this manager does not do sub-block hits yet.
+vllm_fixtures/simulate_hits.json). A unit below a state group's block in align mode makes hits land
+inside blocks (partial hits, `test_partial_hits.py`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def test_finer_keys_beside_a_sliding_window_leave_hits_on_the_block() -> None:
     assert (m.match_unit.hash_unit_tokens, m.match_unit.hit_alignment_tokens) == (8, 16)
 
 
-def test_sub_block_hits_are_refused_with_the_layout_named() -> None:
+def test_a_unit_below_the_state_block_turns_partial_hits_on() -> None:
     groups = [make_group(kind="full", block_size=64), make_group(kind="mamba", block_size=64)]
-    with pytest.raises(ConfigError, match=r"prefix_match_unit=16 would make hits land inside the 64-token"):
-        KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=16)
+    m = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=16)
+    assert (m.match_unit.hit_alignment_tokens, m.match_unit.partial_hits) == (16, True)  # (test_partial_hits.py)
     # the state block itself is fine (hits on the block, as with the option off)
     same = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=64)
     assert same.match_unit.hit_alignment_tokens == 64

@@ -20,7 +20,7 @@ The state (Mamba) manager is in `mamba_manager.py`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
@@ -60,6 +60,44 @@ class FullAttentionManager(SingleTypeManager):
     def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
         return view.prefix(block_hashes[: max_length // self.block_size])
+
+    def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
+                        max_length: int) -> tuple[list[list[int]], int]:
+        """Full blocks left to right; with partial hits, then the partial entries inside the first
+        block not held, its last boundary first (vLLM 0.32's fine-grained lookup)."""
+        size = self.block_size
+        hits = view.prefix(hashes[size][: max_length // size])
+        unit = self.partial_unit
+        if not unit:
+            return hits, len(hits[0]) * size
+        fine = hashes[unit]
+        scale = size // unit
+        first = len(hits[0]) * scale
+        for i in range(min(first + scale - 1, max_length // unit, len(fine)) - 1, first - 1, -1):
+            blocks = self._pool.partial_blocks(self.group_ids, fine[i])
+            if blocks is not None:
+                return [[*row, block] for row, block in zip(hits, blocks, strict=True)], (i + 1) * unit
+        return hits, first * unit
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Cache the full blocks; with partial hits, register the prompt's partial boundary once
+        reached, and keep it reachable when its block fills up (the block's full hash comes first)."""
+        if not self.partial_unit:
+            super().cache_blocks(request, block_hashes, num_tokens)
+            return
+        table = self._tables[request.request_id]
+        tail = self._registered.get(request.request_id, 0)
+        index = tail // self.block_size
+        filled = bool(tail) and table.num_cached <= index < num_tokens // self.block_size
+        blocks = table.ids[:, index].tolist() if filled else []
+        keys = [self._pool.partial_key(b) for b in blocks]
+        for block in blocks:
+            self._pool.drop_partial(block)
+        super().cache_blocks(request, block_hashes, num_tokens)
+        for g, block, key in zip(self.group_ids, blocks, keys, strict=False):  # (none unless filled)
+            if key is not None:
+                self._pool.cache_partial(g, block, key)
+        self._register_tail(request, num_tokens, exact=False)
 
 
 class SlidingWindowManager(SingleTypeManager):

@@ -23,6 +23,13 @@ slices, never as Python ints:
 
 The coordinator drives every method in phases (count, release, touch hits, allocate, cache) so
 that a refused allocation changes nothing; see `coordinator.py`.
+
+Partial hits (`partial_unit`, set on the full-attention and state managers when a prefix_match_unit
+below the block makes hits land inside blocks; docs/prefix_caching.md): a hit ending inside
+entry i leaves the request a private copy of that block (`apply_cow`); the prompt's last
+`partial_unit` boundary T (when it falls inside a block) is registered as a partial entry on the
+block holding it (`_register_tail`), and a state manager's own running block is then copied once
+more at the next step (`producer_cow`), since that step overwrites the state at T.
 """
 
 from __future__ import annotations
@@ -115,6 +122,11 @@ class SingleTypeManager(ABC):
         #: the running requests' tables (read and advanced by the coordinator's decode path)
         self.table_of: Mapping[RequestId, Table] = self._tables
         self._nothing: Ids = np.zeros((self.num_groups, 0), np.int64)
+        #: hits may end inside a block every `partial_unit` tokens (0: on block boundaries only)
+        self.partial_unit = 0
+        self._tail: dict[RequestId, int] = {}  # the prompt's partial boundary, not registered yet
+        self._registered: dict[RequestId, int] = {}  # the partial boundary registered
+        self._producer_cow: dict[RequestId, tuple[int, list[int]]] = {}  # (entry, block per group)
 
     # -- rules ----------------------------------------------------------------------------------
 
@@ -129,6 +141,13 @@ class SingleTypeManager(ABC):
                   max_length: int) -> list[list[int]]:
         """Longest hit of at most `max_length` tokens that every group of `view` can serve under
         this type's rule; one block list per group, null where the rule skips a block."""
+
+    def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
+                        max_length: int) -> tuple[list[list[int]], int]:
+        """`find_hits` over the request's hash chains (`hashes[size]`) and the hit's length in
+        tokens (a partial-hit manager may end it inside its last block)."""
+        hits = self.find_hits(view, hashes[self.block_size], max_length)
+        return hits, len(hits[0]) * self.block_size
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[int]:
         """The first group's longest hit of at most `max_length` tokens (block list, null = skipped)."""
@@ -148,8 +167,14 @@ class SingleTypeManager(ABC):
         needs `total <= T` slots changes nothing in these groups: no entry to add, none to
         release, no newly full block to cache (the decode fast path, see `coordinator.py`)."""
         table = self._tables[request_id]
-        return (self.quiet_first(table.num_skipped),
-                min(table.length, table.num_cached + 1) * self.block_size - 1)
+        last = min(table.length, table.num_cached + 1) * self.block_size - 1
+        if self.partial_unit:
+            if request_id in self._producer_cow:  # the next allocate copies the running block
+                return -1, -1
+            tail = self._tail.get(request_id)
+            if tail is not None:  # the step that reaches it registers the partial entry
+                last = min(last, tail - 1)
+        return self.quiet_first(table.num_skipped), last
 
     def quiet_first(self, num_skipped: int) -> int:
         """The largest `first_new` whose `first_needed_block` is at most `num_skipped`."""
@@ -252,6 +277,10 @@ class SingleTypeManager(ABC):
         table = Table(ids=np.zeros((self.num_groups, max(16, 2 * num_hits)), np.int64), length=num_hits,
                       num_cached=num_hits, num_skipped=0, num_hit_blocks=num_hits)
         self._tables[rid] = table
+        if self.partial_unit:
+            tail = self.tail_boundary(request)
+            if tail:
+                self._tail[rid] = tail
         if not hits:
             return [[]] * self.num_groups
         keep_from = min(self.first_needed_block(first_new), num_hits)
@@ -334,11 +363,15 @@ class SingleTypeManager(ABC):
         table = self._tables.get(request_id)
         if table is None:
             return []
+        tail = self._registered.get(request_id, 0)
+        out = []
+        if num_computed_tokens < tail and tail // self.block_size < table.length:  # its partial entry, unwritten
+            out = [b for b in table.ids[:, tail // self.block_size].tolist() if self._pool.partial_key(b) is not None]
         start = max(table.num_hit_blocks, num_computed_tokens // self.block_size)
         if start >= table.num_cached:
-            return []
+            return out
         has_hash = self._pool.has_hash
-        return [b for b in table.ids[:, start : table.num_cached].ravel().tolist() if has_hash[b]]
+        return out + [b for b in table.ids[:, start : table.num_cached].ravel().tolist() if has_hash[b]]
 
     def free(self, request_id: RequestId) -> Ids:
         """Forget the request; return its tables, (groups, n), each row tail first (nulls
@@ -346,8 +379,61 @@ class SingleTypeManager(ABC):
         table = self._tables.pop(request_id, None)
         if table is None:
             return self._nothing
+        if self.partial_unit:
+            self._tail.pop(request_id, None)
+            self._registered.pop(request_id, None)
+            self._producer_cow.pop(request_id, None)
         skipped = table.num_skipped
         return table.ids[:, table.length - 1 : skipped - 1 if skipped else None : -1]
+
+    # -- partial hits (module docstring) --------------------------------------------------------
+
+    def tail_boundary(self, request: KVRequest) -> int:
+        """The prompt's last `partial_unit` boundary a resend can hit (at most prompt - 1 tokens)
+        when it falls inside a block, else 0."""
+        unit = self.partial_unit
+        prompt = request.num_prompt_tokens if request.num_prompt_tokens is not None else request.num_tokens
+        tail = (prompt - 1) // unit * unit
+        return tail if tail % self.block_size else 0
+
+    def apply_cow(self, request_id: RequestId, index: int, blocks: Sequence[int]) -> None:
+        """Entry `index` of a new request's tables becomes its private copy `blocks[i]` (per group)
+        of the partially hit block; the copy is cached again once full."""
+        table = self._tables[request_id]
+        table.ids[:, index] = blocks
+        table.num_cached = min(table.num_cached, index)
+        table.num_hit_blocks = min(table.num_hit_blocks, index)
+
+    def producer_cow(self, request_id: RequestId) -> tuple[int, list[int]] | None:
+        """(entry, blocks per group) whose partial entry the request's next step must move to a
+        copy before it overwrites them (state managers); None otherwise."""
+        return self._producer_cow.get(request_id) if self._producer_cow else None
+
+    def producer_copied(self, request_id: RequestId, copies: Sequence[int]) -> None:
+        """The partial entry of `producer_cow` moved to `copies` (per group)."""
+        del copies
+        self._producer_cow.pop(request_id, None)
+
+    def _register_tail(self, request: KVRequest, num_tokens: int, *, exact: bool) -> tuple[int, list[int]] | None:
+        """Register the prompt's partial boundary T on the blocks holding it once `num_tokens`
+        reaches it (`exact`: only when it ends there, a state's checkpoint); (entry, blocks per
+        group) when registered now."""
+        rid = request.request_id
+        tail = self._tail.get(rid)
+        if tail is None or tail > num_tokens:
+            return None
+        del self._tail[rid]
+        table = self._tables[rid]
+        index = tail // self.block_size
+        if (exact and tail != num_tokens) or index >= table.length:
+            return None
+        key = request.block_hashes[self.partial_unit][tail // self.partial_unit - 1]
+        blocks = table.ids[:, index].tolist()
+        cached = [self._pool.cache_partial(g, b, key) for g, b in zip(self.group_ids, blocks, strict=True)]
+        if not any(cached):
+            return None
+        self._registered[rid] = tail
+        return index, blocks
 
     def block_table(self, request_id: RequestId, row: int = 0) -> list[int] | None:
         """A copy of the request's table in group `group_ids[row]`, None if it holds none."""

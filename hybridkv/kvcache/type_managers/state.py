@@ -10,7 +10,7 @@ running state in entry 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.free_queue import Ids
@@ -109,6 +109,32 @@ class MambaManager(SingleTypeManager):
             return [[] for _ in view.cols]
         return [[self._null] * i + blocks for blocks in view.blocks_at(slots[i : i + 1])]
 
+    def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
+                        max_length: int) -> tuple[list[list[int]], int]:
+        """With partial hits (align mode): the last `partial_unit` boundary whose state is cached,
+        at a block boundary (a full checkpoint) or inside a block (a partial entry)."""
+        unit = self.partial_unit
+        if not unit:
+            return super().find_hit_tokens(view, hashes, max_length)
+        size = self.block_size
+        fine, full = hashes[unit], hashes[size]
+        scale = size // unit
+        count = min(max_length // unit, len(fine))
+        keys = list(fine[:count])
+        keys[scale - 1 :: scale] = full[: count // scale]
+        row, slots = view.held(keys)
+        i = row.rfind(1)
+        if i < 0:
+            return [[] for _ in view.cols], 0
+        entry = i // scale
+        return [[self._null] * entry + blocks for blocks in view.blocks_at(slots[i : i + 1])], (i + 1) * unit
+
+    def producer_copied(self, request_id: RequestId, copies: Sequence[int]) -> None:
+        """The copies now hold the partial checkpoint, filled by this step's copy: hits wait a step."""
+        super().producer_copied(request_id, copies)
+        hash_of = self._pool.hash_of
+        self._cached_this_step.update(h for h in map(hash_of, copies) if h is not None)
+
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Cache the checkpoints among the first `num_tokens` tokens not cached yet: ALIGN, the
         one of a step that ended on a block boundary (`num_tokens`); ALL, every full block."""
@@ -116,6 +142,8 @@ class MambaManager(SingleTypeManager):
         size = self.block_size
         num_full = num_tokens // size
         start = table.num_cached
+        if self.partial_unit and num_tokens % size:
+            self._cache_partial_tail(request, num_tokens)
         if self.mode is MambaCacheMode.NONE or num_full <= start:
             return
         table.num_cached = num_full
@@ -132,6 +160,19 @@ class MambaManager(SingleTypeManager):
                     self._cache_range(request, block_hashes, start + i, start + i + 1)
             return
         self._cache_range(request, block_hashes, start, num_full)
+
+    def _cache_partial_tail(self, request: KVRequest, num_tokens: int) -> None:
+        """A step ending at the prompt's partial boundary: its state (in the running block) becomes
+        a partial entry, moved to a copy before the next step overwrites it (`producer_cow`)."""
+        if not self.partial_unit:
+            return
+        registered = self._register_tail(request, num_tokens, exact=True)
+        if registered is None:
+            return
+        self._producer_cow[request.request_id] = registered
+        self._tables[request.request_id].num_cached = registered[0]
+        hash_of = self._pool.hash_of
+        self._cached_this_step.update(h for h in map(hash_of, registered[1]) if h is not None)
 
     def _replace_decode_checkpoint(self, request: KVRequest, block_hash: BlockHash, blocks: list[int]) -> None:
         """DecodeCheckpoints.LAST: a checkpoint past the prompt drops the request's previous one."""
