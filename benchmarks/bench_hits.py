@@ -178,6 +178,19 @@ OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": 
         "state_layout": "multi_page", "decode_checkpoints": "last", "admission_headroom": "next_block"}
 
 
+#: vLLM 0.32's settings tried per layout, the best taken: dense retention, retention 0, and on the state
+#: layouts sub-block hits (prefix_match_unit 16: hits every 16 tokens inside the 784 / 1312-token blocks)
+VLLM_SETTINGS: dict[str, tuple[dict[str, Any], ...]] = {
+    layout: ({"retention": None}, {"retention": 0},
+             *(({"retention": None, "prefix_match_unit": 16},) if layout != "gemma3" else ()))
+    for layout in TARGET_LAYOUTS}
+
+
+def setting_name(setting: dict[str, Any]) -> str:
+    unit = setting.get("prefix_match_unit")
+    return f"retention {setting['retention']}" + (f" unit {unit}" if unit else "")
+
+
 def budget_blocks(config: KVCacheConfig, distinct_tokens: int, fraction: float) -> int:
     """Blocks holding `fraction` of the distinct tokens with every group caching every block."""
     return 1 + math.ceil(fraction * distinct_tokens * sum(1 / g.block_size for g in config.groups))
@@ -211,7 +224,7 @@ def targets(seed: int, num_requests: int) -> int:
                     except CapacityError:
                         nb = nb * 5 // 4 + 1  # a request alone does not fit: the smallest pool that runs it
                 ours.append((layout, trace_name, fraction, nb, report))
-                batch += [{**base, "num_blocks": nb, "retention": r} for r in (None, 0)]
+                batch += [{**base, "num_blocks": nb, **setting} for setting in VLLM_SETTINGS[layout]]
     theirs = vllm_side(batch)
     source = "vllm"
     if theirs is None:  # our manager at vLLM's settings: equal to vLLM's hits request by request (docs)
@@ -220,14 +233,19 @@ def targets(seed: int, num_requests: int) -> int:
         for job in batch:
             config, trace, options = materialize(job)
             theirs.append(dataclasses.asdict(simulate(trace, config, options)))
-    for i, (layout, trace_name, fraction, nb, report) in enumerate(ours):
-        other = max(theirs[2 * i : 2 * i + 2], key=lambda t: t["hit_tokens"])
+    start = 0
+    for layout, trace_name, fraction, nb, report in ours:
+        settings = VLLM_SETTINGS[layout]
+        tried = theirs[start : start + len(settings)]
+        start += len(settings)
+        other = max(tried, key=lambda t: t["hit_tokens"])
         best = other["hit_tokens"]
+        tried_list = ", ".join(f"{setting_name(s)} {t['hit_tokens']}" for s, t in zip(settings, tried, strict=True))
         prefill = report.prefill_tokens / max(1, other["prefill_tokens"])
         rows.append((layout, trace_name, fraction, nb, report.hit_tokens, best, report.ideal_tokens, prefill))
         print(f"layout={layout} trace={trace_name} budget={fraction:.0%} num_blocks={nb} hits={report.hit_tokens} "
               f"{source}_best={best} "
-              f"(retention None {theirs[2 * i]['hit_tokens']}, 0 {theirs[2 * i + 1]['hit_tokens']}) "
+              f"({tried_list}) "
               f"ideal={report.ideal_tokens} preemptions={report.preemptions}/{other['preemptions']} "
               f"prefill_tokens={report.prefill_tokens}/{other['prefill_tokens']} "
               f"held={report.mean_held_fraction:.2f}/{other['mean_held_fraction']:.2f}")
