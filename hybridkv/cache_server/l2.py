@@ -4,8 +4,8 @@ treated as a miss; the server keeps serving from L1 and the other tiers, and the
 reconnects on its next operation. Failures are logged at most once per 10 s per tier and
 operation (with how many were left out), and every one is counted in `hybridkv_server_l2_errors`.
 
-With `L2Sizing.RESUMABLE` each tier that reports a capacity gets a `TierSizer` (l2_sizing.py): the
-server then decides what such a tier deletes to fit each write, by resumable prefixes."""
+With `L2Sizing.RESUMABLE` each private tier that reports a capacity (the disk tier) gets a `TierSizer`
+(l2_sizing.py): the server then decides what it deletes to fit each write, by resumable prefixes."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ class TierSet:
 
     @staticmethod
     def _sizer(tier: L2Tier, sizing: L2Sizing) -> TierSizer | None:
+        if sizing is L2Sizing.OBJECTS or not tier.private:
+            return None
         capacity = tier.stats().capacity_bytes
-        if sizing is L2Sizing.OBJECTS or not capacity:
+        if not capacity:
             return None
         return TierSizer(capacity)
 
@@ -171,21 +173,20 @@ class TierSet:
     def stats(self) -> list[TierStats]:
         return [slot.tier.stats() for slot in self._slots]
 
-    def sizer_stats(self) -> dict[str, SizerStats]:
-        """Per sized tier (by name): what the server placed there, by resumable prefixes."""
-        return {slot.tier.name: slot.sizer.stats() for slot in self._slots if slot.sizer is not None}
+    def sizer_stats(self) -> list[SizerStats | None]:
+        """Per tier: what the server placed there, by resumable prefixes (None: not sized). Call it under
+        the store's lock (the sizers change with every request)."""
+        return [slot.sizer.stats() if slot.sizer is not None else None for slot in self._slots]
 
-    def describe(self) -> list[dict[str, object]]:
-        """Each tier as `/status` shows it."""
+    def describe(self, sized: list[SizerStats | None]) -> list[dict[str, object]]:
+        """Each tier as `/status` shows it (`sized`: `sizer_stats()`, taken under the store's lock)."""
         pending = self.pending()
-        sized = self.sizer_stats()
         out: list[dict[str, object]] = []
-        for s in self.stats():
+        for z, s in zip(sized, self.stats(), strict=True):
             entry: dict[str, object] = {
                 "name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
                 "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
                 "write_behind_pending": pending.get(s.name, 0), "sizing": L2Sizing.OBJECTS.value}
-            z = sized.get(s.name)
             if z is not None:
                 entry.update(sizing=L2Sizing.RESUMABLE.value, sized_bytes=z.bytes_used, sized_objects=z.objects,
                              sized_evictions=z.evictions, resumable_prefixes=z.resumable_prefixes,

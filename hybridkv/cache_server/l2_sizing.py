@@ -7,8 +7,8 @@ written or read *there* first: a chain's first chunks were written first and are
 when L1 lost them, so the tier drops the heads of the prefixes L1 serves most and keeps their
 tails, states and window objects, which no lookup can use any more.
 
-With `resumable` the server keeps each bounded tier (the disk tier; Valkey when it reports a
-`maxmemory`) within its capacity itself, counting what the tier stores (the object's frame), so the
+With `resumable` the server keeps each bounded tier that only it writes (the disk tier: one server
+per directory) within its capacity itself, counting what the tier stores (the object's frame), so the
 tier's own eviction never has to run. It holds a prefix index of the tier's objects (the chunks
 linked by their chained hashes, as L1's) and, to fit a new object, deletes:
 
@@ -26,7 +26,9 @@ state layout's prefix costs its state plus its chain), which `/status` reports p
 
 The sizer's view is the server's: objects a tier holds from an earlier run (the disk tier after a
 restart) are not in it and are left to the tier's own eviction, which the tier still runs as its
-bound; a write that failed is forgotten when a read misses it. Deletions travel through the
+bound; a write that failed is forgotten when a read misses it. Valkey is not sized: servers on
+many machines share it, and one server's deletions would be the others' misses (Valkey bounds
+itself with its `maxmemory-policy`). Deletions travel through the
 tier's write-behind queue, behind the writes they make room for.
 """
 
@@ -38,19 +40,12 @@ from enum import Enum
 from hybridkv.cache_server.l1_eviction import ResumablePolicy
 from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex, PrefixRules
 from hybridkv.cache_server.tiers import framing
-from hybridkv.errors import ConfigError, IntegrityError
+from hybridkv.errors import IntegrityError
 
 
 class L2Sizing(Enum):
     OBJECTS = "objects"  # each tier bounds itself, object by object (its own LRU)
     RESUMABLE = "resumable"  # the server bounds each bounded tier by resumable prefixes
-
-
-def parse_l2_sizing(name: L2Sizing | str) -> L2Sizing:
-    try:
-        return L2Sizing(name)
-    except ValueError:
-        raise ConfigError(f"unknown L2 sizing {name!r}; expected one of {[s.value for s in L2Sizing]}") from None
 
 
 def frame_bytes(key: bytes, value_bytes: int) -> int:

@@ -58,7 +58,7 @@ class ServerMetrics:
                                        "connection closed (the engine exited or was killed)", registry=r)
 
     def watch_tiers(self, stats: Callable[[], list[TierStats]],
-                    sized: Callable[[], dict[str, SizerStats]] = dict) -> None:
+                    sized: Callable[[], list[tuple[str, SizerStats]]] = list) -> None:
         self.registry.register(_TierCollector(stats))
         self.registry.register(_SizedTierCollector(sized))
 
@@ -66,7 +66,7 @@ class ServerMetrics:
 class _SizedTierCollector(Collector):
     """The L2 tiers the server sizes by resumable prefixes (`--l2-sizing resumable`)."""
 
-    def __init__(self, sized: Callable[[], dict[str, SizerStats]]) -> None:
+    def __init__(self, sized: Callable[[], list[tuple[str, SizerStats]]]) -> None:
         self._sized = sized
 
     def collect(self) -> Iterable[Metric]:
@@ -78,7 +78,7 @@ class _SizedTierCollector(Collector):
                                     "kind (state, attention)", labels=["tier", "kind"])
         evicted = CounterMetricFamily(P + "tier_sized_evictions", "Objects the server deleted from a sized L2 "
                                       "tier to make room", labels=["tier"])
-        for name, z in self._sized().items():
+        for name, z in self._sized():
             resumable.add_metric([name], z.resumable_prefixes)
             dead.add_metric([name], z.dead_bytes)
             by_kind.add_metric([name, "state"], z.state_bytes)

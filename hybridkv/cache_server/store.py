@@ -24,7 +24,7 @@ from hybridkv.cache_server.engines import Engine, EngineRegistry, Registered, ac
 from hybridkv.cache_server.keys import object_key
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
 from hybridkv.cache_server.l2 import TierSet
-from hybridkv.cache_server.l2_sizing import L2Sizing
+from hybridkv.cache_server.l2_sizing import L2Sizing, SizerStats
 from hybridkv.cache_server.metrics import ServerMetrics
 from hybridkv.cache_server.pool import L1Pool
 from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex
@@ -96,7 +96,7 @@ class KVStore:
                             on_evict=lambda _k, _n: self.metrics.evictions.inc(),
                             can_reuse=self._l2_has_everything if len(self.tiers) else None,
                             listener=self.tiers if self.tiers.sized else None)
-        self.metrics.watch_tiers(self.tiers.stats, self.tiers.sizer_stats)
+        self.metrics.watch_tiers(self.tiers.stats, self._sized_tiers)
         self._engines = EngineRegistry(config.max_registrations)
         self._leases: dict[int, _Lease] = {}
         self._lock = threading.Lock()
@@ -246,6 +246,12 @@ class KVStore:
         tree = engine.tree(salt)
         self._pool.index.link_chain(tree, first_chunk, parent, hashes)
         self.tiers.link_chain(tree, first_chunk, parent, hashes)
+
+    def _sized_tiers(self) -> list[tuple[str, SizerStats]]:
+        """(name, what the server placed there) of each L2 tier it sizes (metrics scrape time)."""
+        with self._lock:
+            sized = self.tiers.sizer_stats()
+        return [(name, z) for name, z in zip(self.tiers.names, sized, strict=True) if z is not None]
 
     def _l2_has_everything(self) -> bool:
         """Memory of evicted objects may be reused only once the write-behind handed it to L2."""
@@ -515,6 +521,7 @@ class KVStore:
             engines = [e.describe() for e in self._engines.values()] if detail else []
             registered = len(self._engines)
             held = len(self._leases)
+            sized = self.tiers.sizer_stats()
         tiers = [{"name": "l1", "objects": pool.objects, "bytes_used": pool.bytes_used,
                   "capacity_bytes": pool.capacity_bytes, "evictions": pool.evictions,
                   "locked_objects": pool.locked_objects, "resumable_prefixes": pool.prefixes.resumable_prefixes,
@@ -523,7 +530,7 @@ class KVStore:
         return {"chunk_tokens": self.config.chunk_tokens, "object_groups": self.config.object_groups.value,
                 "eviction_policy": self.config.eviction_policy.value, "l2_sizing": self.config.l2_sizing.value,
                 "held_lookups": held,
-                "registered_engines": registered, "engines": engines, "tiers": tiers + self.tiers.describe()}
+                "registered_engines": registered, "engines": engines, "tiers": tiers + self.tiers.describe(sized)}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what the write-behind still holds, close the tiers and unmap every engine's buffers."""

@@ -8,21 +8,24 @@ an object in the tier is dead when no such prefix needs it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path as FsPath
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cache_server.keys import object_key
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName
-from hybridkv.cache_server.l2_sizing import L2Sizing, TierSizer, frame_bytes, parse_l2_sizing
+from hybridkv.cache_server.l2 import TierSet
+from hybridkv.cache_server.l2_sizing import L2Sizing, TierSizer, frame_bytes
+from hybridkv.cache_server.metrics import ServerMetrics
 from hybridkv.cache_server.store import StoreConfig
+from hybridkv.cache_server.tiers.base import TierStats
 from hybridkv.cache_server.tiers.disk import DiskTier
 from hybridkv.connector.client import chunk_hashes
-from hybridkv.errors import ConfigError
 from tests.cache_server.helpers import fake_engine, make_group, running_server
 from tests.cache_server.test_prefix_index import PATHS, Path, Rules, key, naive, place
+from tests.cache_server.tiers.fakes import DictTier
 
 OPS = st.lists(st.tuples(st.sampled_from(["write", "write", "write", "l1_put", "l1_drop", "forget", "touch",
                                           "begin"]), PATHS, st.integers(0, 2)), max_size=50)
@@ -39,7 +42,8 @@ def frame(path: Path, og: int) -> int:
 @settings(max_examples=150, deadline=None)
 @given(kinds=st.sampled_from([("full", "state"), ("full", "w2"), ("full", "w2", "state")]), ops=OPS,
        budget_frames=st.integers(2, 8))
-def test_sizer_matches_brute_force(kinds: tuple[str, ...], ops: list[tuple[str, Path, int]], budget_frames: int) -> None:
+def test_sizer_matches_brute_force(kinds: tuple[str, ...], ops: list[tuple[str, Path, int]],
+                                   budget_frames: int) -> None:
     rules = Rules(kinds)
     budget = budget_frames * frame((0, 0, 0), 0)
     sizer = TierSizer(budget)
@@ -97,12 +101,6 @@ def test_an_object_larger_than_the_budget_is_not_admitted() -> None:
     sizer.check_integrity()
 
 
-def test_unknown_sizing_names_the_choices() -> None:
-    assert parse_l2_sizing("objects") is L2Sizing.OBJECTS
-    with pytest.raises(ConfigError, match="'lfu'.*'objects', 'resumable'"):
-        parse_l2_sizing("lfu")
-
-
 # ---- through a server: full + state chunks, an L1 of four objects, a disk tier of five ------------------
 
 
@@ -153,3 +151,29 @@ def test_disk_tier_loses_the_prefix_by_itself_and_keeps_it_sized(tmp_path: FsPat
     assert entry["resumable_prefixes"] == 1 and metric == 1.0
     assert (entry["dead_objects"], entry["dead_bytes"]) == (2, 2 * frame)
     assert (entry["state_bytes"], entry["attention_bytes"]) == (frame, 4 * frame)
+
+
+class _BoundedDict(DictTier):
+    def stats(self) -> TierStats:
+        return dataclasses.replace(super().stats(), capacity_bytes=1 << 20)
+
+
+class _SharedBoundedDict(_BoundedDict):
+    name = "shared"
+    private = False
+
+
+def test_only_private_bounded_tiers_are_sized() -> None:
+    """A tier other servers write too (Valkey) or one with no bound is left to itself."""
+    tiers = TierSet([_BoundedDict(), _SharedBoundedDict(), DictTier()], ServerMetrics(), L2Sizing.RESUMABLE)
+    try:
+        sized = tiers.sizer_stats()
+        assert [z is not None for z in sized] == [True, False, False]
+        assert [t["sizing"] for t in tiers.describe(sized)] == ["resumable", "objects", "objects"]
+    finally:
+        tiers.close()
+    unsized = TierSet([_BoundedDict()], ServerMetrics(), L2Sizing.OBJECTS)
+    try:
+        assert unsized.sizer_stats() == [None] and not unsized.sized
+    finally:
+        unsized.close()
