@@ -9,10 +9,12 @@ tails, states and window objects, which no lookup can use any more.
 
 With `resumable` the server keeps each bounded tier that only it writes (the disk tier: one server
 per directory) within its capacity itself, counting what the tier stores (the object's frame), so the
-tier's own eviction never has to run. It holds a prefix index of the tier's objects (the chunks
-linked by their chained hashes, as L1's) and, to fit a new object, deletes:
+tier's own eviction never has to run. It holds a prefix index (prefix_index.py, as L1's) of the
+objects in L1 *or* in the tier, since a lookup reads each object from either, and, to fit a new
+object, deletes from the tier (never the objects of the store in progress while others are left: a
+prefill's chunks are dead until its state, its last object, arrives):
 
-    1. dead objects (no resumable prefix of the tier needs them), least recently used first;
+    1. dead objects (no prefix L1 and the tier can serve needs them), least recently used first;
     2. in a state layout, the least recently used resumable prefix as a unit: the objects only it
        needs, tail first (its state, then its own attention chain back to where another prefix
        shares it), so a state leaves with the attention chunks it makes usable;
@@ -29,8 +31,8 @@ The sizer's view is the server's: objects a tier holds from an earlier run (the 
 restart) are not in it and are left to the tier's own eviction, which the tier still runs as its
 bound; a write that failed is forgotten when a read misses it. Valkey is not sized: servers on
 many machines share it, and one server's deletions would be the others' misses (Valkey bounds
-itself with its `maxmemory-policy`). Deletions travel through the
-tier's write-behind queue, behind the writes they make room for.
+itself with its `maxmemory-policy`). Deletions travel through the tier's write-behind queue, in
+order with the writes: ahead of the write they make room for.
 """
 
 from __future__ import annotations
