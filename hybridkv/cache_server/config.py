@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l2_sizing import L2Sizing
 from hybridkv.cache_server.store import ObjectGroupMode, StoreConfig
 from hybridkv.errors import ConfigError
 
@@ -25,6 +26,7 @@ class ServerConfig:
     object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
     l2_disk: Path | None = None
     l2_disk_size_gb: float = 16.0
+    l2_sizing: L2Sizing = L2Sizing.RESUMABLE  # how a bounded L2 tier chooses what to delete
     l2_valkey: str | None = None  # redis://host:port[/db] or valkey://...
     max_message_mib: float = 64.0
     lock_ttl_s: float = 30.0
@@ -63,7 +65,8 @@ class ServerConfig:
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(chunk_tokens=self.chunk_tokens, l1_bytes=int(self.l1_size_gb * GIB),
-                           eviction_policy=self.eviction_policy, object_groups=self.object_groups,
+                           eviction_policy=self.eviction_policy, l2_sizing=self.l2_sizing,
+                           object_groups=self.object_groups,
                            lock_ttl_s=self.lock_ttl_s, max_registrations=self.max_registrations)
 
     @property

@@ -4,10 +4,11 @@ A policy only orders keys; the pool decides what is evictable (unlocked) and wha
 
 - `lru`: least recently used object first, each object on its own (an attention chunk may stay
   while the state that makes it a hit is gone).
-- `resumable`: dead objects first (no resumable prefix needs them: prefix_index.py), then the
-  least recently used resumable prefix as a unit, the objects only it needs, tail first (its state
-  and window tail, then its own attention chain back to where another prefix shares it), then
-  whatever is left, least recently used first.
+- `resumable`: dead objects first (no resumable prefix needs them: prefix_index.py), then, in a
+  state layout, the least recently used resumable prefix as a unit, the objects only it needs, tail
+  first (its state, then its own attention chain back to where another prefix shares it), then
+  whatever is left, least recently used first (a full + window layout has no units: its objects
+  go least recently used first once the dead ones are gone).
 """
 
 from __future__ import annotations

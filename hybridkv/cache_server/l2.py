@@ -2,7 +2,10 @@
 read-through on lookup, and fault accounting. A tier that fails (Valkey down) is counted and
 treated as a miss; the server keeps serving from L1 and the other tiers, and the tier
 reconnects on its next operation. Failures are logged at most once per 10 s per tier and
-operation (with how many were left out), and every one is counted in `hybridkv_server_l2_errors`."""
+operation (with how many were left out), and every one is counted in `hybridkv_server_l2_errors`.
+
+With `L2Sizing.RESUMABLE` each private tier that reports a capacity (the disk tier) gets a `TierSizer`
+(l2_sizing.py): the server then decides what it deletes to fit each write, by resumable prefixes."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hybridkv.cache_server.l2_sizing import L2Sizing, SizerStats, TierSizer
 from hybridkv.cache_server.metrics import ServerMetrics
+from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixRules
 from hybridkv.cache_server.tiers.base import L2Tier, RateLimitedWarnings, TierError, TierStats
 from hybridkv.cache_server.tiers.write_behind import WriteBehind
 
@@ -23,13 +28,27 @@ WRITE_BEHIND_MAX_PENDING = 4096
 class _Slot:
     tier: L2Tier
     writer: WriteBehind
+    sizer: TierSizer | None  # None: the tier bounds itself (or is unbounded)
 
 
 class TierSet:
-    def __init__(self, tiers: Sequence[L2Tier], metrics: ServerMetrics) -> None:
-        self._slots = [_Slot(t, WriteBehind(t, WRITE_BEHIND_MAX_PENDING)) for t in tiers]
+    """Not thread-safe beyond the tiers' own locks: the store calls it under its lock."""
+
+    def __init__(self, tiers: Sequence[L2Tier], metrics: ServerMetrics,
+                 sizing: L2Sizing = L2Sizing.OBJECTS) -> None:
+        self.sizing = sizing
+        self._slots = [_Slot(t, WriteBehind(t, WRITE_BEHIND_MAX_PENDING), self._sizer(t, sizing)) for t in tiers]
         self._metrics = metrics
         self._warnings = RateLimitedWarnings(log)
+
+    @staticmethod
+    def _sizer(tier: L2Tier, sizing: L2Sizing) -> TierSizer | None:
+        if sizing is L2Sizing.OBJECTS or not tier.private:
+            return None
+        capacity = tier.stats().capacity_bytes
+        if not capacity:
+            return None
+        return TierSizer(capacity)
 
     @property
     def names(self) -> list[str]:
@@ -38,11 +57,57 @@ class TierSet:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def write_behind(self, key: bytes, value: memoryview) -> None:
-        """Queue an object (just placed in L1, never written again) for every tier."""
+    def write_behind(self, key: bytes, value: memoryview, place: ObjectPlace | None = None) -> None:
+        """Queue an object (just placed in L1, never written again) for every tier; a sized tier first
+        gets the deletions that make room for it."""
         for slot in self._slots:
+            if slot.sizer is not None:
+                victims = slot.sizer.admit(key, value.nbytes, place)
+                if victims is None:  # larger than the tier: the tier would refuse it
+                    self._metrics.l2_write_dropped.labels(slot.tier.name).inc()
+                    continue
+                for victim in victims:
+                    if not slot.writer.delete(victim):  # the tier's own bound stays the backstop
+                        self._metrics.l2_write_dropped.labels(slot.tier.name).inc()
             if not slot.writer.submit(key, value):
                 self._metrics.l2_write_dropped.labels(slot.tier.name).inc()
+                if slot.sizer is not None:
+                    slot.sizer.forget(key)
+
+    @property
+    def sized(self) -> bool:
+        return any(slot.sizer is not None for slot in self._slots)
+
+    def begin_store(self) -> None:
+        """A store request starts (its objects do not make room for each other in a sized tier)."""
+        for slot in self._slots:
+            if slot.sizer is not None:
+                slot.sizer.begin_store()
+
+    # ---- what L1 tells the sized tiers (pool.PoolListener) -------------------------------------
+
+    def placed(self, key: bytes, nbytes: int, place: ObjectPlace | None) -> None:
+        for slot in self._slots:
+            if slot.sizer is not None:
+                slot.sizer.l1_placed(key, nbytes, place)
+
+    def used(self, key: bytes) -> None:
+        """The object was used (stored again, an L1 hit): it is recent in every sized tier too."""
+        for slot in self._slots:
+            if slot.sizer is not None:
+                slot.sizer.touch(key)
+
+    def dropped(self, key: bytes) -> None:
+        for slot in self._slots:
+            if slot.sizer is not None:
+                slot.sizer.l1_dropped(key)
+
+    def link_chain(self, rules: PrefixRules, first_chunk: int, parent_hash: bytes | None,
+                   chunk_hashes: list[bytes]) -> None:
+        """Chunks first_chunk.. of one request have these hashes (links the sized tiers' prefix trees)."""
+        for slot in self._slots:
+            if slot.sizer is not None:
+                slot.sizer.link_chain(rules, first_chunk, parent_hash, chunk_hashes)
 
     def where(self, keys: Sequence[bytes]) -> list[int | None]:
         """For each key, the index of the first tier holding it (None: no tier)."""
@@ -69,6 +134,11 @@ class TierSet:
         except TierError as e:
             self._error(slot, "get", e)
             return None
+        if slot.sizer is not None:
+            if value is None:  # gone (a failed write, the tier's own eviction, corruption)
+                slot.sizer.forget(key)
+            else:
+                slot.sizer.touch(key)
         if value is not None and len(value) != expected_bytes:
             log.warning("%s: object of %d bytes where %d were expected; dropped", slot.tier.name, len(value),
                         expected_bytes)
@@ -80,6 +150,8 @@ class TierSet:
         return value
 
     def _delete(self, slot: _Slot, key: bytes) -> None:
+        if slot.sizer is not None:
+            slot.sizer.forget(key)
         try:
             slot.tier.delete(key)
         except TierError as e:
@@ -88,6 +160,8 @@ class TierSet:
     def clear(self) -> None:
         for slot in self._slots:
             slot.writer.flush(timeout_s=10.0)
+            if slot.sizer is not None:
+                slot.sizer.clear()
             try:
                 slot.tier.clear()
             except TierError as e:
@@ -99,12 +173,32 @@ class TierSet:
     def stats(self) -> list[TierStats]:
         return [slot.tier.stats() for slot in self._slots]
 
-    def describe(self) -> list[dict[str, object]]:
-        """Each tier as `/status` shows it."""
+    def sizer_stats(self) -> list[SizerStats | None]:
+        """Per tier: what the server placed there, by resumable prefixes (None: not sized). Call it under
+        the store's lock (the sizers change with every request)."""
+        return [slot.sizer.stats() if slot.sizer is not None else None for slot in self._slots]
+
+    def describe(self, sized: list[SizerStats | None]) -> list[dict[str, object]]:
+        """Each tier as `/status` shows it (`sized`: `sizer_stats()`, taken under the store's lock)."""
         pending = self.pending()
-        return [{"name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
-                 "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
-                 "write_behind_pending": pending.get(s.name, 0)} for s in self.stats()]
+        out: list[dict[str, object]] = []
+        for z, s in zip(sized, self.stats(), strict=True):
+            entry: dict[str, object] = {
+                "name": s.name, "objects": s.objects, "bytes_used": s.bytes_used, "capacity_bytes": s.capacity_bytes,
+                "evictions": s.evictions, "errors": s.errors, "corrupt_dropped": s.corrupt_dropped,
+                "write_behind_pending": pending.get(s.name, 0), "sizing": L2Sizing.OBJECTS.value}
+            if z is not None:
+                entry.update(sizing=L2Sizing.RESUMABLE.value, sized_bytes=z.bytes_used, sized_objects=z.objects,
+                             sized_evictions=z.evictions, resumable_prefixes=z.resumable_prefixes,
+                             dead_objects=z.dead_objects, dead_bytes=z.dead_bytes, state_bytes=z.state_bytes,
+                             attention_bytes=z.attention_bytes)
+            out.append(entry)
+        return out
+
+    def check_integrity(self) -> None:
+        for slot in self._slots:
+            if slot.sizer is not None:
+                slot.sizer.check_integrity()
 
     def pending(self) -> dict[str, int]:
         return {slot.tier.name: slot.writer.stats().pending for slot in self._slots}

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridkv.cache_server.l2_sizing import SizerStats
 from hybridkv.cache_server.tiers.base import TierStats
 
 P = "hybridkv_server_"
@@ -49,13 +50,41 @@ class ServerMetrics:
                                            "(every object group's objects present)", registry=r)
         self.l1_dead_objects = Gauge(P + "l1_dead_objects", "L1 objects no resumable prefix needs", registry=r)
         self.l1_dead_bytes = Gauge(P + "l1_dead_bytes", "Bytes of L1 objects no resumable prefix needs", registry=r)
+        self.bytes_by_kind = Gauge(P + "l1_bytes_by_kind", "Bytes of L1 objects by kind (state, attention)",
+                                   ["kind"], registry=r)
         self.l1_capacity = Gauge(P + "l1_capacity_bytes", "L1 capacity", registry=r)
         self.engines = Gauge(P + "registered_engines", "Registered engine instances", registry=r)
         self.leases_released = Counter(P + "leases_released", "Registrations dropped because their registration "
                                        "connection closed (the engine exited or was killed)", registry=r)
 
-    def watch_tiers(self, stats: Callable[[], list[TierStats]]) -> None:
+    def watch_tiers(self, stats: Callable[[], list[TierStats]],
+                    sized: Callable[[], list[tuple[str, SizerStats]]] = list) -> None:
         self.registry.register(_TierCollector(stats))
+        self.registry.register(_SizedTierCollector(sized))
+
+
+class _SizedTierCollector(Collector):
+    """The L2 tiers the server sizes by resumable prefixes (`--l2-sizing resumable`)."""
+
+    def __init__(self, sized: Callable[[], list[tuple[str, SizerStats]]]) -> None:
+        self._sized = sized
+
+    def collect(self) -> Iterable[Metric]:
+        resumable = GaugeMetricFamily(P + "tier_resumable_prefixes", "Chunk prefixes a sized L2 tier and L1 "
+                                      "together serve as a hit (each object in one of them)", labels=["tier"])
+        dead = GaugeMetricFamily(P + "tier_dead_bytes", "Bytes in a sized L2 tier that no resumable prefix "
+                                 "there needs", labels=["tier"])
+        by_kind = GaugeMetricFamily(P + "tier_bytes_by_kind", "Bytes the server placed in a sized L2 tier, by "
+                                    "kind (state, attention)", labels=["tier", "kind"])
+        evicted = CounterMetricFamily(P + "tier_sized_evictions", "Objects the server deleted from a sized L2 "
+                                      "tier to make room", labels=["tier"])
+        for name, z in self._sized():
+            resumable.add_metric([name], z.resumable_prefixes)
+            dead.add_metric([name], z.dead_bytes)
+            by_kind.add_metric([name, "state"], z.state_bytes)
+            by_kind.add_metric([name, "attention"], z.attention_bytes)
+            evicted.add_metric([name], z.evictions)
+        return [resumable, dead, by_kind, evicted]
 
 
 class _TierCollector(Collector):

@@ -15,12 +15,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from hybridkv.cache_server.arena import Arena, aligned
 from hybridkv.cache_server.l1_eviction import EvictionPolicy
 from hybridkv.cache_server.prefix_index import IndexStats, ObjectPlace, PrefixIndex
 from hybridkv.cache_server.shm import Bytes
 from hybridkv.errors import IntegrityError
+
+
+class PoolListener(Protocol):
+    """Told of every object that enters, is used in, and leaves the pool (the sized L2 tiers)."""
+
+    def placed(self, key: bytes, nbytes: int, place: ObjectPlace | None) -> None: ...
+
+    def used(self, key: bytes) -> None: ...
+
+    def dropped(self, key: bytes) -> None: ...
 
 
 @dataclass(slots=True)
@@ -43,7 +54,7 @@ class PoolStats:
 class L1Pool:
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy, *, index: PrefixIndex | None = None,
                  on_evict: Callable[[bytes, int], None] | None = None,
-                 can_reuse: Callable[[], bool] | None = None) -> None:
+                 can_reuse: Callable[[], bool] | None = None, listener: PoolListener | None = None) -> None:
         self._arena = Arena(capacity_bytes)
         self.capacity_bytes = capacity_bytes
         self._policy = policy
@@ -55,6 +66,7 @@ class L1Pool:
         self._evictions = 0
         self._on_evict = on_evict
         self._can_reuse = can_reuse
+        self._listener = listener
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -72,6 +84,8 @@ class L1Pool:
     def _touch(self, key: bytes) -> None:
         self._policy.touch(key)
         self.index.touch(key)
+        if self._listener is not None:
+            self._listener.used(key)
 
     def put(self, key: bytes, nbytes: int, fill: Callable[[Bytes], None], place: ObjectPlace | None = None) -> bool:
         """Place a new object of `nbytes` under `key`, written by `fill(view)`; False = nothing placed.
@@ -101,6 +115,8 @@ class L1Pool:
         self._policy.insert(key)
         self.index.insert(key, nbytes, place)
         self._used += nbytes
+        if self._listener is not None:
+            self._listener.placed(key, nbytes, place)
         return True
 
     def _evict_one(self) -> bool:
@@ -131,6 +147,8 @@ class L1Pool:
         self.index.remove(key)
         self._arena.free(entry.offset, entry.nbytes)
         self._used -= entry.nbytes
+        if self._listener is not None:
+            self._listener.dropped(key)
 
     def lock(self, key: bytes) -> bool:
         entry = self._entries.get(key)

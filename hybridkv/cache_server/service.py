@@ -233,7 +233,7 @@ def build_tiers(config: ServerConfig) -> list[L2Tier]:
 
 
 def startup_line(config: ServerConfig, control_port: int, http_port: int, tiers: list[str]) -> str:
-    l2 = ", ".join(tiers) if tiers else "none"
+    l2 = f"{', '.join(tiers)} (sizing {config.l2_sizing.value})" if tiers else "none"
     return (f"hybridkv server listening on tcp://{config.host}:{control_port} (control) and "
             f"http://{config.host}:{http_port} (metrics, status); chunk {config.chunk_tokens} tokens, "
             f"L1 {config.l1_size_gb:g} GiB {config.eviction_policy.value}, object groups "

@@ -24,6 +24,7 @@ from hybridkv.cache_server.engines import Engine, EngineRegistry, Registered, ac
 from hybridkv.cache_server.keys import object_key
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
 from hybridkv.cache_server.l2 import TierSet
+from hybridkv.cache_server.l2_sizing import L2Sizing, SizerStats
 from hybridkv.cache_server.metrics import ServerMetrics
 from hybridkv.cache_server.pool import L1Pool
 from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex
@@ -63,6 +64,7 @@ class StoreConfig:
     chunk_tokens: int = 256
     l1_bytes: int = 1 << 30
     eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    l2_sizing: L2Sizing = L2Sizing.RESUMABLE
     object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
     lock_ttl_s: float = 30.0
     max_registrations: int = 256
@@ -88,12 +90,13 @@ class KVStore:
         self.config = config
         self.metrics = metrics or ServerMetrics()
         self.metrics.l1_capacity.set(config.l1_bytes)
-        self.tiers = TierSet(tiers, self.metrics)
+        self.tiers = TierSet(tiers, self.metrics, config.l2_sizing)
         index = PrefixIndex()
         self._pool = L1Pool(config.l1_bytes, make_policy(config.eviction_policy, index), index=index,
                             on_evict=lambda _k, _n: self.metrics.evictions.inc(),
-                            can_reuse=self._l2_has_everything if len(self.tiers) else None)
-        self.metrics.watch_tiers(self.tiers.stats)
+                            can_reuse=self._l2_has_everything if len(self.tiers) else None,
+                            listener=self.tiers if self.tiers.sized else None)
+        self.metrics.watch_tiers(self.tiers.stats, self._sized_tiers)
         self._engines = EngineRegistry(config.max_registrations)
         self._leases: dict[int, _Lease] = {}
         self._lock = threading.Lock()
@@ -157,8 +160,9 @@ class KVStore:
             if req.first_chunk < 0:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"first_chunk must be >= 0, got {req.first_chunk}")
             self.metrics.store_requests.inc()
+            self.tiers.begin_store()
             parent = req.parent_hash if req.first_chunk and req.parent_hash else None
-            self._pool.index.link_chain(engine.tree(req.cache_salt), req.first_chunk, parent, req.chunk_hashes)
+            self._link_chain(engine, req.cache_salt, req.first_chunk, parent, req.chunk_hashes)
             stored: list[bool] = []
             refusals: list[Refusal] = []
             pinned: list[bytes] = []
@@ -234,8 +238,20 @@ class KVStore:
         assert stored is not None  # just placed, under the lock
         self._pool.lock(key)
         pinned.append(key)
-        self.tiers.write_behind(key, memoryview(stored.data))
+        self.tiers.write_behind(key, memoryview(stored.data), place)
         return ""
+
+    def _link_chain(self, engine: Engine, salt: str, first_chunk: int, parent: bytes | None,
+                    hashes: list[bytes]) -> None:
+        tree = engine.tree(salt)
+        self._pool.index.link_chain(tree, first_chunk, parent, hashes)
+        self.tiers.link_chain(tree, first_chunk, parent, hashes)
+
+    def _sized_tiers(self) -> list[tuple[str, SizerStats]]:
+        """(name, what the server placed there) of each L2 tier it sizes (metrics scrape time)."""
+        with self._lock:
+            sized = self.tiers.sizer_stats()
+        return [(name, z) for name, z in zip(self.tiers.names, sized, strict=True) if z is not None]
 
     def _l2_has_everything(self) -> bool:
         """Memory of evicted objects may be reused only once the write-behind handed it to L2."""
@@ -275,7 +291,7 @@ class KVStore:
             max_chunks = min(len(req.chunk_hashes), max(0, req.num_tokens - 1) // self.config.chunk_tokens)
             hashes = req.chunk_hashes[:max_chunks]
             keys = [[self._key(engine, og, req.cache_salt, j, h) for j, h in enumerate(hashes)] for og in engine.groups]
-            self._pool.index.link_chain(engine.tree(req.cache_salt), 0, None, hashes)
+            self._link_chain(engine, req.cache_salt, 0, None, hashes)
             where = self._where(engine, keys)
             while True:
                 hit, per_group = self._hit(engine, [[w is not None for w in ws] for ws in where], max_chunks)
@@ -340,7 +356,8 @@ class KVStore:
         needed = [(o, j) for o, og in enumerate(engine.groups) for j in range(self._first_needed(engine, og, hit), hit)
                   if engine.rules.object_bytes(og, j)]
         locked: list[bytes] = []
-        for o, j in sorted(needed, key=lambda n: where[n[0]][n[1]] != -1):  # L1 first: promotion must not evict them
+        # L1 first (promotion must not evict them); tail first, so a chain's shared head is the most recently used
+        for o, j in sorted(needed, key=lambda n: (where[n[0]][n[1]] != -1, -n[1])):
             key = keys[o][j]
             place = ObjectPlace(rules=engine.tree(salt), chunk=j, chunk_hash=hashes[j],
                                 parent_hash=hashes[j - 1] if j else None, object_group=o)
@@ -488,10 +505,13 @@ class KVStore:
         self.metrics.l1_resumable_prefixes.set(stats.prefixes.resumable_prefixes)
         self.metrics.l1_dead_objects.set(stats.prefixes.dead_objects)
         self.metrics.l1_dead_bytes.set(stats.prefixes.dead_bytes)
+        self.metrics.bytes_by_kind.labels("state").set(stats.prefixes.state_bytes)
+        self.metrics.bytes_by_kind.labels("attention").set(stats.prefixes.attention_bytes)
 
     def check_integrity(self) -> None:
         with self._lock:
             self._pool.check_integrity()
+            self.tiers.check_integrity()
 
     def status(self, *, detail: bool = True) -> dict[str, Any]:
         """The server's state; without `detail` (a caller that did not authenticate to a server with a
@@ -501,13 +521,16 @@ class KVStore:
             engines = [e.describe() for e in self._engines.values()] if detail else []
             registered = len(self._engines)
             held = len(self._leases)
+            sized = self.tiers.sizer_stats()
         tiers = [{"name": "l1", "objects": pool.objects, "bytes_used": pool.bytes_used,
                   "capacity_bytes": pool.capacity_bytes, "evictions": pool.evictions,
                   "locked_objects": pool.locked_objects, "resumable_prefixes": pool.prefixes.resumable_prefixes,
-                  "dead_objects": pool.prefixes.dead_objects, "dead_bytes": pool.prefixes.dead_bytes}]
+                  "dead_objects": pool.prefixes.dead_objects, "dead_bytes": pool.prefixes.dead_bytes,
+                  "state_bytes": pool.prefixes.state_bytes, "attention_bytes": pool.prefixes.attention_bytes}]
         return {"chunk_tokens": self.config.chunk_tokens, "object_groups": self.config.object_groups.value,
-                "eviction_policy": self.config.eviction_policy.value, "held_lookups": held,
-                "registered_engines": registered, "engines": engines, "tiers": tiers + self.tiers.describe()}
+                "eviction_policy": self.config.eviction_policy.value, "l2_sizing": self.config.l2_sizing.value,
+                "held_lookups": held,
+                "registered_engines": registered, "engines": engines, "tiers": tiers + self.tiers.describe(sized)}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what the write-behind still holds, close the tiers and unmap every engine's buffers."""

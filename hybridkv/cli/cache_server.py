@@ -14,6 +14,7 @@ import typer
 
 from hybridkv.cache_server.config import ServerConfig
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l2_sizing import L2Sizing
 from hybridkv.cache_server.store import ObjectGroupMode
 from hybridkv.cli.errors import usage_error
 from hybridkv.errors import HybridKVError
@@ -37,6 +38,9 @@ def server_command(
     l2_disk: Annotated[Path | None, typer.Option("--l2-disk", help="directory of the L2 disk tier")] = _D.l2_disk,
     l2_disk_size_gb: Annotated[float, typer.Option(
         "--l2-disk-size-gb", help="capacity of the L2 disk tier in GiB")] = _D.l2_disk_size_gb,
+    l2_sizing: Annotated[L2Sizing, typer.Option(
+        "--l2-sizing", help="how a bounded L2 tier makes room: by resumable prefixes (dead objects first, a "
+        "state with its attention chain) or object by object (the tier's own LRU)")] = _D.l2_sizing,
     l2_valkey: Annotated[str | None, typer.Option("--l2-valkey", help="redis:// or valkey:// URL of a shared "
                                                   "L2 tier (write-behind, read-through)")] = _D.l2_valkey,
     max_message_mib: Annotated[float, typer.Option("--max-message-mib", help="largest control message")] = (
@@ -62,7 +66,8 @@ def server_command(
             host=host, port=port, http_port=http_port, chunk_tokens=chunk_size, l1_size_gb=l1_size_gb,
             eviction_policy=eviction_policy,
             object_groups=ObjectGroupMode.SEPARATE if separate_object_groups else ObjectGroupMode.ONE,
-            l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_valkey=l2_valkey, max_message_mib=max_message_mib,
+            l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_sizing=l2_sizing, l2_valkey=l2_valkey,
+            max_message_mib=max_message_mib,
             lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, auth_token_file=auth_token_file,
             max_registrations=max_registrations, log_level=log_level.lower(),
         )

@@ -37,7 +37,9 @@ def test_http_endpoints() -> None:
         assert status["engines"][0]["object_groups"] == [{"name": "full", "groups": [0]}]
         assert status["tiers"][0] == {"name": "l1", "objects": 3, "bytes_used": 384, "capacity_bytes": 1 << 20,
                                       "evictions": 0, "locked_objects": 0, "resumable_prefixes": 3,
-                                      "dead_objects": 0, "dead_bytes": 0}
+                                      "dead_objects": 0, "dead_bytes": 0, "state_bytes": 0, "attention_bytes": 384}
+        assert status["l2_sizing"] == "resumable"  # the default; no L2 tier here to size
+        assert 'hybridkv_server_l1_bytes_by_kind{kind="attention"} 384.0' in metrics
         with pytest.raises(urllib.error.HTTPError) as e:
             server.http("/cache/clear")  # GET is not allowed: clearing must be a POST
         assert e.value.code == 405

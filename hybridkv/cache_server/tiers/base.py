@@ -70,6 +70,7 @@ class L2Tier(Protocol):
     """What the server needs from an L2 tier. Implementations: `DiskTier`, `ValkeyTier`."""
 
     name: str
+    private: bool  # only this server writes it (a disk directory it locks), so the server may size it
 
     def put(self, key: bytes, value: bytes | memoryview) -> None:
         """Store `value` under `key`, replacing any older object; atomic (the whole object or

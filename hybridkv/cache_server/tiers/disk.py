@@ -50,6 +50,7 @@ class DiskTier:
     """An `L2Tier` in `directory`, holding at most `capacity_bytes` of frames (LRU eviction)."""
 
     name = "disk"
+    private = True  # one server per directory (DIR/.lock)
 
     def __init__(self, directory: Path, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

@@ -59,6 +59,7 @@ class ValkeyTier:
     """An `L2Tier` on a Valkey or Redis server at `url` (redis://, rediss://, valkey://, valkeys://)."""
 
     name = "valkey"
+    private = False  # shared by servers on many machines: each one's deletions would be the others' misses
 
     def __init__(self, url: str, *, namespace: str = "kv", timeout_s: float = 2.0, retry_after_s: float = 1.0,
                  stats_refresh_s: float = 5.0) -> None:

@@ -7,6 +7,7 @@ thread goes on with the next object.
 
     submit(k, v) --> [ bounded queue: max_pending ] --> writer thread --> tier.put(k, v)
        | False when full: dropped += 1                     | TierError: failed += 1
+    delete(k) ------^ (same queue, so in order with the puts)   --> tier.delete(k)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hybridkv.cache_server.tiers.base import L2Tier, RateLimitedWarnings, TierEr
 
 log = logging.getLogger(__name__)
 
-_Item = tuple[bytes, bytes | memoryview] | None  # None: the writer thread exits when it takes it
+_Item = tuple[bytes, bytes | memoryview | None] | None  # value None: delete; None: the writer thread exits
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,7 +32,8 @@ class WriteBehindStats:
     pending: int  # submitted, not yet written or failed (queued + the one being written)
     written: int  # put into the tier
     failed: int  # put raised (TierError or an unexpected error)
-    dropped: int  # refused by submit (queue full or closed) or left unwritten at close
+    dropped: int  # refused by submit or delete (queue full or closed) or left unwritten at close
+    deleted: int = 0  # deletions done (delete)
 
 
 class WriteBehind:
@@ -49,6 +51,7 @@ class WriteBehind:
         self._written = 0
         self._failed = 0
         self._dropped = 0
+        self._deleted = 0
         self._closed = False
         self._warnings = RateLimitedWarnings(log)
         self._thread = threading.Thread(target=self._run, name=f"write-behind-{tier.name}", daemon=True)
@@ -57,6 +60,14 @@ class WriteBehind:
     def submit(self, key: bytes, value: bytes | memoryview) -> bool:
         """Queue one object for the tier; False (and counted as dropped) if the queue is full or
         the write-behind is closed. Never blocks."""
+        return self._enqueue(key, value)
+
+    def delete(self, key: bytes) -> bool:
+        """Queue the deletion of `key` from the tier, after every object submitted before it; False
+        (counted as dropped) if the queue is full or closed. Never blocks."""
+        return self._enqueue(key, None)
+
+    def _enqueue(self, key: bytes, value: bytes | memoryview | None) -> bool:
         with self._cond:
             if self._closed:
                 self._dropped += 1
@@ -106,7 +117,7 @@ class WriteBehind:
     def stats(self) -> WriteBehindStats:
         with self._cond:
             return WriteBehindStats(pending=self._pending, written=self._written, failed=self._failed,
-                                    dropped=self._dropped)
+                                    dropped=self._dropped, deleted=self._deleted)
 
     def _run(self) -> None:
         while True:
@@ -119,20 +130,26 @@ class WriteBehind:
                 if self._pending == 0:  # abandoned by close() while it was being written
                     continue
                 self._pending -= 1
-                if ok:
+                if ok and value is None:
+                    self._deleted += 1
+                elif ok:
                     self._written += 1
                 else:
                     self._failed += 1
                 if self._pending == 0:
                     self._cond.notify_all()
 
-    def _write(self, key: bytes, value: bytes | memoryview) -> bool:
+    def _write(self, key: bytes, value: bytes | memoryview | None) -> bool:
+        op = "put" if value is not None else "delete"
         try:
-            self.tier.put(key, value)
+            if value is None:
+                self.tier.delete(key)
+            else:
+                self.tier.put(key, value)
         except TierError as e:
-            self._warnings.warn("put", f"write-behind put into {self.tier.name} failed: {e}")
+            self._warnings.warn(op, f"write-behind {op} in {self.tier.name} failed: {e}")
             return False
         except Exception:  # the thread must outlive a tier bug; the object is counted as failed
-            log.exception("write-behind put into %s raised unexpectedly", self.tier.name)
+            log.exception("write-behind %s in %s raised unexpectedly", op, self.tier.name)
             return False
         return True

@@ -14,6 +14,7 @@ class DictTier:
     set once a put started; keys in `fail_keys` make put raise TierError."""
 
     name = "dict"
+    private = True
 
     def __init__(self) -> None:
         self.objects: dict[bytes, bytes] = {}

@@ -78,3 +78,20 @@ def test_close_with_a_stuck_tier_counts_the_unwritten_as_dropped() -> None:
 def test_max_pending_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_pending must be >= 1, got 0"):
         WriteBehind(DictTier(), max_pending=0)
+
+
+def test_deletes_run_in_order_with_puts() -> None:
+    """A delete queued after a put of the same key removes it; one queued before a put does not (the
+    sized tiers queue the deletions that make room before the write they make room for)."""
+    tier = DictTier()
+    tier.objects[b"old"] = b"o"
+    tier.gate.clear()  # hold the writer so everything below is queued before any of it runs
+    wb = WriteBehind(tier, max_pending=10)
+    assert wb.submit(b"a", b"1") and wb.delete(b"a")
+    assert wb.delete(b"b") and wb.submit(b"b", b"2")
+    assert wb.delete(b"old")
+    tier.gate.set()
+    assert wb.flush(timeout_s=10.0)
+    assert tier.objects == {b"b": b"2"}
+    assert wb.stats() == WriteBehindStats(pending=0, written=2, failed=0, dropped=0, deleted=3)
+    wb.close()
