@@ -127,6 +127,8 @@ def jobs(quick: bool, release_order: str = "by_group") -> list[dict[str, Any]]:
     plain = [job for job in batch if job["retention"] is None and job["spec_decode"] == "off"]
     # and a unit below the state block on both (hits land inside blocks: partial hits, copy on write)
     partial = [{**job, "prefix_match_unit": 16} for job in plain if job["layout"] in ("qwen3.5", "mamba2")]
+    # partial hits with vLLM's sparse retention (0: states at the replay boundary and junction only)
+    partial += [{**job, "retention": 0} for job in partial]
     block = [{**job, "prefix_match_unit": units[job["layout"]]} for job in plain if job["layout"] in units]
     return batch + block + partial
 

@@ -171,7 +171,7 @@ class KVCacheManager:
         self.match_unit = resolve_match_unit(config.groups, prefix_match_unit,
                                              caching=prefix_caching is PrefixCaching.ON,
                                              mamba_cache_mode=mamba_cache_mode)
-        check_partial_hits(self.match_unit, config, prefix_cache_retention_interval)
+        check_partial_hits(self.match_unit, config)
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.errors import ConfigError, StaleHitError
+from hybridkv.errors import StaleHitError
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, KVCacheManager, NewBlocks
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
@@ -170,15 +170,26 @@ def test_copies_keep_their_blocks_until_taken() -> None:
     assert m.usage() == 0.0
 
 
-def test_partial_hits_with_a_retention_interval_are_refused() -> None:
+@pytest.mark.parametrize("retention", [None, 0, 128])
+def test_partial_hits_with_a_retention_interval(retention: int | None) -> None:
+    """A 100-token prompt (steps 64, 32, 4): its replay boundary 96 is a partial tail, kept with any
+    retention (0 keeps states only there); a sibling sharing 98 tokens hits 96 either way."""
     groups = [make_group(kind="full", block_size=64), make_group(kind="mamba", block_size=64)]
-    with pytest.raises(ConfigError, match=r"prefix_match_unit=16 makes hits land inside the 64-token blocks .* "
-                                          r"prefix_cache_retention_interval=0"):
-        KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=16,
-                       prefix_cache_retention_interval=0)
-    # the state block itself keeps hits on the block: no partial hits, any retention
+    m = KVCacheManager(make_config(groups=groups, num_blocks=32), max_model_len=8192, prefix_match_unit=16,
+                       prefix_cache_retention_interval=retention)
+    assert m.match_unit.partial_hits
+    r0 = make_request(request_id="r0", token_ids=list(range(100)))
+    m.begin_step()
+    _step(m, r0, 64, m.lookup(r0))
+    for num_new in (32, 4):
+        m.begin_step()
+        _step(m, r0, num_new)
+    m.free(r0)
+    m.begin_step()
+    assert m.lookup(make_request(request_id="r1", token_ids=[*range(98), 7, 7])).num_tokens == 96
+    # the state block itself keeps hits on the block: no partial hits
     same = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=64,
-                          prefix_cache_retention_interval=0)
+                          prefix_cache_retention_interval=retention)
     assert not same.match_unit.partial_hits
 
 
