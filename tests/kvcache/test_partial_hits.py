@@ -10,9 +10,11 @@ from the rules in docs/prefix_caching.md.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from hybridkv.errors import StaleHitError
+from hybridkv.errors import ConfigError, StaleHitError
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, KVCacheManager, NewBlocks
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
@@ -211,3 +213,11 @@ def test_a_partial_hit_gone_stale_is_refused() -> None:
     with pytest.raises(StaleHitError, match="was evicted after lookup"):
         m.allocate(r1, 4, hit=hit)
     m.check_integrity()
+
+
+def test_partial_hits_in_the_multi_page_state_layout_are_refused() -> None:
+    state = [dataclasses.replace(make_group(kind="mamba", block_size=64), state_page=s, state_pages=2) for s in (0, 1)]
+    config = make_config(groups=[make_group(kind="full", block_size=64), *state])
+    with pytest.raises(ConfigError, match=r"prefix_match_unit=16 makes hits land inside the 64-token blocks .* "
+                                          r"multi_page state layout"):
+        KVCacheManager(config, max_model_len=256, prefix_match_unit=16)
