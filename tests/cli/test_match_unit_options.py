@@ -30,7 +30,12 @@ def test_simulate_takes_the_option_with_sub_block_hits() -> None:
     assert sub.exit_code == 0, sub.output
     report = json.loads(sub.output)
     assert report["block_copies"] > 0 and any(h % 544 for h in report["request_hits"])
+    sparse = runner.invoke(app, ["simulate", "qwen3.5-0.8b", "--generate", "chat", "--num-requests", "3",
+                                 "--prefix-match-unit", "32", "--prefix-cache-retention-interval", "0", "--json"])
+    assert sparse.exit_code == 0, sparse.output  # with vLLM's sparse retention too
+    assert json.loads(sparse.output)["block_copies"] > 0
     refused = runner.invoke(app, ["simulate", "qwen3.5-0.8b", "--generate", "chat", "--num-requests", "3",
-                                  "--prefix-match-unit", "32", "--prefix-cache-retention-interval", "0"])
+                                  "--prefix-match-unit", "48"])
     assert refused.exit_code == 2
-    assert "inside the 544-token blocks" in refused.output and "prefix_cache_retention_interval=0" in refused.output
+    message = " ".join(refused.output.split())  # (a narrow terminal wraps it)
+    assert "prefix_match_unit=48 is invalid" in message and "block sizes [544, 544, 544, 544]" in message
