@@ -32,6 +32,7 @@ One public verb per operation (the fast variants for a handful of blocks are pri
   hash takes that key as its hash (in its group's map, like a full block); a block that already
   carries one keeps it and holds the key as an *extra* entry (`partial_blocks` finds both).
   `move_partial` re-points a partial entry to a private copy. Partial entries record no events.
+  These verbs live beside the entries' record, in `partial_hits.py` (`PartialPoolVerbs`).
 
 The null block's ref count is `NULL_REF_CNT` and never changes (touch and release skip id 0).
 """
@@ -49,7 +50,7 @@ from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
 from hybridkv.kvcache.free_queue import Ids, PolicyFactory
 from hybridkv.kvcache.ids import BlockHash, GroupId
-from hybridkv.kvcache.partial_hits import PartialEntries
+from hybridkv.kvcache.partial_hits import PartialEntries, PartialPoolVerbs
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
 from hybridkv.plan.planner import KVCacheGroupSpec
 
@@ -87,7 +88,7 @@ def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-class BlockPool:
+class BlockPool(PartialPoolVerbs):
     """All blocks of all groups; see the module docstring for the contract."""
 
     def __init__(
@@ -471,74 +472,6 @@ class BlockPool:
         for block in blocks:
             if self.has_hash.item(block):
                 self._drop_hash(block)
-
-    # -- partial entries ----------------------------------------------------------------------
-
-    def cache_partial(self, group_id: int, block: int, key: BlockHash) -> bool:
-        """Make `block` (of group `group_id`) reachable under `key`, the hash of a prefix that ends
-        inside it (module docstring); False, nothing done, for the null block or a block that
-        already holds `key`."""
-        if block == NULL or self.partial_key(block) == key or self.hash_of(block) == key:
-            return False
-        if self.partial_key(block) is not None:  # one partial entry per block: the newer replaces it
-            self.drop_partial(block)
-        carries = bool(self.has_hash.item(block))
-        self._partial.add(group_id, block, key, extra=carries)
-        if carries:
-            return True
-        pmap, col = self._place[group_id]
-        slot = pmap.slot_for(key)
-        self.has_hash[block] = True
-        self.slot_of[block] = slot
-        if pmap.blocks.item(col, slot) == NULL:
-            pmap.blocks[col, slot] = block
-            pmap.count[slot] += 1
-        else:
-            pmap.add_dup(col, slot, key, block)
-        return True
-
-    def partial_blocks(self, group_ids: Sequence[int], key: BlockHash) -> list[int] | None:
-        """The block every group of `group_ids` holds under `key` (its hash or an extra partial
-        entry), one per group; None unless every group holds one."""
-        out = []
-        for group_id in group_ids:
-            pmap, col = self._place[group_id]
-            slot = pmap.index.get(key, 0)
-            block = pmap.blocks.item(col, slot) if slot else NULL
-            if block == NULL:
-                block = self._partial.extra_holder(group_id, key) or NULL
-                if block == NULL:
-                    return None
-            out.append(block)
-        return out
-
-    def partial_key(self, block: int) -> BlockHash | None:
-        """The partial key `block` holds (as its hash or an extra entry), None if none."""
-        return self._partial.key_of.get(block) if self._partial else None
-
-    def holds_partial(self, block: int, key: BlockHash) -> bool:
-        """Whether `block` is reachable under `key` (its hash or its partial entry)."""
-        return self.partial_key(block) == key or self.hash_of(block) == key
-
-    def drop_partial(self, block: int) -> None:
-        """Forget the partial entry of `block` (no-op without one); hits taken before are re-verified."""
-        key = self.partial_key(block)
-        if key is None:
-            return
-        if self.hash_of(block) == key:
-            self._drop_hash(block)
-        else:
-            self._partial.forget([block], self.group_of)
-            self.evictions += 1
-
-    def move_partial(self, group_id: int, src: int, dst: int) -> None:
-        """Re-point the partial entry of `src` to `dst` (a fresh block of the same group that
-        will hold a copy of `src`'s content); no-op when `src` holds none."""
-        key = self.partial_key(src)
-        if key is None:
-            return
-        self.drop_partial(src)
-        self.cache_partial(group_id, dst, key)
 
     def discard(self, blocks: Sequence[int], block_hash: BlockHash) -> bool:
         """Drop `block_hash` from free `blocks` that still carry it (a cached entry no lookup will

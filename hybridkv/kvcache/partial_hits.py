@@ -6,6 +6,8 @@ What the rest of the package needs of them, in one place (docs/prefix_caching.md
   prefix ending inside the block) and which of those hold it as an *extra* key, beside the hash
   the block already carries (an attention block filled by decoding after its prompt registered
   its last unit boundary there);
+- `PartialPoolVerbs`, the block pool's verbs on them (`BlockPool` inherits them: they read and
+  write its prefix maps);
 - `check_partial_hits`, the options this manager does not combine with partial hits.
 
 `KVCacheCoordinator.enable_partial_hits` turns them on in a coordinator and its managers.
@@ -15,13 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+from numpy.typing import NDArray
+
 from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash
+from hybridkv.kvcache.prefix_map import PrefixMap
 from hybridkv.plan.kv_cache_config import KVCacheConfig
 from hybridkv.plan.match_unit import MatchUnit
 
-__all__ = ["PartialEntries", "check_partial_hits"]
+__all__ = ["PartialEntries", "PartialPoolVerbs", "check_partial_hits"]
+
+_NULL = 0  # the null block's id (block_pool.NULL)
 
 
 class PartialEntries:
@@ -72,6 +80,88 @@ class PartialEntries:
                         raise IntegrityError(f"extra partial entry of block {block} (group {group_id}) is not "
                                              f"recorded, or the block carries no hash or belongs to group "
                                              f"{group_of[block]}")
+
+
+class PartialPoolVerbs:
+    """The block pool's partial-entry verbs (see `block_pool.py`'s docstring). A mixin of
+    `BlockPool`: the attributes and methods declared here are the pool's."""
+
+    _partial: PartialEntries
+    _place: list[tuple[PrefixMap, int]]
+    has_hash: NDArray[np.bool_]
+    slot_of: NDArray[np.int64]
+    group_of: NDArray[np.int64]
+    evictions: int
+
+    def hash_of(self, block: int) -> BlockHash | None: ...  # (BlockPool's)
+
+    def _drop_hash(self, block: int) -> None: ...  # (BlockPool's)
+
+    def cache_partial(self, group_id: int, block: int, key: BlockHash) -> bool:
+        """Make `block` (of group `group_id`) reachable under `key`, the hash of a prefix that ends
+        inside it (module docstring); False, nothing done, for the null block or a block that
+        already holds `key`."""
+        if block == _NULL or self.partial_key(block) == key or self.hash_of(block) == key:
+            return False
+        if self.partial_key(block) is not None:  # one partial entry per block: the newer replaces it
+            self.drop_partial(block)
+        carries = bool(self.has_hash.item(block))
+        self._partial.add(group_id, block, key, extra=carries)
+        if carries:
+            return True
+        pmap, col = self._place[group_id]
+        slot = pmap.slot_for(key)
+        self.has_hash[block] = True
+        self.slot_of[block] = slot
+        if pmap.blocks.item(col, slot) == _NULL:
+            pmap.blocks[col, slot] = block
+            pmap.count[slot] += 1
+        else:
+            pmap.add_dup(col, slot, key, block)
+        return True
+
+    def partial_blocks(self, group_ids: Sequence[int], key: BlockHash) -> list[int] | None:
+        """The block every group of `group_ids` holds under `key` (its hash or an extra partial
+        entry), one per group; None unless every group holds one."""
+        out = []
+        for group_id in group_ids:
+            pmap, col = self._place[group_id]
+            slot = pmap.index.get(key, 0)
+            block = pmap.blocks.item(col, slot) if slot else _NULL
+            if block == _NULL:
+                block = self._partial.extra_holder(group_id, key) or _NULL
+                if block == _NULL:
+                    return None
+            out.append(block)
+        return out
+
+    def partial_key(self, block: int) -> BlockHash | None:
+        """The partial key `block` holds (as its hash or an extra entry), None if none."""
+        return self._partial.key_of.get(block) if self._partial else None
+
+    def holds_partial(self, block: int, key: BlockHash) -> bool:
+        """Whether `block` is reachable under `key` (its hash or its partial entry)."""
+        return self.partial_key(block) == key or self.hash_of(block) == key
+
+    def drop_partial(self, block: int) -> None:
+        """Forget the partial entry of `block` (no-op without one); hits taken before are re-verified."""
+        key = self.partial_key(block)
+        if key is None:
+            return
+        if self.hash_of(block) == key:
+            self._drop_hash(block)
+        else:
+            self._partial.forget([block], self.group_of)
+            self.evictions += 1
+
+    def move_partial(self, group_id: int, src: int, dst: int) -> None:
+        """Re-point the partial entry of `src` to `dst` (a fresh block of the same group that
+        will hold a copy of `src`'s content); no-op when `src` holds none."""
+        key = self.partial_key(src)
+        if key is None:
+            return
+        self.drop_partial(src)
+        self.cache_partial(group_id, dst, key)
 
 
 def check_partial_hits(unit: MatchUnit, config: KVCacheConfig) -> None:
