@@ -97,7 +97,7 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
 
 def bytes_per_block(config: KVCacheConfig) -> float:
     """KV cache bytes one block id stands for (every tensor's page of it)."""
-    return sum(t.size_bytes for t in config.tensors) / config.num_blocks
+    return config.total_bytes / config.num_blocks
 
 
 def match_unit(job: dict[str, Any], config: KVCacheConfig) -> int | None:

@@ -184,7 +184,8 @@ class KVCacheCoordinator:
         extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
-        reserve = self.headroom_blocks * len(self.allocated) if rid not in self.allocated else 0
+        admitting = self.headroom_blocks and rid not in self.allocated  # (AdmissionHeadroom)
+        reserve = self.headroom_blocks * len(self.allocated) if admitting else 0
         if sum(bounds) + extra + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
             need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
                        for m, h in zip(managers, manager_hits, strict=True))

@@ -172,14 +172,8 @@ def test_copies_keep_their_blocks_until_taken() -> None:
     assert m.usage() == 0.0
 
 
-@pytest.mark.parametrize("retention", [None, 0, 128])
-def test_partial_hits_with_a_retention_interval(retention: int | None) -> None:
-    """A 100-token prompt (steps 64, 32, 4): its replay boundary 96 is a partial tail, kept with any
-    retention (0 keeps states only there); a sibling sharing 98 tokens hits 96 either way."""
-    groups = [make_group(kind="full", block_size=64), make_group(kind="mamba", block_size=64)]
-    m = KVCacheManager(make_config(groups=groups, num_blocks=32), max_model_len=8192, prefix_match_unit=16,
-                       prefix_cache_retention_interval=retention)
-    assert m.match_unit.partial_hits
+def _serve_100_tokens(m: KVCacheManager) -> None:
+    """A 100-token prompt in steps of 64, 32 and 4 tokens, then freed; a new step begins."""
     r0 = make_request(request_id="r0", token_ids=list(range(100)))
     m.begin_step()
     _step(m, r0, 64, m.lookup(r0))
@@ -188,6 +182,17 @@ def test_partial_hits_with_a_retention_interval(retention: int | None) -> None:
         _step(m, r0, num_new)
     m.free(r0)
     m.begin_step()
+
+
+@pytest.mark.parametrize("retention", [None, 0, 128])
+def test_partial_hits_with_a_retention_interval(retention: int | None) -> None:
+    """A 100-token prompt (steps 64, 32, 4): its replay boundary 96 is a partial tail, kept with any
+    retention (0 keeps states only there); a sibling sharing 98 tokens hits 96 either way."""
+    groups = [make_group(kind="full", block_size=64), make_group(kind="mamba", block_size=64)]
+    m = KVCacheManager(make_config(groups=groups, num_blocks=32), max_model_len=8192, prefix_match_unit=16,
+                       prefix_cache_retention_interval=retention)
+    assert m.match_unit.partial_hits
+    _serve_100_tokens(m)
     assert m.lookup(make_request(request_id="r1", token_ids=[*range(98), 7, 7])).num_tokens == 96
     # the state block itself keeps hits on the block: no partial hits
     same = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=64,
@@ -198,14 +203,7 @@ def test_partial_hits_with_a_retention_interval(retention: int | None) -> None:
 def test_a_partial_hit_gone_stale_is_refused() -> None:
     """The hit's partial blocks are verified like whole ones: after a reset the kept hit is stale."""
     m = _manager(full=64, state=64, unit=16, num_blocks=32)
-    r0 = make_request(request_id="r0", token_ids=list(range(100)))
-    m.begin_step()
-    _step(m, r0, 64, m.lookup(r0))
-    for num_new in (32, 4):
-        m.begin_step()
-        _step(m, r0, num_new)
-    m.free(r0)
-    m.begin_step()
+    _serve_100_tokens(m)
     r1 = make_request(request_id="r1", token_ids=[*range(98), 7, 7])
     hit = m.lookup(r1)
     assert hit.num_tokens == 96

@@ -151,15 +151,15 @@ class MambaManager(SingleTypeManager):
             if num_tokens % size:
                 return
             start = num_full - 1
-            if self._last_only:
-                self._replace_decode_checkpoint(request, block_hashes[start], table.ids[:, start].tolist())
         mask = self.retention.state_mask(start, num_full, block_size=size, request=request) if self.retention else None
         if mask is not None:  # sparse retention: cache the kept checkpoints only
             for i, keep in enumerate(mask):
                 if keep:
                     self._cache_range(request, block_hashes, start + i, start + i + 1)
-            return
-        self._cache_range(request, block_hashes, start, num_full)
+        else:
+            self._cache_range(request, block_hashes, start, num_full)
+        if self._last_only and self.mode is MambaCacheMode.ALIGN:
+            self._replace_decode_checkpoint(request, block_hashes[start], table.ids[:, start].tolist())
 
     def _cache_partial_tail(self, request: KVRequest, num_tokens: int) -> None:
         """A step ending at the prompt's partial boundary: its state (in the running block) becomes
@@ -179,6 +179,8 @@ class MambaManager(SingleTypeManager):
         prompt = request.num_prompt_tokens
         if prompt is None or request.num_computed_tokens < prompt:
             return  # a prompt checkpoint (or a recompute after preemption): kept
+        if self._pool.hash_of(blocks[0]) != block_hash:
+            return  # not cached (sparse retention skipped it): the previous one stays
         previous = self._decode_checkpoint.get(request.request_id)
         if previous is not None and previous[1] != block_hash:
             self._pool.discard(*previous)
