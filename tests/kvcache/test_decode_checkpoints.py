@@ -24,9 +24,11 @@ from tests.factories import make_config, make_group, make_request
 GROUPS = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_size=4)]
 
 
-def manager(decode: DecodeCheckpoints, eviction: EvictionPolicyName = EvictionPolicyName.LRU) -> KVCacheManager:
+def manager(decode: DecodeCheckpoints, eviction: EvictionPolicyName = EvictionPolicyName.LRU,
+            retention: int | None = None) -> KVCacheManager:
     return KVCacheManager(make_config(groups=GROUPS, num_blocks=64), max_model_len=64,
-                          mamba_cache_mode=MambaCacheMode.ALIGN, decode_checkpoints=decode, eviction=eviction)
+                          mamba_cache_mode=MambaCacheMode.ALIGN, decode_checkpoints=decode, eviction=eviction,
+                          prefix_cache_retention_interval=retention)
 
 
 def step(m: KVCacheManager, request: KVRequest, num_new: int) -> None:
@@ -65,6 +67,20 @@ def test_decode_checkpoints_left_cached(decode: DecodeCheckpoints, hits: dict[in
     m = manager(decode, eviction)
     serve_and_finish(m)
     for length, expected in hits.items():  # a probe sharing `length` tokens, then its own token
+        assert hit_of(m, [*range(length), 1000]) == expected, (decode, length)
+
+
+@pytest.mark.parametrize(("decode", "hits"), [
+    (DecodeCheckpoints.EVERY, {5: 4, 10: 8, 14: 8, 17: 16, 20: 16}),
+    (DecodeCheckpoints.LAST, {5: 4, 10: 4, 14: 4, 17: 16, 20: 16}),
+])
+def test_with_sparse_retention_the_newest_cached_decode_checkpoint_stays(decode: DecodeCheckpoints,
+                                                                        hits: dict[int, int]) -> None:
+    """Retention interval 8 caches the checkpoints at 8 and 16 (and the prompt's at 4), not 12 or 20:
+    an uncached decode checkpoint must not drop the cached one before it."""
+    m = manager(decode, retention=8)
+    serve_and_finish(m)
+    for length, expected in hits.items():
         assert hit_of(m, [*range(length), 1000]) == expected, (decode, length)
 
 
