@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hybridkv.catalog import find  # noqa: E402
+from hybridkv.engine.queue_order import QueueOrder  # noqa: E402
 from hybridkv.errors import CapacityError  # noqa: E402
 from hybridkv.kvcache.manager import (  # noqa: E402
     AdmissionHeadroom,
@@ -91,7 +92,8 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
                          eviction=EvictionPolicyName(job.get("eviction", "lru")),
                          checkpoint_placement=CheckpointPlacement(job.get("checkpoint_placement", "junction")),
                          decode_checkpoints=DecodeCheckpoints(job.get("decode_checkpoints", "every")),
-                         admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")))
+                         admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")),
+                         queue_order=QueueOrder(job.get("queue_order", "fcfs")))
     return config, trace, options
 
 
@@ -175,9 +177,11 @@ def record(path: Path) -> None:
 TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
 TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
 #: our setting: small attention blocks with a state over several pages (Mamba hybrids; one page otherwise),
-#: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom
+#: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom, and the
+#: cache-aware queue order (the longest cached prefix admitted first)
 OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved",
-        "state_layout": "multi_page", "decode_checkpoints": "last", "admission_headroom": "next_block"}
+        "state_layout": "multi_page", "decode_checkpoints": "last", "admission_headroom": "next_block",
+        "queue_order": "cache_aware"}
 
 
 #: vLLM 0.32's settings tried per layout, the best taken: dense retention, retention 0, and on the state
@@ -250,7 +254,9 @@ def targets(seed: int, num_requests: int) -> int:
               f"({tried_list}) "
               f"ideal={report.ideal_tokens} preemptions={report.preemptions}/{other['preemptions']} "
               f"prefill_tokens={report.prefill_tokens}/{other['prefill_tokens']} "
-              f"held={report.mean_held_fraction:.2f}/{other['mean_held_fraction']:.2f}")
+              f"held={report.mean_held_fraction:.2f}/{other['mean_held_fraction']:.2f} "
+              f"wait_ms={report.mean_wait_ms:.0f}/{other['mean_wait_ms']:.0f} "
+              f"p95_wait_ms={report.p95_wait_ms:.0f}/{other['p95_wait_ms']:.0f}")
     vs_vllm, vs_ideal = {}, {}
     for layout in TARGET_LAYOUTS:
         mine = [r for r in rows if r[0] == layout]
