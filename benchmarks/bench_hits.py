@@ -206,9 +206,10 @@ def targets(seed: int, num_requests: int) -> int:
     """At a pool holding 25% / 100% of each trace's distinct tokens (the same bytes on both sides): our
     manager at OURS vs vLLM 0.32's manager at its best retention setting (None or 0), and vs the
     infinite cache; and the prompt tokens each side computed (recompute after preemption included).
+    Ours runs twice: at OURS, and at OURS in FCFS order (`fcfs_hits`: the manager's policies alone).
     Prints per run a line, then per layout the medians over the traces, and last
     `best_vs_vllm_25pct=<min over layouts> hits_vs_ideal_100pct=<min over layouts>`."""
-    rows: list[tuple[str, str, float, int, int, int, int, float]] = []  # ..., nb, ours, vllm, ideal, prefill ratio
+    rows: list[tuple[str, str, float, int, int, int, int, float, int]] = []  # ..., nb, ours, vllm, ideal, prefill, fcfs
     batch: list[dict[str, Any]] = []
     ours: list[Any] = []
     for layout in TARGET_LAYOUTS:
@@ -229,7 +230,9 @@ def targets(seed: int, num_requests: int) -> int:
                         break
                     except CapacityError:
                         nb = nb * 5 // 4 + 1  # a request alone does not fit: the smallest pool that runs it
-                ours.append((layout, trace_name, fraction, nb, report))
+                fcfs_job = {**job, "queue_order": "fcfs"}  # the manager's policies alone, in vLLM's queue order
+                fcfs = simulate(*materialize(fcfs_job)).hit_tokens
+                ours.append((layout, trace_name, fraction, nb, report, fcfs))
                 batch += [{**base, "num_blocks": nb, **setting} for setting in VLLM_SETTINGS[layout]]
     theirs = vllm_side(batch)
     source = "vllm"
@@ -240,7 +243,7 @@ def targets(seed: int, num_requests: int) -> int:
             config, trace, options = materialize(job)
             theirs.append(dataclasses.asdict(simulate(trace, config, options)))
     start = 0
-    for layout, trace_name, fraction, nb, report in ours:
+    for layout, trace_name, fraction, nb, report, fcfs in ours:
         settings = VLLM_SETTINGS[layout]
         tried = theirs[start : start + len(settings)]
         start += len(settings)
@@ -248,8 +251,9 @@ def targets(seed: int, num_requests: int) -> int:
         best = other["hit_tokens"]
         tried_list = ", ".join(f"{setting_name(s)} {t['hit_tokens']}" for s, t in zip(settings, tried, strict=True))
         prefill = report.prefill_tokens / max(1, other["prefill_tokens"])
-        rows.append((layout, trace_name, fraction, nb, report.hit_tokens, best, report.ideal_tokens, prefill))
+        rows.append((layout, trace_name, fraction, nb, report.hit_tokens, best, report.ideal_tokens, prefill, fcfs))
         print(f"layout={layout} trace={trace_name} budget={fraction:.0%} num_blocks={nb} hits={report.hit_tokens} "
+              f"fcfs_hits={fcfs} "
               f"{source}_best={best} "
               f"({tried_list}) "
               f"ideal={report.ideal_tokens} preemptions={report.preemptions}/{other['preemptions']} "
@@ -263,8 +267,10 @@ def targets(seed: int, num_requests: int) -> int:
         vs_vllm[layout] = statistics.median(r[4] / max(1, r[5]) for r in mine if r[2] == 0.25)
         vs_ideal[layout] = statistics.median(r[4] / max(1, r[6]) for r in mine if r[2] == 1.0)
         prefill = statistics.median(r[7] for r in mine if r[2] == 0.25)
+        fcfs = statistics.median(r[8] / max(1, r[5]) for r in mine if r[2] == 0.25)
         print(f"layout={layout} median_vs_{source}_25pct={vs_vllm[layout]:.3f} "
-              f"median_vs_ideal_100pct={vs_ideal[layout]:.3f} median_prefill_vs_{source}_25pct={prefill:.3f}")
+              f"median_vs_ideal_100pct={vs_ideal[layout]:.3f} median_prefill_vs_{source}_25pct={prefill:.3f} "
+              f"median_fcfs_vs_{source}_25pct={fcfs:.3f}")
     print(f"best_vs_vllm_25pct={min(vs_vllm.values()):.3f} hits_vs_ideal_100pct={min(vs_ideal.values()):.3f} "
           f"seed={seed} vllm_side={source}")
     return 0

@@ -79,12 +79,13 @@ class Bypasses:
 
 
 def cache_aware(waiting: deque[Q], peek: Callable[[Q], int], bypasses: Bypasses) -> deque[Q]:
-    """`waiting` reordered: of its first PROBE_WINDOW requests, the starved ones first (in arrival
-    order), then the longest cached prefix first (ties in queue order); the rest unchanged."""
+    """`waiting` reordered: of its first PROBE_WINDOW requests, the starved ones first, then the
+    longest cached prefix first, each in arrival order; the requests behind them unchanged."""
     probed = [waiting[i] for i in range(min(PROBE_WINDOW, len(waiting)))]
     keyed = sorted(range(len(probed)),
                    key=lambda i: (not bypasses.starved(probed[i]),
-                                  probed[i].arrival_seq if bypasses.starved(probed[i]) else -peek(probed[i]), i))
+                                  probed[i].arrival_seq if bypasses.starved(probed[i]) else -peek(probed[i]),
+                                  probed[i].arrival_seq))
     out = deque(probed[i] for i in keyed)
     out.extend(waiting[i] for i in range(len(probed), len(waiting)))
     return out

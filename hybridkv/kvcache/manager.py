@@ -268,7 +268,9 @@ class KVCacheManager:
         max_length = min(request.num_tokens - 1, self.max_model_len)
         if not self._caching or max_length < self._coordinator.hit_step:
             return 0
-        return self._find_hit(request, max_length)[1][1]
+        if self._eagle:
+            return self._find_hit(request, max_length)[1][1]
+        return self._coordinator.find_longest_cache_hit(self._hashes(request), max_length, blocks=False)[1]
 
     def _find_hit(self, request: KVRequest, max_length: int) -> tuple[dict[int, list[BlockHash]],
                                                                       tuple[GroupBlocks, int, list[int]]]:
@@ -282,7 +284,7 @@ class KVCacheManager:
         last (queue-aware retention); no-op with LRU."""
         protect = self._pool.protect
         if protect is not None and hit.num_tokens:
-            protect([b for blocks in hit.blocks for b in blocks])
+            protect([b for blocks in hit.blocks for b in filter(None, blocks)])  # (state rows: mostly null)
 
     def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
                    max_length: int) -> tuple[GroupBlocks, int, list[int]]:

@@ -37,9 +37,9 @@ def order(waiting: list[Queued], bypasses: Bypasses | None = None) -> list[int]:
     return [q.arrival_seq for q in out]
 
 
-def test_the_longest_hit_goes_first_and_ties_keep_queue_order() -> None:
-    queue = [Queued(0, 0), Queued(1, 64), Queued(2, 16), Queued(3, 64), Queued(4, 0)]
-    assert order(queue) == [1, 3, 2, 0, 4]
+def test_the_longest_hit_goes_first_and_ties_keep_arrival_order() -> None:
+    queue = [Queued(4, 0), Queued(1, 64), Queued(2, 16), Queued(3, 64), Queued(0, 0), Queued(5, 64)]
+    assert order(queue) == [1, 3, 5, 2, 0, 4]
 
 
 def test_requests_behind_the_probe_window_keep_their_place() -> None:
