@@ -231,7 +231,8 @@ def targets(seed: int, num_requests: int) -> int:
                     except CapacityError:
                         nb = nb * 5 // 4 + 1  # a request alone does not fit: the smallest pool that runs it
                 fcfs_job = {**job, "queue_order": "fcfs"}  # the manager's policies alone, in vLLM's queue order
-                fcfs = simulate(*materialize(fcfs_job)).hit_tokens
+                config_f, trace_f, options_f = materialize(fcfs_job)
+                fcfs = simulate(trace_f, config_f, options_f).hit_tokens
                 ours.append((layout, trace_name, fraction, nb, report, fcfs))
                 batch += [{**base, "num_blocks": nb, **setting} for setting in VLLM_SETTINGS[layout]]
     theirs = vllm_side(batch)
