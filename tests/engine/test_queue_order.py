@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.engine.queue_order import MAX_BYPASS, PROBE_WINDOW, Bypasses, QueueOrder, cache_aware
@@ -116,3 +118,34 @@ def test_scheduler_default_is_fcfs_and_the_engine_config_names_a_bad_order() -> 
     with pytest.raises(ConfigError, match="queue_order must be one of"):
         EngineConfig(queue_order="lifo")  # type: ignore[arg-type]
     assert EngineConfig(queue_order="cache_aware").queue_order is QueueOrder.CACHE_AWARE  # type: ignore[arg-type]
+
+
+def naive_order(waiting: list[Queued], starved: set[int]) -> list[int]:
+    """Pick one at a time: a starved request (earliest arrival) if any, else the longest hit
+    (earliest arrival among equals); only the first PROBE_WINDOW are candidates."""
+    window, rest = list(waiting[:PROBE_WINDOW]), waiting[PROBE_WINDOW:]
+    out = []
+    while window:
+        hungry = [q for q in window if q.arrival_seq in starved]
+        pick = (min(hungry, key=lambda q: q.arrival_seq) if hungry
+                else min(window, key=lambda q: (-q.hit, q.arrival_seq)))
+        window.remove(pick)
+        out.append(pick.arrival_seq)
+    return out + [q.arrival_seq for q in rest]
+
+
+@settings(max_examples=200, deadline=None)
+@given(hits=st.lists(st.sampled_from([0, 16, 32, 64]), min_size=1, max_size=PROBE_WINDOW + 8),
+       starved=st.sets(st.integers(0, PROBE_WINDOW + 8), max_size=4), seed=st.integers(0, 1000))
+def test_the_order_matches_a_naive_selection(hits: list[int], starved: set[int], seed: int) -> None:
+    import random
+
+    arrivals = list(range(len(hits)))
+    random.Random(seed).shuffle(arrivals)  # a queue not in arrival order (preempted requests go back first)
+    queue = [Queued(a, h) for a, h in zip(arrivals, hits, strict=True)]
+    bypasses = Bypasses()
+    for q in queue:
+        if q.arrival_seq in starved:
+            for _ in range(MAX_BYPASS):
+                bypasses.admitted([Queued(10_000, 0)], [q])
+    assert order(queue, bypasses) == naive_order(queue, starved)
