@@ -218,9 +218,9 @@ class GroupsView:
         self.cols = tuple(cols)
         first = self.cols[0]
         consecutive = self.cols == tuple(range(first, first + len(self.cols)))
-        # which rows of `blocks` (a slice when consecutive: no copy of the rows when gathering)
+        # which rows of `blocks`, picked after gathering the columns (`take`: the cheapest gather)
         self._rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
-                                   else np.array(self.cols, np.int64)[:, None])
+                                   else np.array(self.cols, np.int64))
         self._lead = pmap.blocks[first]  # a view: the first group's block per slot
 
     def lead(self) -> GroupsView:
@@ -234,8 +234,20 @@ class GroupsView:
     def held(self, keys: Sequence[BlockHash]) -> tuple[bytes, Ids]:
         """(row, slots): byte i of row is 1 where every group holds keys[i], else 0."""
         slots = self.slots(keys)
-        held = self._lead[slots] != 0 if len(self.cols) == 1 else self._map.blocks[self._rows, slots].all(axis=0)
+        held = (self._lead[slots] != 0 if len(self.cols) == 1
+                else self._map.blocks.take(slots, axis=1)[self._rows].all(axis=0))
         return held.view(np.uint8).tobytes(), slots
+
+    def blocks_if_held(self, keys: Sequence[BlockHash]) -> list[list[int]] | None:
+        """Per group, its blocks of `keys` when every group holds every key, else None (one
+        gather, no reduction: the lists are searched for a 0)."""
+        slots = self.slots(keys)
+        out: list[list[int]] = ([self._lead[slots].tolist()] if len(self.cols) == 1
+                                else self._map.blocks.take(slots, axis=1)[self._rows].tolist())
+        for row in out:
+            if 0 in row:
+                return None
+        return out
 
     def prefix(self, keys: Sequence[BlockHash]) -> list[list[int]]:
         """Per group, the blocks of the longest prefix of `keys` that every group holds."""
@@ -245,10 +257,9 @@ class GroupsView:
         found = list(slots)
         if not found:
             return [[] for _ in self.cols]
-        rows = self._map.blocks[self._rows, found]
-        missing = np.flatnonzero(rows.min(axis=0) == 0)
-        out: list[list[int]] = (rows[:, : missing[0]] if len(missing) else rows).tolist()
-        return out
+        out: list[list[int]] = self._map.blocks.take(found, axis=1)[self._rows].tolist()
+        cut = min(row.index(0) if 0 in row else len(found) for row in out)
+        return out if cut == len(found) else [row[:cut] for row in out]
 
     def holds(self, key: BlockHash) -> bool:
         """Every one of these groups holds `key` (scalar reads: no array call)."""
@@ -268,5 +279,5 @@ class GroupsView:
 
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""
-        out: list[list[int]] = self._map.blocks[self._rows, slots].tolist()
+        out: list[list[int]] = self._map.blocks.take(slots, axis=1)[self._rows].tolist()
         return out

@@ -150,8 +150,14 @@ class SlidingWindowManager(SingleTypeManager):
                   max_length: int) -> list[list[int]]:
         limit = max_length // self.block_size
         need = self.contiguous_blocks
-        if need == 0:
+        if need == 0 or limit == 0:
             return [[self._null] * limit for _ in view.cols]
+        if limit <= need:  # no run of `need` but the whole row: the held prefix
+            return view.prefix(block_hashes[:limit])
+        tail = view.blocks_if_held(block_hashes[limit - need : limit])  # usually the answer: one gather
+        if tail is not None:
+            nulls = [self._null] * (limit - need)
+            return [nulls + blocks for blocks in tail]
         row, slots = view.held(block_hashes[:limit])
         start, run = _rightmost_run(row, need)
         null = self._null
