@@ -266,8 +266,14 @@ class GroupsView:
         slot = self._index.get(key, 0)
         if not slot:
             return False
-        blocks = self._map.blocks
-        return all(blocks.item(col, slot) for col in self.cols)
+        return all(map(self._map.blocks.item, self.cols, repeat(slot)))
+
+    def lacks(self, key: BlockHash) -> Fate | None:
+        """None when every one of these groups holds `key`, else its `fate` (one dict read)."""
+        slot = self._index.get(key, 0)
+        if slot:
+            return None if all(map(self._map.blocks.item, self.cols, repeat(slot))) else Fate.ELSEWHERE
+        return Fate.EVICTED if key in self._map.evicted else Fate.NEVER
 
     def fate(self, key: BlockHash) -> Fate:
         """Why these groups do not all hold `key`: another group of this block size holds it
