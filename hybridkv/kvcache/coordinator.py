@@ -7,7 +7,7 @@ under its own rule, aligned to the lcm of the group block sizes.
     full attention classes: looked up once at L; L = min(L, their hit)     (downward closed)
     repeat until no class shortens L:
         every other class whose last answer is not exactly L: look up at L; L = min(L, answer)
-    full attention answers are cut to L
+    full attention answers are cut to L                  (L = 0: no other class is asked; none holds a block)
 
 Groups with the same hit rule (e.g. the five identical sliding-window groups of Gemma 3) share
 one manager and are looked up together: a block index hits only if it hits in each of them.
@@ -456,12 +456,6 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
         return
 
 
-def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]],
-          max_length: int) -> tuple[list[list[int]], int]:
-    """The hit of every group of `manager`, looked up together, and its length in tokens."""
-    return manager.find_hit_tokens(manager.view, hashes, max_length)
-
-
 class UnitaryCoordinator(KVCacheCoordinator):
     """All groups share one hit rule (one type, one block size): a single lookup."""
 
@@ -470,7 +464,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
         blocks: GroupBlocks = [[] for _ in self.groups]
         tokens = 0
         for manager in self.managers:  # one manager, unless several were built for one rule
-            hits, tokens = _find(manager, hashes, max_length)
+            hits, tokens = manager.find_hit_tokens(manager.view, hashes, max_length)
             for g, group_hits in zip(manager.group_ids, hits, strict=True):
                 blocks[g] = group_hits
         return blocks, tokens, [tokens] * self.num_groups
@@ -491,38 +485,36 @@ class HybridCoordinator(KVCacheCoordinator):
         first = [0] * self.num_groups
         found: list[tuple[SingleTypeManager, list[list[int]]]] = []
         for cls in self._closed:
-            hits, got = _find(cls, hashes, length)
+            hits, got = cls.find_hit_tokens(cls.view, hashes, length)
             for g in cls.group_ids:
                 first[g] = got
             length = min(length, got) // step * step
             found.append((cls, hits))
         others = self._others
-        answers: list[tuple[int, list[list[int]]] | None] = [None] * len(others)  # (tokens, hits) per class
-        settled = False
-        while not settled:
-            settled = True
-            for i, cls in enumerate(others):
-                answer = answers[i]
-                if answer is not None and answer[0] == length:
-                    continue
-                hits, got = _find(cls, hashes, length)
-                if answer is None:
-                    for g in cls.group_ids:
-                        first[g] = got
-                answers[i] = (got, hits)
+        got_of = [0] * len(others)  # per class, its last answer in tokens and its hits
+        hits_of: list[list[list[int]]] = ([[]] * len(others) if length  # (every one is replaced)
+                                          else [[[] for _ in cls.group_ids] for cls in others])  # 0 tokens: none
+        if length:
+            for i, cls in enumerate(others):  # every class's first answer, each at the length left by the last
+                hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
+                got_of[i] = got
+                for g in cls.group_ids:
+                    first[g] = got
                 assert got <= length, f"hit class answered {got} tokens when asked for {length}"
-                if got < length:
-                    length = got // step * step
-                    settled = False
-            if settled and any(a is None or a[0] != length for a in answers):
-                settled = False
+                length = got // step * step
+            while got_of.count(length) < len(others):  # ask again each class that answered more than the length
+                for i, cls in enumerate(others):
+                    if got_of[i] != length:
+                        hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
+                        got_of[i] = got
+                        assert got <= length, f"hit class answered {got} tokens when asked for {length}"
+                        length = got // step * step
         blocks: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
         for cls, hits in found:
             cut = -(-length // cls.block_size)  # (a partial hit keeps the block it ends in)
             for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                blocks[g] = group_hits[:cut]
-        for cls, answer in zip(others, answers, strict=True):
-            assert answer is not None
-            for g, group_hits in zip(cls.group_ids, answer[1], strict=True):
+                blocks[g] = group_hits if len(group_hits) <= cut else group_hits[:cut]
+        for cls, hits in zip(others, hits_of, strict=True):
+            for g, group_hits in zip(cls.group_ids, hits, strict=True):
                 blocks[g] = group_hits
         return blocks, length, first
