@@ -24,7 +24,7 @@ few of them (`np.count_nonzero` rather than `.any()`), and single blocks plain s
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from itertools import repeat, takewhile
 
@@ -249,8 +249,9 @@ class GroupsView:
                 return None
         return out
 
-    def prefix(self, keys: Sequence[BlockHash]) -> list[list[int]]:
-        """Per group, the blocks of the longest prefix of `keys` that every group holds."""
+    def prefix(self, keys: Iterable[BlockHash]) -> list[list[int]]:
+        """Per group, the blocks of the longest prefix of `keys` that every group holds (an
+        iterable: `islice` a long chain rather than copy it, which touches every hash object)."""
         slots = takewhile(bool, map(self._index.get, keys, repeat(0)))
         if len(self.cols) == 1:  # scalar reads: no array calls
             return [list(takewhile(bool, map(self._lead.item, slots)))]

@@ -21,6 +21,7 @@ The state (Mamba) manager is in `mamba_manager.py`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import islice
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
@@ -59,14 +60,14 @@ class FullAttentionManager(SingleTypeManager):
 
     def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
-        return view.prefix(block_hashes[: max_length // self.block_size])
+        return view.prefix(islice(block_hashes, max_length // self.block_size))
 
     def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
                         max_length: int) -> tuple[list[list[int]], int]:
         """Full blocks left to right; with partial hits, then the partial entries inside the first
         block not held, its last boundary first (vLLM 0.32's fine-grained lookup)."""
         size = self.block_size
-        hits = view.prefix(hashes[size][: max_length // size])
+        hits = view.prefix(islice(hashes[size], max_length // size))
         unit = self.partial_unit
         if not unit:
             return hits, len(hits[0]) * size
@@ -153,7 +154,7 @@ class SlidingWindowManager(SingleTypeManager):
         if need == 0 or limit == 0:
             return [[self._null] * limit for _ in view.cols]
         if limit <= need:  # no run of `need` but the whole row: the held prefix
-            return view.prefix(block_hashes[:limit])
+            return view.prefix(islice(block_hashes, limit))
         tail = view.blocks_if_held(block_hashes[limit - need : limit])  # usually the answer: one gather
         if tail is not None:
             nulls = [self._null] * (limit - need)
