@@ -490,25 +490,25 @@ class HybridCoordinator(KVCacheCoordinator):
                 first[g] = got
             length = min(length, got) // step * step
             found.append((cls, hits))
+        if not length:  # no group serves a block (no other class is asked)
+            return [[] for _ in first], 0, first
         others = self._others
         got_of = [0] * len(others)  # per class, its last answer in tokens and its hits
-        hits_of: list[list[list[int]]] = ([[]] * len(others) if length  # (every one is replaced)
-                                          else [[[] for _ in cls.group_ids] for cls in others])  # 0 tokens: none
-        if length:
-            for i, cls in enumerate(others):  # every class's first answer, each at the length left by the last
-                hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
-                got_of[i] = got
-                for g in cls.group_ids:
-                    first[g] = got
-                assert got <= length, f"hit class answered {got} tokens when asked for {length}"
-                length = got // step * step
-            while got_of.count(length) < len(others):  # ask again each class that answered more than the length
-                for i, cls in enumerate(others):
-                    if got_of[i] != length:
-                        hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
-                        got_of[i] = got
-                        assert got <= length, f"hit class answered {got} tokens when asked for {length}"
-                        length = got // step * step
+        hits_of: list[list[list[int]]] = [[]] * len(others)  # (every one is replaced)
+        for i, cls in enumerate(others):  # every class's first answer, each at the length left by the last
+            hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
+            got_of[i] = got
+            for g in cls.group_ids:
+                first[g] = got
+            assert got <= length, f"hit class answered {got} tokens when asked for {length}"
+            length = got // step * step
+        while got_of.count(length) < len(others):  # ask again each class that answered more than the length
+            for i, cls in enumerate(others):
+                if got_of[i] != length:
+                    hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
+                    got_of[i] = got
+                    assert got <= length, f"hit class answered {got} tokens when asked for {length}"
+                    length = got // step * step
         blocks: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
         for cls, hits in found:
             cut = -(-length // cls.block_size)  # (a partial hit keeps the block it ends in)

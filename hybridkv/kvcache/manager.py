@@ -263,9 +263,9 @@ class KVCacheManager:
             request.checkpoint_stops = self._checkpoints.stops(request)
         step = coordinator.lcm_block_size  # (why the hit stops short of the next lcm boundary)
         self._limits.count(hashes, num_tokens // step * step, max_length, deferred=deferred)
-        return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
-                        blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
-                        deferred=deferred, pool_epoch=self._pool.evictions)
+        blocks = cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))) if num_tokens else self._empty_hit
+        return CacheHit(request_id=request.request_id, num_tokens=num_tokens, blocks=blocks, deferred=deferred,
+                        pool_epoch=self._pool.evictions)
 
     def protect(self, hit: CacheHit) -> None:
         """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks

@@ -259,7 +259,10 @@ class GroupsView:
         if not found:
             return [[] for _ in self.cols]
         out: list[list[int]] = self._map.blocks.take(found, axis=1)[self._rows].tolist()
-        cut = min(row.index(0) if 0 in row else len(found) for row in out)
+        cut = len(found)
+        for row in out:
+            if 0 in row:
+                cut = min(cut, row.index(0))
         return out if cut == len(found) else [row[:cut] for row in out]
 
     def holds(self, key: BlockHash) -> bool:
