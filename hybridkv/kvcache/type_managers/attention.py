@@ -153,12 +153,15 @@ class SlidingWindowManager(SingleTypeManager):
         need = self.contiguous_blocks
         if need == 0 or limit == 0:
             return [[self._null] * limit for _ in view.cols]
-        if limit <= need:  # no run of `need` but the whole row: the held prefix
-            return view.prefix(islice(block_hashes, limit))
-        tail = view.blocks_if_held(block_hashes[limit - need : limit])  # usually the answer: one gather
+        start = max(0, limit - need)
+        tail = view.blocks_if_held(block_hashes[start:limit])  # usually the answer: one gather
         if tail is not None:
-            nulls = [self._null] * (limit - need)
+            if not start:
+                return tail
+            nulls = [self._null] * start
             return [nulls + blocks for blocks in tail]
+        if not start:  # no run of `need` but the whole row: the held prefix
+            return view.prefix(islice(block_hashes, limit))
         row, slots = view.held(block_hashes[:limit])
         start, run = _rightmost_run(row, need)
         null = self._null
