@@ -234,13 +234,12 @@ class KVCacheManager:
             The hit: its length in tokens and its block ids per group; pass it to `allocate`
             unchanged (`num_tokens == 0`: no hit; `deferred`: retry in the next step).
         """
-        query_tokens = request.num_tokens
         self._lookups += 1
-        self._query_tokens += query_tokens
-        max_length = min(query_tokens - 1, self.max_model_len)
+        self._query_tokens += request.num_tokens
+        max_length = min(request.num_tokens - 1, self.max_model_len)
         request.shared_prefix_boundary = 0
         if request.num_prompt_tokens is None:
-            request.num_prompt_tokens = query_tokens
+            request.num_prompt_tokens = request.num_tokens
         coordinator = self._coordinator
         if not self._caching or max_length < coordinator.hit_step:
             if self._caching and max_length > 0:
@@ -249,7 +248,7 @@ class KVCacheManager:
                             pool_epoch=self._pool.evictions)
         hashes = self._hashes(request)
         if self._eagle:
-            hits, num_tokens, first = self._eagle_hit(hashes, query_tokens, max_length)
+            hits, num_tokens, first = self._eagle_hit(hashes, request.num_tokens, max_length)
         else:
             hits, num_tokens, first = coordinator.find_longest_cache_hit(hashes, max_length)
         self._hit_tokens += num_tokens
