@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
+from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.kvcache.manager import (
     AdmissionHeadroom,
     CheckpointPlacement,
@@ -53,6 +54,9 @@ DecodeCheckpointsOption = Annotated[DecodeCheckpoints, typer.Option(
 Headroom = Annotated[AdmissionHeadroom, typer.Option(
     "--admission-headroom", help="what a new request leaves free for the running ones: none (vLLM's) or "
     "next_block (one block per group each: no admit-then-preempt churn)")]
+QueueOrderOption = Annotated[QueueOrder, typer.Option(
+    "--queue-order", help="which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached "
+    "prefix first, each request passed over at most 32 times)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -78,6 +82,7 @@ __all__ = [
     "Model",
     "Placement",
     "PrefixCachingOption",
+    "QueueOrderOption",
     "RetentionInterval",
     "Seed",
     "StateLayoutOption",
@@ -95,7 +100,8 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    eviction: EvictionPolicyName = EvictionPolicyName.LRU,
                    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
                    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
-                   admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE) -> dict[str, Any]:
+                   admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE,
+                   queue_order: QueueOrder = QueueOrder.FCFS) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
@@ -105,6 +111,6 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
         prefix_match_unit=prefix_match_unit, state_layout=state_layout, eviction=eviction,
         checkpoint_placement=checkpoint_placement, decode_checkpoints=decode_checkpoints,
-        admission_headroom=admission_headroom)
+        admission_headroom=admission_headroom, queue_order=queue_order)
     EngineConfig.from_options(options)
     return options

@@ -10,6 +10,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import (
     AdmissionHeadroom,
@@ -65,6 +66,8 @@ class EngineConfig:
     decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
     #: none (vLLM's) or next_block (a new request leaves one block per group free for each running one)
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
+    #: fcfs (vLLM's) or cache_aware (the longest cached prefix first, bounded bypass; engine/queue_order.py)
+    queue_order: QueueOrder = QueueOrder.FCFS
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -105,7 +108,8 @@ class EngineConfig:
                                   f"got {self.sliding_window_caching!r}")
             object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
         for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement),
-                           ("decode_checkpoints", DecodeCheckpoints), ("admission_headroom", AdmissionHeadroom)):
+                           ("decode_checkpoints", DecodeCheckpoints), ("admission_headroom", AdmissionHeadroom),
+                           ("queue_order", QueueOrder)):
             value = getattr(self, name)
             if not isinstance(value, enum):
                 values = [m.value for m in enum]

@@ -137,9 +137,10 @@ class KVCacheCoordinator:
         self._no_cows: list[tuple[int, list[int]] | None] = []
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
-                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
-        """(blocks per group, hit tokens, each group's answer when first asked, in tokens)."""
-        del hashes, max_length
+                               max_length: int, blocks: bool = True) -> tuple[GroupBlocks, int, list[int]]:
+        """(blocks per group, hit tokens, each group's answer when first asked, in tokens); without
+        `blocks`, the hit's length only (no block lists: a probe)."""
+        del hashes, max_length, blocks
         return [[] for _ in self.groups], 0, [0] * self.num_groups
 
     # -- allocation -----------------------------------------------------------------------------
@@ -456,18 +457,27 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
         return
 
 
+def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]],
+          max_length: int, blocks: bool = True) -> tuple[list[list[int]], int]:
+    """The hit of every group of `manager`, looked up together, and its length in tokens (without
+    `blocks`: the length only, the block lists left empty)."""
+    if not blocks:
+        return [], manager.hit_tokens(manager.view, hashes, max_length)
+    return manager.find_hit_tokens(manager.view, hashes, max_length)
+
+
 class UnitaryCoordinator(KVCacheCoordinator):
     """All groups share one hit rule (one type, one block size): a single lookup."""
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
-                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
-        blocks: GroupBlocks = [[] for _ in self.groups]
+                               max_length: int, blocks: bool = True) -> tuple[GroupBlocks, int, list[int]]:
+        out: GroupBlocks = [[] for _ in self.groups]
         tokens = 0
         for manager in self.managers:  # one manager, unless several were built for one rule
-            hits, tokens = manager.find_hit_tokens(manager.view, hashes, max_length)
-            for g, group_hits in zip(manager.group_ids, hits, strict=True):
-                blocks[g] = group_hits
-        return blocks, tokens, [tokens] * self.num_groups
+            hits, tokens = _find(manager, hashes, max_length, blocks)
+            for g, group_hits in zip(manager.group_ids, hits, strict=blocks):
+                out[g] = group_hits
+        return out, tokens, [tokens] * self.num_groups
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -479,13 +489,13 @@ class HybridCoordinator(KVCacheCoordinator):
         self._others = [m for m in self.managers if not m.downward_closed]
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
-                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+                               max_length: int, blocks: bool = True) -> tuple[GroupBlocks, int, list[int]]:
         step = self.hit_step
         length = max_length // step * step
         first = [0] * self.num_groups
         found: list[tuple[SingleTypeManager, list[list[int]]]] = []
         for cls in self._closed:
-            hits, got = cls.find_hit_tokens(cls.view, hashes, length)
+            hits, got = _find(cls, hashes, length, blocks)
             for g in cls.group_ids:
                 first[g] = got
             length = min(length, got) // step * step
@@ -496,7 +506,7 @@ class HybridCoordinator(KVCacheCoordinator):
         got_of = [0] * len(others)  # per class, its last answer in tokens and its hits
         hits_of: list[list[list[int]]] = [[]] * len(others)  # (every one is replaced)
         for i, cls in enumerate(others):  # every class's first answer, each at the length left by the last
-            hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
+            hits_of[i], got = _find(cls, hashes, length, blocks)
             got_of[i] = got
             for g in cls.group_ids:
                 first[g] = got
@@ -505,16 +515,18 @@ class HybridCoordinator(KVCacheCoordinator):
         while got_of.count(length) < len(others):  # ask again each class that answered more than the length
             for i, cls in enumerate(others):
                 if got_of[i] != length:
-                    hits_of[i], got = cls.find_hit_tokens(cls.view, hashes, length)
+                    hits_of[i], got = _find(cls, hashes, length, blocks)
                     got_of[i] = got
                     assert got <= length, f"hit class answered {got} tokens when asked for {length}"
                     length = got // step * step
-        blocks: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
+        out: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
+        if not blocks:
+            return out, length, first
         for cls, hits in found:
             cut = -(-length // cls.block_size)  # (a partial hit keeps the block it ends in)
             for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                blocks[g] = group_hits if len(group_hits) <= cut else group_hits[:cut]
+                out[g] = group_hits if len(group_hits) <= cut else group_hits[:cut]
         for cls, hits in zip(others, hits_of, strict=True):
             for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                blocks[g] = group_hits
-        return blocks, length, first
+                out[g] = group_hits
+        return out, length, first
