@@ -81,7 +81,8 @@ class HitLimitCounter:
         self._counts: list[list[int]] = [[0] * len(_LIMITS) for _ in managers]
         self._of_group = [next(i for i, m in enumerate(managers) if m is g) for g in manager_of_group]
         # downward-closed (full attention) first: once one stopped the hit, windows are not checked
-        self._order = sorted(range(len(managers)), key=lambda i: not managers[i].downward_closed)
+        order = sorted(range(len(managers)), key=lambda i: not managers[i].downward_closed)
+        self._order = [(self._counts[i], managers[i]) for i in order]  # (its counts, the manager)
 
     def count(self, hashes: Mapping[int, Sequence[BlockHash]], num_tokens: int, max_length: int, *,
               deferred: bool) -> None:
@@ -99,11 +100,10 @@ class HitLimitCounter:
                 count[_BLOCK_FLOOR] += 1
             return
         closed_failed = False
-        for i in self._order:
-            manager = managers[i]
+        for count, manager in self._order:
             limit = manager.limit_at(hashes[manager.block_size], following, num_tokens, window_too=not closed_failed)
             if limit is not None:
-                counts[i][_LIMITS.index(limit)] += 1
+                count[_LIMITS.index(limit)] += 1
                 closed_failed = closed_failed or manager.downward_closed
 
     def per_group(self) -> tuple[dict[HitLimit, int], ...]:

@@ -311,7 +311,7 @@ class SingleTypeManager(ABC):
                     return None
                 return HitLimit.WINDOW if view.held(block_hashes[start : end - 1])[0].find(0) >= 0 else None
         else:  # the first block not held (usually the only one: a hit stops one block short)
-            start = self.first_needed_block(num_tokens)
+            start = self.first_needed_block(num_tokens) if self.skips_blocks else 0
             if self.downward_closed:
                 start = max(start, hit_tokens // self.block_size)
             for key in block_hashes[start:end]:
