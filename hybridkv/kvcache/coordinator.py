@@ -7,7 +7,7 @@ under its own rule, aligned to the lcm of the group block sizes.
     full attention classes: looked up once at L; L = min(L, their hit)     (downward closed)
     repeat until no class shortens L:
         every other class whose last answer is not exactly L: look up at L; L = min(L, answer)
-    full attention answers are cut to L
+    full attention answers are cut to L                  (L = 0: no other class is asked; none holds a block)
 
 Groups with the same hit rule (e.g. the five identical sliding-window groups of Gemma 3) share
 one manager and are looked up together: a block index hits only if it hits in each of them.
@@ -500,35 +500,33 @@ class HybridCoordinator(KVCacheCoordinator):
                 first[g] = got
             length = min(length, got) // step * step
             found.append((cls, hits))
+        if not length:  # no group serves a block (no other class is asked)
+            return [[] for _ in first], 0, first
         others = self._others
-        answers: list[tuple[int, list[list[int]]] | None] = [None] * len(others)  # (tokens, hits) per class
-        settled = False
-        while not settled:
-            settled = True
+        got_of = [0] * len(others)  # per class, its last answer in tokens and its hits
+        hits_of: list[list[list[int]]] = [[]] * len(others)  # (every one is replaced)
+        for i, cls in enumerate(others):  # every class's first answer, each at the length left by the last
+            hits_of[i], got = _find(cls, hashes, length, blocks)
+            got_of[i] = got
+            for g in cls.group_ids:
+                first[g] = got
+            assert got <= length, f"hit class answered {got} tokens when asked for {length}"
+            length = got // step * step
+        while got_of.count(length) < len(others):  # ask again each class that answered more than the length
             for i, cls in enumerate(others):
-                answer = answers[i]
-                if answer is not None and answer[0] == length:
-                    continue
-                hits, got = _find(cls, hashes, length, blocks)
-                if answer is None:
-                    for g in cls.group_ids:
-                        first[g] = got
-                answers[i] = (got, hits)
-                assert got <= length, f"hit class answered {got} tokens when asked for {length}"
-                if got < length:
+                if got_of[i] != length:
+                    hits_of[i], got = _find(cls, hashes, length, blocks)
+                    got_of[i] = got
+                    assert got <= length, f"hit class answered {got} tokens when asked for {length}"
                     length = got // step * step
-                    settled = False
-            if settled and any(a is None or a[0] != length for a in answers):
-                settled = False
         out: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
         if not blocks:
             return out, length, first
         for cls, hits in found:
             cut = -(-length // cls.block_size)  # (a partial hit keeps the block it ends in)
             for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                out[g] = group_hits[:cut]
-        for cls, answer in zip(others, answers, strict=True):
-            assert answer is not None
-            for g, group_hits in zip(cls.group_ids, answer[1], strict=True):
+                out[g] = group_hits if len(group_hits) <= cut else group_hits[:cut]
+        for cls, hits in zip(others, hits_of, strict=True):
+            for g, group_hits in zip(cls.group_ids, hits, strict=True):
                 out[g] = group_hits
         return out, length, first

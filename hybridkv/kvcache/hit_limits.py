@@ -42,6 +42,11 @@ class HitLimit(Enum):
     NEVER_CACHED = "never_cached"
 
 
+_LIMITS = tuple(HitLimit)
+_SAME_STEP = _LIMITS.index(HitLimit.SAME_STEP)
+_BLOCK_FLOOR = _LIMITS.index(HitLimit.BLOCK_FLOOR)
+
+
 def limit_of_fate(fate: Fate, *, state_group: bool, caches_every_block: bool) -> HitLimit:
     """The reason for a block some group lacks, from what became of its hash (another group of
     its block size still holding it means this group lost it, unless this group's caching rule
@@ -72,10 +77,12 @@ class HitLimitCounter:
     def __init__(self, managers: Sequence[_Rule], manager_of_group: Sequence[_Rule], step_tokens: int) -> None:
         self._managers = managers
         self._step = step_tokens  # the lcm of the block sizes: hits grow by it
-        self._counts: list[dict[HitLimit, int]] = [dict.fromkeys(HitLimit, 0) for _ in managers]
+        # per manager, a count per reason in `_LIMITS` order (list indices: an Enum hashes in Python)
+        self._counts: list[list[int]] = [[0] * len(_LIMITS) for _ in managers]
         self._of_group = [next(i for i, m in enumerate(managers) if m is g) for g in manager_of_group]
         # downward-closed (full attention) first: once one stopped the hit, windows are not checked
-        self._order = sorted(range(len(managers)), key=lambda i: not managers[i].downward_closed)
+        order = sorted(range(len(managers)), key=lambda i: not managers[i].downward_closed)
+        self._order = [(self._counts[i], managers[i]) for i in order]  # (its counts, the manager)
 
     def count(self, hashes: Mapping[int, Sequence[BlockHash]], num_tokens: int, max_length: int, *,
               deferred: bool) -> None:
@@ -84,21 +91,20 @@ class HitLimitCounter:
         if deferred:
             for i, manager in enumerate(managers):
                 if manager.is_state:
-                    counts[i][HitLimit.SAME_STEP] += 1
+                    counts[i][_SAME_STEP] += 1
         if num_tokens >= max_length:
             return
         following = num_tokens + self._step
         if following > max_length:
             for count in counts:
-                count[HitLimit.BLOCK_FLOOR] += 1
+                count[_BLOCK_FLOOR] += 1
             return
         closed_failed = False
-        for i in self._order:
-            manager = managers[i]
+        for count, manager in self._order:
             limit = manager.limit_at(hashes[manager.block_size], following, num_tokens, window_too=not closed_failed)
             if limit is not None:
-                counts[i][limit] += 1
+                count[_LIMITS.index(limit)] += 1
                 closed_failed = closed_failed or manager.downward_closed
 
     def per_group(self) -> tuple[dict[HitLimit, int], ...]:
-        return tuple(dict(self._counts[i]) for i in self._of_group)
+        return tuple(dict(zip(_LIMITS, self._counts[i], strict=True)) for i in self._of_group)

@@ -240,12 +240,12 @@ class KVCacheManager:
         request.shared_prefix_boundary = 0
         if request.num_prompt_tokens is None:
             request.num_prompt_tokens = request.num_tokens
-        if not self._caching or max_length < self._coordinator.hit_step:
+        coordinator = self._coordinator
+        if not self._caching or max_length < coordinator.hit_step:
             if self._caching and max_length > 0:
                 self._limits.count({}, 0, max_length, deferred=False)
             return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
                             pool_epoch=self._pool.evictions)
-        coordinator = self._coordinator
         hashes, (hits, num_tokens, first) = self._find_hit(request, max_length)
         self._hit_tokens += num_tokens
         self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
@@ -256,11 +256,11 @@ class KVCacheManager:
             self._checkpoints.observe(longest)
         if self._placing or request.cache_checkpoints:
             request.checkpoint_stops = self._checkpoints.stops(request)
-        step = self._coordinator.lcm_block_size  # (why the hit stops short of the next lcm boundary)
+        step = coordinator.lcm_block_size  # (why the hit stops short of the next lcm boundary)
         self._limits.count(hashes, num_tokens // step * step, max_length, deferred=deferred)
-        return CacheHit(request_id=request.request_id, num_tokens=num_tokens,
-                        blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
-                        deferred=deferred, pool_epoch=self._pool.evictions)
+        blocks = cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))) if num_tokens else self._empty_hit
+        return CacheHit(request_id=request.request_id, num_tokens=num_tokens, blocks=blocks, deferred=deferred,
+                        pool_epoch=self._pool.evictions)
 
     def peek(self, request: KVRequest) -> int:
         """The hit `lookup` would find now, in tokens, counting nothing and leaving the request's

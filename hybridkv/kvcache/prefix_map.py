@@ -24,7 +24,7 @@ few of them (`np.count_nonzero` rather than `.any()`), and single blocks plain s
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from itertools import repeat, takewhile
 
@@ -218,9 +218,9 @@ class GroupsView:
         self.cols = tuple(cols)
         first = self.cols[0]
         consecutive = self.cols == tuple(range(first, first + len(self.cols)))
-        # which rows of `blocks` (a slice when consecutive: no copy of the rows when gathering)
+        # which rows of `blocks`, picked after gathering the columns (`take`: the cheapest gather)
         self._rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
-                                   else np.array(self.cols, np.int64)[:, None])
+                                   else np.array(self.cols, np.int64))
         self._lead = pmap.blocks[first]  # a view: the first group's block per slot
 
     def lead(self) -> GroupsView:
@@ -234,29 +234,50 @@ class GroupsView:
     def held(self, keys: Sequence[BlockHash]) -> tuple[bytes, Ids]:
         """(row, slots): byte i of row is 1 where every group holds keys[i], else 0."""
         slots = self.slots(keys)
-        held = self._lead[slots] != 0 if len(self.cols) == 1 else self._map.blocks[self._rows, slots].all(axis=0)
+        held = (self._lead[slots] != 0 if len(self.cols) == 1
+                else self._map.blocks.take(slots, axis=1)[self._rows].all(axis=0))
         return held.view(np.uint8).tobytes(), slots
 
-    def prefix(self, keys: Sequence[BlockHash]) -> list[list[int]]:
-        """Per group, the blocks of the longest prefix of `keys` that every group holds."""
+    def blocks_if_held(self, keys: Sequence[BlockHash]) -> list[list[int]] | None:
+        """Per group, its blocks of `keys` when every group holds every key, else None (one
+        gather, no reduction: the lists are searched for a 0)."""
+        slots = self.slots(keys)
+        out: list[list[int]] = ([self._lead[slots].tolist()] if len(self.cols) == 1
+                                else self._map.blocks.take(slots, axis=1)[self._rows].tolist())
+        for row in out:
+            if 0 in row:
+                return None
+        return out
+
+    def prefix(self, keys: Iterable[BlockHash]) -> list[list[int]]:
+        """Per group, the blocks of the longest prefix of `keys` that every group holds (an
+        iterable: `islice` a long chain rather than copy it, which touches every hash object)."""
         slots = takewhile(bool, map(self._index.get, keys, repeat(0)))
         if len(self.cols) == 1:  # scalar reads: no array calls
             return [list(takewhile(bool, map(self._lead.item, slots)))]
         found = list(slots)
         if not found:
             return [[] for _ in self.cols]
-        rows = self._map.blocks[self._rows, found]
-        missing = np.flatnonzero(rows.min(axis=0) == 0)
-        out: list[list[int]] = (rows[:, : missing[0]] if len(missing) else rows).tolist()
-        return out
+        out: list[list[int]] = self._map.blocks.take(found, axis=1)[self._rows].tolist()
+        cut = len(found)
+        for row in out:
+            if 0 in row:
+                cut = min(cut, row.index(0))
+        return out if cut == len(found) else [row[:cut] for row in out]
 
     def holds(self, key: BlockHash) -> bool:
         """Every one of these groups holds `key` (scalar reads: no array call)."""
         slot = self._index.get(key, 0)
         if not slot:
             return False
-        blocks = self._map.blocks
-        return all(blocks.item(col, slot) for col in self.cols)
+        return all(map(self._map.blocks.item, self.cols, repeat(slot)))
+
+    def lacks(self, key: BlockHash) -> Fate | None:
+        """None when every one of these groups holds `key`, else its `fate` (one dict read)."""
+        slot = self._index.get(key, 0)
+        if slot:
+            return None if all(map(self._map.blocks.item, self.cols, repeat(slot))) else Fate.ELSEWHERE
+        return Fate.EVICTED if key in self._map.evicted else Fate.NEVER
 
     def fate(self, key: BlockHash) -> Fate:
         """Why these groups do not all hold `key`: another group of this block size holds it
@@ -268,5 +289,5 @@ class GroupsView:
 
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""
-        out: list[list[int]] = self._map.blocks[self._rows, slots].tolist()
+        out: list[list[int]] = self._map.blocks.take(slots, axis=1)[self._rows].tolist()
         return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from hybridkv.errors import ConfigError
@@ -171,3 +173,46 @@ def test_identical_sliding_groups_hit_only_where_every_group_holds_the_window() 
     null = pool.null_block
     assert hits == [[null, null, held[(0, 2)], held[(0, 3)]], [null, null, held[(1, 2)], held[(1, 3)]]]
     assert len(lead.find_longest_cache_hit(block_hashes, 12)) == 6  # group A alone: the whole prompt
+
+
+def brute_force_window_hit(held: list[list[bool]], need: int, limit: int) -> tuple[int, int]:
+    """(start, blocks) of the sliding-window hit within the first `limit` positions, by the rule
+    itself: the largest end e <= limit whose `need` positions before it every group holds; else the
+    held prefix from position 0 (a hit shorter than the window)."""
+    every = [all(group[i] for group in held) for i in range(limit)]
+    for end in range(limit, need - 1, -1):
+        if all(every[end - need : end]):
+            return end - need, end
+    prefix = next((i for i, ok in enumerate(every) if not ok), limit)
+    return 0, prefix
+
+
+@pytest.mark.parametrize("layout", ["together", "apart"])
+def test_sliding_window_hits_equal_the_rule_on_random_patterns(layout: str) -> None:
+    """Window 6, blocks of 2: 3 contiguous blocks. Two groups of one rule, adjacent in the prefix map
+    or with a full-attention group between them; random holes per group and every max_length
+    (below, at and above the window; the last window held or not)."""
+    kinds = ["sliding", "sliding", "full"] if layout == "together" else ["sliding", "full", "sliding"]
+    groups = [make_group(kind=k, block_size=2, window_tokens=6 if k == "sliding" else 0, group_id=g)
+              for g, k in enumerate(kinds)]
+    sliding = [g for g, k in enumerate(kinds) if k == "sliding"]
+    rng = random.Random(7)
+    for trial in range(40):
+        pool = BlockPool(num_blocks=256, groups=groups, policy_factory=POLICIES[EvictionPolicyName.LRU])
+        manager = make_manager([groups[g] for g in sliding], pool, mamba_mode=MambaCacheMode.ALIGN)
+        n = rng.randint(1, 14)
+        block_hashes = [f"t{trial}-{i}".encode() for i in range(n)]
+        density = rng.choice([0.5, 0.8, 1.0])
+        held = [[rng.random() < density for _ in range(n)] for _ in sliding]
+        blocks: dict[tuple[int, int], int] = {}
+        for row, g in enumerate(sliding):
+            for i in range(n):
+                if held[row][i]:
+                    (block,) = pool_allocate(pool, 1, g)
+                    cache_blocks(pool, g, [block], [block_hashes[i]], 0, 1, [])
+                    blocks[(row, i)] = block
+        for limit in range(n + 1):
+            start, end = brute_force_window_hit(held, 3, limit)
+            expected = [[pool.null_block] * start + [blocks[(row, i)] for i in range(start, end)]
+                        for row in range(len(sliding))]
+            assert manager.find_hits(manager.view, block_hashes, limit * 2 + 1) == expected, (trial, limit, held)

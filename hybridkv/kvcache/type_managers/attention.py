@@ -21,6 +21,7 @@ The state (Mamba) manager is in `mamba_manager.py`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import islice
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
@@ -59,14 +60,14 @@ class FullAttentionManager(SingleTypeManager):
 
     def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
-        return view.prefix(block_hashes[: max_length // self.block_size])
+        return view.prefix(islice(block_hashes, max_length // self.block_size))
 
     def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
                         max_length: int) -> tuple[list[list[int]], int]:
         """Full blocks left to right; with partial hits, then the partial entries inside the first
         block not held, its last boundary first (vLLM 0.32's fine-grained lookup)."""
         size = self.block_size
-        hits = view.prefix(hashes[size][: max_length // size])
+        hits = view.prefix(islice(hashes[size], max_length // size))
         unit = self.partial_unit
         if not unit:
             return hits, len(hits[0]) * size
@@ -150,8 +151,17 @@ class SlidingWindowManager(SingleTypeManager):
                   max_length: int) -> list[list[int]]:
         limit = max_length // self.block_size
         need = self.contiguous_blocks
-        if need == 0:
+        if need == 0 or limit == 0:
             return [[self._null] * limit for _ in view.cols]
+        start = max(0, limit - need)
+        tail = view.blocks_if_held(block_hashes[start:limit])  # usually the answer: one gather
+        if tail is not None:
+            if not start:
+                return tail
+            nulls = [self._null] * start
+            return [nulls + blocks for blocks in tail]
+        if not start:  # no run of `need` but the whole row: the held prefix
+            return view.prefix(islice(block_hashes, limit))
         row, slots = view.held(block_hashes[:limit])
         start, run = _rightmost_run(row, need)
         null = self._null

@@ -44,7 +44,7 @@ from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.hit_limits import HitLimit, limit_of_fate
 from hybridkv.kvcache.ids import BlockHash, RequestId
-from hybridkv.kvcache.prefix_map import GroupsView
+from hybridkv.kvcache.prefix_map import Fate, GroupsView
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheGroupSpec
 
@@ -301,23 +301,30 @@ class SingleTypeManager(ABC):
         `hit_tokens`: a downward-closed rule holds every block below it. Without `window_too` a
         right-to-left rule whose last block is held answers None unchecked (another group already
         stopped the hit there)."""
-        start = self.first_needed_block(num_tokens)
-        if self.downward_closed:
-            start = max(start, hit_tokens // self.block_size)
-        keys = block_hashes[start : num_tokens // self.block_size]
+        end = num_tokens // self.block_size
         view = self.view
         if self.reads_from_right:  # the block ending at num_tokens decides; before it, the window
-            missing = None if view.holds(keys[-1]) else keys[-1]
-            if missing is None:
-                if not window_too or len(keys) < 2:
+            fate = view.lacks(block_hashes[end - 1])
+            if fate is None:
+                start = self.first_needed_block(num_tokens) if window_too else end
+                if end - start < 2:
                     return None
-                return HitLimit.WINDOW if view.held(keys[:-1])[0].find(0) >= 0 else None
+                return HitLimit.WINDOW if view.held(block_hashes[start : end - 1])[0].find(0) >= 0 else None
         else:  # the first block not held (usually the only one: a hit stops one block short)
-            missing = next((key for key in keys if not view.holds(key)), None)
-            if missing is None:
+            start = self.first_needed_block(num_tokens) if self.skips_blocks else 0
+            if self.downward_closed:
+                start = max(start, hit_tokens // self.block_size)
+            for key in block_hashes[start:end]:
+                fate = view.lacks(key)
+                if fate is not None:
+                    break
+            else:
                 return None
-        return limit_of_fate(view.fate(missing), state_group=self.is_state,
-                             caches_every_block=self.plain_tables or self.is_state)
+        if fate is Fate.NEVER:  # (the common answers without a call: lookups count every time)
+            return HitLimit.NEVER_CACHED
+        if fate is Fate.EVICTED:
+            return HitLimit.EVICTED
+        return limit_of_fate(fate, state_group=self.is_state, caches_every_block=self.plain_tables or self.is_state)
 
     def num_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int) -> int:
         """Real blocks `allocate_new_blocks` needs per group for `total_tokens` slots (after
