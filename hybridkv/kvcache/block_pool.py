@@ -33,14 +33,14 @@ One public verb per operation (the fast variants for a handful of blocks are pri
   carries one keeps it and holds the key as an *extra* entry (`partial_blocks` finds both).
   `move_partial` re-points a partial entry to a private copy. Partial entries record no events.
   These verbs live beside the entries' record, in `partial_hits.py` (`PartialPoolVerbs`).
+- `check_integrity` (tests, debugging) is in `pool_checks.py` (`PoolChecks`).
 
 The null block's ref count is `NULL_REF_CNT` and never changes (touch and release skip id 0).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -49,18 +49,17 @@ from numpy.typing import NDArray
 from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
 from hybridkv.kvcache.free_queue import Ids, PolicyFactory
-from hybridkv.kvcache.ids import BlockHash, GroupId
+from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash, GroupId
 from hybridkv.kvcache.partial_hits import PartialEntries, PartialPoolVerbs
+from hybridkv.kvcache.pool_checks import PoolChecks
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
 from hybridkv.plan.planner import KVCacheGroupSpec
 
 __all__ = [
-    "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
+    "NULL", "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
     "KVEvent", "KVEvents",
 ]
 
-NULL_REF_CNT = 1 << 62
-NULL = 0  # the null block's id
 #: Up to this many blocks an operation runs block by block on the arrays (a decode step's
 #: handful: no array call overhead); from here on, in array operations.
 FEW = 8
@@ -88,7 +87,8 @@ def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-class BlockPool(PartialPoolVerbs):
+
+class BlockPool(PartialPoolVerbs, PoolChecks):
     """All blocks of all groups; see the module docstring for the contract."""
 
     def __init__(
@@ -542,43 +542,3 @@ class BlockPool(PartialPoolVerbs):
         if self._events_on:
             self._events.append(AllBlocksCleared())
         return True
-
-    def check_integrity(self, expected_refs: Mapping[int, int]) -> None:
-        """Raise `IntegrityError` with the actual numbers if any pool invariant is broken.
-
-        `expected_refs[block_id]` is how many request tables hold the block (the managers
-        count them); every other non-null block must be free.
-        """
-        free_ids = self._policy.ordered()
-        if len(free_ids) != self._policy.num_free:
-            raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {self._policy.num_free}")
-        repeated = [i for i, n in Counter(free_ids).items() if n > 1]
-        if repeated:
-            raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")
-        free_set = set(free_ids)
-        if NULL in free_set or self.slot_of[NULL] or self.has_hash[NULL] or self.ref_cnt[NULL] != NULL_REF_CNT:
-            raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
-        groups = self.group_of.tolist()
-        for block, ref_cnt in enumerate(self.ref_cnt.tolist()[1:], start=1):
-            want = expected_refs.get(block, 0)
-            if ref_cnt != want:
-                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but {want} request tables hold it")
-            if (ref_cnt == 0) != (block in free_set):
-                where = "in" if block in free_set else "not in"
-                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but is {where} the free queue")
-            if ref_cnt and not 0 <= groups[block] < len(self._groups):
-                raise IntegrityError(f"block {block} is held but belongs to no group ({groups[block]})")
-        self._check_maps()
-
-    def _check_maps(self) -> None:
-        groups = self.group_of.tolist()
-        hashes = self.block_hash
-        entries = sum(pmap.check(hashes, groups, self.slot_of) for pmap in self._pmaps)
-        self._partial.check(self.has_hash.tolist(), groups)
-        hashed = sum(1 for h in hashes if h is not None)
-        if hashed != entries:
-            raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")
-        mirror = np.array([h is not None for h in hashes], np.bool_)
-        wrong = np.flatnonzero((mirror != self.has_hash) | (mirror != (self.slot_of != 0)))
-        if len(wrong):
-            raise IntegrityError(f"has_hash or slot_of disagrees with block_hash for blocks {wrong[:10].tolist()}")

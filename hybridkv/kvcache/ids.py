@@ -16,3 +16,5 @@ RequestId = NewType("RequestId", str)
 BlockHash: TypeAlias = bytes
 
 NULL_BLOCK_ID = BlockId(0)
+NULL = 0  # the same id as a plain int (the pool's arrays): the placeholder for positions a group does not keep
+NULL_REF_CNT = 1 << 62  # the null block's ref count, never changed

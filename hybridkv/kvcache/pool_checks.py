@@ -1,0 +1,75 @@
+"""The block pool's integrity check (`BlockPool.check_integrity`), a mixin of `BlockPool`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hybridkv.errors import IntegrityError
+from hybridkv.kvcache.ids import NULL, NULL_REF_CNT
+from hybridkv.plan.planner import KVCacheGroupSpec
+
+if TYPE_CHECKING:
+    from hybridkv.kvcache.free_queue import EvictionPolicy
+    from hybridkv.kvcache.partial_hits import PartialEntries
+    from hybridkv.kvcache.prefix_map import PrefixMap
+
+class PoolChecks:
+    """`BlockPool.check_integrity`. A mixin of `BlockPool`: the attributes declared here are the pool's."""
+
+    _policy: EvictionPolicy
+    _pmaps: list[PrefixMap]
+    _partial: PartialEntries
+    _groups: tuple[KVCacheGroupSpec, ...]
+    ref_cnt: NDArray[np.int64]
+    group_of: NDArray[np.int64]
+    slot_of: NDArray[np.int64]
+    has_hash: NDArray[np.bool_]
+
+    @property
+    def block_hash(self) -> NDArray[np.object_]:
+        raise NotImplementedError  # (BlockPool's)
+
+    def check_integrity(self, expected_refs: Mapping[int, int]) -> None:
+        """Raise `IntegrityError` with the actual numbers if any pool invariant is broken.
+
+        `expected_refs[block_id]` is how many request tables hold the block (the managers
+        count them); every other non-null block must be free.
+        """
+        free_ids = self._policy.ordered()
+        if len(free_ids) != self._policy.num_free:
+            raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {self._policy.num_free}")
+        repeated = [i for i, n in Counter(free_ids).items() if n > 1]
+        if repeated:
+            raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")
+        free_set = set(free_ids)
+        if NULL in free_set or self.slot_of[NULL] or self.has_hash[NULL] or self.ref_cnt[NULL] != NULL_REF_CNT:
+            raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
+        groups = self.group_of.tolist()
+        for block, ref_cnt in enumerate(self.ref_cnt.tolist()[1:], start=1):
+            want = expected_refs.get(block, 0)
+            if ref_cnt != want:
+                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but {want} request tables hold it")
+            if (ref_cnt == 0) != (block in free_set):
+                where = "in" if block in free_set else "not in"
+                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but is {where} the free queue")
+            if ref_cnt and not 0 <= groups[block] < len(self._groups):
+                raise IntegrityError(f"block {block} is held but belongs to no group ({groups[block]})")
+        self._check_maps()
+
+    def _check_maps(self) -> None:
+        groups = self.group_of.tolist()
+        hashes = self.block_hash
+        entries = sum(pmap.check(hashes, groups, self.slot_of) for pmap in self._pmaps)
+        self._partial.check(self.has_hash.tolist(), groups)
+        hashed = sum(1 for h in hashes if h is not None)
+        if hashed != entries:
+            raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")
+        mirror = np.array([h is not None for h in hashes], np.bool_)
+        wrong = np.flatnonzero((mirror != self.has_hash) | (mirror != (self.slot_of != 0)))
+        if len(wrong):
+            raise IntegrityError(f"has_hash or slot_of disagrees with block_hash for blocks {wrong[:10].tolist()}")
