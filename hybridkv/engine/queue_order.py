@@ -39,7 +39,7 @@ class QueueOrder(Enum):
 
 #: waiting requests probed per step by CACHE_AWARE; those behind them keep FCFS order
 PROBE_WINDOW = 64
-#: later-arrived admissions a request may be passed over by before it goes first
+#: admissions of later joiners a request may be passed over by before it goes first
 MAX_BYPASS = 32
 
 
