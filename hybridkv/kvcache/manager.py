@@ -14,7 +14,7 @@ A step of one request, in tokens (`allocate` arguments in brackets):
     min(end, request.num_tokens) unless caching is DELAYED (then call `cache` later).
 
 The engine advances `request.num_computed_tokens` itself, after the step, to `end`.
-Verbs: begin_step, lookup, allocate, cache, free, block_ids, state_steps, reset_prefix_cache,
+Verbs: begin_step, lookup, peek, allocate, cache, free, block_ids, state_steps, reset_prefix_cache,
 usage, group_usage, stats, take_pending_copies, take_events, check_integrity. See
 docs/kv_cache_manager.md.
 
