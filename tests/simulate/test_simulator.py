@@ -174,3 +174,16 @@ def test_cli_plot_writes_hit_rate_against_memory(tmp_path: Path) -> None:
     assert rates[len(rates) - len(fits):] == fits and len(fits) >= 3
     assert fits == sorted(fits) and fits[-1] > fits[0]  # more memory never lost hits here
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("order", ["fcfs", "cache_aware"])
+def test_cli_queue_order_reports_prefill_and_waits(order: str) -> None:
+    result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it", "--generate", "system-prompt", "--num-requests",
+                                      "30", "--memory-gib", "1", "--queue-order", order, "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    # every prompt token is either a hit or computed (recompute after a preemption adds to the latter)
+    recomputed = out["prefill_tokens"] - (out["prompt_tokens"] - out["hit_tokens"])
+    assert recomputed >= 0 and (out["preemptions"] > 0 or recomputed == 0)
+    assert out["p95_wait_ms"] % 30 == 0 and out["p95_wait_ms"] >= 0  # whole steps of 30 ms
+    assert out["mean_wait_ms"] >= 0
