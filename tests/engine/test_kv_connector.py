@@ -135,3 +135,18 @@ def test_object_groups_retrieve_only_what_their_rule_needs(kind: str, expected: 
                for g in groups)
     assert stats.loaded_bytes == want
 
+
+
+def test_cache_aware_queue_order_with_the_kv_server(model_dir: Callable[[str], Path], hf_model: Callable[[Path], Any],
+                                                    server: RunningServer) -> None:
+    # One request runs at a time, so the queue order decides; the KV server's hits still load and the
+    # tokens are transformers' greedy ones.
+    path = model_dir("qwen3_5")
+    batch = prompts([41, 58, 35], seed=5)
+    with LLM(str(path), kv_server=server.endpoint, max_model_len=128, max_num_seqs=1,
+             queue_order="cache_aware") as llm:
+        first, second = procedure(llm, server, batch)
+        names = llm.transfer.connector.object_groups if llm.transfer else []
+    check(first, second, server, names)
+    for prompt, out in zip(batch, second, strict=True):
+        assert out.token_ids == hf_greedy(hf_model(path), prompt, NEW)[0]
