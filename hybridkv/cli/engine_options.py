@@ -16,7 +16,7 @@ from hybridkv.kvcache.manager import (
     MambaCacheMode,
     PrefixCaching,
 )
-from hybridkv.plan.kv_cache_config import StateLayout
+from hybridkv.plan.kv_cache_config import RunningState, StateLayout
 
 DEFAULTS = EngineConfig.defaults()
 
@@ -53,6 +53,9 @@ DecodeCheckpointsOption = Annotated[DecodeCheckpoints, typer.Option(
 Headroom = Annotated[AdmissionHeadroom, typer.Option(
     "--admission-headroom", help="what a new request leaves free for the running ones: none (vLLM's) or "
     "next_block (one block per group each: no admit-then-preempt churn)")]
+RunningStateOption = Annotated[RunningState, typer.Option(
+    "--running-state", help="state groups in align mode: moving (vLLM's: a request holds the state it reads and "
+    "the one it writes) or fixed (one running state per request; hits and checkpoints copied)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -79,6 +82,7 @@ __all__ = [
     "Placement",
     "PrefixCachingOption",
     "RetentionInterval",
+    "RunningStateOption",
     "Seed",
     "StateLayoutOption",
     "Threads",
@@ -95,7 +99,8 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    eviction: EvictionPolicyName = EvictionPolicyName.LRU,
                    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
                    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
-                   admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE) -> dict[str, Any]:
+                   admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE,
+                   running_state: RunningState = RunningState.MOVING) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
@@ -105,6 +110,6 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
         prefix_match_unit=prefix_match_unit, state_layout=state_layout, eviction=eviction,
         checkpoint_placement=checkpoint_placement, decode_checkpoints=decode_checkpoints,
-        admission_headroom=admission_headroom)
+        admission_headroom=admission_headroom, running_state=running_state)
     EngineConfig.from_options(options)
     return options

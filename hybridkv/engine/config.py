@@ -21,7 +21,7 @@ from hybridkv.kvcache.manager import (
     SlidingWindowCaching,
 )
 from hybridkv.plan.match_unit import check_prefix_match_unit
-from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, StateLayout, memory_gib_to_bytes
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunningState, StateLayout, memory_gib_to_bytes
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -65,6 +65,8 @@ class EngineConfig:
     decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
     #: none (vLLM's) or next_block (a new request leaves one block per group free for each running one)
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
+    #: moving (vLLM's: align mode holds 2 states per state group) or fixed (1; checkpoints by copy)
+    running_state: RunningState = RunningState.MOVING
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -105,7 +107,8 @@ class EngineConfig:
                                   f"got {self.sliding_window_caching!r}")
             object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
         for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement),
-                           ("decode_checkpoints", DecodeCheckpoints), ("admission_headroom", AdmissionHeadroom)):
+                           ("decode_checkpoints", DecodeCheckpoints), ("admission_headroom", AdmissionHeadroom),
+                           ("running_state", RunningState)):
             value = getattr(self, name)
             if not isinstance(value, enum):
                 values = [m.value for m in enum]

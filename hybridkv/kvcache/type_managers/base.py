@@ -106,6 +106,8 @@ class SingleTypeManager(ABC):
     reads_from_right = False
     #: A recurrent-state group (Mamba, GDN): its blocks are checkpoints.
     is_state = False
+    #: A hit is copied into a fresh block before the step (`RunningState.FIXED`, `running_state.py`).
+    copies_hits = False
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
