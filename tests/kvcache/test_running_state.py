@@ -1,0 +1,187 @@
+"""`running_state`: the blocks a request holds in align mode, and the copies FIXED asks for, by hand.
+
+Block size 4, full attention + one state group, 64 blocks. Request a: prompt range(10) in chunks of
+8 + 2 (the first ends on the boundary at 8: a checkpoint there). MOVING (vLLM's) then holds the state
+it reads (entry 1, after 8 tokens) and the one it writes (entry 2); FIXED one running block in its
+last entry. A sibling b = range(10) + [99] hits 8 tokens in both; FIXED copies the checkpoint into
+b's running block before b's forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybridkv.errors import ConfigError
+from hybridkv.kvcache.manager import (
+    BlockCopy,
+    DecodeCheckpoints,
+    KVCacheManager,
+    MambaCacheMode,
+    PrefixCaching,
+    RunningState,
+)
+from hybridkv.kvcache.request import KVRequest
+from tests.factories import make_config, make_group, make_request
+
+GROUPS = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_size=4)]
+K = 3  # the multi-page layout below: a state spans 3 page groups
+PAGED = [make_group(kind="full", block_size=4),
+         *(dataclasses.replace(make_group(kind="mamba", block_size=4), state_page=s, state_pages=K) for s in range(K))]
+
+
+def manager(running: RunningState, *, groups: list = GROUPS, num_blocks: int = 64,  # type: ignore[type-arg]
+            **options: object) -> KVCacheManager:
+    return KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=64,
+                          running_state=running, **options)  # type: ignore[arg-type]
+
+
+def step(m: KVCacheManager, request: KVRequest, num_new: int) -> tuple[tuple[BlockCopy, ...], tuple[BlockCopy, ...]]:
+    """One scheduled step of a running request: (copies before, copies after the forward)."""
+    m.begin_step()
+    assert m.allocate(request, num_new) is not None
+    copies = m.take_pending_copies(), m.take_checkpoint_copies()
+    request.num_computed_tokens += num_new
+    m.check_integrity()
+    return copies
+
+
+def held(m: KVCacheManager, request_id: str) -> list[int]:
+    """Real blocks the request holds, per group."""
+    return [sum(1 for b in table if b) for table in m.block_ids(request_id)]  # type: ignore[arg-type]
+
+
+def test_moving_holds_two_states_after_a_boundary_fixed_one() -> None:
+    for running, state_blocks in ((RunningState.MOVING, 2), (RunningState.FIXED, 1)):
+        m = manager(running)
+        a = make_request(request_id="a", token_ids=range(10))
+        m.begin_step()
+        assert m.lookup(a).num_tokens == 0
+        before, after = step(m, a, 8)
+        assert before == () and held(m, "a") == [2, 1]
+        # FIXED: the checkpoint at 8 is copied out of the running block into a block a does not hold
+        running_block = m.block_ids("a")[1][1]
+        if running is RunningState.FIXED:
+            assert len(after) == 1 and (after[0].group_id, after[0].src_block_id) == (1, running_block)
+            assert after[0].dst_block_id not in m.block_ids("a")[1]
+        else:
+            assert after == ()
+        step(m, a, 2)
+        assert held(m, "a") == [3, state_blocks], running
+        table = m.block_ids("a")[1]
+        if running is RunningState.FIXED:  # the running block moved (its id) to the last entry; not copied
+            assert table == [0, 0, running_block]
+            (state,) = m.state_steps("a", start_tokens=8, end_tokens=10)
+            assert state.read is not None and state.read.block_id == running_block
+            assert [w.block_id for w in state.writes] == [running_block]
+        assert m.group_usage() == (3, state_blocks)
+
+
+def test_a_hit_is_copied_into_the_running_block_before_the_forward() -> None:
+    for running in RunningState:
+        m = manager(running)
+        a = make_request(request_id="a", token_ids=range(10))
+        m.begin_step()
+        m.lookup(a)
+        _, after = step(m, a, 8)
+        step(m, a, 2)
+        b = make_request(request_id="b", token_ids=[*range(10), 99])
+        m.begin_step()
+        hit = m.lookup(b)
+        assert hit.num_tokens == 8
+        checkpoint = hit.blocks[1][1]
+        assert m.allocate(b, 3, hit=hit) is not None
+        copies = m.take_pending_copies()
+        b_state = m.block_ids("b")[1]
+        if running is RunningState.FIXED:
+            assert checkpoint == after[0].dst_block_id
+            assert b_state == [0, 0, b_state[2]] and b_state[2] != checkpoint
+            assert copies == (BlockCopy(group_id=1, src_block_id=checkpoint, dst_block_id=b_state[2]),)  # type: ignore[arg-type]
+            assert held(m, "b") == [3, 1] and m.group_usage() == (4, 2)  # a's running block and b's
+        else:  # b reads the checkpoint in place and writes its own entry: 2 state blocks
+            assert copies == () and b_state == [0, checkpoint, b_state[2]] and held(m, "b") == [3, 2]
+        m.check_integrity()
+        assert m.stats().block_copies == len(copies)
+
+
+def test_multi_page_fixed_copies_every_page() -> None:
+    """A state of K pages: K copies in, K out, and a request holds K pages (MOVING: 2K after a boundary)."""
+    for running, pages in ((RunningState.MOVING, 2 * K), (RunningState.FIXED, K)):
+        m = manager(running, groups=PAGED)
+        a = make_request(request_id="a", token_ids=range(10))
+        m.begin_step()
+        m.lookup(a)
+        _, after = step(m, a, 8)
+        assert len(after) == (K if running is RunningState.FIXED else 0)
+        assert sorted(c.group_id for c in after) == ([1, 2, 3] if after else [])
+        step(m, a, 2)
+        assert sum(held(m, "a")[1:]) == pages
+        b = make_request(request_id="b", token_ids=[*range(10), 99])
+        m.begin_step()
+        hit = m.lookup(b)
+        assert hit.num_tokens == 8 and m.allocate(b, 3, hit=hit) is not None
+        copies = m.take_pending_copies()
+        assert len(copies) == (K if running is RunningState.FIXED else 0)
+        assert {c.src_block_id for c in copies} == ({c.dst_block_id for c in after} if copies else set())
+        m.check_integrity()
+
+
+def test_a_checkpoint_is_skipped_when_no_block_is_free() -> None:
+    """3 usable blocks: an 8-token step takes 2 attention blocks and the running state, none is left for
+    the checkpoint: skipped and counted, nothing preempted, no hit later."""
+    m = manager(RunningState.FIXED, num_blocks=4)
+    a = make_request(request_id="a", token_ids=range(9))
+    m.begin_step()
+    m.lookup(a)
+    _, after = step(m, a, 8)
+    assert after == () and m.stats().checkpoints_skipped == 1 and m.stats().checkpoint_copies == 0
+    m.free(a)
+    m.begin_step()
+    assert m.lookup(make_request(request_id="b", token_ids=range(9))).num_tokens == 0
+    m.check_integrity()
+
+
+def test_freed_before_its_step_ran_leaves_no_checkpoint() -> None:
+    """Allocated, then preempted in the same schedule: its asked-for checkpoint is dropped."""
+    m = manager(RunningState.FIXED)
+    a = make_request(request_id="a", token_ids=range(9))
+    m.begin_step()
+    m.lookup(a)
+    assert m.allocate(a, 8) is not None
+    m.free(a)
+    assert m.take_pending_copies() == () and m.take_checkpoint_copies() == ()
+    m.begin_step()
+    assert m.lookup(make_request(request_id="b", token_ids=range(9))).num_tokens == 0
+    m.check_integrity()
+
+
+def test_decode_checkpoints_last_keeps_the_newest_copy_only() -> None:
+    m = manager(RunningState.FIXED, decode_checkpoints=DecodeCheckpoints.LAST)
+    a = make_request(request_id="a", token_ids=range(6))
+    m.begin_step()
+    m.lookup(a)
+    step(m, a, 4)
+    step(m, a, 2)
+    for token in range(6, 14):  # decode to 14 computed tokens: checkpoints at 8 and 12
+        a.token_ids.append(token)
+        step(m, a, 1)
+    m.free(a)
+    hits = {}
+    for length in (5, 10, 14):
+        m.begin_step()
+        hits[length] = m.lookup(make_request(request_id=f"p{length}", token_ids=[*range(length), 1000])).num_tokens
+    assert hits == {5: 4, 10: 4, 14: 12}  # the prompt's checkpoint and the newest decode one (8 dropped)
+
+
+def test_fixed_is_refused_with_all_mode_and_partial_hits_and_ignored_without_caching() -> None:
+    with pytest.raises(ConfigError, match="mamba_cache_mode=all"):
+        manager(RunningState.FIXED, mamba_cache_mode=MambaCacheMode.ALL)
+    with pytest.raises(ConfigError, match="prefix_match_unit=2"):
+        manager(RunningState.FIXED, prefix_match_unit=2,
+                groups=[make_group(kind="full", block_size=2), make_group(kind="mamba", block_size=4)])
+    m = manager(RunningState.FIXED, prefix_caching=PrefixCaching.OFF)  # one running state anyway
+    a = make_request(request_id="a", token_ids=range(10))
+    step(m, a, 8)
+    step(m, a, 2)
+    assert held(m, "a") == [3, 1]
