@@ -21,8 +21,8 @@ the last table entry (the entries before it are null):
   preemption. A checkpoint whose hash is already cached is not copied again.
 
 A request that is freed before its step runs (preempted in the same schedule) drops its asked-for
-checkpoint. Where the step has run, the checkpoint's content arrives after the forward; a lookup of
-the next schedule is the first that can see it (the same-step rule of align mode holds trivially).
+checkpoint. The checkpoint's content arrives after the forward, so a hit on it waits for the next
+step (`begin_step`), as for any checkpoint cached in the current step in align mode.
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ class FixedStateManager(MambaManager):
             rows = np.zeros((self.num_groups, item.index + 1), np.int64)
             rows[:, item.index] = blocks
             pool.cache(self.group_ids, rows, item.block_hashes, item.index, item.index + 1, item.request.token_ids)
+            self._cached_this_step.add(item.block_hashes[item.index])  # written after the forward: hits wait a step
             if self._last_only:
                 self._replace_decode_checkpoint(item.request, item.block_hashes[item.index], blocks)
             copies += zip(self.group_ids, item.running, blocks, strict=True)
