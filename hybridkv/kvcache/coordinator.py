@@ -136,6 +136,7 @@ class KVCacheCoordinator:
         self.partial_hits = False
         #: a manager copies every hit into a fresh block (`RunningState.FIXED`): allocate may copy
         self.copies_hits = any(m.copies_hits for m in managers)
+        self._reclaiming = tuple(m for m in managers if m.copies_hits)  # (checkpoints held for the schedule)
         self._no_cows: list[tuple[int, list[int]] | None] = []
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
@@ -188,9 +189,14 @@ class KVCacheCoordinator:
                   for m, h in zip(managers, manager_hits, strict=True)]
         admitting = self.headroom_blocks and rid not in self.allocated  # (AdmissionHeadroom)
         reserve = self.headroom_blocks * len(self.allocated) if admitting else 0
+        if self._reclaiming and self.allocated and rid not in self.allocated:  # (FIXED: room for its checkpoint)
+            reserve += sum(m.checkpoint_blocks(total_tokens) for m in self._reclaiming)
         if sum(bounds) + extra + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
             need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
                        for m, h in zip(managers, manager_hits, strict=True))
+            if need + extra + reserve > pool.num_free and self._reclaiming and rid in self.allocated:
+                for m in self._reclaiming:  # a running step comes before a checkpoint: never a preemption
+                    m.reclaim(need + extra + reserve - pool.num_free)
             if need + extra + reserve > pool.num_free:
                 if self.release_when_refused and rid in self.allocated:
                     self._release_skipped(rid, first_new)

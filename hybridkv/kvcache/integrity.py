@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from hybridkv.errors import IntegrityError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.coordinator import KVCacheCoordinator
+from hybridkv.kvcache.running_state import fixed_state_managers
 from hybridkv.kvcache.type_managers.base import SingleTypeManager
 
 
@@ -40,4 +41,6 @@ def check_manager_integrity(groups: Sequence[tuple[SingleTypeManager, int]], coo
                                          f"but the block belongs to group {group_of[block]}")
                 expected[block] += 1
     expected.update(coordinator.retained)  # the ends of copies not taken yet
+    for manager in fixed_state_managers(coordinator.managers):
+        expected.update(manager.held_checkpoints)  # taken in this schedule (running_state.py)
     pool.check_integrity(expected)

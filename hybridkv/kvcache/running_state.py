@@ -12,17 +12,24 @@ the last table entry (the entries before it are null):
   the step's forward: the coordinator's copy on write (`copies_hits`), handed out by
   `KVCacheManager.take_pending_copies`. The checkpoint itself is held only until that call.
 - **Checkpoint.** A step that ends where align mode keeps a checkpoint (a block boundary the
-  retention rule keeps, not cached yet) asks for one (`cache_blocks`). At the end of the schedule,
-  after every allocation of the step, `take_checkpoints` takes a fresh block per page group from
-  the free blocks, caches it under the boundary's hash and releases it at once: it is free and
-  cached (evictable), like a checkpoint a request released in align mode, and the engine copies the
-  running state OUT into it after the forward (`KVCacheManager.take_checkpoint_copies`). Best
-  effort: with fewer free blocks than page groups the checkpoint is skipped and counted, never a
-  preemption. A checkpoint whose hash is already cached is not copied again.
+  retention rule keeps, not cached yet) takes a free block per page group when it is allocated
+  (`cache_blocks`) and caches it under the boundary's hash; its content arrives after the forward
+  (the engine copies the running state OUT into it: `KVCacheManager.take_checkpoint_copies`), so a
+  hit on it waits for the next step, as for any checkpoint cached in the current step: a sibling
+  looked up later in the same schedule waits for it instead of missing it. The request never holds
+  it: the manager holds it until the end of the schedule (`take_checkpoints`), then it is free and
+  cached (evictable), like a checkpoint a request released in align mode. A checkpoint whose hash
+  is already cached is not copied again.
+- **Best effort.** A running request's checkpoint without free blocks is skipped (counted,
+  `checkpoints_skipped`); when a running request's step would be refused (someone preempted), the
+  coordinator first takes back the newest checkpoints of the schedule (`reclaim`: uncached, freed).
+  A checkpoint never costs a preemption. A *new* request whose first step ends on a block boundary
+  is admitted only with room for its checkpoint (`checkpoint_blocks`): align mode's write block is
+  that checkpoint, and the siblings of a shared prefix hit it (measured: without this a burst of
+  short requests lost a third of its hits). A request admitted while nothing else runs is never
+  refused for it (then it is best effort too).
 
-A request that is freed before its step runs (preempted in the same schedule) drops its asked-for
-checkpoint. The checkpoint's content arrives after the forward, so a hit on it waits for the next
-step (`begin_step`), as for any checkpoint cached in the current step in align mode.
+A request freed before its step ran (preempted in the same schedule) gives its checkpoint back.
 """
 
 from __future__ import annotations
@@ -48,13 +55,13 @@ from hybridkv.plan.specs import MambaCacheMode
 
 
 @dataclass(slots=True)
-class _Wanted:
-    """A checkpoint a scheduled step asked for: its request, position and running blocks."""
+class _Pending:
+    """A checkpoint taken for a scheduled step: its request, position, running and checkpoint blocks."""
 
     request: KVRequest
-    block_hashes: Sequence[BlockHash]
-    index: int  # table entry (block) whose hash keys the checkpoint
+    key: BlockHash  # the hash of the block the step ends on
     running: list[int]  # per page group: the running block the state is copied from
+    blocks: list[int]  # per page group: the checkpoint block (held until `take_checkpoints`)
 
 
 class FixedStateManager(MambaManager):
@@ -66,7 +73,7 @@ class FixedStateManager(MambaManager):
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
                  retention: Retention | None = None) -> None:
         super().__init__(group, pool, mode=MambaCacheMode.ALIGN, retention=retention)
-        self._wanted: dict[RequestId, _Wanted] = {}
+        self._pending: dict[RequestId, _Pending] = {}
         #: block copies of checkpoints handed out (one per page group), checkpoints skipped for want of
         #: free blocks, since construction
         self.checkpoints_copied = 0
@@ -109,8 +116,9 @@ class FixedStateManager(MambaManager):
         return ((start, running) if start else None), [(end, running)]
 
     def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """Ask for the checkpoint of a step that ends on a block boundary not cached yet (align
-        mode's rule, retention included); `take_checkpoints` takes it."""
+        """Take the checkpoint of a step that ends on a block boundary not cached yet (align mode's
+        rule, retention included): a free block per page group, cached now (a hit on it waits for
+        the next step) and held until `take_checkpoints`; skipped (counted) without free blocks."""
         table = self._tables[request.request_id]
         size = self.block_size
         num_full = num_tokens // size
@@ -124,42 +132,69 @@ class FixedStateManager(MambaManager):
             mask = self.retention.state_mask(index, num_full, block_size=size, request=request)
             if mask is not None and not mask[0]:
                 return
-        if self.view.holds(block_hashes[index]):
+        key = block_hashes[index]
+        pool = self._pool
+        if self.view.holds(key) or request.request_id in self._pending:
             return
-        self._wanted[request.request_id] = _Wanted(request=request, block_hashes=block_hashes, index=index,
-                                                   running=table.ids[:, index].tolist())
+        if pool.num_free < self.num_groups:
+            self.checkpoints_skipped += 1
+            return
+        counts = [0] * pool.num_groups
+        for g in self.group_ids:
+            counts[g] = 1
+        fresh = pool.allocate(counts)
+        blocks = [int(fresh[g][0]) for g in self.group_ids]
+        rows = np.zeros((self.num_groups, num_full), np.int64)
+        rows[:, index] = blocks
+        pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
+        self._cached_this_step.add(key)
+        self._pending[request.request_id] = _Pending(request=request, key=key, blocks=blocks,
+                                                     running=table.ids[:, index].tolist())
 
     def take_checkpoints(self) -> list[tuple[int, int, int]]:
-        """Take, cache and release a block per page group for every checkpoint asked for in this
-        schedule (module docstring); the copies (group, running block, checkpoint block)."""
-        wanted = list(self._wanted.values())
-        self._wanted.clear()
-        pool = self._pool
-        taken: list[tuple[_Wanted, list[int]]] = []
-        for item in wanted:  # every block first: none is reused by the next one's allocation
-            if pool.num_free < self.num_groups:
-                self.checkpoints_skipped += 1
-                continue
-            counts = [0] * pool.num_groups
-            for g in self.group_ids:
-                counts[g] = 1
-            fresh = pool.allocate(counts)
-            taken.append((item, [int(fresh[g][0]) for g in self.group_ids]))
+        """The copies (group, running block, checkpoint block) of this schedule's checkpoints, whose
+        blocks are released (free and cached) now: the engine copies after the forward and allocates
+        nothing before it."""
+        pending = list(self._pending.values())
+        self._pending.clear()
         copies: list[tuple[int, int, int]] = []
-        for item, blocks in taken:
-            rows = np.zeros((self.num_groups, item.index + 1), np.int64)
-            rows[:, item.index] = blocks
-            pool.cache(self.group_ids, rows, item.block_hashes, item.index, item.index + 1, item.request.token_ids)
-            self._cached_this_step.add(item.block_hashes[item.index])  # written after the forward: hits wait a step
+        for item in pending:
             if self._last_only:
-                self._replace_decode_checkpoint(item.request, item.block_hashes[item.index], blocks)
-            copies += zip(self.group_ids, item.running, blocks, strict=True)
+                self._replace_decode_checkpoint(item.request, item.key, item.blocks)
+            copies += zip(self.group_ids, item.running, item.blocks, strict=True)
         self.checkpoints_copied += len(copies)
-        pool.free([b for _, blocks in taken for b in blocks])
+        self._pool.free([b for item in pending for b in item.blocks])
         return copies
 
+    def checkpoint_blocks(self, total_tokens: int) -> int:
+        """A new request's first step that ends on a block boundary takes its checkpoint's blocks: a
+        request is admitted with the checkpoint a sibling will hit (align mode's write block is that
+        checkpoint), not without it."""
+        return 0 if total_tokens % self.block_size else self.num_groups
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Give up the newest pending checkpoints until `num_blocks` blocks came back (or none is left):
+        a running request's step needs them (a checkpoint never costs a preemption)."""
+        freed = 0
+        while freed < num_blocks and self._pending:
+            self._drop(next(reversed(self._pending)))
+            freed += self.num_groups
+
+    @property
+    def held_checkpoints(self) -> list[int]:
+        """The blocks of the checkpoints taken in this schedule (held until `take_checkpoints`)."""
+        return [b for item in self._pending.values() for b in item.blocks]
+
+    def _drop(self, request_id: RequestId) -> None:
+        item = self._pending.pop(request_id)
+        self._pool.uncache(item.blocks)
+        self._pool.free(item.blocks)
+        self.checkpoints_skipped += 1
+
     def free(self, request_id: RequestId) -> Ids:
-        self._wanted.pop(request_id, None)  # its step did not run: no state to copy
+        if request_id in self._pending:  # its step did not run: its checkpoint holds nothing
+            self._drop(request_id)
+            self.checkpoints_skipped -= 1
         return super().free(request_id)
 
 

@@ -185,3 +185,50 @@ def test_fixed_is_refused_with_all_mode_and_partial_hits_and_ignored_without_cac
     step(m, a, 8)
     step(m, a, 2)
     assert held(m, "a") == [3, 1]
+
+
+def test_a_new_request_waits_for_room_for_its_first_checkpoint_while_others_run() -> None:
+    """6 usable blocks, block size 4. a (prompt range(5)): step [0, 4) takes 1 attention block and its
+    running state (its checkpoint at 4 is released, free and cached, at the end of the schedule). Next
+    schedule a's step [4, 5) takes a second attention block: 3 held, 3 free. b (9 tokens) would take 2
+    attention blocks and a running state (3, exactly what is free) plus 1 for its checkpoint at 8: it
+    waits while a runs. Alone (a finished), b is admitted with room for it."""
+    m = manager(RunningState.FIXED, num_blocks=7)
+    a = make_request(request_id="a", token_ids=range(5))
+    b = make_request(request_id="b", token_ids=[9, *range(8)])
+    m.begin_step()
+    m.lookup(a)
+    _, after = step(m, a, 4)
+    assert len(after) == 1 and m.usage() == pytest.approx(2 / 6)
+    m.begin_step()
+    assert m.allocate(a, 1) is not None and m.usage() == pytest.approx(3 / 6)
+    hit = m.lookup(b)
+    assert hit.num_tokens == 0 and m.allocate(b, 8, hit=hit) is None
+    assert m.allocate(b, 7, hit=hit) is not None  # a chunk that ends inside a block takes no checkpoint
+    m.free(b)
+    m.free(a)
+    m.begin_step()
+    assert m.allocate(b, 8, hit=m.lookup(b)) is not None  # alone: 3 + 1 of 6
+    assert len(m.take_checkpoint_copies()) == 1  # b's checkpoint at 8
+    m.check_integrity()
+
+
+def test_a_running_step_takes_back_a_checkpoint_instead_of_preempting() -> None:
+    """5 usable blocks. a and c each hold 1 attention block and a running state (4 held). a's step [3, 4)
+    ends on a boundary and takes the last free block for its checkpoint; c's step [3, 5) then needs a
+    second attention block: the checkpoint is given back (uncached, counted as skipped), c is not refused."""
+    m = manager(RunningState.FIXED, num_blocks=6)
+    a = make_request(request_id="a", token_ids=range(6))
+    c = make_request(request_id="c", token_ids=range(50, 56))
+    m.begin_step()
+    for request in (a, c):
+        assert m.allocate(request, 3, hit=m.lookup(request)) is not None
+        request.num_computed_tokens = 3
+    assert m.take_checkpoint_copies() == ()
+    m.begin_step()
+    assert m.allocate(a, 1) is not None and m.usage() == 1.0  # a's checkpoint at 4 took the last block
+    assert m.allocate(c, 2) is not None
+    assert m.take_checkpoint_copies() == () and m.stats().checkpoints_skipped == 1
+    m.check_integrity()
+    m.begin_step()
+    assert m.lookup(make_request(request_id="p", token_ids=[*range(4), 99])).num_tokens == 0

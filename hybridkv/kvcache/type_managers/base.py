@@ -164,6 +164,17 @@ class SingleTypeManager(ABC):
         """A new scheduling step starts (state groups forget what was cached in the last one)."""
         return
 
+    def checkpoint_blocks(self, total_tokens: int) -> int:
+        """Blocks a new request's first step ending at `total_tokens` takes besides its table
+        (`RunningState.FIXED`: its checkpoint); 0 elsewhere."""
+        del total_tokens
+        return 0
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Give back up to `num_blocks` blocks held only for this schedule (`RunningState.FIXED`'s
+        checkpoints); no-op elsewhere."""
+        del num_blocks
+
     def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
         """(F, T): an `allocate` of a running request whose step starts at `first_new <= F` and
         needs `total <= T` slots changes nothing in these groups: no entry to add, none to
