@@ -10,10 +10,10 @@ layout, then the planner's max concurrency of both at a short `max_model_len`; t
 arriving at once, `max_num_seqs` high) through `simulate` at a fixed budget, one line per setting
 (one_page + moving = vLLM's, multi_page + moving, multi_page + fixed running state): the real peak
 number of running requests, hits, preemptions and copies, with the planner's max concurrency of the
-setting at the requests' longest length; then the seeded chat, agentic and system-prompt generators
-(prompts ~512 tokens, answers ~64) at a budget that forces preemption (0.2 GiB), multi-page layout,
-moving vs fixed: hits, prompt tokens computed (recompute after preemption included), preemptions;
-and last:
+setting at the requests' longest length; then, multi-page layout, moving vs fixed at 1, 0.5 and
+0.2 GiB (0.2: preemption everywhere) on the shared-prefix trace and the seeded chat, agentic,
+system-prompt and branching generators (prompts ~512 tokens, answers ~64): hits, prompt tokens
+computed (recompute after preemption included), preemptions; and last:
 
     multi_page_hits=<hit tokens> one_page_hits=<hit tokens> concurrency_ratio=<multi / one page>
         concurrency_fixed_ratio=<peak running: multi_page + fixed / one_page + moving>
@@ -46,7 +46,8 @@ MEMORY_GIB = 4.0
 MAX_MODEL_LEN = 4096
 SHORT_LEN = 512  # "short requests" for the capacity figure
 BURST_GIB = 1.0  # the budget of the short-request burst
-PRESSURE_GIB = 0.2  # the budget of the generated traces (preemption)
+BUDGETS_GIB = (1.0, 0.5, 0.2)  # moving vs fixed on the generated traces (0.2: preemption everywhere)
+LONG_LEN = 8192
 BURST_SETTINGS = ((StateLayout.ONE_PAGE, RunningState.MOVING), (StateLayout.MULTI_PAGE, RunningState.MOVING),
                   (StateLayout.MULTI_PAGE, RunningState.FIXED))
 
@@ -94,19 +95,23 @@ def burst(spec: ModelSpec, *, num_requests: int) -> dict[tuple[StateLayout, Runn
     return peaks
 
 
-def under_pressure(spec: ModelSpec, *, num_requests: int) -> None:
-    """Generated multi-turn traces at a budget that forces preemption: moving vs fixed, one line each."""
-    for kind in (Generator.CHAT, Generator.AGENTIC, Generator.SYSTEM_PROMPT):
-        trace = generate(kind, GeneratorOptions(num_requests=num_requests, seed=0, mean_prompt_tokens=512,
-                                                mean_output_tokens=64))
-        for running in RunningState:
-            config = plan(spec, PlannerOptions(memory_bytes=int(PRESSURE_GIB * GIB), max_model_len=MAX_MODEL_LEN * 2,
-                                               state_layout=StateLayout.MULTI_PAGE, running_state=running)).config
-            report = simulate(trace, config, SimOptions(max_model_len=MAX_MODEL_LEN * 2, running_state=running))
-            print(f"pressure trace={kind.value} running_state={running.value} memory_gib={PRESSURE_GIB} "
-                  f"requests={report.requests} hits={report.hit_tokens} prefill_tokens={report.prefill_tokens} "
-                  f"preemptions={report.preemptions} peak_running={report.max_running} "
-                  f"checkpoint_copies={report.checkpoint_copies} checkpoints_skipped={report.checkpoints_skipped}")
+def hits_by_budget(spec: ModelSpec, *, num_requests: int, budgets: tuple[float, ...]) -> None:
+    """Multi-page layout, moving vs fixed, at each budget: the shared-prefix trace and the generated
+    traces (prompts ~512 tokens, answers ~64), one line per (budget, trace, running state)."""
+    traces = {"shared": shared_prefix_trace(num_requests=2 * num_requests, num_prefixes=8, seed=0)}
+    for kind in (Generator.CHAT, Generator.AGENTIC, Generator.SYSTEM_PROMPT, Generator.BRANCHING):
+        traces[kind.value] = generate(kind, GeneratorOptions(num_requests=num_requests, seed=0,
+                                                             mean_prompt_tokens=512, mean_output_tokens=64))
+    for gib in budgets:
+        for name, trace in traces.items():
+            for running in RunningState:
+                config = plan(spec, PlannerOptions(memory_bytes=int(gib * GIB), max_model_len=LONG_LEN,
+                                                   state_layout=StateLayout.MULTI_PAGE, running_state=running)).config
+                report = simulate(trace, config, SimOptions(max_model_len=LONG_LEN, running_state=running))
+                print(f"budget memory_gib={gib} trace={name} running_state={running.value} "
+                      f"requests={report.requests} hits={report.hit_tokens} prefill_tokens={report.prefill_tokens} "
+                      f"preemptions={report.preemptions} peak_running={report.max_running} "
+                      f"checkpoint_copies={report.checkpoint_copies} checkpoints_skipped={report.checkpoints_skipped}")
 
 
 def model() -> ModelSpec:
@@ -136,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"max_concurrency max_model_len={SHORT_LEN} one_page={one.max_concurrency:.2f} "
           f"multi_page={multi.max_concurrency:.2f}")
     peaks = burst(spec, num_requests=100 if args.quick else 600)
-    under_pressure(spec, num_requests=12 if args.quick else 100)
+    hits_by_budget(spec, num_requests=12 if args.quick else 100,
+                   budgets=BUDGETS_GIB[-1:] if args.quick else BUDGETS_GIB)
     fixed_ratio = (peaks[StateLayout.MULTI_PAGE, RunningState.FIXED]
                    / peaks[StateLayout.ONE_PAGE, RunningState.MOVING])
     print(f"multi_page_hits={hits[StateLayout.MULTI_PAGE]} one_page_hits={hits[StateLayout.ONE_PAGE]} "
