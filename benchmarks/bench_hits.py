@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hybridkv.catalog import find  # noqa: E402
+from hybridkv.engine.queue_order import QueueOrder  # noqa: E402
 from hybridkv.errors import CapacityError  # noqa: E402
 from hybridkv.kvcache.manager import (  # noqa: E402
     AdmissionHeadroom,
@@ -91,7 +92,8 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
                          eviction=EvictionPolicyName(job.get("eviction", "lru")),
                          checkpoint_placement=CheckpointPlacement(job.get("checkpoint_placement", "junction")),
                          decode_checkpoints=DecodeCheckpoints(job.get("decode_checkpoints", "every")),
-                         admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")))
+                         admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")),
+                         queue_order=QueueOrder(job.get("queue_order", "fcfs")))
     return config, trace, options
 
 
@@ -175,9 +177,11 @@ def record(path: Path) -> None:
 TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
 TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
 #: our setting: small attention blocks with a state over several pages (Mamba hybrids; one page otherwise),
-#: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom
+#: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom, and the
+#: cache-aware queue order (the longest cached prefix admitted first)
 OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved",
-        "state_layout": "multi_page", "decode_checkpoints": "last", "admission_headroom": "next_block"}
+        "state_layout": "multi_page", "decode_checkpoints": "last", "admission_headroom": "next_block",
+        "queue_order": "cache_aware"}
 
 
 #: vLLM 0.32's settings tried per layout, the best taken: dense retention, retention 0, and on the state
@@ -202,9 +206,10 @@ def targets(seed: int, num_requests: int) -> int:
     """At a pool holding 25% / 100% of each trace's distinct tokens (the same bytes on both sides): our
     manager at OURS vs vLLM 0.32's manager at its best retention setting (None or 0), and vs the
     infinite cache; and the prompt tokens each side computed (recompute after preemption included).
+    Ours runs twice: at OURS, and at OURS in FCFS order (`fcfs_hits`: the manager's policies alone).
     Prints per run a line, then per layout the medians over the traces, and last
     `best_vs_vllm_25pct=<min over layouts> hits_vs_ideal_100pct=<min over layouts>`."""
-    rows: list[tuple[str, str, float, int, int, int, int, float]] = []  # ..., nb, ours, vllm, ideal, prefill ratio
+    rows: list[tuple[str, str, float, int, int, int, int, float, int]] = []  # ..., nb, ours, vllm, ideal, prefill, fcfs
     batch: list[dict[str, Any]] = []
     ours: list[Any] = []
     for layout in TARGET_LAYOUTS:
@@ -225,7 +230,10 @@ def targets(seed: int, num_requests: int) -> int:
                         break
                     except CapacityError:
                         nb = nb * 5 // 4 + 1  # a request alone does not fit: the smallest pool that runs it
-                ours.append((layout, trace_name, fraction, nb, report))
+                fcfs_job = {**job, "queue_order": "fcfs"}  # the manager's policies alone, in vLLM's queue order
+                config_f, trace_f, options_f = materialize(fcfs_job)
+                fcfs = simulate(trace_f, config_f, options_f).hit_tokens
+                ours.append((layout, trace_name, fraction, nb, report, fcfs))
                 batch += [{**base, "num_blocks": nb, **setting} for setting in VLLM_SETTINGS[layout]]
     theirs = vllm_side(batch)
     source = "vllm"
@@ -236,7 +244,7 @@ def targets(seed: int, num_requests: int) -> int:
             config, trace, options = materialize(job)
             theirs.append(dataclasses.asdict(simulate(trace, config, options)))
     start = 0
-    for layout, trace_name, fraction, nb, report in ours:
+    for layout, trace_name, fraction, nb, report, fcfs in ours:
         settings = VLLM_SETTINGS[layout]
         tried = theirs[start : start + len(settings)]
         start += len(settings)
@@ -244,21 +252,26 @@ def targets(seed: int, num_requests: int) -> int:
         best = other["hit_tokens"]
         tried_list = ", ".join(f"{setting_name(s)} {t['hit_tokens']}" for s, t in zip(settings, tried, strict=True))
         prefill = report.prefill_tokens / max(1, other["prefill_tokens"])
-        rows.append((layout, trace_name, fraction, nb, report.hit_tokens, best, report.ideal_tokens, prefill))
+        rows.append((layout, trace_name, fraction, nb, report.hit_tokens, best, report.ideal_tokens, prefill, fcfs))
         print(f"layout={layout} trace={trace_name} budget={fraction:.0%} num_blocks={nb} hits={report.hit_tokens} "
+              f"fcfs_hits={fcfs} "
               f"{source}_best={best} "
               f"({tried_list}) "
               f"ideal={report.ideal_tokens} preemptions={report.preemptions}/{other['preemptions']} "
               f"prefill_tokens={report.prefill_tokens}/{other['prefill_tokens']} "
-              f"held={report.mean_held_fraction:.2f}/{other['mean_held_fraction']:.2f}")
+              f"held={report.mean_held_fraction:.2f}/{other['mean_held_fraction']:.2f} "
+              f"wait_ms={report.mean_wait_ms:.0f}/{other['mean_wait_ms']:.0f} "
+              f"p95_wait_ms={report.p95_wait_ms:.0f}/{other['p95_wait_ms']:.0f}")
     vs_vllm, vs_ideal = {}, {}
     for layout in TARGET_LAYOUTS:
         mine = [r for r in rows if r[0] == layout]
         vs_vllm[layout] = statistics.median(r[4] / max(1, r[5]) for r in mine if r[2] == 0.25)
         vs_ideal[layout] = statistics.median(r[4] / max(1, r[6]) for r in mine if r[2] == 1.0)
         prefill = statistics.median(r[7] for r in mine if r[2] == 0.25)
+        fcfs = statistics.median(r[8] / max(1, r[5]) for r in mine if r[2] == 0.25)
         print(f"layout={layout} median_vs_{source}_25pct={vs_vllm[layout]:.3f} "
-              f"median_vs_ideal_100pct={vs_ideal[layout]:.3f} median_prefill_vs_{source}_25pct={prefill:.3f}")
+              f"median_vs_ideal_100pct={vs_ideal[layout]:.3f} median_prefill_vs_{source}_25pct={prefill:.3f} "
+              f"median_fcfs_vs_{source}_25pct={fcfs:.3f}")
     print(f"best_vs_vllm_25pct={min(vs_vllm.values()):.3f} hits_vs_ideal_100pct={min(vs_ideal.values()):.3f} "
           f"seed={seed} vllm_side={source}")
     return 0

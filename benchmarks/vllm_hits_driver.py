@@ -131,7 +131,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
     return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
             "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens,
-            "prefill_tokens": report.prefill_tokens, "mean_held_fraction": report.mean_held_fraction}
+            "prefill_tokens": report.prefill_tokens, "mean_held_fraction": report.mean_held_fraction,
+            "mean_wait_ms": report.mean_wait_ms, "p95_wait_ms": report.p95_wait_ms}
 
 
 def main() -> int:

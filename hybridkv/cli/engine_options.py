@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
+from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.kvcache.manager import (
     AdmissionHeadroom,
     CheckpointPlacement,
@@ -56,6 +57,9 @@ Headroom = Annotated[AdmissionHeadroom, typer.Option(
 RunningStateOption = Annotated[RunningState, typer.Option(
     "--running-state", help="state groups in align mode: moving (vLLM's: a request holds the state it reads and "
     "the one it writes) or fixed (one running state per request; hits and checkpoints copied)")]
+QueueOrderOption = Annotated[QueueOrder, typer.Option(
+    "--queue-order", help="which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached "
+    "prefix first, each request passed over at most 32 times)")]
 Threads = Annotated[int, typer.Option("--threads", help="torch threads (0: torch default)")]
 KVServer = Annotated[str | None, typer.Option(
     "--kv-server", help="KV cache server: tcp://host:port of a running `hybridkv server`, or auto to start one "
@@ -81,6 +85,7 @@ __all__ = [
     "Model",
     "Placement",
     "PrefixCachingOption",
+    "QueueOrderOption",
     "RetentionInterval",
     "RunningStateOption",
     "Seed",
@@ -100,7 +105,8 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
                    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
                    admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE,
-                   running_state: RunningState = RunningState.MOVING) -> dict[str, Any]:
+                   running_state: RunningState = RunningState.MOVING,
+                   queue_order: QueueOrder = QueueOrder.FCFS) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
     options: dict[str, Any] = dict(
@@ -110,6 +116,6 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
         prefix_match_unit=prefix_match_unit, state_layout=state_layout, eviction=eviction,
         checkpoint_placement=checkpoint_placement, decode_checkpoints=decode_checkpoints,
-        admission_headroom=admission_headroom, running_state=running_state)
+        admission_headroom=admission_headroom, running_state=running_state, queue_order=queue_order)
     EngineConfig.from_options(options)
     return options

@@ -68,6 +68,7 @@ def serve_command(
     decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
     admission_headroom: opt.Headroom = opt.DEFAULTS["admission_headroom"],
     running_state: opt.RunningStateOption = opt.DEFAULTS["running_state"],
+    queue_order: opt.QueueOrderOption = opt.DEFAULTS["queue_order"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
 ) -> None:
@@ -98,7 +99,7 @@ def serve_command(
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
             state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
             decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-            running_state=running_state)
+            running_state=running_state, queue_order=queue_order)
         from hybridkv.engine.llm import LLM
 
         llm = LLM(model, **options)

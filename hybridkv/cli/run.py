@@ -67,6 +67,7 @@ def run_command(
     decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
     admission_headroom: opt.Headroom = opt.DEFAULTS["admission_headroom"],
     running_state: opt.RunningStateOption = opt.DEFAULTS["running_state"],
+    queue_order: opt.QueueOrderOption = opt.DEFAULTS["queue_order"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
@@ -100,7 +101,7 @@ def run_command(
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
             state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
             decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-            running_state=running_state)
+            running_state=running_state, queue_order=queue_order)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")

@@ -20,6 +20,7 @@ from hybridkv.cli.engine_options import MatchUnitOption
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
+from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.manager import (
     AdmissionHeadroom,
@@ -43,7 +44,8 @@ SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs",
 PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: the policies `--plot` draws side by side (each at the run's other options)
 _VLLM: dict[str, Any] = {"eviction": EvictionPolicyName.LRU, "checkpoint_placement": CheckpointPlacement.JUNCTION,
-                         "decode_checkpoints": DecodeCheckpoints.EVERY, "admission_headroom": AdmissionHeadroom.NONE}
+                         "decode_checkpoints": DecodeCheckpoints.EVERY, "admission_headroom": AdmissionHeadroom.NONE,
+                         "queue_order": QueueOrder.FCFS}
 #: the policies `--plot` draws side by side: SimOptions fields over vLLM's settings
 PLOT_POLICIES: dict[str, dict[str, Any]] = {
     "lru (vLLM)": _VLLM,
@@ -51,8 +53,13 @@ PLOT_POLICIES: dict[str, dict[str, Any]] = {
     "value + placed checkpoints": {**_VLLM, "eviction": EvictionPolicyName.VALUE,
                                    "checkpoint_placement": CheckpointPlacement.PLACED},
     "value + placed + last decode checkpoint + headroom": {
-        "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
+        **_VLLM, "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
         "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.NEXT_BLOCK},
+    "cache-aware queue": {**_VLLM, "queue_order": QueueOrder.CACHE_AWARE},
+    "all of ours": {
+        "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
+        "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.NEXT_BLOCK,
+        "queue_order": QueueOrder.CACHE_AWARE},
 }
 
 
@@ -94,6 +101,7 @@ def simulate_command(
     decode_checkpoints: opt.DecodeCheckpointsOption = DecodeCheckpoints.EVERY,
     admission_headroom: opt.Headroom = AdmissionHeadroom.NONE,
     running_state: opt.RunningStateOption = RunningState.MOVING,
+    queue_order: opt.QueueOrderOption = QueueOrder.FCFS,
     checkpoint_interval: Annotated[int | None, typer.Option(
         "--checkpoint-interval", help="with --checkpoint-placement placed: also a state checkpoint every N "
         "tokens (a multiple of the block size)")] = None,
@@ -123,7 +131,7 @@ def simulate_command(
                              spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,
                              checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval,
                              decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-                             running_state=running_state)
+                             running_state=running_state, queue_order=queue_order)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
@@ -190,6 +198,8 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
         *([("state checkpoints copied / skipped", f"{report.checkpoint_copies} / {report.checkpoints_skipped}")]
           if report.checkpoint_copies or report.checkpoints_skipped else []),
         ("running requests, mean / max", f"{report.mean_running:.1f} / {report.max_running}"),
+        ("prompt tokens computed", f"{report.prefill_tokens} (recompute after preemption included)"),
+        ("queue wait, mean / p95", f"{report.mean_wait_ms:.0f} / {report.p95_wait_ms:.0f} ms (simulated)"),
         ("lookups", str(report.lookups)),
         ("simulated in", f"{report.wall_s:.2f} s"),
     ]

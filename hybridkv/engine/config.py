@@ -10,6 +10,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import (
     AdmissionHeadroom,
@@ -67,6 +68,8 @@ class EngineConfig:
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
     #: moving (vLLM's: align mode holds 2 states per state group) or fixed (1; checkpoints by copy)
     running_state: RunningState = RunningState.MOVING
+    #: fcfs (vLLM's) or cache_aware (the longest cached prefix first, bounded bypass; engine/queue_order.py)
+    queue_order: QueueOrder = QueueOrder.FCFS
     seed: int = 0
     dtype: str = "float32"
     num_threads: int = 0
@@ -108,7 +111,7 @@ class EngineConfig:
             object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
         for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement),
                            ("decode_checkpoints", DecodeCheckpoints), ("admission_headroom", AdmissionHeadroom),
-                           ("running_state", RunningState)):
+                           ("running_state", RunningState), ("queue_order", QueueOrder)):
             value = getattr(self, name)
             if not isinstance(value, enum):
                 values = [m.value for m in enum]

@@ -124,7 +124,8 @@ class LLM:
         self.scheduler: Scheduler[Request] = Scheduler(self.manager, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs, align_tokens=align,
                                    connector=self.transfer.connector if self.transfer else None,
-                                   partial_unit_tokens=unit.hash_unit_tokens if align and unit.partial_hits else 0)
+                                   partial_unit_tokens=unit.hash_unit_tokens if align and unit.partial_hits else 0,
+                                   queue_order=cfg.queue_order)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())

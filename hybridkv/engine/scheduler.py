@@ -8,7 +8,8 @@ Each `schedule()` call builds one step:
        (blocks freed, computed tokens reset, put at the front of the waiting queue) and the
        allocation is retried; once no later request is left, the request tries smaller chunks
        (halving) and, if not even one token fits, is itself preempted and waits;
-    2. if nothing was preempted, waiting requests in FCFS order: prefix-cache lookup, then as
+    2. if nothing was preempted, waiting requests in FCFS order (or cache-aware, `queue_order`:
+       the longest cached prefix first, `queue_order.py`): prefix-cache lookup, then as
        many prompt tokens as the budget allows (a smaller chunk when nothing else runs), while
        `max_num_seqs` is not reached. A hit on a state checkpoint cached in this very step
        (`CacheHit.deferred`: its state is written only when the step runs) waits for the next.
@@ -52,6 +53,7 @@ from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from hybridkv.connector.base import KVConnectorScheduler
+from hybridkv.engine.queue_order import Bypasses, QueueOrder, cache_aware
 from hybridkv.errors import CapacityError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, CacheTiming, KVCacheManager
@@ -147,8 +149,10 @@ class Scheduler(Generic[R]):
 
     def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  align_tokens: int = 0, connector: KVConnectorScheduler | None = None,
-                 partial_unit_tokens: int = 0) -> None:
+                 partial_unit_tokens: int = 0, queue_order: QueueOrder = QueueOrder.FCFS) -> None:
         self.manager = manager
+        self.queue_order = queue_order
+        self._bypasses = Bypasses()
         self.partial_unit_tokens = partial_unit_tokens  # align mode with partial hits: the prefix_match_unit
         self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -214,11 +218,25 @@ class Scheduler(Generic[R]):
                                checkpoint_copies=self.manager.take_checkpoint_copies())
 
     def _admit(self, work: list[ScheduledWork[R]], budget: int) -> None:
+        aware = self.queue_order is QueueOrder.CACHE_AWARE
+        if aware and len(self.waiting) > 1 and budget > 0 and len(self.running) < self.max_num_seqs:
+            self.waiting = cache_aware(self.waiting, lambda r: self.manager.peek(r.kv), self._bypasses)
+        admitted: list[R] = []
+        deferred: list[R] = []
+        self._admit_waiting(work, budget, admitted, deferred)
+        self.waiting.extendleft(reversed(deferred))
+        if aware:
+            self._bypasses.admitted(admitted, self.waiting)
+
+    def _admit_waiting(self, work: list[ScheduledWork[R]], budget: int, admitted: list[R], deferred: list[R]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hit: CacheHit = self.manager.lookup(request.kv)
-            if hit.deferred:
-                break  # its state checkpoint is written by this step: look it up again in the next one
+            if hit.deferred:  # its state checkpoint is written by this step: look it up again in the next one
+                if self.queue_order is QueueOrder.FCFS:
+                    break
+                deferred.append(self.waiting.popleft())  # cache-aware: the next candidate meanwhile
+                continue
             external = self.connector.get_num_new_matched_tokens(request.kv, hit.num_tokens) if self.connector else 0
             first_block = self._first_block(request) if external else None
             if first_block in self._loading:
@@ -240,6 +258,7 @@ class Scheduler(Generic[R]):
                                                         external)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
+            admitted.append(request)
             work.append(ScheduledWork.of(request, start_pos=start, num_tokens=n, external_tokens=external))
             budget -= n
 
@@ -289,6 +308,7 @@ class Scheduler(Generic[R]):
             self._release(request)
             self.running.remove(request)
         self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        self._bypasses.forget(ids)
 
     def load_failed(self, requests: Iterable[R]) -> None:
         """The connector could not load these just-admitted requests' external tokens: free their

@@ -140,9 +140,10 @@ class KVCacheCoordinator:
         self._no_cows: list[tuple[int, list[int]] | None] = []
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
-                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
-        """(blocks per group, hit tokens, each group's answer when first asked, in tokens)."""
-        del hashes, max_length
+                               max_length: int, blocks: bool = True) -> tuple[GroupBlocks, int, list[int]]:
+        """(blocks per group, hit tokens, each group's answer when first asked, in tokens); without
+        `blocks`, the hit's length only (no block lists: a probe)."""
+        del hashes, max_length, blocks
         return [[] for _ in self.groups], 0, [0] * self.num_groups
 
     # -- allocation -----------------------------------------------------------------------------
@@ -467,8 +468,11 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 
 def _find(manager: SingleTypeManager, hashes: dict[int, list[BlockHash]],
-          max_length: int) -> tuple[list[list[int]], int]:
-    """The hit of every group of `manager`, looked up together, and its length in tokens."""
+          max_length: int, blocks: bool = True) -> tuple[list[list[int]], int]:
+    """The hit of every group of `manager`, looked up together, and its length in tokens (without
+    `blocks`: the length only, the block lists left empty)."""
+    if not blocks:
+        return [], manager.hit_tokens(manager.view, hashes, max_length)
     return manager.find_hit_tokens(manager.view, hashes, max_length)
 
 
@@ -476,14 +480,14 @@ class UnitaryCoordinator(KVCacheCoordinator):
     """All groups share one hit rule (one type, one block size): a single lookup."""
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
-                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
-        blocks: GroupBlocks = [[] for _ in self.groups]
+                               max_length: int, blocks: bool = True) -> tuple[GroupBlocks, int, list[int]]:
+        out: GroupBlocks = [[] for _ in self.groups]
         tokens = 0
         for manager in self.managers:  # one manager, unless several were built for one rule
-            hits, tokens = _find(manager, hashes, max_length)
-            for g, group_hits in zip(manager.group_ids, hits, strict=True):
-                blocks[g] = group_hits
-        return blocks, tokens, [tokens] * self.num_groups
+            hits, tokens = _find(manager, hashes, max_length, blocks)
+            for g, group_hits in zip(manager.group_ids, hits, strict=blocks):
+                out[g] = group_hits
+        return out, tokens, [tokens] * self.num_groups
 
 
 class HybridCoordinator(KVCacheCoordinator):
@@ -495,13 +499,13 @@ class HybridCoordinator(KVCacheCoordinator):
         self._others = [m for m in self.managers if not m.downward_closed]
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
-                               max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+                               max_length: int, blocks: bool = True) -> tuple[GroupBlocks, int, list[int]]:
         step = self.hit_step
         length = max_length // step * step
         first = [0] * self.num_groups
         found: list[tuple[SingleTypeManager, list[list[int]]]] = []
         for cls in self._closed:
-            hits, got = _find(cls, hashes, length)
+            hits, got = _find(cls, hashes, length, blocks)
             for g in cls.group_ids:
                 first[g] = got
             length = min(length, got) // step * step
@@ -515,7 +519,7 @@ class HybridCoordinator(KVCacheCoordinator):
                 answer = answers[i]
                 if answer is not None and answer[0] == length:
                     continue
-                hits, got = _find(cls, hashes, length)
+                hits, got = _find(cls, hashes, length, blocks)
                 if answer is None:
                     for g in cls.group_ids:
                         first[g] = got
@@ -526,13 +530,15 @@ class HybridCoordinator(KVCacheCoordinator):
                     settled = False
             if settled and any(a is None or a[0] != length for a in answers):
                 settled = False
-        blocks: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
+        out: GroupBlocks = [[]] * self.num_groups  # (every entry is replaced)
+        if not blocks:
+            return out, length, first
         for cls, hits in found:
             cut = -(-length // cls.block_size)  # (a partial hit keeps the block it ends in)
             for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                blocks[g] = group_hits[:cut]
+                out[g] = group_hits[:cut]
         for cls, answer in zip(others, answers, strict=True):
             assert answer is not None
             for g, group_hits in zip(cls.group_ids, answer[1], strict=True):
-                blocks[g] = group_hits
-        return blocks, length, first
+                out[g] = group_hits
+        return out, length, first

@@ -255,11 +255,7 @@ class KVCacheManager:
             return CacheHit(request_id=request.request_id, num_tokens=0, blocks=self._empty_hit,
                             pool_epoch=self._pool.evictions)
         coordinator = self._coordinator
-        hashes = self._hashes(request)
-        if self._eagle:
-            hits, num_tokens, first = self._eagle_hit(hashes, request.num_tokens, max_length)
-        else:
-            hits, num_tokens, first = coordinator.find_longest_cache_hit(hashes, max_length)
+        hashes, (hits, num_tokens, first) = self._find_hit(request, max_length)
         self._hit_tokens += num_tokens
         self._group_hit_tokens = list(map(add, self._group_hit_tokens, first))
         deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
@@ -275,12 +271,29 @@ class KVCacheManager:
                         blocks=cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))),
                         deferred=deferred, pool_epoch=self._pool.evictions)
 
+    def peek(self, request: KVRequest) -> int:
+        """The hit `lookup` would find now, in tokens, counting nothing and leaving the request's
+        junction and checkpoint stops alone (a cache-aware queue order's probe)."""
+        max_length = min(request.num_tokens - 1, self.max_model_len)
+        if not self._caching or max_length < self._coordinator.hit_step:
+            return 0
+        if self._eagle:
+            return self._find_hit(request, max_length)[1][1]
+        return self._coordinator.find_longest_cache_hit(self._hashes(request), max_length, blocks=False)[1]
+
+    def _find_hit(self, request: KVRequest, max_length: int) -> tuple[dict[int, list[BlockHash]],
+                                                                      tuple[GroupBlocks, int, list[int]]]:
+        hashes = self._hashes(request)
+        if self._eagle:
+            return hashes, self._eagle_hit(hashes, request.num_tokens, max_length)
+        return hashes, self._coordinator.find_longest_cache_hit(hashes, max_length)
+
     def protect(self, hit: CacheHit) -> None:
         """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks
         last (queue-aware retention); no-op with LRU."""
         protect = self._pool.protect
         if protect is not None and hit.num_tokens:
-            protect([b for blocks in hit.blocks for b in blocks])
+            protect([b for blocks in hit.blocks for b in filter(None, blocks)])  # (state rows: mostly null)
 
     def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
                    max_length: int) -> tuple[GroupBlocks, int, list[int]]:

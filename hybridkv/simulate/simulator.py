@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.engine.scheduler import KVRequestView, RequestStatus, Scheduler
 from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
@@ -58,6 +59,8 @@ class SimRequest(KVRequestView):
     external_hit_tokens: int = 0
     computed_prefill_tokens: int = 0
     num_preemptions: int = 0
+    queued_ms: float = 0.0  # when it joined the waiting queue (its arrival, or its parent's end)
+    wait_ms: float = -1.0  # from joining the queue to its first scheduled step; -1 until then
     ideal_tokens: int = 0
 
 
@@ -82,6 +85,7 @@ class SimOptions:
     decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
     running_state: RunningState = RunningState.MOVING
+    queue_order: QueueOrder = QueueOrder.FCFS
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -135,6 +139,10 @@ class SimReport:
     #: checkpoints skipped for want of free blocks
     checkpoint_copies: int = 0
     checkpoints_skipped: int = 0
+    #: simulated ms from joining the waiting queue to the first scheduled step: mean and 95th percentile
+    #: over the requests (what a queue order costs in time to first token)
+    mean_wait_ms: float = 0.0
+    p95_wait_ms: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -166,7 +174,7 @@ class _Run:
         self.manager = manager
         self.scheduler: Scheduler[SimRequest] = Scheduler(
             manager, max_num_batched_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs,
-            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens)
+            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens, queue_order=options.queue_order)
         self.block_copies = 0
         self.ideal = IdealCache()
         self.pending = deque(sorted(range(len(trace)), key=lambda i: (trace[i].arrival_ms, i)))
@@ -194,7 +202,7 @@ class _Run:
         prompt = prompt[: self.options.max_model_len - 1]
         kv = KVRequest(request_id=RequestId(f"r{index}"), token_ids=prompt, cache_salt=item.cache_salt)
         request = SimRequest(kv=kv, arrival_seq=index, prompt_len=len(prompt),
-                             output_tokens=item.output_tokens)
+                             output_tokens=item.output_tokens, queued_ms=self.clock_ms)
         request.ideal_tokens = min(self.ideal.longest_prefix(prompt, salt=item.cache_salt), len(prompt) - 1)
         self.ideal.add(prompt, salt=item.cache_salt)
         self.requests.append(request)
@@ -205,6 +213,8 @@ class _Run:
         self.block_copies += len(out.copies)  # (no pages here: a copy is only counted)
         max_len = self.options.max_model_len
         for work in out.work:
+            if work.request.wait_ms < 0:
+                work.request.wait_ms = self.clock_ms - work.request.queued_ms
             if work.samples:
                 request = work.request
                 generated = request.num_tokens - request.prompt_len
@@ -286,4 +296,12 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         checkpoints_skipped=stats.checkpoints_skipped,
         prefill_tokens=sum(r.computed_prefill_tokens for r in requests),
         mean_held_fraction=held_sum / steps if steps else 0.0,
+        **_waits(requests),
     )
+
+
+def _waits(requests: Sequence[SimRequest]) -> dict[str, float]:
+    waits = sorted(r.wait_ms for r in requests)
+    if not waits:
+        return {"mean_wait_ms": 0.0, "p95_wait_ms": 0.0}
+    return {"mean_wait_ms": sum(waits) / len(waits), "p95_wait_ms": waits[min(len(waits) - 1, len(waits) * 95 // 100)]}

@@ -18,8 +18,9 @@ POLICIES: dict[str, dict[str, str]] = {
     "vllm": {"eviction": "lru", "checkpoint_placement": "junction"},
     "value": {"eviction": "value", "checkpoint_placement": "junction"},
     "placed": {"eviction": "value", "checkpoint_placement": "placed"},
+    "queue": {"eviction": "lru", "checkpoint_placement": "junction", "queue_order": "cache_aware"},
     "ours": {"eviction": "value", "checkpoint_placement": "placed", "decode_checkpoints": "last",
-             "admission_headroom": "next_block", "state_layout": "multi_page"},
+             "admission_headroom": "next_block", "state_layout": "multi_page", "queue_order": "cache_aware"},
 }
 
 
@@ -38,6 +39,7 @@ def test_outputs_are_identical_across_policies(model_dir: Callable[[str], Path],
         outputs[name] = [o.token_ids for o in first + turn]
     assert outputs["value"] == outputs["vllm"]
     assert outputs["placed"] == outputs["vllm"]
+    assert outputs["queue"] == outputs["vllm"]
     assert outputs["ours"] == outputs["vllm"]
     with pytest.raises(ConfigError, match="cache_checkpoints of prompt 0 must be positive token positions"):
         llm.generate([shared], GREEDY, cache_checkpoints=[[0]])

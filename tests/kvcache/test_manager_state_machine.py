@@ -218,7 +218,9 @@ class ManagerMachine(RuleBasedStateMachine):
         request = job.request
         hit, job.hit = job.hit, None
         if hit is None:
+            peeked = self.manager.peek(request)  # the cache-aware queue's probe: the same length, nothing counted
             hit = self.manager.lookup(request)
+            assert peeked == hit.num_tokens, f"peek {peeked} != lookup {hit.num_tokens}"
             self.tracker.check_hit(request.token_ids, request.cache_salt, hit.num_tokens, hit.blocks)
             self.check_hit_events(request, hit)
             job.hit_maybe_stale = False

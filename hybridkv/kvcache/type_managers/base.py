@@ -151,6 +151,10 @@ class SingleTypeManager(ABC):
         hits = self.find_hits(view, hashes[self.block_size], max_length)
         return hits, len(hits[0]) * self.block_size
 
+    def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
+        """The length in tokens of `find_hit_tokens`' hit, without its block lists (a probe)."""
+        return self.find_hit_tokens(view, hashes, max_length)[1]
+
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[int]:
         """The first group's longest hit of at most `max_length` tokens (block list, null = skipped)."""
         return self.find_hits(self.view.lead(), block_hashes, max_length)[0]

@@ -109,6 +109,13 @@ class MambaManager(SingleTypeManager):
             return [[] for _ in view.cols]
         return [[self._null] * i + blocks for blocks in view.blocks_at(slots[i : i + 1])]
 
+    def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
+        if self.partial_unit or self.mode is MambaCacheMode.NONE:
+            return super().hit_tokens(view, hashes, max_length)
+        size = self.block_size
+        row, _ = view.held(hashes[size][: max_length // size])
+        return (row.rfind(1) + 1) * size  # (no k-page block lists: a probe of a multi-page state is cheap)
+
     def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
                         max_length: int) -> tuple[list[list[int]], int]:
         """With partial hits (align mode): the last `partial_unit` boundary whose state is cached,
