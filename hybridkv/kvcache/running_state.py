@@ -29,7 +29,9 @@ the last table entry (the entries before it are null):
   short requests lost a third of its hits). A request admitted while nothing else runs is never
   refused for it (then it is best effort too).
 
-A request freed before its step ran (preempted in the same schedule) gives its checkpoint back.
+A request freed before its step ran (preempted in the same schedule) gives its checkpoint back; one
+freed with fewer computed tokens than its last checkpoint holds (a forward that failed) has that
+checkpoint dropped from the cache (`uncomputed_cached_blocks`), as align mode drops its write block.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class _Pending:
     """A checkpoint taken for a scheduled step: its request, position, running and checkpoint blocks."""
 
     request: KVRequest
+    num_tokens: int  # where the step ends: the state the checkpoint holds
     key: BlockHash  # the hash of the block the step ends on
     running: list[int]  # per page group: the running block the state is copied from
     blocks: list[int]  # per page group: the checkpoint block (held until `take_checkpoints`)
@@ -74,6 +77,8 @@ class FixedStateManager(MambaManager):
                  retention: Retention | None = None) -> None:
         super().__init__(group, pool, mode=MambaCacheMode.ALIGN, retention=retention)
         self._pending: dict[RequestId, _Pending] = {}
+        #: per request, its checkpoint taken last: (tokens it holds, blocks, hash), until the step ran
+        self._taken: dict[RequestId, tuple[int, list[int], BlockHash]] = {}
         #: block copies of checkpoints handed out (one per page group), checkpoints skipped for want of
         #: free blocks, since construction
         self.checkpoints_copied = 0
@@ -148,8 +153,8 @@ class FixedStateManager(MambaManager):
         rows[:, index] = blocks
         pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
         self._cached_this_step.add(key)
-        self._pending[request.request_id] = _Pending(request=request, key=key, blocks=blocks,
-                                                     running=table.ids[:, index].tolist())
+        self._pending[request.request_id] = _Pending(request=request, num_tokens=num_tokens, key=key,
+                                                     blocks=blocks, running=table.ids[:, index].tolist())
 
     def take_checkpoints(self) -> list[tuple[int, int, int]]:
         """The copies (group, running block, checkpoint block) of this schedule's checkpoints, whose
@@ -159,6 +164,7 @@ class FixedStateManager(MambaManager):
         self._pending.clear()
         copies: list[tuple[int, int, int]] = []
         for item in pending:
+            self._taken[item.request.request_id] = item.num_tokens, item.blocks, item.key
             if self._last_only:
                 self._replace_decode_checkpoint(item.request, item.key, item.blocks)
             copies += zip(self.group_ids, item.running, item.blocks, strict=True)
@@ -191,7 +197,16 @@ class FixedStateManager(MambaManager):
         self._pool.free(item.blocks)
         self.checkpoints_skipped += 1
 
+    def uncomputed_cached_blocks(self, request_id: RequestId, num_computed_tokens: int) -> list[int]:
+        """As the base class; a checkpoint taken for a step that did not run (the request is freed
+        with fewer computed tokens: a forward that failed) is dropped from the cache here."""
+        taken = self._taken.pop(request_id, None)
+        if taken is not None and num_computed_tokens < taken[0]:
+            self._pool.discard(taken[1], taken[2])
+        return super().uncomputed_cached_blocks(request_id, num_computed_tokens)
+
     def free(self, request_id: RequestId) -> Ids:
+        self._taken.pop(request_id, None)
         if request_id in self._pending:  # its step did not run: its checkpoint holds nothing
             self._drop(request_id)
             self.checkpoints_skipped -= 1

@@ -232,3 +232,30 @@ def test_a_running_step_takes_back_a_checkpoint_instead_of_preempting() -> None:
     m.check_integrity()
     m.begin_step()
     assert m.lookup(make_request(request_id="p", token_ids=[*range(4), 99])).num_tokens == 0
+
+
+def test_a_step_whose_forward_failed_leaves_no_checkpoint() -> None:
+    """The schedule handed out a's checkpoint copy at 8, then the forward failed and the engine freed
+    a (its computed tokens not advanced): the checkpoint holds nothing and is dropped, like align
+    mode's write block. b, the same prompt, then computes 8 tokens and caches its own checkpoint
+    (FIXED: copied out; a stale one still cached would make b skip it and a later hit read garbage)."""
+    for running in RunningState:
+        m = manager(running)
+        a = make_request(request_id="a", token_ids=range(9))
+        m.begin_step()
+        m.lookup(a)
+        assert m.allocate(a, 8) is not None
+        m.take_pending_copies()
+        assert len(m.take_checkpoint_copies()) == (1 if running is RunningState.FIXED else 0)
+        m.free(a)  # num_computed_tokens still 0
+        b = make_request(request_id="b", token_ids=range(9))
+        m.begin_step()
+        assert m.lookup(b).num_tokens == 0
+        assert m.allocate(b, 8) is not None
+        m.take_pending_copies()
+        assert len(m.take_checkpoint_copies()) == (1 if running is RunningState.FIXED else 0), running
+        b.num_computed_tokens = 8
+        m.free(b)
+        m.begin_step()
+        assert m.lookup(make_request(request_id="p", token_ids=[*range(8), 99])).num_tokens == 8
+        m.check_integrity()
