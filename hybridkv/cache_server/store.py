@@ -10,7 +10,6 @@ before it changes anything.
 from __future__ import annotations
 
 import itertools
-import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from hybridkv.cache_server.keys import object_key
 from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
 from hybridkv.cache_server.l2 import TierSet
 from hybridkv.cache_server.l2_sizing import L2Sizing, SizerStats
+from hybridkv.cache_server.leases import Lease, Leases
 from hybridkv.cache_server.metrics import ServerMetrics
 from hybridkv.cache_server.pool import L1Pool
 from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex
@@ -75,16 +75,6 @@ class StoreConfig:
                              f"{self.chunk_tokens}, {self.l1_bytes}, {self.lock_ttl_s}, {self.max_registrations}")
 
 
-@dataclass(slots=True, kw_only=True)
-class _Lease:
-    instance_id: int
-    fingerprint: str  # any registration of this layout that holds the lookup id may retrieve it
-    cache_salt: str
-    hashes: list[bytes]  # of the hit's chunks
-    locked: list[bytes]
-    expires_at: float
-
-
 class KVStore:
     def __init__(self, config: StoreConfig, tiers: Sequence[L2Tier] = (), metrics: ServerMetrics | None = None) -> None:
         self.config = config
@@ -98,7 +88,7 @@ class KVStore:
                             listener=self.tiers if self.tiers.sized else None)
         self.metrics.watch_tiers(self.tiers.stats, self._sized_tiers)
         self._engines = EngineRegistry(config.max_registrations)
-        self._leases: dict[int, _Lease] = {}
+        self._leases = Leases(self._pool.unlock, self.metrics.lock_expired.inc)
         self._lock = threading.Lock()
 
     # ---- registration -----------------------------------------------------------------------
@@ -139,8 +129,7 @@ class KVStore:
             return len(doomed)
 
     def _unregister(self, instance_id: int) -> None:
-        for lookup_id in [i for i, lease in self._leases.items() if lease.instance_id == instance_id]:
-            self._release(lookup_id)
+        self._leases.release_instance(instance_id)
         self._engines.remove(instance_id)
         self.metrics.engines.set(len(self._engines))
 
@@ -154,7 +143,7 @@ class KVStore:
 
     def store(self, req: StoreRequest) -> StoreResult:
         with self._lock:
-            self._expire_leases()
+            self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
             self._check_block_ids(engine, req.block_ids, len(req.chunk_hashes), "store")
             if req.first_chunk < 0:
@@ -283,7 +272,7 @@ class KVStore:
 
     def lookup(self, req: LookupRequest) -> LookupResult:
         with self._lock:
-            self._expire_leases()
+            self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
             self.metrics.lookups.inc()
             if req.num_tokens < 0:
@@ -300,11 +289,9 @@ class KVStore:
                     break
             lookup_id = 0
             if hit:
-                lookup_id = self._new_lookup_id()
-                self._leases[lookup_id] = _Lease(instance_id=req.instance_id, fingerprint=engine.layout.fingerprint,
-                                                 cache_salt=req.cache_salt,
-                                                 hashes=hashes[:hit], locked=locked,
-                                                 expires_at=time.monotonic() + self.config.lock_ttl_s)
+                lookup_id = self._leases.add(Lease(
+                    instance_id=req.instance_id, fingerprint=engine.layout.fingerprint, cache_salt=req.cache_salt,
+                    hashes=hashes[:hit], locked=locked, expires_at=time.monotonic() + self.config.lock_ttl_s))
             chunk = self.config.chunk_tokens
             self.metrics.lookup_hit_tokens.inc(hit * chunk)
             for og in engine.groups:
@@ -312,13 +299,6 @@ class KVStore:
             self._update_gauges()
             return LookupResult(lookup_id=lookup_id, hit_tokens=hit * chunk,
                                 object_group_hit_tokens=[c * chunk for c in per_group])
-
-    def _new_lookup_id(self) -> int:
-        """A random 63-bit id: only the client it was returned to can name it (retrieve, release)."""
-        while True:
-            lookup_id = secrets.randbits(63)
-            if lookup_id and lookup_id not in self._leases:
-                return lookup_id
 
     def _where(self, engine: Engine, keys: list[list[bytes]]) -> list[list[int | None]]:
         """Per object group and chunk: -1 in L1 (or an empty object), a tier index, or None."""
@@ -393,7 +373,7 @@ class KVStore:
         """Copy the lookup's hit (or its first num_tokens) into the engine's blocks.
         The lookup is consumed (its locks released) whether or not the copy succeeds."""
         with self._lock:
-            self._expire_leases()
+            self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
             lease = self._held(engine, req.lookup_id)
             try:
@@ -404,13 +384,13 @@ class KVStore:
                     buffers.page(buffer, dst, nbytes)[:] = value[offset:offset + nbytes]
                     per_group[og_index] += nbytes
             finally:
-                self._release(req.lookup_id)
+                self._leases.release(req.lookup_id)
             copied = sum(per_group)
             self.metrics.retrieves.inc()
             self.metrics.bytes_out.inc(copied)
             return RetrieveResult(tokens=tokens, bytes_copied=copied, object_group_bytes=per_group)
 
-    def _plan_retrieve(self, engine: Engine, lease: _Lease,
+    def _plan_retrieve(self, engine: Engine, lease: Lease,
                        req: RetrieveRequest) -> tuple[int, list[tuple[int, Bytes, int, int, int, int]]]:
         chunk_tokens, rules = self.config.chunk_tokens, engine.rules
         tokens = len(lease.hashes) * chunk_tokens if req.num_tokens == -1 else req.num_tokens
@@ -460,34 +440,19 @@ class KVStore:
     def release(self, instance_id: int, token: str, lookup_id: int) -> None:
         with self._lock:
             self._held(self._engine(instance_id, token, None), lookup_id)
-            self._release(lookup_id)
+            self._leases.release(lookup_id)
 
-    def _held(self, engine: Engine, lookup_id: int) -> _Lease:
+    def _held(self, engine: Engine, lookup_id: int) -> Lease:
         """The lease of `lookup_id`, made by a registration of `engine`'s layout (the same one, or the
         scheduler of the same vLLM engine in another process)."""
-        lease = self._leases.get(lookup_id)
-        if lease is None or lease.fingerprint != engine.layout.fingerprint:
-            raise RequestError(ErrorCode.UNKNOWN_LOOKUP, f"lookup {lookup_id} is not held for instance "
-                               f"{engine.instance_id}'s layout (retrieved, released, expired, or never made)")
-        return lease
-
-    def _release(self, lookup_id: int) -> None:
-        for key in self._leases.pop(lookup_id).locked:
-            self._pool.unlock(key)
-
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        for lookup_id in [i for i, lease in self._leases.items() if lease.expires_at <= now]:
-            self._release(lookup_id)
-            self.metrics.lock_expired.inc()
+        return self._leases.held(lookup_id, fingerprint=engine.layout.fingerprint, instance_id=engine.instance_id)
 
     # ---- housekeeping -----------------------------------------------------------------------
 
     def clear(self) -> int:
         """Drop every object of L1 and every L2 tier (held lookups are released)."""
         with self._lock:
-            for lookup_id in list(self._leases):
-                self._release(lookup_id)
+            self._leases.release_all()
             self.tiers.clear()  # first: it flushes the write-behind, which reads L1 memory
             removed = self._pool.clear()
             self._update_gauges()

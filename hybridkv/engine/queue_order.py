@@ -9,8 +9,9 @@ CACHE_AWARE (SGLang's "longest prefix match" order, with a starvation bound) pro
 `PROBE_WINDOW` waiting requests each step (`KVCacheManager.peek`: the hit `lookup` would find,
 counting nothing) and admits the longest cached prefix first, so a prefix is used while it is
 still cached, and requests sharing a prefix run together instead of one evicting the other's.
-Ties keep arrival order. A request passed over `MAX_BYPASS` times (a later-arrived request
-admitted before it) goes first, whatever its hit: no request waits forever. A hit deferred to
+Ties keep the order requests joined the queue in. A request passed over `MAX_BYPASS` times (a
+request that joined the queue after it admitted before it) goes first, whatever its hit: no
+request waits forever. A hit deferred to
 the next step (a state checkpoint this step writes) does not stop admission as in FCFS: that
 request waits one step and the next candidate is tried.
 
@@ -20,6 +21,7 @@ the same); the hit tokens, the prompt tokens recomputed and the time to first to
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -42,8 +44,6 @@ MAX_BYPASS = 32
 
 
 class _Queued(Protocol):
-    arrival_seq: int
-
     @property
     def request_id(self) -> RequestId: ...
 
@@ -52,40 +52,56 @@ Q = TypeVar("Q", bound=_Queued)
 
 
 class Bypasses:
-    """Per waiting request, how many later-arrived requests were admitted before it."""
+    """Per waiting request, its place in join order (a ticket) and how many requests that joined
+    the queue after it were admitted before it."""
 
     def __init__(self) -> None:
+        self._ticket: dict[RequestId, int] = {}
         self._count: dict[RequestId, int] = {}
+        self._next = 0
+
+    def joined(self, request: _Queued) -> None:
+        """`request` joined the waiting queue (a preempted request keeps its first ticket)."""
+        if request.request_id not in self._ticket:
+            self._ticket[request.request_id] = self._next
+            self._next += 1
+
+    def ticket(self, request: _Queued) -> int:
+        return self._ticket.get(request.request_id, self._next)
 
     def starved(self, request: _Queued) -> bool:
         return self._count.get(request.request_id, 0) >= MAX_BYPASS
 
     def admitted(self, admitted: Iterable[_Queued], waiting: Iterable[_Queued]) -> None:
-        """Count this step's admissions against every request still waiting that arrived earlier."""
-        latest = max((r.arrival_seq for r in admitted), default=-1)
+        """Count this step's admissions against every request still waiting that joined before them."""
+        tickets = sorted(self.ticket(r) for r in admitted)
         for request in admitted:
             self._count.pop(request.request_id, None)
-        if latest < 0:
+        if not tickets:
             return
         count = self._count
         for request in waiting:
-            if request.arrival_seq < latest:
-                passed = sum(1 for r in admitted if r.arrival_seq > request.arrival_seq)
+            mine = self.ticket(request)
+            passed = len(tickets) - bisect.bisect_right(tickets, mine)
+            if passed:
                 count[request.request_id] = count.get(request.request_id, 0) + passed
 
     def forget(self, request_ids: Iterable[RequestId]) -> None:
+        """Finished or aborted requests."""
         for request_id in request_ids:
             self._count.pop(request_id, None)
+            self._ticket.pop(request_id, None)
 
 
 def cache_aware(waiting: deque[Q], peek: Callable[[Q], int], bypasses: Bypasses) -> deque[Q]:
     """`waiting` reordered: of its first PROBE_WINDOW requests, the starved ones first, then the
-    longest cached prefix first, each in arrival order; the requests behind them unchanged."""
+    longest cached prefix first, each in join order; the requests behind them unchanged."""
     probed = [waiting[i] for i in range(min(PROBE_WINDOW, len(waiting)))]
-    keyed = sorted(range(len(probed)),
-                   key=lambda i: (not bypasses.starved(probed[i]),
-                                  probed[i].arrival_seq if bypasses.starved(probed[i]) else -peek(probed[i]),
-                                  probed[i].arrival_seq))
-    out = deque(probed[i] for i in keyed)
+
+    def key(request: Q) -> tuple[bool, int, int]:
+        starved = bypasses.starved(request)
+        return not starved, 0 if starved else -peek(request), bypasses.ticket(request)
+
+    out = deque(sorted(probed, key=key))
     out.extend(waiting[i] for i in range(len(probed), len(waiting)))
     return out

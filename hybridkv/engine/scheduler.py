@@ -165,6 +165,8 @@ class Scheduler(Generic[R]):
 
     def add(self, request: R) -> None:
         self.waiting.append(request)
+        if self.queue_order is QueueOrder.CACHE_AWARE:
+            self._bypasses.joined(request)
 
     @property
     def has_unfinished(self) -> bool:
@@ -370,4 +372,6 @@ class Scheduler(Generic[R]):
                 self._release(request)
                 self.running.remove(request)
                 done.append(request)
+        if done and self.queue_order is QueueOrder.CACHE_AWARE:
+            self._bypasses.forget(r.request_id for r in done)
         return done

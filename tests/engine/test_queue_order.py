@@ -34,8 +34,16 @@ class Queued:
         return RequestId(f"q{self.arrival_seq}")
 
 
+def joined(*queued: Queued, bypasses: Bypasses | None = None) -> Bypasses:
+    """Bypasses with `queued` joined in arrival order."""
+    bypasses = bypasses or Bypasses()
+    for q in sorted(queued, key=lambda q: q.arrival_seq):
+        bypasses.joined(q)
+    return bypasses
+
+
 def order(waiting: list[Queued], bypasses: Bypasses | None = None) -> list[int]:
-    out = cache_aware(deque(waiting), lambda q: q.hit, bypasses or Bypasses())
+    out = cache_aware(deque(waiting), lambda q: q.hit, bypasses or joined(*waiting))
     return [q.arrival_seq for q in out]
 
 
@@ -50,22 +58,38 @@ def test_requests_behind_the_probe_window_keep_their_place() -> None:
 
 
 def test_a_request_passed_over_max_bypass_times_goes_first() -> None:
-    old, bypasses = Queued(0, 0), Bypasses()
+    old = Queued(0, 0)
+    bypasses = joined(old)
     for seq in range(1, MAX_BYPASS + 1):
-        assert order([old, Queued(seq, 32)], bypasses)[0] == seq
-        bypasses.admitted([Queued(seq, 32)], [old])  # a later arrival went first: one bypass
+        later = Queued(seq, 32)
+        joined(later, bypasses=bypasses)
+        assert order([old, later], bypasses)[0] == seq
+        bypasses.admitted([later], [old])  # a later joiner went first: one bypass
     assert bypasses.starved(old)
-    assert order([old, Queued(99, 32)], bypasses) == [0, 99]
-    bypasses.admitted([old], [])
+    last = Queued(99, 32)
+    joined(last, bypasses=bypasses)
+    assert order([old, last], bypasses) == [0, 99]
+    bypasses.admitted([old], [last])
     assert not bypasses.starved(old)  # admitted: its count is forgotten
+    assert not bypasses.starved(last)  # an earlier joiner going first is no bypass
 
 
-def test_an_admission_counts_only_against_earlier_arrivals() -> None:
-    bypasses = Bypasses()
-    early, late = Queued(1, 0), Queued(9, 0)
+def test_an_admission_counts_only_against_earlier_joiners() -> None:
+    early, middle, late = Queued(1, 0), Queued(5, 0), Queued(9, 0)
+    bypasses = joined(early, middle, late)
     for _ in range(MAX_BYPASS):
-        bypasses.admitted([Queued(5, 0)], [early, late])
+        bypasses.admitted([middle], [early, late])
     assert bypasses.starved(early) and not bypasses.starved(late)
+
+
+def test_a_preempted_request_keeps_its_place_in_join_order() -> None:
+    first, second = Queued(1, 0), Queued(2, 0)
+    bypasses = joined(first, second)
+    joined(first, bypasses=bypasses)  # back in the queue after a preemption: still the first joiner
+    assert order([second, first], bypasses) == [1, 2]
+    bypasses.forget([first.request_id])  # finished: a new request of that id joins last
+    joined(first, bypasses=bypasses)
+    assert order([first, second], bypasses) == [2, 1]
 
 
 def tokens(seq: int, length: int) -> list[int]:
@@ -121,8 +145,9 @@ def test_scheduler_default_is_fcfs_and_the_engine_config_names_a_bad_order() -> 
 
 
 def naive_order(waiting: list[Queued], starved: set[int]) -> list[int]:
-    """Pick one at a time: a starved request (earliest arrival) if any, else the longest hit
-    (earliest arrival among equals); only the first PROBE_WINDOW are candidates."""
+    """Pick one at a time: a starved request (earliest to join) if any, else the longest hit
+    (earliest to join among equals; here they joined in arrival order); only the first
+    PROBE_WINDOW are candidates."""
     window, rest = list(waiting[:PROBE_WINDOW]), waiting[PROBE_WINDOW:]
     out = []
     while window:
@@ -143,9 +168,9 @@ def test_the_order_matches_a_naive_selection(hits: list[int], starved: set[int],
     arrivals = list(range(len(hits)))
     random.Random(seed).shuffle(arrivals)  # a queue not in arrival order (preempted requests go back first)
     queue = [Queued(a, h) for a, h in zip(arrivals, hits, strict=True)]
-    bypasses = Bypasses()
-    for q in queue:
-        if q.arrival_seq in starved:
-            for _ in range(MAX_BYPASS):
-                bypasses.admitted([Queued(10_000, 0)], [q])
+    bypasses = joined(*queue)
+    newcomer = Queued(10_000, 0)
+    joined(newcomer, bypasses=bypasses)
+    for _ in range(MAX_BYPASS):
+        bypasses.admitted([newcomer], [q for q in queue if q.arrival_seq in starved])
     assert order(queue, bypasses) == naive_order(queue, starved)
