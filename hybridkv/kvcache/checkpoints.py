@@ -30,6 +30,7 @@ from enum import Enum
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.running_state import FixedStateManager
 from hybridkv.kvcache.type_managers.base import SingleTypeManager
 from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.specs import SpecKind
@@ -118,6 +119,9 @@ class Anchors:
             if table is None:
                 continue
             last = min(point // manager.block_size, table.length)
+            if isinstance(manager, FixedStateManager):  # its checkpoints are copies, not in the table
+                manager.anchor(request_id, point // manager.block_size - 1)
+                continue
             if manager.group.kind is SpecKind.MAMBA:
                 first = last - 1
             else:

@@ -29,6 +29,15 @@ the last table entry (the entries before it are null):
   short requests lost a third of its hits). A request admitted while nothing else runs is never
   refused for it (then it is best effort too).
 
+**Eviction.** Align mode's request holds its newest checkpoint (its hit, then the last it wrote)
+until it crosses the next block boundary, so a value-aware policy classes it by the marks set
+meanwhile (`checkpoints.Anchors`: at a junction, a hit point, a placed stop, the prompt's or the
+sequence's end it is ANCHOR, elsewhere LOW). Here the request remembers it (`_last`) instead: a mark
+at its entry (`anchor`; one set before the checkpoint is taken waits for it) raises its class, held
+or free (a free one is released again: a sequence end marked when its request is freed, where align
+mode releases it). Otherwise it keeps its early release time (measured: releasing every one again
+where align mode does, at the request's next checkpoint or its end, lost hits with LRU and value).
+
 A request freed before its step ran (preempted in the same schedule) gives its checkpoint back; one
 freed with fewer computed tokens than its last checkpoint holds (a forward that failed) has that
 checkpoint dropped from the cache (`uncomputed_cached_blocks`), as align mode drops its write block.
@@ -49,11 +58,21 @@ from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import NEVER, SingleTypeManager, StateEntries
 from hybridkv.kvcache.type_managers.state import MambaManager
+from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.kv_cache_config import RunningState
 from hybridkv.plan.kv_cache_config import check_running_state as check_mode
 from hybridkv.plan.match_unit import MatchUnit
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Checkpoint:
+    """A checkpoint a request took or hit: its table entry, blocks (per page group) and hash."""
+
+    index: int
+    blocks: list[int]
+    key: BlockHash
 
 
 @dataclass(slots=True)
@@ -81,6 +100,10 @@ class FixedStateManager(MambaManager):
         self._taken: dict[RequestId, tuple[int, list[int], BlockHash]] = {}
         #: block copies of checkpoints handed out (one per page group), checkpoints skipped for want of
         #: free blocks, since construction
+        #: per request, the checkpoint align mode would still hold (its hit, then its newest one)
+        self._last: dict[RequestId, _Checkpoint] = {}
+        #: per request, the entries at its hit points whose checkpoint is not taken yet (`anchor`)
+        self._anchored: dict[RequestId, set[int]] = {}
         self.checkpoints_copied = 0
         self.checkpoints_skipped = 0
 
@@ -153,6 +176,8 @@ class FixedStateManager(MambaManager):
         rows[:, index] = blocks
         pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
         self._cached_this_step.add(key)
+        if index in self._anchored.get(request.request_id, ()):
+            self._mark(blocks)
         self._pending[request.request_id] = _Pending(request=request, num_tokens=num_tokens, key=key,
                                                      blocks=blocks, running=table.ids[:, index].tolist())
 
@@ -164,13 +189,55 @@ class FixedStateManager(MambaManager):
         self._pending.clear()
         copies: list[tuple[int, int, int]] = []
         for item in pending:
-            self._taken[item.request.request_id] = item.num_tokens, item.blocks, item.key
+            rid = item.request.request_id
+            self._taken[rid] = item.num_tokens, item.blocks, item.key
+            self._last[rid] = _Checkpoint(index=item.num_tokens // self.block_size - 1, blocks=item.blocks,
+                                          key=item.key)
             if self._last_only:
                 self._replace_decode_checkpoint(item.request, item.key, item.blocks)
             copies += zip(self.group_ids, item.running, item.blocks, strict=True)
         self.checkpoints_copied += len(copies)
         self._pool.free([b for item in pending for b in item.blocks])
         return copies
+
+    def apply_cow(self, request_id: RequestId, index: int, blocks: Sequence[int]) -> None:
+        """As the base class; the hit (entry `index` until now) is the request's newest checkpoint."""
+        hit = self._tables[request_id].ids[:, index].tolist()
+        key = self._pool.hash_of(hit[0])
+        if key is not None:
+            self._last[request_id] = _Checkpoint(index=index, blocks=hit, key=key)
+        super().apply_cow(request_id, index, blocks)
+
+    def anchor(self, request_id: RequestId, index: int) -> None:
+        """The request's checkpoint at entry `index` is at one of its hit points (`Anchors`): ANCHOR
+        for a value-aware policy, now where it is taken (the hit or the newest checkpoint, pending,
+        held or free and still cached), else when it is taken. An older checkpoint is left alone, as
+        align mode's request no longer holds it."""
+        pending = self._pending.get(request_id)
+        last = self._last.get(request_id)
+        if pending is not None and pending.num_tokens // self.block_size - 1 == index:
+            self._mark(pending.blocks)
+        elif last is not None and last.index == index:
+            if self._cached(last):
+                self._mark(last.blocks)
+                self._release_again([b for b in last.blocks if not self._pool.ref_cnt.item(b)])
+        elif last is None or index > last.index:
+            self._anchored.setdefault(request_id, set()).add(index)
+
+    def _mark(self, blocks: list[int]) -> None:
+        if self._pool.mark is not None:
+            self._pool.mark(blocks, BlockValue.ANCHOR)
+
+    def _cached(self, checkpoint: _Checkpoint) -> bool:
+        hash_of = self._pool.hash_of
+        return all(hash_of(b) == checkpoint.key for b in checkpoint.blocks)
+
+    def _release_again(self, free: list[int]) -> None:
+        """Free blocks marked since their release are released again now, in their new class (align
+        mode releases them now: a sequence end marked when its request is freed)."""
+        if free and self._pool.mark is not None:
+            self._pool.touch([free])
+            self._pool.free(free)
 
     def checkpoint_blocks(self, total_tokens: int) -> int:
         """A new request's first step that ends on a block boundary takes its checkpoint's blocks: a
@@ -207,6 +274,8 @@ class FixedStateManager(MambaManager):
 
     def free(self, request_id: RequestId) -> Ids:
         self._taken.pop(request_id, None)
+        self._anchored.pop(request_id, None)
+        self._last.pop(request_id, None)
         if request_id in self._pending:  # its step did not run: its checkpoint holds nothing
             self._drop(request_id)
             self.checkpoints_skipped -= 1

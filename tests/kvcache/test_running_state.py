@@ -259,3 +259,36 @@ def test_a_step_whose_forward_failed_leaves_no_checkpoint() -> None:
         m.begin_step()
         assert m.lookup(make_request(request_id="p", token_ids=[*range(8), 99])).num_tokens == 8
         m.check_integrity()
+
+
+def test_value_eviction_keeps_copied_checkpoints_at_hit_points() -> None:
+    """Value eviction, 9 usable blocks, all held by a (16 tokens, steps of 4, a hint at 4): 4 attention
+    blocks, its running state, checkpoints copied out at 4, 8, 12, 16. Anchors (the hint at 4, the
+    prompt's end at 12, the sequence's end at 16 when a is freed) are ANCHOR; 8 is at no hit point: LOW,
+    evicted first though released after 4 (unmarked, 4 would go first). By hand, the order after a's
+    running block (empty): 8 (LOW), then by release time 4, 12, 16 (marked when a is freed, released
+    again then: unmarked it stays LOW and goes second), then the attention blocks."""
+    from hybridkv.kvcache.free_queue import EvictionPolicyName
+
+    m = manager(RunningState.FIXED, num_blocks=10, eviction=EvictionPolicyName.VALUE)
+    a = dataclasses.replace(make_request(request_id="a", token_ids=range(16)), cache_checkpoints=(4,))
+    m.begin_step()
+    m.lookup(a)
+    for _ in range(4):
+        step(m, a, 4)
+    assert m.stats().checkpoint_copies == 4 and m.stats().checkpoints_skipped == 0
+    m.free(a)
+
+    def hits() -> list[int]:
+        m.begin_step()
+        return [m.lookup(make_request(request_id=f"p{n}", token_ids=[*range(n), 99, 99])).num_tokens
+                for n in (4, 8, 12, 16)]
+
+    assert hits() == [4, 8, 12, 16]
+    for name in ("x", "y"):  # 3 new tokens each: an attention block and a running state, no checkpoint
+        m.begin_step()
+        assert m.allocate(make_request(request_id=name, token_ids=[1000, 1001, 1002]), 3) is not None
+        m.check_integrity()
+        if name == "x":  # a's running block and checkpoint 8
+            assert hits() == [4, 4, 12, 16]
+    assert hits() == [0, 0, 0, 16]  # then 4 and 12
