@@ -118,10 +118,10 @@ class Anchors:
             table = manager.table_of.get(request_id)
             if table is None:
                 continue
-            last = min(point // manager.block_size, table.length)
             if isinstance(manager, FixedStateManager):  # its checkpoints are copies, not in the table
                 manager.anchor(request_id, point // manager.block_size - 1)
                 continue
+            last = min(point // manager.block_size, table.length)
             if manager.group.kind is SpecKind.MAMBA:
                 first = last - 1
             else:

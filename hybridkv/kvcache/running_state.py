@@ -98,12 +98,12 @@ class FixedStateManager(MambaManager):
         self._pending: dict[RequestId, _Pending] = {}
         #: per request, its checkpoint taken last: (tokens it holds, blocks, hash), until the step ran
         self._taken: dict[RequestId, tuple[int, list[int], BlockHash]] = {}
-        #: block copies of checkpoints handed out (one per page group), checkpoints skipped for want of
-        #: free blocks, since construction
         #: per request, the checkpoint align mode would still hold (its hit, then its newest one)
         self._last: dict[RequestId, _Checkpoint] = {}
         #: per request, the entries at its hit points whose checkpoint is not taken yet (`anchor`)
         self._anchored: dict[RequestId, set[int]] = {}
+        #: block copies of checkpoints handed out (one per page group), checkpoints skipped for want of
+        #: free blocks, since construction
         self.checkpoints_copied = 0
         self.checkpoints_skipped = 0
 

@@ -292,3 +292,32 @@ def test_value_eviction_keeps_copied_checkpoints_at_hit_points() -> None:
         if name == "x":  # a's running block and checkpoint 8
             assert hits() == [4, 4, 12, 16]
     assert hits() == [0, 0, 0, 16]  # then 4 and 12
+
+
+def test_value_eviction_keeps_a_hit_checkpoint_copied_in() -> None:
+    """Value eviction, 9 usable blocks. a (16 tokens, steps of 4, freed): checkpoints at 4, 8 (LOW: at no
+    hit point of a), 12, 16 (ANCHOR). b (8 tokens + 3) hits 8: its hit point marks checkpoint 8, held
+    until the copy in, ANCHOR when released after it (align mode's b holds it and marks it the same).
+    b takes a's empty running block and evicts checkpoint 4 (LOW). c (7 new tokens) takes 3 blocks: by
+    hand 12 and 16 (ANCHOR, released before a's attention blocks), then a's last attention block; 8
+    stays (unmarked it is LOW and goes third)."""
+    from hybridkv.kvcache.free_queue import EvictionPolicyName
+
+    m = manager(RunningState.FIXED, num_blocks=10, eviction=EvictionPolicyName.VALUE)
+    a = make_request(request_id="a", token_ids=range(16))
+    m.begin_step()
+    m.lookup(a)
+    for _ in range(4):
+        step(m, a, 4)
+    m.free(a)
+    b = make_request(request_id="b", token_ids=[*range(8), 99, 99, 99])
+    m.begin_step()
+    hit = m.lookup(b)
+    assert hit.num_tokens == 8 and m.allocate(b, 3, hit=hit) is not None
+    assert len(m.take_pending_copies()) == 1 and m.take_checkpoint_copies() == ()
+    m.begin_step()
+    assert m.allocate(make_request(request_id="c", token_ids=range(1000, 1007)), 7) is not None
+    m.check_integrity()
+    m.begin_step()
+    assert [m.lookup(make_request(request_id=f"p{n}", token_ids=[*range(n), 99, 99])).num_tokens
+            for n in (4, 8, 12, 16)] == [0, 8, 8, 8]
