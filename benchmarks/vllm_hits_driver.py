@@ -115,6 +115,10 @@ class VLLMManager:
             self.manager.block_pool.free_blocks(retained)
         return tuple(copies)
 
+    def take_checkpoint_copies(self) -> tuple[Any, ...]:
+        """vLLM's align mode moves its running state: no checkpoint is copied after a step."""
+        return ()
+
     def stats(self) -> ManagerStats:
         return ManagerStats(lookups=self.lookups, query_tokens=0, hit_tokens=0, group_hit_tokens=())
 

@@ -17,7 +17,7 @@ from hybridkv.kvcache.manager import (
     MambaCacheMode,
     PrefixCaching,
 )
-from hybridkv.plan.kv_cache_config import StateLayout
+from hybridkv.plan.kv_cache_config import RunningState, StateLayout
 
 DEFAULTS = EngineConfig.defaults()
 
@@ -54,6 +54,9 @@ DecodeCheckpointsOption = Annotated[DecodeCheckpoints, typer.Option(
 Headroom = Annotated[AdmissionHeadroom, typer.Option(
     "--admission-headroom", help="what a new request leaves free for the running ones: none (vLLM's) or "
     "next_block (one block per group each: no admit-then-preempt churn)")]
+RunningStateOption = Annotated[RunningState, typer.Option(
+    "--running-state", help="state groups in align mode: moving (vLLM's: a request holds the state it reads and "
+    "the one it writes) or fixed (one running state per request; hits and checkpoints copied)")]
 QueueOrderOption = Annotated[QueueOrder, typer.Option(
     "--queue-order", help="which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached "
     "prefix first, each request passed over at most 32 times)")]
@@ -84,6 +87,7 @@ __all__ = [
     "PrefixCachingOption",
     "QueueOrderOption",
     "RetentionInterval",
+    "RunningStateOption",
     "Seed",
     "StateLayoutOption",
     "Threads",
@@ -101,6 +105,7 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
                    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
                    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
                    admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE,
+                   running_state: RunningState = RunningState.MOVING,
                    queue_order: QueueOrder = QueueOrder.FCFS) -> dict[str, Any]:
     """The `LLM` keywords of the shared options, checked by EngineConfig (ConfigError names a bad one)
     before any model loads; `--kv-server` must be auto or a tcp://host:port (ipc://path) URL."""
@@ -111,6 +116,6 @@ def engine_options(*, kv_cache_memory_gib: float, max_num_batched_tokens: int, m
         kv_server_timeout_s=kv_server_timeout_s, prefix_cache_retention_interval=prefix_cache_retention_interval,
         prefix_match_unit=prefix_match_unit, state_layout=state_layout, eviction=eviction,
         checkpoint_placement=checkpoint_placement, decode_checkpoints=decode_checkpoints,
-        admission_headroom=admission_headroom, queue_order=queue_order)
+        admission_headroom=admission_headroom, running_state=running_state, queue_order=queue_order)
     EngineConfig.from_options(options)
     return options

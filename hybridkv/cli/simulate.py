@@ -32,7 +32,7 @@ from hybridkv.kvcache.manager import (
     SlidingWindowCaching,
     SpecDecode,
 )
-from hybridkv.plan.kv_cache_config import StateLayout
+from hybridkv.plan.kv_cache_config import RunningState, StateLayout
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.specs import MambaCacheMode
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
@@ -100,6 +100,7 @@ def simulate_command(
     checkpoint_placement: opt.Placement = CheckpointPlacement.JUNCTION,
     decode_checkpoints: opt.DecodeCheckpointsOption = DecodeCheckpoints.EVERY,
     admission_headroom: opt.Headroom = AdmissionHeadroom.NONE,
+    running_state: opt.RunningStateOption = RunningState.MOVING,
     queue_order: opt.QueueOrderOption = QueueOrder.FCFS,
     checkpoint_interval: Annotated[int | None, typer.Option(
         "--checkpoint-interval", help="with --checkpoint-placement placed: also a state checkpoint every N "
@@ -120,7 +121,8 @@ def simulate_command(
         request = PlanRequest(model=model, memory_gib=memory_gib, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               mamba_alignment=mamba_alignment, spec_options=SpecOptions(kv_cache_dtype=kv_cache_dtype),
-                              mamba_cache_mode=mamba_cache_mode, state_layout=state_layout)
+                              mamba_cache_mode=mamba_cache_mode, state_layout=state_layout,
+                              running_state=running_state)
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
@@ -129,7 +131,7 @@ def simulate_command(
                              spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,
                              checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval,
                              decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-                             queue_order=queue_order)
+                             running_state=running_state, queue_order=queue_order)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
@@ -192,7 +194,9 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
         ("prefix-cache hit tokens", f"{report.hit_tokens} ({report.hit_rate:.1%} of prompt tokens)"),
         ("infinite-cache ideal", f"{report.ideal_tokens} (hits are {report.hits_vs_ideal:.1%} of it)"),
         ("preemptions", str(report.preemptions)),
-        *([("block copies (partial hits)", str(report.block_copies))] if report.block_copies else []),
+        *([("block copies (before a step)", str(report.block_copies))] if report.block_copies else []),
+        *([("state checkpoints copied / skipped", f"{report.checkpoint_copies} / {report.checkpoints_skipped}")]
+          if report.checkpoint_copies or report.checkpoints_skipped else []),
         ("running requests, mean / max", f"{report.mean_running:.1f} / {report.max_running}"),
         ("prompt tokens computed", f"{report.prefill_tokens} (recompute after preemption included)"),
         ("queue wait, mean / p95", f"{report.mean_wait_ms:.0f} / {report.p95_wait_ms:.0f} ms (simulated)"),

@@ -22,7 +22,7 @@ from hybridkv.kvcache.manager import (
     SlidingWindowCaching,
 )
 from hybridkv.plan.match_unit import check_prefix_match_unit
-from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, StateLayout, memory_gib_to_bytes
+from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunningState, StateLayout, memory_gib_to_bytes
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -66,6 +66,8 @@ class EngineConfig:
     decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
     #: none (vLLM's) or next_block (a new request leaves one block per group free for each running one)
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
+    #: moving (vLLM's: align mode holds 2 states per state group) or fixed (1; checkpoints by copy)
+    running_state: RunningState = RunningState.MOVING
     #: fcfs (vLLM's) or cache_aware (the longest cached prefix first, bounded bypass; engine/queue_order.py)
     queue_order: QueueOrder = QueueOrder.FCFS
     seed: int = 0
@@ -109,7 +111,7 @@ class EngineConfig:
             object.__setattr__(self, "sliding_window_caching", SlidingWindowCaching(self.sliding_window_caching))
         for name, enum in (("eviction", EvictionPolicyName), ("checkpoint_placement", CheckpointPlacement),
                            ("decode_checkpoints", DecodeCheckpoints), ("admission_headroom", AdmissionHeadroom),
-                           ("queue_order", QueueOrder)):
+                           ("running_state", RunningState), ("queue_order", QueueOrder)):
             value = getattr(self, name)
             if not isinstance(value, enum):
                 values = [m.value for m in enum]

@@ -46,7 +46,7 @@ from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridkv.errors import ConfigError
 from hybridkv.host_memory import check_fits
 from hybridkv.kvcache.ids import NULL_BLOCK_ID, BlockId, RequestId
-from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
+from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching, RunningState
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
 from hybridkv.plan.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
@@ -104,7 +104,7 @@ class LLM:
             memory_bytes=memory_gib_to_bytes(cfg.kv_cache_memory_gib, option="kv_cache_memory_gib"),
             max_model_len=self.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
-            mamba_cache_mode=cfg.mamba_cache_mode, state_layout=cfg.state_layout))
+            mamba_cache_mode=cfg.mamba_cache_mode, state_layout=cfg.state_layout, running_state=cfg.running_state))
         check_fits(kv_cache_gib=cfg.kv_cache_memory_gib,
                    weights_bytes=sum(f.stat().st_size for f in safetensors_files(self.model_dir)))
         self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
@@ -115,7 +115,7 @@ class LLM:
                                       prefix_match_unit=cfg.prefix_match_unit, eviction=cfg.eviction,
                                       checkpoint_placement=cfg.checkpoint_placement,
                                       decode_checkpoints=cfg.decode_checkpoints,
-                                      admission_headroom=cfg.admission_headroom)
+                                      admission_headroom=cfg.admission_headroom, running_state=cfg.running_state)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
@@ -142,6 +142,11 @@ class LLM:
                               f"{unit.scheduler_block_tokens}-token blocks, copied on write) is not supported yet; "
                               f"expected a unit of at least {unit.scheduler_block_tokens} tokens (or None), "
                               "or no kv_server")
+        if has_state and cfg.running_state is RunningState.FIXED and cfg.prefix_caching is PrefixCaching.ON:
+            raise ConfigError("kv_server with running_state=fixed is not supported yet: the connector stores and "
+                              "loads a state at the table entry of the chunk's last block, where fixed keeps no "
+                              "block (its checkpoints are copies outside the table); expected running_state "
+                              "moving, or no kv_server")
         if has_state and cfg.prefix_caching is PrefixCaching.OFF:
             raise ConfigError("kv_server with a state model (Mamba / Gated DeltaNet) needs prefix_caching on: "
                               "without it a state group keeps one running state, no checkpoint to store")
@@ -358,6 +363,8 @@ class LLM:
                           start_pos=w.start_pos, block_ids=tables[w.request.request_id],
                           sample=w.samples, state_io=self._state_io(w)) for w in work]
         logits = self.runner.execute(items)  # [sampling items, vocab]
+        if out.checkpoint_copies:  # RunningState.FIXED: running states out into their checkpoints
+            self.runner.copy_blocks([(int(c.src_block_id), int(c.dst_block_id)) for c in out.checkpoint_copies])
         if saves is not None and self.transfer is not None:
             self.transfer.connector.save_kv(saves)  # the chunks this step completed, window blocks still live
             self.transfer.connector.wait_for_save()

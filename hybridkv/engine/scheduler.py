@@ -25,6 +25,9 @@ manager keeps as a partial checkpoint (vLLM 0.32's tail stop).
 
 Copy on write: the block copies the step's allocations asked for (`KVCacheManager.take_pending_copies`,
 partial hits) come with the step (`SchedulerOutput.copies`); the engine runs them before the forward.
+With one running state per request (`RunningState.FIXED`) they also copy state hits into running
+states, and `SchedulerOutput.checkpoint_copies` (taken after every allocation of the step) copy
+running states out into checkpoints after the forward.
 
 With a KV connector (`connector`, e.g. the KV cache server's): after the local lookup the
 connector says how many more prompt tokens the external cache holds; they are allocated as
@@ -131,8 +134,10 @@ class ScheduledWork(Generic[R]):
 class SchedulerOutput(Generic[R]):
     work: tuple[ScheduledWork[R], ...]
     preempted: tuple[R, ...]
-    #: block copies to run before the step's forward, in order (partial hits' copy on write)
+    #: block copies to run before the step's forward, in order (partial hits' copy on write; FIXED hits)
     copies: tuple[BlockCopy, ...] = ()
+    #: block copies to run after the step's forward (RunningState.FIXED: checkpoints out of running states)
+    checkpoint_copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -211,7 +216,8 @@ class Scheduler(Generic[R]):
                 f"--kv-cache-memory-gib) or shorten the prompt"
             )
         return SchedulerOutput(work=tuple(scheduled), preempted=tuple(preempted),
-                               copies=self.manager.take_pending_copies())
+                               copies=self.manager.take_pending_copies(),
+                               checkpoint_copies=self.manager.take_checkpoint_copies())
 
     def _admit(self, work: list[ScheduledWork[R]], budget: int) -> None:
         aware = self.queue_order is QueueOrder.CACHE_AWARE

@@ -30,6 +30,7 @@ from enum import Enum
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.running_state import FixedStateManager
 from hybridkv.kvcache.type_managers.base import SingleTypeManager
 from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.specs import SpecKind
@@ -116,6 +117,9 @@ class Anchors:
         for manager in self._marked:
             table = manager.table_of.get(request_id)
             if table is None:
+                continue
+            if isinstance(manager, FixedStateManager):  # its checkpoints are copies, not in the table
+                manager.anchor(request_id, point // manager.block_size - 1)
                 continue
             last = min(point // manager.block_size, table.length)
             if manager.group.kind is SpecKind.MAMBA:

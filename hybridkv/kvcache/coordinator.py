@@ -134,6 +134,9 @@ class KVCacheCoordinator:
         self.release_when_refused = False
         #: hits may end inside blocks (`enable_partial_hits`): allocate may copy on write
         self.partial_hits = False
+        #: a manager copies every hit into a fresh block (`RunningState.FIXED`): allocate may copy
+        self.copies_hits = any(m.copies_hits for m in managers)
+        self._reclaiming = tuple(m for m in managers if m.copies_hits)  # (checkpoints held for the schedule)
         self._no_cows: list[tuple[int, list[int]] | None] = []
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
@@ -181,15 +184,20 @@ class KVCacheCoordinator:
         if hits and self.defers(hits):
             return None
         manager_hits = self._by_manager(hits)
-        cows = self._cows(rid, manager_hits, hit_tokens) if self.partial_hits else self._no_cows
+        cows = self._cows(rid, manager_hits, hit_tokens) if self.partial_hits or self.copies_hits else self._no_cows
         extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
         admitting = self.headroom_blocks and rid not in self.allocated  # (AdmissionHeadroom)
         reserve = self.headroom_blocks * len(self.allocated) if admitting else 0
+        if self._reclaiming and self.allocated and rid not in self.allocated:  # (FIXED: room for its checkpoint)
+            reserve += sum(m.checkpoint_blocks(total_tokens) for m in self._reclaiming)
         if sum(bounds) + extra + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
             need = sum(m.get_num_blocks_to_allocate(request, h, first_new, total_tokens)
                        for m, h in zip(managers, manager_hits, strict=True))
+            if need + extra + reserve > pool.num_free and self._reclaiming and rid in self.allocated:
+                for m in self._reclaiming:  # a running step comes before a checkpoint: never a preemption
+                    m.reclaim(need + extra + reserve - pool.num_free)
             if need + extra + reserve > pool.num_free:
                 if self.release_when_refused and rid in self.allocated:
                     self._release_skipped(rid, first_new)
@@ -249,6 +257,8 @@ class KVCacheCoordinator:
                     cow = index, [row[index] for row in hits]
                 elif rid in self.allocated:
                     cow = m.producer_cow(rid)
+            elif m.copies_hits and hits and hits[0]:  # the checkpoint hit, copied into the running block
+                cow = len(hits[0]) - 1, [row[-1] for row in hits]
             out.append(cow)
         return out
 
@@ -277,7 +287,7 @@ class KVCacheCoordinator:
                     pool.ref_cnt[src] += 1
                 else:
                     pool.ref_cnt[dst] += 1
-                    copied[g] = (dst,)
+                    copied[g] = () if m.copies_hits else (dst,)  # (FIXED: the table's new last entry)
             if running:
                 m.producer_copied(rid, dsts)
             else:

@@ -32,7 +32,6 @@ a checkpoint cached since then (`CacheHit.deferred`).
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Iterable
 from operator import add
 from typing import cast
@@ -59,6 +58,7 @@ from hybridkv.kvcache.free_queue import EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
+from hybridkv.kvcache.integrity import check_manager_integrity
 from hybridkv.kvcache.partial_hits import check_partial_hits
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.results import (
@@ -78,12 +78,13 @@ from hybridkv.kvcache.retention import (
     SpecDecode,
     check_spec_decode,
 )
+from hybridkv.kvcache.running_state import FixedStateManager, check_running_state, fixed_state_managers
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
 from hybridkv.kvcache.value_policy import ALL_POLICIES
 from hybridkv.plan.match_unit import MatchUnit, resolve_match_unit
-from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
-from hybridkv.plan.specs import MambaCacheMode
+from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec, RunningState
+from hybridkv.plan.specs import MambaCacheMode, SpecKind
 
 __all__ = [
     "AdmissionHeadroom",
@@ -103,6 +104,7 @@ __all__ = [
     "NewBlocks",
     "PrefixCaching",
     "ReleaseOrder",
+    "RunningState",
     "SlidingWindowCaching",
     "SpecDecode",
     "StaleHitError",
@@ -118,12 +120,15 @@ def _new_blocks(entries: Iterable[tuple[int, ...]]) -> NewBlocks:
 
 
 def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
-                      mamba_cache_mode: MambaCacheMode, retention: Retention) -> KVCacheCoordinator:
+                      mamba_cache_mode: MambaCacheMode, retention: Retention,
+                      running_state: RunningState) -> KVCacheCoordinator:
     mode = mamba_cache_mode if caching is PrefixCaching.ON else MambaCacheMode.NONE
     by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
     for group in config.groups:
         by_rule.setdefault(rule_of(group), []).append(group)
-    managers = [make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
+    fixed = running_state is RunningState.FIXED and mode is MambaCacheMode.ALIGN
+    managers = [FixedStateManager(groups, pool, retention=retention) if fixed and groups[0].kind is SpecKind.MAMBA
+                else make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
     if caching is PrefixCaching.OFF:
         return NoPrefixCacheCoordinator(managers, pool)
     if len(managers) == 1:
@@ -154,6 +159,7 @@ class KVCacheManager:
         checkpoint_interval_tokens: int | None = None,
         decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
         admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE,
+        running_state: RunningState = RunningState.MOVING,
     ) -> None:
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
@@ -172,6 +178,7 @@ class KVCacheManager:
                                              caching=prefix_caching is PrefixCaching.ON,
                                              mamba_cache_mode=mamba_cache_mode)
         check_partial_hits(self.match_unit, config)
+        check_running_state(running_state, mamba_cache_mode, self.match_unit)
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
@@ -181,7 +188,9 @@ class KVCacheManager:
         retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
                               alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
                               spec_decode=spec_decode, decode_checkpoints=decode_checkpoints)
-        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention)
+        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention,
+                                              running_state)
+        self._fixed = fixed_state_managers(self._coordinator.managers)
         self._coordinator.release_order = release_order
         if admission_headroom is AdmissionHeadroom.NEXT_BLOCK:
             self._coordinator.headroom_blocks = len(config.groups)
@@ -469,7 +478,9 @@ class KVCacheManager:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                             group_hit_tokens=tuple(self._group_hit_tokens),
-                            limited_by=self._limits.per_group(), block_copies=self._copies)
+                            limited_by=self._limits.per_group(), block_copies=self._copies,
+                            checkpoint_copies=sum(m.checkpoints_copied for m in self._fixed),
+                            checkpoints_skipped=sum(m.checkpoints_skipped for m in self._fixed))
 
     def take_pending_copies(self) -> tuple[BlockCopy, ...]:
         """The block copies the engine must run before the next forward, in order (copy on write
@@ -481,6 +492,13 @@ class KVCacheManager:
         return tuple(BlockCopy(group_id=GroupId(g), src_block_id=BlockId(src), dst_block_id=BlockId(dst))
                      for g, src, dst in copies)
 
+    def take_checkpoint_copies(self) -> tuple[BlockCopy, ...]:
+        """The copies the engine must run AFTER the next forward (`RunningState.FIXED`): each copies
+        a request's running state out into a checkpoint block, cached and free (running_state.py).
+        Call once per step, after `take_pending_copies`. Empty unless running_state is FIXED."""
+        return tuple(BlockCopy(group_id=GroupId(g), src_block_id=BlockId(src), dst_block_id=BlockId(dst))
+                     for m in self._fixed for g, src, dst in m.take_checkpoints())
+
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""
         return self._pool.take_events()
@@ -490,30 +508,7 @@ class KVCacheManager:
         equal the number of tables holding a block, free queue == blocks with ref count 0, no
         block twice in a table, every held block belongs to the group holding it, hash maps
         consistent."""
-        expected: Counter[int] = Counter()
-        groups = self._pool.group_of.tolist()
-        running = set(self._coordinator.running_requests())
-        for g, (manager, row) in enumerate(self._groups):
-            tables = manager.tables(row)
-            if set(tables) != running:
-                raise IntegrityError(f"group {g} has tables for {sorted(tables)} but the "
-                                     f"running requests are {sorted(running)}")
-            for rid, table in tables.items():
-                skipped = manager.num_skipped(rid)
-                if any(table[:skipped]):
-                    raise IntegrityError(f"request {rid!r} group {g}: the first {skipped} entries should be null")
-                real = [b for b in table if b != NULL]
-                if len(set(real)) != len(real):
-                    raise IntegrityError(f"request {rid!r} holds a block twice in group {g}")
-                for block in real:
-                    if not 0 < block < len(groups):
-                        raise IntegrityError(f"request {rid!r} holds block {block} in group {g}, outside the pool")
-                    if groups[block] != g:
-                        raise IntegrityError(f"request {rid!r} holds block {block} in group {g} "
-                                             f"but the block belongs to group {groups[block]}")
-                    expected[block] += 1
-        expected.update(self._coordinator.retained)  # the ends of copies not taken yet
-        self._pool.check_integrity(expected)
+        check_manager_integrity(self._groups, self._coordinator, self._pool)
 
     # -- internals ------------------------------------------------------------------------------
 

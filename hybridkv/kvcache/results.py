@@ -120,8 +120,12 @@ class ManagerStats:
     group_hit_tokens: tuple[int, ...]
     #: per group, lookups whose hit this group stopped, by reason (`hit_limits.HitLimit`)
     limited_by: tuple[dict[HitLimit, int], ...] = ()
-    #: block copies handed out by `take_pending_copies` (partial hits' copy on write)
+    #: block copies handed out by `take_pending_copies` (partial hits' copy on write; FIXED hits)
     block_copies: int = 0
+    #: RunningState.FIXED: block copies out of running states into checkpoints (one per page group,
+    #: `take_checkpoint_copies`), and checkpoints skipped for want of free blocks (`running_state.py`)
+    checkpoint_copies: int = 0
+    checkpoints_skipped: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -59,6 +59,31 @@ class StateLayout(Enum):
     MULTI_PAGE = "multi_page"
 
 
+class RunningState(Enum):
+    """Where a request's state lives between steps in align mode (docs/state_layout.md).
+
+    MOVING (vLLM's): a step writes its state into the table entry of the block it ends in, reading
+    the previous entry, so a request that crossed a block boundary holds two states per state group.
+    FIXED: one running state per request and state group, read and written in place; a hit is
+    copied into it before the step's forward, a checkpoint copied out of it after the forward into
+    a block the request does not hold (free and cached, best effort).
+    """
+
+    MOVING = "moving"
+    FIXED = "fixed"
+
+
+def check_running_state(running_state: RunningState, mamba_cache_mode: MambaCacheMode) -> None:
+    """ConfigError unless `running_state` is a RunningState that fits `mamba_cache_mode`."""
+    if not isinstance(running_state, RunningState):
+        raise ConfigError(f"running_state must be one of {[m.value for m in RunningState]}, got {running_state!r}")
+    if running_state is RunningState.FIXED and mamba_cache_mode is MambaCacheMode.ALL:
+        raise ConfigError("running_state=fixed copies a checkpoint out of the running state where a step ends "
+                          "(align mode); mamba_cache_mode=all keeps one at every boundary a step crosses, "
+                          "which one running state cannot give; expected mamba_cache_mode align (or none), "
+                          "or running_state moving")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlannerOptions:
     """What the planner needs besides the model: the budget and the scheduler limits."""
@@ -72,6 +97,8 @@ class PlannerOptions:
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     #: Where a Mamba hybrid's states live: one page each, or several small pages (`StateLayout`).
     state_layout: StateLayout = StateLayout.ONE_PAGE
+    #: Align mode: two states per request and state group (MOVING, vLLM's) or one (FIXED).
+    running_state: RunningState = RunningState.MOVING
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "max_model_len", "max_num_batched_tokens", "block_size", "mamba_alignment"):
@@ -84,6 +111,7 @@ class PlannerOptions:
         if not isinstance(self.state_layout, StateLayout):
             raise ConfigError(f"state_layout must be one of {[m.value for m in StateLayout]}, "
                               f"got {self.state_layout!r}")
+        check_running_state(self.running_state, self.mamba_cache_mode)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,6 +25,7 @@ from hybridkv.plan.kv_cache_config import (
     PageLayout,
     Plan,
     PlannerOptions,
+    RunningState,
     StateLayout,
     StateLayoutSummary,
     UniformLayout,
@@ -38,6 +39,7 @@ from hybridkv.plan.specs import (
     CompressedMLASpec,
     IndexerSpec,
     LayerSpec,
+    MambaCacheMode,
     MambaSpec,
     MLASpec,
     ModelSpec,
@@ -46,8 +48,8 @@ from hybridkv.plan.specs import (
 
 __all__ = [  # the planner's types live in kv_cache_config; importing them from here keeps working
     "DEFAULT_MAX_NUM_BATCHED_TOKENS", "GIB", "MIN_CHUNK_TOKENS", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor",
-    "PageLayout", "Plan", "PlannerOptions", "StateLayout", "StateLayoutSummary", "UniformLayout", "budget_reason",
-    "build_kv_cache_config",
+    "PageLayout", "Plan", "PlannerOptions", "RunningState", "StateLayout", "StateLayoutSummary", "UniformLayout",
+    "budget_reason", "build_kv_cache_config",
     "effective_request", "group_layers", "mamba_block_size", "memory_gib_to_bytes", "plan", "recommended_chunk_size",
     "resolve_max_model_len",
 ]
@@ -315,11 +317,15 @@ def recommended_chunk_size(config: KVCacheConfig, minimum_tokens: int = MIN_CHUN
 
 
 def _request_need(config: KVCacheConfig, options: PlannerOptions) -> tuple[int, ...]:
-    """Blocks one request of `max_model_len` tokens holds at once, per group."""
+    """Blocks one request of `max_model_len` tokens holds at once, per group. RunningState.FIXED:
+    one state per state group, as with no caching (its checkpoints are copied into blocks it never
+    holds: taken from the free blocks after the step's allocations and released at once)."""
+    mode = options.mamba_cache_mode
+    if options.running_state is RunningState.FIXED and mode is MambaCacheMode.ALIGN:
+        mode = MambaCacheMode.NONE
     return tuple(
         g.spec.blocks_needed(block_size=g.block_size, max_model_len=options.max_model_len,
-                             max_num_batched_tokens=options.max_num_batched_tokens,
-                             mamba_cache_mode=options.mamba_cache_mode)
+                             max_num_batched_tokens=options.max_num_batched_tokens, mamba_cache_mode=mode)
         for g in config.groups
     )
 

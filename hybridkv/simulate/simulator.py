@@ -32,6 +32,7 @@ from hybridkv.kvcache.manager import (
     MambaCacheMode,
     PrefixCaching,
     ReleaseOrder,
+    RunningState,
     SlidingWindowCaching,
     SpecDecode,
 )
@@ -83,6 +84,7 @@ class SimOptions:
     checkpoint_interval_tokens: int | None = None
     decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
+    running_state: RunningState = RunningState.MOVING
     queue_order: QueueOrder = QueueOrder.FCFS
 
     def __post_init__(self) -> None:
@@ -133,6 +135,10 @@ class SimReport:
     concurrency: tuple[tuple[float, int, int], ...] = field(default=())
     #: block copies the manager asked for (partial hits' copy on write; nothing is copied here)
     block_copies: int = 0
+    #: RunningState.FIXED: block copies into state checkpoints after a step (one per page group), and
+    #: checkpoints skipped for want of free blocks
+    checkpoint_copies: int = 0
+    checkpoints_skipped: int = 0
     #: simulated ms from joining the waiting queue to the first scheduled step: mean and 95th percentile
     #: over the requests (what a queue order costs in time to first token)
     mean_wait_ms: float = 0.0
@@ -239,7 +245,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order,
         spec_decode=options.spec_decode, prefix_match_unit=options.prefix_match_unit, eviction=options.eviction,
         checkpoint_placement=options.checkpoint_placement, decode_checkpoints=options.decode_checkpoints,
-        admission_headroom=options.admission_headroom,
+        admission_headroom=options.admission_headroom, running_state=options.running_state,
         checkpoint_interval_tokens=options.checkpoint_interval_tokens)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
     aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
@@ -286,7 +292,8 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         wall_s=time.perf_counter() - started, groups=_limits_of(config, stats.limited_by),
         concurrency=tuple(samples), distinct_tokens=run.ideal.distinct_tokens(),
         request_hits=tuple(r.prefix_hit_tokens for r in sorted(requests, key=lambda r: r.arrival_seq)),
-        block_copies=run.block_copies,
+        block_copies=run.block_copies, checkpoint_copies=stats.checkpoint_copies,
+        checkpoints_skipped=stats.checkpoints_skipped,
         prefill_tokens=sum(r.computed_prefill_tokens for r in requests),
         mean_held_fraction=held_sum / steps if steps else 0.0,
         **_waits(requests),

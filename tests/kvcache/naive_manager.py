@@ -16,7 +16,9 @@ Since nothing is ever evicted here, the real manager's hit is never longer; with
 enough to never evict, the two are equal.
 
 `ContentTracker` records which tokens every block id holds (from the block ids the real manager
-hands out) and checks that a hit never uses a block whose content differs from the request's.
+hands out, and the block copies it asks for) and checks that a hit never uses a block whose content
+differs from the request's. With `RunningState.FIXED` a state table holds one real entry, the last:
+the running state, read and written by every step.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.planner import KVCacheGroupSpec, RunningState
 from hybridkv.plan.specs import MambaCacheMode, SpecKind
 
 Prefix = tuple[str | None, tuple[int, ...]]
@@ -102,7 +104,8 @@ def state_writes(size: int, start: int, end: int, mode: MambaCacheMode) -> list[
 
 
 def required_entries(group: KVCacheGroupSpec, first_new: int, total: int,
-                     mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> set[int] | None:
+                     mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+                     running: RunningState = RunningState.MOVING) -> set[int] | None:
     """Table entries that must be real blocks for a step computing from token `first_new` with
     slots up to `total`, from the attention definitions (docs/design.md §4), not the manager's
     keep rule; every other entry must be the null block. None: every entry is required (full).
@@ -124,6 +127,8 @@ def required_entries(group: KVCacheGroupSpec, first_new: int, total: int,
         return {i for i in range(num_entries) if (i + 1) * size > chunk_start}
     if group.kind is SpecKind.MAMBA:
         real = {num_entries - 1}
+        if running is RunningState.FIXED:  # the running state: read and written in place
+            return real
         if mamba_mode is MambaCacheMode.ALL:
             real |= set(range(max(0, -(-first_new // size) - 1), num_entries))
         if first_new:
@@ -142,9 +147,11 @@ class ContentTracker:
     only if every real block it uses holds exactly the request's own prefix at that position.
     """
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec], mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN) -> None:
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
+                 running: RunningState = RunningState.MOVING) -> None:
         self.groups = list(groups)
         self.mamba_mode = mamba_mode
+        self.running = running
         self.attention: dict[int, tuple[int, int, tuple[int, ...], str | None]] = {}
         self.state: dict[int, tuple[int, Prefix]] = {}
 
@@ -194,14 +201,15 @@ class ContentTracker:
             group = self.groups[g]
             size = group.block_size
             assert len(table) == -(-total // size), f"group {g}: {len(table)} entries for {total} slots"
-            needed = required_entries(group, first_new, total, self.mamba_mode)
+            needed = required_entries(group, first_new, total, self.mamba_mode, self.running)
             for i, block_id in enumerate(table):
                 if needed is not None and i not in needed:
                     assert not block_id, f"group {g} ({group.kind.value}): entry {i} should be released at {first_new}"
                     continue
                 assert block_id, f"group {g} ({group.kind.value}): entry {i} is needed at {first_new} but null"
                 if group.kind is SpecKind.MAMBA:
-                    if first_new and i == -(-first_new // size) - 1:
+                    read_entry = len(table) - 1 if self.running is RunningState.FIXED else -(-first_new // size) - 1
+                    if first_new and i == read_entry:
                         problems = self._block_problems(g, i, block_id, tokens, salt, first_new)
                         assert not problems, problems
                 elif i * size < first_new:
@@ -217,7 +225,8 @@ class ContentTracker:
             if group.kind is not SpecKind.MAMBA:
                 continue
             size, table = group.block_size, tables[g]
-            read = (first_new, table[-(-first_new // size) - 1]) if first_new else None
+            read_entry = len(table) - 1 if self.running is RunningState.FIXED else -(-first_new // size) - 1
+            read = (first_new, table[read_entry]) if first_new else None
             writes = [(t, table[-(-t // size) - 1]) for t in state_writes(size, first_new, end, self.mamba_mode)]
             expected.append((g, read, writes))
         got = []
@@ -225,6 +234,16 @@ class ContentTracker:
             read = None if step.read is None else (step.read.num_tokens, step.read.block_id)  # type: ignore[attr-defined]
             got.append((step.group_id, read, [(w.num_tokens, w.block_id) for w in step.writes]))  # type: ignore[attr-defined]
         assert got == expected, f"state_steps [{first_new}, {end}): {got} != {expected}"
+
+    def apply_copies(self, copies: Sequence[object]) -> None:
+        """The engine ran `copies` (`BlockCopy`s, in order): each block now holds its source's content."""
+        for copy in copies:
+            src, dst = copy.src_block_id, copy.dst_block_id  # type: ignore[attr-defined]
+            for held in (self.state, self.attention):
+                if src in held:
+                    held[dst] = held[src]  # type: ignore[assignment]
+                else:
+                    held.pop(dst, None)
 
     def _block_problems(self, g: int, i: int, block_id: int, tokens: Sequence[int], salt: str | None,
                         end: int) -> list[str]:

@@ -32,7 +32,7 @@ from hybridkv.errors import StaleHitError
 from hybridkv.kvcache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvents
 from hybridkv.kvcache.manager import CacheHit, CheckpointPlacement, EvictionPolicyName, KVCacheManager, MambaCacheMode
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.planner import KVCacheGroupSpec, RunningState
 from hybridkv.plan.specs import SpecKind
 from tests.factories import make_config, make_group, make_request
 from tests.kvcache.naive_manager import ContentTracker
@@ -43,7 +43,8 @@ MIXED = [
     make_group(kind="chunked", block_size=2, chunk_tokens=4),
     make_group(kind="mamba", block_size=2),
 ]
-LAYOUTS: dict[str, tuple[list[KVCacheGroupSpec], int]] = {  # groups, num_blocks; "_all": MambaCacheMode.ALL
+# groups, num_blocks; "_all": MambaCacheMode.ALL; "_fixed": RunningState.FIXED (one running state per request)
+LAYOUTS: dict[str, tuple[list[KVCacheGroupSpec], int]] = {
     "mixed": ([
         make_group(kind="full", block_size=2),
         make_group(kind="sliding", block_size=2, window_tokens=5),
@@ -72,11 +73,14 @@ LAYOUTS: dict[str, tuple[list[KVCacheGroupSpec], int]] = {  # groups, num_blocks
           for s in range(3)),
     ], 44),
 }
+LAYOUTS["mixed_fixed"] = (MIXED, 28)
+LAYOUTS["multi_page_fixed"] = (LAYOUTS["multi_page"][0], 36)
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 3, 4, 9, 9, 9, 9, 9, 9], [7] * 16]
 MAX_MODEL_LEN = 32
 # What the run must have exercised (counted below; `TestManagerStateMachine` checks every one).
 COVERAGE: Counter[str] = Counter()
 REQUIRED = ("layout:mixed", "layout:twin_sliding", "layout:two_block_sizes", "layout:mixed_all", "layout:multi_page",
+            "layout:mixed_fixed", "layout:multi_page_fixed", "state_copied_in", "checkpoint_copied_out",
             "hit", "deferred",
             "refused_new", "refused_running",
             "evicted", "uncached_unrun_step", "stale_hit", "kept_hit_used", "reset", "eviction:value", "eviction:lru")
@@ -103,11 +107,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def build(self, layout: str, eviction: EvictionPolicyName, placement: CheckpointPlacement) -> None:
         groups, num_blocks = LAYOUTS[layout]
         mode = MambaCacheMode.ALL if layout.endswith("_all") else MambaCacheMode.ALIGN
+        running = RunningState.FIXED if layout.endswith("_fixed") else RunningState.MOVING
         self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=MAX_MODEL_LEN,
                                       events=KVEvents.ON, mamba_cache_mode=mode, eviction=eviction,
-                                      checkpoint_placement=placement)
+                                      checkpoint_placement=placement, running_state=running)
         self.groups = self.manager.config.groups
-        self.tracker = ContentTracker(self.groups, mode)
+        self.tracker = ContentTracker(self.groups, mode, running)
         COVERAGE[f"layout:{layout}"] += 1
         COVERAGE[f"eviction:{eviction.value}"] += 1
 
@@ -177,6 +182,9 @@ class ManagerMachine(RuleBasedStateMachine):
             return None
         end = first_new + num_new
         assert not (hit and self.same_step_checkpoint(request, hit)), "a same-step state checkpoint was restored"
+        copies = self.manager.take_pending_copies()  # (FIXED: a state hit into the running state) before the step
+        self.tracker.apply_copies(copies)
+        COVERAGE["state_copied_in"] += bool(copies)
         tables = self.manager.block_ids(request.request_id)
         self.tracker.check_table(request.token_ids, request.cache_salt, tables, first_new, end)
         if end > first_new:
@@ -190,6 +198,10 @@ class ManagerMachine(RuleBasedStateMachine):
         request = job.request
         tables = self.manager.block_ids(request.request_id)
         self.tracker.record_step(request.token_ids, request.cache_salt, tables, first_new, end)
+        copies = self.manager.take_checkpoint_copies()  # (FIXED) after the step: running states out
+        self.tracker.apply_copies(copies)
+        COVERAGE["checkpoint_copied_out"] += bool(copies)
+        self.drain_events()
         request.num_computed_tokens = end
 
     def preempt_job(self, job: Job, *, step_ran: bool = True) -> None:

@@ -52,3 +52,23 @@ def test_simulate_cli_takes_the_state_layout(tmp_path: Path) -> None:
         assert out.exit_code == 0, out.output
         hits[layout] = json.loads(out.output)["hit_tokens"]
     assert hits == {"one_page": 0, "multi_page": 208}
+
+
+def test_one_running_state_hits_the_same_and_counts_its_copies(tmp_path: Path) -> None:
+    """`--running-state fixed`: B hits the same 208 tokens. Copies, in pages (3 GDN groups x 34 pages =
+    102 per state): A's chunks end at 192 and 208 (align mode), each copied out into a checkpoint (204);
+    B's hit is copied into its running state (102), its chunk [208, 240) copied out at 240 (102)."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"prompt_token_ids": list(r.new_tokens), "max_tokens": 1}) + "\n"
+                            for r in trace()))
+    out = CliRunner().invoke(app, ["simulate", "Qwen/Qwen3.5-0.8B", "--trace", str(path), "--memory-gib", "1",
+                                   "--max-model-len", "1024", "--state-layout", "multi_page",
+                                   "--running-state", "fixed", "--json"])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    assert (report["hit_tokens"], report["request_hits"]) == (208, [0, 208])
+    assert (report["block_copies"], report["checkpoint_copies"], report["checkpoints_skipped"]) == (102, 306, 0)
+    text = CliRunner().invoke(app, ["simulate", "Qwen/Qwen3.5-0.8B", "--trace", str(path), "--memory-gib", "1",
+                                    "--max-model-len", "1024", "--state-layout", "multi_page",
+                                    "--running-state", "fixed"]).output
+    assert "state checkpoints copied / skipped" in text and "306 / 0" in text

@@ -106,6 +106,8 @@ class SingleTypeManager(ABC):
     reads_from_right = False
     #: A recurrent-state group (Mamba, GDN): its blocks are checkpoints.
     is_state = False
+    #: A hit is copied into a fresh block before the step (`RunningState.FIXED`, `running_state.py`).
+    copies_hits = False
 
     def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
         groups = (group,) if isinstance(group, KVCacheGroupSpec) else tuple(group)
@@ -165,6 +167,17 @@ class SingleTypeManager(ABC):
     def new_step(self) -> None:
         """A new scheduling step starts (state groups forget what was cached in the last one)."""
         return
+
+    def checkpoint_blocks(self, total_tokens: int) -> int:
+        """Blocks a new request's first step ending at `total_tokens` takes besides its table
+        (`RunningState.FIXED`: its checkpoint); 0 elsewhere."""
+        del total_tokens
+        return 0
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Give back up to `num_blocks` blocks held only for this schedule (`RunningState.FIXED`'s
+        checkpoints); no-op elsewhere."""
+        del num_blocks
 
     def quiet_bounds(self, request_id: RequestId) -> tuple[int, int]:
         """(F, T): an `allocate` of a running request whose step starts at `first_new <= F` and

@@ -1,0 +1,299 @@
+"""One running state per request in align mode (`RunningState.FIXED`): checkpoints taken by copy.
+
+In align mode (vLLM's, `RunningState.MOVING`) a step writes its state into the table entry of the
+block it ends in and reads the previous entry, so a request that has crossed a block boundary holds
+two states per state group. `FixedStateManager` keeps one instead, the *running* block, always in
+the last table entry (the entries before it are null):
+
+    ids[row]:  | null ... null | running |
+               0               ^ length - 1: moves (the id, not the state) as the request advances
+
+- **Hit.** A new request's hit on a cached checkpoint is copied INTO a fresh running block before
+  the step's forward: the coordinator's copy on write (`copies_hits`), handed out by
+  `KVCacheManager.take_pending_copies`. The checkpoint itself is held only until that call.
+- **Checkpoint.** A step that ends where align mode keeps a checkpoint (a block boundary the
+  retention rule keeps, not cached yet) takes a free block per page group when it is allocated
+  (`cache_blocks`) and caches it under the boundary's hash; its content arrives after the forward
+  (the engine copies the running state OUT into it: `KVCacheManager.take_checkpoint_copies`), so a
+  hit on it waits for the next step, as for any checkpoint cached in the current step: a sibling
+  looked up later in the same schedule waits for it instead of missing it. The request never holds
+  it: the manager holds it until the end of the schedule (`take_checkpoints`), then it is free and
+  cached (evictable), like a checkpoint a request released in align mode. A checkpoint whose hash
+  is already cached is not copied again.
+- **Best effort.** A running request's checkpoint without free blocks is skipped (counted,
+  `checkpoints_skipped`); when a running request's step would be refused (someone preempted), the
+  coordinator first takes back the newest checkpoints of the schedule (`reclaim`: uncached, freed).
+  A checkpoint never costs a preemption. A *new* request whose first step ends on a block boundary
+  is admitted only with room for its checkpoint (`checkpoint_blocks`): align mode's write block is
+  that checkpoint, and the siblings of a shared prefix hit it (measured: without this a burst of
+  short requests lost a third of its hits). A request admitted while nothing else runs is never
+  refused for it (then it is best effort too).
+
+**Eviction.** Align mode's request holds its newest checkpoint (its hit, then the last it wrote)
+until it crosses the next block boundary, so a value-aware policy classes it by the marks set
+meanwhile (`checkpoints.Anchors`: at a junction, a hit point, a placed stop, the prompt's or the
+sequence's end it is ANCHOR, elsewhere LOW). Here the request remembers it (`_last`) instead: a mark
+at its entry (`anchor`; one set before the checkpoint is taken waits for it) raises its class, held
+or free (a free one is released again: a sequence end marked when its request is freed, where align
+mode releases it). Otherwise it keeps its early release time (measured: releasing every one again
+where align mode does, at the request's next checkpoint or its end, lost hits with LRU and value).
+
+A request freed before its step ran (preempted in the same schedule) gives its checkpoint back; one
+freed with fewer computed tokens than its last checkpoint holds (a forward that failed) has that
+checkpoint dropped from the cache (`uncomputed_cached_blocks`), as align mode drops its write block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridkv.errors import ConfigError
+from hybridkv.kvcache.block_pool import NULL, BlockPool
+from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.retention import Retention
+from hybridkv.kvcache.type_managers.base import NEVER, SingleTypeManager, StateEntries
+from hybridkv.kvcache.type_managers.state import MambaManager
+from hybridkv.kvcache.value_policy import BlockValue
+from hybridkv.plan.kv_cache_config import RunningState
+from hybridkv.plan.kv_cache_config import check_running_state as check_mode
+from hybridkv.plan.match_unit import MatchUnit
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import MambaCacheMode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Checkpoint:
+    """A checkpoint a request took or hit: its table entry, blocks (per page group) and hash."""
+
+    index: int
+    blocks: list[int]
+    key: BlockHash
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A checkpoint taken for a scheduled step: its request, position, running and checkpoint blocks."""
+
+    request: KVRequest
+    num_tokens: int  # where the step ends: the state the checkpoint holds
+    key: BlockHash  # the hash of the block the step ends on
+    running: list[int]  # per page group: the running block the state is copied from
+    blocks: list[int]  # per page group: the checkpoint block (held until `take_checkpoints`)
+
+
+class FixedStateManager(MambaManager):
+    """Align mode with one running state per request (module docstring)."""
+
+    copies_hits = True
+    skips_blocks = False
+
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool, *,
+                 retention: Retention | None = None) -> None:
+        super().__init__(group, pool, mode=MambaCacheMode.ALIGN, retention=retention)
+        self._pending: dict[RequestId, _Pending] = {}
+        #: per request, its checkpoint taken last: (tokens it holds, blocks, hash), until the step ran
+        self._taken: dict[RequestId, tuple[int, list[int], BlockHash]] = {}
+        #: per request, the checkpoint align mode would still hold (its hit, then its newest one)
+        self._last: dict[RequestId, _Checkpoint] = {}
+        #: per request, the entries at its hit points whose checkpoint is not taken yet (`anchor`)
+        self._anchored: dict[RequestId, set[int]] = {}
+        #: block copies of checkpoints handed out (one per page group), checkpoints skipped for want of
+        #: free blocks, since construction
+        self.checkpoints_copied = 0
+        self.checkpoints_skipped = 0
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        del num_tokens
+        return 0  # nothing is released as the request advances: the running block moves
+
+    def quiet_first(self, num_skipped: int) -> int:
+        del num_skipped
+        return NEVER
+
+    def _num_real(self, old_len: int, new_len: int, keep_from: int, first_new: int) -> int:
+        del keep_from, first_new
+        return 1 if old_len == 0 < new_len else 0  # a hit's running block is its copy (copy on write)
+
+    def _fill(self, ids: Ids, old_len: int, new_len: int, keep_from: int, first_new: int, blocks: Ids) -> None:
+        del old_len, keep_from, first_new
+        ids[:, new_len - 1] = blocks[:, 0]
+
+    def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int,
+                            blocks: Sequence[Sequence[int] | Ids] | None = None) -> Ids:
+        """As the base class; a table that grows moves its running block to the new last entry."""
+        table = self._tables[request.request_id]
+        old_len = table.length
+        new = super().allocate_new_blocks(request, first_new, total_tokens, blocks)
+        new_len = table.length
+        if 0 < old_len < new_len:
+            ids = table.ids
+            ids[:, new_len - 1] = ids[:, old_len - 1]
+            ids[:, old_len - 1] = NULL
+        table.num_skipped = max(0, new_len - 1)
+        return new
+
+    def state_entries(self, request_id: RequestId, row: int, start: int, end: int) -> StateEntries | None:
+        """Every step reads and writes the running block (read None from token 0)."""
+        table = self._tables[request_id]
+        running = int(table.ids[row, table.length - 1])
+        return ((start, running) if start else None), [(end, running)]
+
+    def cache_blocks(self, request: KVRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Take the checkpoint of a step that ends on a block boundary not cached yet (align mode's
+        rule, retention included): a free block per page group, cached now (a hit on it waits for
+        the next step) and held until `take_checkpoints`; skipped (counted) without free blocks."""
+        table = self._tables[request.request_id]
+        size = self.block_size
+        num_full = num_tokens // size
+        if num_full <= table.num_cached:
+            return
+        table.num_cached = num_full
+        index = num_full - 1
+        if num_tokens % size or table.length != num_full:
+            return
+        if self.retention is not None:
+            mask = self.retention.state_mask(index, num_full, block_size=size, request=request)
+            if mask is not None and not mask[0]:
+                return
+        key = block_hashes[index]
+        pool = self._pool
+        if self.view.holds(key) or request.request_id in self._pending:
+            return
+        if pool.num_free < self.num_groups:
+            self.checkpoints_skipped += 1
+            return
+        counts = [0] * pool.num_groups
+        for g in self.group_ids:
+            counts[g] = 1
+        fresh = pool.allocate(counts)
+        blocks = [int(fresh[g][0]) for g in self.group_ids]
+        rows = np.zeros((self.num_groups, num_full), np.int64)
+        rows[:, index] = blocks
+        pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
+        self._cached_this_step.add(key)
+        if index in self._anchored.get(request.request_id, ()):
+            self._mark(blocks)
+        self._pending[request.request_id] = _Pending(request=request, num_tokens=num_tokens, key=key,
+                                                     blocks=blocks, running=table.ids[:, index].tolist())
+
+    def take_checkpoints(self) -> list[tuple[int, int, int]]:
+        """The copies (group, running block, checkpoint block) of this schedule's checkpoints, whose
+        blocks are released (free and cached) now: the engine copies after the forward and allocates
+        nothing before it."""
+        pending = list(self._pending.values())
+        self._pending.clear()
+        copies: list[tuple[int, int, int]] = []
+        for item in pending:
+            rid = item.request.request_id
+            self._taken[rid] = item.num_tokens, item.blocks, item.key
+            self._last[rid] = _Checkpoint(index=item.num_tokens // self.block_size - 1, blocks=item.blocks,
+                                          key=item.key)
+            if self._last_only:
+                self._replace_decode_checkpoint(item.request, item.key, item.blocks)
+            copies += zip(self.group_ids, item.running, item.blocks, strict=True)
+        self.checkpoints_copied += len(copies)
+        self._pool.free([b for item in pending for b in item.blocks])
+        return copies
+
+    def apply_cow(self, request_id: RequestId, index: int, blocks: Sequence[int]) -> None:
+        """As the base class; the hit (entry `index` until now) is the request's newest checkpoint."""
+        hit = self._tables[request_id].ids[:, index].tolist()
+        key = self._pool.hash_of(hit[0])
+        if key is not None:
+            self._last[request_id] = _Checkpoint(index=index, blocks=hit, key=key)
+        super().apply_cow(request_id, index, blocks)
+
+    def anchor(self, request_id: RequestId, index: int) -> None:
+        """The request's checkpoint at entry `index` is at one of its hit points (`Anchors`): ANCHOR
+        for a value-aware policy, now where it is taken (the hit or the newest checkpoint, pending,
+        held or free and still cached), else when it is taken. An older checkpoint is left alone, as
+        align mode's request no longer holds it."""
+        pending = self._pending.get(request_id)
+        last = self._last.get(request_id)
+        if pending is not None and pending.num_tokens // self.block_size - 1 == index:
+            self._mark(pending.blocks)
+        elif last is not None and last.index == index:
+            if self._cached(last):
+                self._mark(last.blocks)
+                self._release_again([b for b in last.blocks if not self._pool.ref_cnt.item(b)])
+        elif last is None or index > last.index:
+            self._anchored.setdefault(request_id, set()).add(index)
+
+    def _mark(self, blocks: list[int]) -> None:
+        if self._pool.mark is not None:
+            self._pool.mark(blocks, BlockValue.ANCHOR)
+
+    def _cached(self, checkpoint: _Checkpoint) -> bool:
+        hash_of = self._pool.hash_of
+        return all(hash_of(b) == checkpoint.key for b in checkpoint.blocks)
+
+    def _release_again(self, free: list[int]) -> None:
+        """Free blocks marked since their release are released again now, in their new class (align
+        mode releases them now: a sequence end marked when its request is freed)."""
+        if free and self._pool.mark is not None:
+            self._pool.touch([free])
+            self._pool.free(free)
+
+    def checkpoint_blocks(self, total_tokens: int) -> int:
+        """A new request's first step that ends on a block boundary takes its checkpoint's blocks: a
+        request is admitted with the checkpoint a sibling will hit (align mode's write block is that
+        checkpoint), not without it."""
+        return 0 if total_tokens % self.block_size else self.num_groups
+
+    def reclaim(self, num_blocks: int) -> None:
+        """Give up the newest pending checkpoints until `num_blocks` blocks came back (or none is left):
+        a running request's step needs them (a checkpoint never costs a preemption)."""
+        freed = 0
+        while freed < num_blocks and self._pending:
+            self._drop(next(reversed(self._pending)))
+            freed += self.num_groups
+
+    @property
+    def held_checkpoints(self) -> list[int]:
+        """The blocks of the checkpoints taken in this schedule (held until `take_checkpoints`)."""
+        return [b for item in self._pending.values() for b in item.blocks]
+
+    def _drop(self, request_id: RequestId) -> None:
+        item = self._pending.pop(request_id)
+        self._pool.uncache(item.blocks)
+        self._pool.free(item.blocks)
+        self.checkpoints_skipped += 1
+
+    def uncomputed_cached_blocks(self, request_id: RequestId, num_computed_tokens: int) -> list[int]:
+        """As the base class; a checkpoint taken for a step that did not run (the request is freed
+        with fewer computed tokens: a forward that failed) is dropped from the cache here."""
+        taken = self._taken.pop(request_id, None)
+        if taken is not None and num_computed_tokens < taken[0]:
+            self._pool.discard(taken[1], taken[2])
+        return super().uncomputed_cached_blocks(request_id, num_computed_tokens)
+
+    def free(self, request_id: RequestId) -> Ids:
+        self._taken.pop(request_id, None)
+        self._anchored.pop(request_id, None)
+        self._last.pop(request_id, None)
+        if request_id in self._pending:  # its step did not run: its checkpoint holds nothing
+            self._drop(request_id)
+            self.checkpoints_skipped -= 1
+        return super().free(request_id)
+
+
+def fixed_state_managers(managers: Sequence[SingleTypeManager]) -> list[FixedStateManager]:
+    """The managers of `managers` that keep one running state."""
+    return [m for m in managers if isinstance(m, FixedStateManager)]
+
+
+def check_running_state(running_state: RunningState, mamba_cache_mode: MambaCacheMode, unit: MatchUnit) -> None:
+    """ConfigError for a running state the options cannot give: not a RunningState, FIXED with
+    mamba_cache_mode ALL, or FIXED with partial hits (a hit inside a block is copied on write into
+    the block the request goes on writing; not combined with one running state yet)."""
+    check_mode(running_state, mamba_cache_mode)
+    if running_state is RunningState.FIXED and unit.partial_hits:
+        raise ConfigError(
+            f"running_state=fixed with prefix_match_unit={unit.hash_unit_tokens} (hits inside the "
+            f"{unit.scheduler_block_tokens}-token blocks) is not supported; expected a unit of at least "
+            f"{unit.scheduler_block_tokens} tokens (or None), or running_state moving")
