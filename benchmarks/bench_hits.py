@@ -48,7 +48,7 @@ from hybridkv.kvcache.manager import (  # noqa: E402
     ReleaseOrder,
     SpecDecode,
 )
-from hybridkv.plan.kv_cache_config import StateLayout  # noqa: E402
+from hybridkv.plan.kv_cache_config import RunningState, StateLayout  # noqa: E402
 from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
 from hybridkv.plan.planner import GIB, KVCacheConfig, PlannerOptions, plan  # noqa: E402
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate  # noqa: E402
@@ -93,7 +93,8 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
                          checkpoint_placement=CheckpointPlacement(job.get("checkpoint_placement", "junction")),
                          decode_checkpoints=DecodeCheckpoints(job.get("decode_checkpoints", "every")),
                          admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")),
-                         queue_order=QueueOrder(job.get("queue_order", "fcfs")))
+                         queue_order=QueueOrder(job.get("queue_order", "fcfs")),
+                         running_state=RunningState(job.get("running_state", "moving")))
     return config, trace, options
 
 
@@ -177,11 +178,11 @@ def record(path: Path) -> None:
 TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
 TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
 #: our setting: small attention blocks with a state over several pages (Mamba hybrids; one page otherwise),
-#: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom, and the
-#: cache-aware queue order (the longest cached prefix admitted first)
+#: one running state per request (checkpoints by copy), value-aware eviction, placed checkpoints, one decode
+#: checkpoint per request, admission headroom, and the cache-aware queue order (the longest cached prefix first)
 OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved",
-        "state_layout": "multi_page", "decode_checkpoints": "last", "admission_headroom": "next_block",
-        "queue_order": "cache_aware"}
+        "state_layout": "multi_page", "running_state": "fixed", "decode_checkpoints": "last",
+        "admission_headroom": "next_block", "queue_order": "cache_aware"}
 
 
 #: vLLM 0.32's settings tried per layout, the best taken: dense retention, retention 0, and on the state
