@@ -56,6 +56,7 @@ from hybridkv.kvcache.coordinator import (
 )
 from hybridkv.kvcache.free_queue import EvictionPolicyName
 from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
+from hybridkv.kvcache.hit_checks import check_no_hit_start, resolve_hit, verify_hit
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.integrity import check_manager_integrity
@@ -523,71 +524,15 @@ class KVCacheManager:
 
     def _check_start(self, request: KVRequest, hit: CacheHit | None) -> GroupBlocks | None:
         """The hit's blocks per group (None without a hit) once the request's state agrees with
-        them; `AllocationError` where it contradicts the step (the general path of `allocate`)."""
-        running = self._coordinator.is_running(request.request_id)
-        computed = request.num_computed_tokens
+        them; `AllocationError` where it contradicts the step (`hit_checks.py`)."""
+        coordinator = self._coordinator
+        running = coordinator.is_running(request.request_id)
         if hit is not None and hit.num_tokens:
-            return self._resolve_hit(request, hit, running)
-        if computed and not running:
-            raise AllocationError(
-                f"request {request.request_id!r} has num_computed_tokens={computed} but holds no blocks; "
-                "expected 0 for a new or preempted request (pass loaded KV as num_external_tokens)"
-            )
-        if computed > self._coordinator.allocated_tokens(request.request_id):
-            raise AllocationError(
-                f"request {request.request_id!r} has num_computed_tokens={computed} but holds slots for only "
-                f"{self._coordinator.allocated_tokens(request.request_id)} tokens; expected at most that many "
-                "(advance num_computed_tokens to the end of the step that ran, not further)"
-            )
+            groups = resolve_hit(request, hit, running=running, block_sizes=self._group_block_sizes,
+                                 num_blocks=self._pool.num_blocks)
+            if hit.pool_epoch != self._pool.evictions:
+                verify_hit(request, groups, hit.num_tokens, hashes=self._hashes(request), pool=self._pool,
+                           block_sizes=self._group_block_sizes, unit=self.match_unit.hash_unit_tokens)
+            return groups
+        check_no_hit_start(request, running=running, allocated=coordinator.allocated_tokens(request.request_id))
         return None
-
-    def _resolve_hit(self, request: KVRequest, hit: CacheHit, running: bool) -> GroupBlocks:
-        if hit.request_id != request.request_id:
-            raise AllocationError(f"cache hit of request {hit.request_id!r} passed for {request.request_id!r}")
-        if running or request.num_computed_tokens:
-            raise AllocationError(
-                f"request {request.request_id!r} already holds blocks or computed tokens "
-                f"({request.num_computed_tokens}); a cache hit applies only to a new request"
-            )
-        sizes = self._group_block_sizes
-        if len(hit.blocks) != len(sizes) or any(
-            len(ids) != -(-hit.num_tokens // size) for ids, size in zip(hit.blocks, sizes, strict=False)
-        ):
-            raise AllocationError(
-                f"cache hit of request {request.request_id!r} for {hit.num_tokens} tokens has "
-                f"{[len(ids) for ids in hit.blocks]} blocks per group; expected "
-                f"{[-(-hit.num_tokens // size) for size in sizes]} (pass the CacheHit of this manager unchanged)"
-            )
-        num_blocks = self._pool.num_blocks
-        groups: GroupBlocks = [list(ids) for ids in hit.blocks]
-        for ids in groups:
-            if ids and (min(ids) < 0 or max(ids) >= num_blocks):
-                raise AllocationError(
-                    f"cache hit of request {request.request_id!r} names a block id outside this manager's "
-                    f"{num_blocks} blocks (pass the CacheHit of this manager unchanged)"
-                )
-        if hit.pool_epoch != self._pool.evictions:
-            self._verify_hit(request, groups, hit.num_tokens)
-        return groups
-
-    def _verify_hit(self, request: KVRequest, groups: GroupBlocks, num_tokens: int) -> None:
-        hashes = self._hashes(request)
-        pool = self._pool
-        group_of = pool.group_of.tolist()
-        unit = self.match_unit.hash_unit_tokens
-        for g, blocks in enumerate(groups):
-            size = self._group_block_sizes[g]
-            expected = hashes[size]
-            for i, block in enumerate(blocks):
-                if block == NULL:
-                    continue
-                if (i + 1) * size > num_tokens:  # the block a partial hit ends in: its partial entry
-                    held = pool.holds_partial(block, hashes[unit][num_tokens // unit - 1])
-                else:
-                    held = pool.hash_of(block) == expected[i]
-                if not held or group_of[block] != g:
-                    raise StaleHitError(
-                        f"cache hit of request {request.request_id!r}: block {block} (group {g}, "
-                        f"position {i}) was evicted after lookup; call lookup again right before allocate"
-                    )
-
