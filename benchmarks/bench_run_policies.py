@@ -48,8 +48,9 @@ VOCAB = 32768  # the generators draw token ids below 32,000
 MAX_MODEL_LEN = 16384
 STEP_TOKENS = 512
 MAX_NUM_SEQS = 16
-OURS_FLAGS = ["--state-layout", "multi_page", "--eviction", "value", "--checkpoint-placement", "placed",
-              "--decode-checkpoints", "last", "--admission-headroom", "next_block", "--queue-order", "cache_aware"]
+OURS_FLAGS = ["--state-layout", "multi_page", "--running-state", "fixed", "--eviction", "value",
+              "--checkpoint-placement", "placed", "--decode-checkpoints", "last", "--admission-headroom", "next_block",
+              "--queue-order", "cache_aware"]
 
 
 def build_model(target: Path) -> None:
