@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from enum import Enum
 
 import numpy as np
 
@@ -49,37 +48,10 @@ from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.results import ReleaseOrder
 from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
-
-
-class ReleaseOrder(Enum):
-    """The order a finished (or preempted) request's blocks enter the free queue, tail first.
-
-    INTERLEAVED: position by position across groups (the k-th block from the tail of every group
-    before the (k+1)-th of any), so the LRU evicts a position from all groups together.
-    BY_GROUP: group after group in group-id order, each tail first (vLLM 0.32's order: the lowest
-    group's blocks are evicted first)."""
-
-    INTERLEAVED = "interleaved"
-    BY_GROUP = "by_group"
-
-
-class AdmissionHeadroom(Enum):
-    """What a new request's first allocation must leave free for the requests already running.
-
-    NONE: nothing (vLLM's: a request is admitted when its first chunk fits). NEXT_BLOCK: one new
-    block in every group per running request -- what each needs when its computation crosses
-    its next block boundary (for a state group: the new state its next checkpoint is written
-    into, k pages in the multi-page layout). Without it, a request admitted into the last free
-    blocks is preempted by the first running request that crosses a boundary, re-admitted the
-    next step, and preempted again: with small blocks and large states that churn recomputes
-    prompts and evicts the prefixes it then misses (docs/prefix_caching.md).
-    """
-
-    NONE = "none"
-    NEXT_BLOCK = "next_block"
 
 
 #: `decode`'s plan per manager: (index of its bounds, manager, table, keep from, grows by one entry, that entry is real)

@@ -46,12 +46,10 @@ from hybridkv.errors import (
 from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent, KVEvents
 from hybridkv.kvcache.checkpoints import Anchors, CheckpointPlacement, CheckpointPlanner
 from hybridkv.kvcache.coordinator import (
-    AdmissionHeadroom,
     GroupBlocks,
     HybridCoordinator,
     KVCacheCoordinator,
     NoPrefixCacheCoordinator,
-    ReleaseOrder,
     UnitaryCoordinator,
 )
 from hybridkv.kvcache.free_queue import EvictionPolicyName
@@ -63,12 +61,14 @@ from hybridkv.kvcache.integrity import check_manager_integrity
 from hybridkv.kvcache.partial_hits import check_partial_hits
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.results import (
+    AdmissionHeadroom,
     BlockCopy,
     CacheHit,
     CacheTiming,
     ManagerStats,
     NewBlocks,
     PrefixCaching,
+    ReleaseOrder,
     StateCheckpoint,
     StateStep,
 )
