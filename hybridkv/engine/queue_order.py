@@ -25,6 +25,7 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import Enum
+from itertools import islice
 from typing import Protocol, TypeVar
 
 from hybridkv.kvcache.ids import RequestId
@@ -96,12 +97,12 @@ class Bypasses:
 def cache_aware(waiting: deque[Q], peek: Callable[[Q], int], bypasses: Bypasses) -> deque[Q]:
     """`waiting` reordered: of its first PROBE_WINDOW requests, the starved ones first, then the
     longest cached prefix first, each in join order; the requests behind them unchanged."""
-    probed = [waiting[i] for i in range(min(PROBE_WINDOW, len(waiting)))]
+    probed = list(islice(waiting, PROBE_WINDOW))
 
     def key(request: Q) -> tuple[bool, int, int]:
         starved = bypasses.starved(request)
         return not starved, 0 if starved else -peek(request), bypasses.ticket(request)
 
     out = deque(sorted(probed, key=key))
-    out.extend(waiting[i] for i in range(len(probed), len(waiting)))
+    out.extend(islice(waiting, len(probed), None))  # (a deque indexed in its middle walks it)
     return out

@@ -457,8 +457,9 @@ class UnitaryCoordinator(KVCacheCoordinator):
         tokens = 0
         for manager in self.managers:  # one manager, unless several were built for one rule
             hits, tokens = _find(manager, hashes, max_length, blocks)
-            for g, group_hits in zip(manager.group_ids, hits, strict=blocks):
-                out[g] = group_hits
+            if blocks:
+                for g, group_hits in zip(manager.group_ids, hits, strict=True):
+                    out[g] = group_hits
         return out, tokens, [tokens] * self.num_groups
 
 

@@ -103,18 +103,22 @@ class MambaManager(SingleTypeManager):
                   max_length: int) -> list[list[int]]:
         if self.mode is MambaCacheMode.NONE:
             return [[] for _ in view.cols]
-        row, slots = view.held(block_hashes[: max_length // self.block_size])
-        i = row.rfind(1)
+        i, slots = self._last_checkpoint(view, block_hashes, max_length)
         if i < 0:
             return [[] for _ in view.cols]
         return [[self._null] * i + blocks for blocks in view.blocks_at(slots[i : i + 1])]
 
+    def _last_checkpoint(self, view: GroupsView, block_hashes: Sequence[BlockHash], max_length: int) -> tuple[int, Ids]:
+        """(index of the last block within `max_length` whose checkpoint every group holds, -1 if none;
+        the slots of the looked-up keys)."""
+        row, slots = view.held(block_hashes[: max_length // self.block_size])
+        return row.rfind(1), slots
+
     def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
         if self.partial_unit or self.mode is MambaCacheMode.NONE:
             return super().hit_tokens(view, hashes, max_length)
-        size = self.block_size
-        row, _ = view.held(hashes[size][: max_length // size])
-        return (row.rfind(1) + 1) * size  # (no k-page block lists: a probe of a multi-page state is cheap)
+        i, _ = self._last_checkpoint(view, hashes[self.block_size], max_length)
+        return (i + 1) * self.block_size  # (no k-page block lists: a probe of a multi-page state is cheap)
 
     def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
                         max_length: int) -> tuple[list[list[int]], int]:
