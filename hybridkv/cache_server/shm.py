@@ -27,6 +27,15 @@ from hybridkv.wire import ErrorCode, Layout, segment_labels
 Bytes = npt.NDArray[np.uint8]
 
 
+def _populate_flag(st: os.stat_result) -> int:
+    """MAP_POPULATE when the owner has allocated every page of the segment (SharedKVBuffers does, at
+    creation): mapping those in now takes tens of milliseconds per GiB and spares every later copy its
+    page faults. A segment with holes is mapped lazily: allocating gigabytes here would hold every
+    client's request (and time this registration out) for seconds."""
+    allocated = st.st_blocks * 512  # st_blocks counts 512-byte units whatever the file system
+    return getattr(mmap, "MAP_POPULATE", 0) if allocated >= st.st_size else 0
+
+
 class MappedBuffers:
     """Read/write views of one registered engine's buffers. Close when the engine unregisters.
 
@@ -69,8 +78,7 @@ class MappedBuffers:
         if st.st_size < size_bytes:
             raise bad(f"has {st.st_size} bytes, the layout says {size_bytes}")
         try:
-            # populate: fault the whole mapping now (registration), not page by page in every copy
-            mapped = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            mapped = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | _populate_flag(st))
         except OSError as e:
             raise bad(f"cannot be mapped read-write: {e.strerror} (pass a descriptor opened read-write)") from None
         self._maps.append(mapped)

@@ -63,7 +63,10 @@ class SharedKVBuffers:
         self.labels = labels
         self._fds = fds
         self._sizes = sizes
-        self._maps = [mmap.mmap(fd, size, flags=mmap.MAP_SHARED) for fd, size in zip(fds, sizes, strict=True)]
+        # populated: the engine allocates its KV cache now, as torch.zeros would, so that the server's
+        # registration maps allocated pages in milliseconds instead of allocating them itself
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._maps = [mmap.mmap(fd, size, flags=flags) for fd, size in zip(fds, sizes, strict=True)]
         self.arrays: list[npt.NDArray[np.uint8]] = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         with _open_lock:
             _open.update(zip(labels, fds, strict=True))

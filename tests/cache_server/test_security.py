@@ -21,7 +21,7 @@ import pytest
 
 from hybridkv.cache_server.store import StoreConfig
 from hybridkv.connector.client import KVClient, ServerError, chunk_hashes
-from hybridkv.connector.segments import create_segment
+from hybridkv.connector.segments import SharedKVBuffers, create_segment
 from hybridkv.wire import (
     AnyReply,
     ErrorCode,
@@ -308,4 +308,26 @@ def test_idle_registration_connections_are_capped() -> None:
         finally:
             for sock in idle:
                 sock.close()
+        assert victim.lookup(HASHES, num_tokens=len(TOKENS)).hit_tokens == 3 * CHUNK
+
+
+def test_a_segment_with_holes_is_not_allocated_by_the_registration() -> None:
+    """The server maps a segment the engine never touched without allocating it (the kernel's count of
+    the memfd's allocated blocks stays 0: gigabytes allocated inside the control loop would hold every
+    client for seconds), and one the engine allocated (SharedKVBuffers does) stays fully allocated."""
+    size = 256 << 20
+    with victim_and_server() as (server, eng, victim):
+        layout = _one_segment(eng.layout, size)
+        sparse = create_segment("sparse", size)
+        try:
+            assert isinstance(register_raw(server, layout, [sparse]), RegisterReply)
+            assert os.fstat(sparse).st_blocks == 0
+        finally:
+            os.close(sparse)
+        held = SharedKVBuffers.create(num_buffers=1, size_bytes=size)
+        try:
+            assert os.fstat(held.fds[0]).st_blocks * 512 == size
+            assert isinstance(register_raw(server, layout, held.fds), RegisterReply)
+        finally:
+            held.close()
         assert victim.lookup(HASHES, num_tokens=len(TOKENS)).hit_tokens == 3 * CHUNK
