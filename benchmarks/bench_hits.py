@@ -95,6 +95,7 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
                          decode_checkpoints=DecodeCheckpoints(job.get("decode_checkpoints", "every")),
                          admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")),
                          queue_order=QueueOrder(job.get("queue_order", "fcfs")),
+                         turn_checkpoints=job.get("turn_checkpoints", False),
                          running_state=RunningState(job.get("running_state", "moving")))
     return config, trace, options
 
@@ -180,10 +181,11 @@ TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
 TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
 #: our setting: small attention blocks with a state over several pages (Mamba hybrids; one page otherwise),
 #: one running state per request (checkpoints by copy), value-aware eviction, placed checkpoints, one decode
-#: checkpoint per request, admission headroom, and the cache-aware queue order (the longest cached prefix first)
+#: checkpoint per request, admission headroom that keeps the waiting requests' hits, the cache-aware queue
+#: order (the longest cached prefix first), and checkpoints at the chat-message ends the trace carries
 OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved",
         "state_layout": "multi_page", "running_state": "fixed", "decode_checkpoints": "last",
-        "admission_headroom": "next_block", "queue_order": "cache_aware"}
+        "admission_headroom": "waiting_hits", "queue_order": "cache_aware", "turn_checkpoints": True}
 
 
 #: vLLM 0.32's settings tried per layout, the best taken: dense retention, retention 0, and on the state

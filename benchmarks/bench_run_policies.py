@@ -49,8 +49,8 @@ MAX_MODEL_LEN = 16384
 STEP_TOKENS = 512
 MAX_NUM_SEQS = 16
 OURS_FLAGS = ["--state-layout", "multi_page", "--running-state", "fixed", "--eviction", "value",
-              "--checkpoint-placement", "placed", "--decode-checkpoints", "last", "--admission-headroom", "next_block",
-              "--queue-order", "cache_aware"]
+              "--checkpoint-placement", "placed", "--decode-checkpoints", "last",
+              "--admission-headroom", "waiting_hits", "--queue-order", "cache_aware"]
 
 
 def build_model(target: Path) -> None:

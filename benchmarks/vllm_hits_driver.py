@@ -76,6 +76,8 @@ class VLLMManager:
         """vLLM 0.32 has no queue-aware retention."""
         del hit
 
+    protects = False  # (so the scheduler never calls protect_waiting)
+
     def lookup(self, kv: KVRequest) -> CacheHit:
         self.lookups += 1
         request = self._sync(kv)

@@ -52,8 +52,9 @@ DecodeCheckpointsOption = Annotated[DecodeCheckpoints, typer.Option(
     "--decode-checkpoints", help="state checkpoints decode leaves cached: every (vLLM's: one per block boundary "
     "crossed) or last (a request's newest replaces its previous one)")]
 Headroom = Annotated[AdmissionHeadroom, typer.Option(
-    "--admission-headroom", help="what a new request leaves free for the running ones: none (vLLM's) or "
-    "next_block (one block per group each: no admit-then-preempt churn)")]
+    "--admission-headroom", help="what a new request leaves free: none (vLLM's), next_block (one block per "
+    "group for each running request: no admit-then-preempt churn) or waiting_hits (next_block, and the "
+    "cached prefixes waiting requests will hit)")]
 RunningStateOption = Annotated[RunningState, typer.Option(
     "--running-state", help="state groups in align mode: moving (vLLM's: a request holds the state it reads and "
     "the one it writes) or fixed (one running state per request; hits and checkpoints copied)")]

@@ -45,7 +45,7 @@ PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: the policies `--plot` draws side by side (each at the run's other options)
 _VLLM: dict[str, Any] = {"eviction": EvictionPolicyName.LRU, "checkpoint_placement": CheckpointPlacement.JUNCTION,
                          "decode_checkpoints": DecodeCheckpoints.EVERY, "admission_headroom": AdmissionHeadroom.NONE,
-                         "queue_order": QueueOrder.FCFS}
+                         "queue_order": QueueOrder.FCFS, "turn_checkpoints": False}
 #: the policies `--plot` draws side by side: SimOptions fields over vLLM's settings
 PLOT_POLICIES: dict[str, dict[str, Any]] = {
     "lru (vLLM)": _VLLM,
@@ -56,10 +56,11 @@ PLOT_POLICIES: dict[str, dict[str, Any]] = {
         **_VLLM, "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
         "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.NEXT_BLOCK},
     "cache-aware queue": {**_VLLM, "queue_order": QueueOrder.CACHE_AWARE},
+    "chat-turn checkpoints": {**_VLLM, "turn_checkpoints": True},
     "all of ours": {
         "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
-        "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.NEXT_BLOCK,
-        "queue_order": QueueOrder.CACHE_AWARE},
+        "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.WAITING_HITS,
+        "queue_order": QueueOrder.CACHE_AWARE, "turn_checkpoints": True},
 }
 
 
@@ -105,6 +106,9 @@ def simulate_command(
     checkpoint_interval: Annotated[int | None, typer.Option(
         "--checkpoint-interval", help="with --checkpoint-placement placed: also a state checkpoint every N "
         "tokens (a multiple of the block size)")] = None,
+    turn_checkpoints: Annotated[bool, typer.Option(
+        "--turn-checkpoints", help="state checkpoints at the trace's chat-message ends (a system prompt's, a tool "
+        "spec's), as serve takes them from the chat template")] = False,
     step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
@@ -131,7 +135,8 @@ def simulate_command(
                              spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,
                              checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval,
                              decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-                             running_state=running_state, queue_order=queue_order)
+                             running_state=running_state, queue_order=queue_order,
+                             turn_checkpoints=turn_checkpoints)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]

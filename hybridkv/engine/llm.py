@@ -46,7 +46,7 @@ from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridkv.errors import ConfigError
 from hybridkv.host_memory import check_fits
 from hybridkv.kvcache.ids import NULL_BLOCK_ID, BlockId, RequestId
-from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching, RunningState
+from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
 from hybridkv.plan.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
@@ -142,11 +142,6 @@ class LLM:
                               f"{unit.scheduler_block_tokens}-token blocks, copied on write) is not supported yet; "
                               f"expected a unit of at least {unit.scheduler_block_tokens} tokens (or None), "
                               "or no kv_server")
-        if has_state and cfg.running_state is RunningState.FIXED and cfg.prefix_caching is PrefixCaching.ON:
-            raise ConfigError("kv_server with running_state=fixed is not supported yet: the connector stores and "
-                              "loads a state at the table entry of the chunk's last block, where fixed keeps no "
-                              "block (its checkpoints are copies outside the table); expected running_state "
-                              "moving, or no kv_server")
         if has_state and cfg.prefix_caching is PrefixCaching.OFF:
             raise ConfigError("kv_server with a state model (Mamba / Gated DeltaNet) needs prefix_caching on: "
                               "without it a state group keeps one running state, no checkpoint to store")

@@ -46,6 +46,7 @@ Torch-free: the scheduler sees a request only through `SchedulableRequest` (the 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from hybridkv.connector.base import KVConnectorScheduler
-from hybridkv.engine.queue_order import Bypasses, QueueOrder, cache_aware
+from hybridkv.engine.queue_order import PROBE_WINDOW, Bypasses, QueueOrder, cache_aware
 from hybridkv.errors import CapacityError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, CacheTiming, KVCacheManager
@@ -225,6 +226,9 @@ class Scheduler(Generic[R]):
             self.waiting = cache_aware(self.waiting, lambda r: self.manager.peek(r.kv), self._bypasses)
         admitted: list[R] = []
         deferred: list[R] = []
+        if self.waiting and self.manager.protects:  # queue-aware retention: every waiting prefix stays
+            for request in itertools.islice(self.waiting, PROBE_WINDOW):
+                self.manager.protect_waiting(request.kv)
         self._admit_waiting(work, budget, admitted, deferred)
         self.waiting.extendleft(reversed(deferred))
         if aware:
@@ -256,8 +260,9 @@ class Scheduler(Generic[R]):
                 request.prefix_hit_tokens = hit.num_tokens
                 request.external_hit_tokens = external
             if self.connector is not None:
-                self.connector.update_state_after_alloc(request.kv, self.manager.block_ids(request.request_id),
-                                                        external)
+                rid = request.request_id
+                tables = self.manager.load_block_ids(rid, start) if external else self.manager.block_ids(rid)
+                self.connector.update_state_after_alloc(request.kv, tables, external)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_seq)
             admitted.append(request)

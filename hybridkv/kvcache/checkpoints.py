@@ -18,22 +18,28 @@ kept exactly there. The positions, per request:
 the scheduler reads): JUNCTION is vLLM 0.32's rule (chunk ends, the prompt's last boundary, the
 junction) plus hints; PLACED adds every K and the popular depths. `Anchors` marks, for a
 value-aware eviction policy (`value_policy.py`), the window tails and checkpoints at every
-position above as ANCHOR blocks, kept after the full-attention blocks they make usable.
+position above as ANCHOR blocks, kept after the full-attention blocks they make usable, and every
+block of a hit whose end `HOT_HITS` hits reached as HOT (a recurring prefix, kept longer still).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 
 from hybridkv.errors import ConfigError
-from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.running_state import FixedStateManager
-from hybridkv.kvcache.type_managers.base import SingleTypeManager
+from hybridkv.kvcache.type_managers.base import SingleTypeManager, Table
 from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.specs import SpecKind
+
+#: hits ending at the same prefix that make the blocks of the last one HOT (value_policy.py)
+HOT_HITS = 2
+#: hit ends counted at most (the count restarts when full)
+HIT_ENDS_KEPT = 1 << 16
 
 
 class CheckpointPlacement(Enum):
@@ -80,21 +86,36 @@ class CheckpointPlanner:
 
 
 class Anchors:
-    """Marks the window tails and state checkpoints at a request's hit points as ANCHOR blocks."""
+    """Marks the window tails and state checkpoints at a request's hit points as ANCHOR blocks, and
+    every block of a hit whose end was hit before as HOT."""
 
     def __init__(self, managers: Sequence[SingleTypeManager], alignment_tokens: int,
-                 mark: object) -> None:
+                 mark: Callable[[Sequence[int], BlockValue], None]) -> None:
+        self._managers = list(managers)
         self._marked = [m for m in managers if m.group.kind in (SpecKind.SLIDING_WINDOW, SpecKind.MAMBA)]
         self._alignment = alignment_tokens
         self._mark = mark
         self._pending: dict[RequestId, list[int]] = {}
+        #: per hit end (the prefix hash of its last block): hits that ended there (bounded: cleared when full)
+        self._hit_ends: Counter[BlockHash] = Counter()
 
     def admitted(self, request: KVRequest, hit_tokens: int) -> None:
-        """A request's first allocation: its anchors below the prompt's end."""
+        """A request's first allocation: its anchors below the prompt's end; a hit ending where an
+        earlier one ended makes its blocks HOT (a recurring prefix: a system prompt, a shared document;
+        a chat turn's hit on its parent ends where no earlier hit did)."""
         prompt = request.num_prompt_tokens if request.num_prompt_tokens is not None else request.num_tokens
         points = {hit_tokens, prompt - 1, request.shared_prefix_boundary, *request.cache_checkpoints,
                   *request.checkpoint_stops}
         self._pending[request.request_id] = sorted(p for p in points if p > 0)
+        size = min(request.block_hashes, default=0)
+        if hit_tokens < self._alignment or not size:
+            return
+        if len(self._hit_ends) >= HIT_ENDS_KEPT:
+            self._hit_ends.clear()
+        key = request.block_hashes[size][hit_tokens // size - 1]
+        self._hit_ends[key] += 1
+        if self._hit_ends[key] >= HOT_HITS:
+            self._mark_hot(request.request_id, hit_tokens)
 
     def allocated(self, request: KVRequest, num_tokens: int) -> None:
         """Mark the anchors whose blocks are now all allocated (`num_tokens` slots)."""
@@ -108,16 +129,28 @@ class Anchors:
         if request.num_computed_tokens > 0:
             self._mark_at(request.request_id, request.num_computed_tokens)
 
+    def _mark_hot(self, request_id: RequestId, hit_tokens: int) -> None:
+        """Every block of the request's hit of `hit_tokens` (held: its admission just took them) HOT."""
+        for manager, table in self._tables(self._managers, request_id):
+            last = min(hit_tokens // manager.block_size, table.length)
+            if isinstance(manager, FixedStateManager):
+                manager.anchor(request_id, last - 1, BlockValue.HOT)
+            elif manager.group.kind in (SpecKind.FULL, SpecKind.SLIDING_WINDOW, SpecKind.MAMBA):
+                self._mark([b for b in table.ids[:, :last].ravel().tolist() if b], BlockValue.HOT)
+
+    @staticmethod
+    def _tables(managers: Sequence[SingleTypeManager],
+                request_id: RequestId) -> Iterator[tuple[SingleTypeManager, Table]]:
+        for manager in managers:
+            table = manager.table_of.get(request_id)
+            if table is not None:
+                yield manager, table
+
     def _mark_at(self, request_id: RequestId, point: int) -> None:
         point -= point % self._alignment
         if point <= 0:
             return
-        mark = self._mark
-        assert callable(mark)
-        for manager in self._marked:
-            table = manager.table_of.get(request_id)
-            if table is None:
-                continue
+        for manager, table in self._tables(self._marked, request_id):
             if isinstance(manager, FixedStateManager):  # its checkpoints are copies, not in the table
                 manager.anchor(request_id, point // manager.block_size - 1)
                 continue
@@ -128,4 +161,4 @@ class Anchors:
                 first = last - -(-(manager.group.window_tokens - 1) // manager.block_size)
             first = max(first, table.num_skipped, 0)
             if first < last:
-                mark(table.ids[:, first:last].ravel().tolist(), BlockValue.ANCHOR)
+                self._mark(table.ids[:, first:last].ravel().tolist(), BlockValue.ANCHOR)

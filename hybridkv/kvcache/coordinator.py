@@ -78,6 +78,9 @@ class KVCacheCoordinator:
         self.release_order = ReleaseOrder.INTERLEAVED
         #: blocks a new request must leave free per running request (`AdmissionHeadroom`)
         self.headroom_blocks = 0
+        #: AdmissionHeadroom.WAITING_HITS: the blocks the waiting requests' hits take (named each step)
+        self.keeps_waiting_hits = False
+        self.waiting_hits: set[int] = set()
         self.num_groups = len(self.groups)
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
@@ -162,6 +165,8 @@ class KVCacheCoordinator:
                   for m, h in zip(managers, manager_hits, strict=True)]
         admitting = self.headroom_blocks and rid not in self.allocated  # (AdmissionHeadroom)
         reserve = self.headroom_blocks * len(self.allocated) if admitting else 0
+        if admitting and self.waiting_hits and self.allocated:
+            reserve += self._waiting_hits_free(hits)
         if self._reclaiming and self.allocated and rid not in self.allocated:  # (FIXED: room for its checkpoint)
             reserve += sum(m.checkpoint_blocks(total_tokens) for m in self._reclaiming)
         if sum(bounds) + extra + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
@@ -210,6 +215,12 @@ class KVCacheCoordinator:
                 new[g] = np.concatenate([np.array(copied[g], np.int64), row]) if len(copied[g]) else row
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
+
+    def _waiting_hits_free(self, hits: GroupBlocks | None) -> int:
+        """The free cached blocks of the waiting requests' hits, less those `hits` takes itself."""
+        own = {b for group in hits or () for b in group if b}
+        ref, hash_of = self.pool.ref_cnt.item, self.pool.hash_of
+        return sum(1 for b in self.waiting_hits if b not in own and not ref(b) and hash_of(b) is not None)
 
     def _release_skipped(self, rid: RequestId, first_new: int) -> None:
         """Release the blocks a running request no longer needs once `first_new` tokens precede its step."""

@@ -193,8 +193,9 @@ class KVCacheManager:
                                               running_state)
         self._fixed = fixed_state_managers(self._coordinator.managers)
         self._coordinator.release_order = release_order
-        if admission_headroom is AdmissionHeadroom.NEXT_BLOCK:
+        if admission_headroom is not AdmissionHeadroom.NONE:
             self._coordinator.headroom_blocks = len(config.groups)
+        self._coordinator.keeps_waiting_hits = admission_headroom is AdmissionHeadroom.WAITING_HITS
         self._partial = self.match_unit.partial_hits
         if self._partial:
             self._coordinator.enable_partial_hits(self.match_unit.hash_unit_tokens)
@@ -232,6 +233,7 @@ class KVCacheManager:
         `new_step_starts`). Without it, hits on checkpoints cached since the last call wait.
         """
         self._coordinator.new_step()
+        self._coordinator.waiting_hits.clear()
 
     def lookup(self, request: KVRequest) -> CacheHit:
         """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last
@@ -295,6 +297,28 @@ class KVCacheManager:
         protect = self._pool.protect
         if protect is not None and hit.num_tokens:
             protect([b for blocks in hit.blocks for b in filter(None, blocks)])  # (state rows: mostly null)
+
+    def protect_waiting(self, request: KVRequest) -> None:
+        """`protect` the hit `lookup` would find now for a request still waiting (counting nothing):
+        queue-aware retention keeps every queued request's prefix, not only the head's."""
+        protect = self._pool.protect
+        tokens = self.peek(request) if protect is not None else 0
+        if protect is None or not tokens:
+            return
+        if self._eagle or self._coordinator.partial_hits:  # (blocks looked up whole: hits end elsewhere)
+            blocks = self._find_hit(request, min(request.num_tokens - 1, self.max_model_len))[1][0]
+            ids = [b for group in blocks for b in group if b]
+        else:
+            hashes = self._hashes(request)
+            ids = [b for m in self._coordinator.managers for b in m.hit_block_ids(m.view, hashes, tokens)]
+        protect(ids)
+        if self._coordinator.keeps_waiting_hits:
+            self._coordinator.waiting_hits.update(ids)
+
+    @property
+    def protects(self) -> bool:
+        """Whether `protect` keeps anything (a value-aware eviction policy)."""
+        return self._pool.protect is not None
 
     def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
                    max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -429,6 +453,19 @@ class KVCacheManager:
         if not self._coordinator.is_running(request_id):
             raise UnknownRequestError(f"request {request_id!r} holds no blocks; expected a running request")
         return tuple(cast("list[BlockId]", m.block_table(request_id, row) or []) for m, row in self._groups)
+
+    def load_block_ids(self, request_id: RequestId, loaded_tokens: int) -> tuple[list[BlockId], ...]:
+        """`block_ids` for a KV connector loading the request's first `loaded_tokens` (a block multiple):
+        with one running state per request (`RunningState.FIXED`) a state group's entry at the
+        loaded prefix's last block is the running block (the loaded state is where the step reads
+        it), null in `block_ids`."""
+        tables = self.block_ids(request_id)
+        for manager in self._fixed:
+            index = loaded_tokens // manager.block_size - 1
+            for g in manager.group_ids:
+                if 0 <= index < len(tables[g]):
+                    tables[g][index] = tables[g][-1]
+        return tables
 
     def state_steps(self, request_id: RequestId, *, start_tokens: int, end_tokens: int) -> tuple[StateStep, ...]:
         """Per state group (ascending group id; empty without state groups), where the step that

@@ -153,8 +153,12 @@ class AdmissionHeadroom(Enum):
     into, k pages in the multi-page layout). Without it, a request admitted into the last free
     blocks is preempted by the first running request that crosses a boundary, re-admitted the
     next step, and preempted again: with small blocks and large states that churn recomputes
-    prompts and evicts the prefixes it then misses (docs/prefix_caching.md).
+    prompts and evicts the prefixes it then misses (docs/prefix_caching.md). WAITING_HITS:
+    NEXT_BLOCK, and the free blocks the waiting requests' hits will take stay free too (the
+    scheduler names them each step, `KVCacheManager.protect_waiting`): a new request is not
+    admitted by evicting the prefix a request queued before it would hit.
     """
 
     NONE = "none"
     NEXT_BLOCK = "next_block"
+    WAITING_HITS = "waiting_hits"

@@ -208,25 +208,25 @@ class FixedStateManager(MambaManager):
             self._last[request_id] = _Checkpoint(index=index, blocks=hit, key=key)
         super().apply_cow(request_id, index, blocks)
 
-    def anchor(self, request_id: RequestId, index: int) -> None:
-        """The request's checkpoint at entry `index` is at one of its hit points (`Anchors`): ANCHOR
+    def anchor(self, request_id: RequestId, index: int, value: BlockValue = BlockValue.ANCHOR) -> None:
+        """The request's checkpoint at entry `index` is at one of its hit points (`Anchors`): `value`
         for a value-aware policy, now where it is taken (the hit or the newest checkpoint, pending,
-        held or free and still cached), else when it is taken. An older checkpoint is left alone, as
-        align mode's request no longer holds it."""
+        held or free and still cached), else (ANCHOR) when it is taken. An older checkpoint is left
+        alone, as align mode's request no longer holds it."""
         pending = self._pending.get(request_id)
         last = self._last.get(request_id)
         if pending is not None and pending.num_tokens // self.block_size - 1 == index:
-            self._mark(pending.blocks)
+            self._mark(pending.blocks, value)
         elif last is not None and last.index == index:
             if self._cached(last):
-                self._mark(last.blocks)
+                self._mark(last.blocks, value)
                 self._release_again([b for b in last.blocks if not self._pool.ref_cnt.item(b)])
         elif last is None or index > last.index:
             self._anchored.setdefault(request_id, set()).add(index)
 
-    def _mark(self, blocks: list[int]) -> None:
+    def _mark(self, blocks: list[int], value: BlockValue = BlockValue.ANCHOR) -> None:
         if self._pool.mark is not None:
-            self._pool.mark(blocks, BlockValue.ANCHOR)
+            self._pool.mark(blocks, value)
 
     def _cached(self, checkpoint: _Checkpoint) -> bool:
         hash_of = self._pool.hash_of

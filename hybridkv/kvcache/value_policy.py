@@ -14,6 +14,8 @@ plus compute saved per byte). The classes, lowest first:
     ANCHOR      a window tail or state checkpoint at a known hit point (the end of a prompt or of
                 a finished sequence, a branch point, a shared-prefix junction, a `cache_checkpoints`
                 hint): together with the full-attention prefix before it, a usable hit
+    HOT         every block of a hit whose end was hit before (`checkpoints.Anchors`): a prefix that
+                recurs, like a system prompt, rather than a chat turn its next turn extends once
     PROTECTED   a block a waiting request's hit will take (queue-aware retention)
 
 A block's class is the highest of its group kind's class (full attention: FULL, others: LOW)
@@ -47,7 +49,8 @@ class BlockValue(IntEnum):
     LOW = 1
     FULL = 2
     ANCHOR = 3
-    PROTECTED = 4
+    HOT = 4
+    PROTECTED = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,17 +60,19 @@ class ValueWeights:
     low: float = 0.0
     full: float = 1.0
     anchor: float = 1.0
+    hot: float = 4.0
     protected: float = 8.0
 
     def __post_init__(self) -> None:
-        values = (self.low, self.full, self.anchor, self.protected)
+        values = (self.low, self.full, self.anchor, self.hot, self.protected)
         if any(v < 0 for v in values) or list(values) != sorted(values):
-            raise ConfigError(f"value weights must be >= 0 and ordered low <= full <= anchor <= protected, got {self}")
+            raise ConfigError(f"value weights must be >= 0 and ordered low <= full <= anchor <= hot <= protected, "
+                              f"got {self}")
 
     def bonuses(self, num_blocks: int) -> tuple[float, ...]:
         """Per class (EMPTY first): the clock ticks added to a block's release time."""
         return (-float("inf"), self.low * num_blocks, self.full * num_blocks, self.anchor * num_blocks,
-                self.protected * num_blocks)
+                self.hot * num_blocks, self.protected * num_blocks)
 
 
 def kind_value(kind: SpecKind) -> BlockValue:

@@ -2,7 +2,8 @@
 
 Each generator draws lengths from a log-normal around a mean (sigma 0.6: a long right tail, as
 request-length distributions of public chat and agent traces have) and token ids uniformly from
-a 32k vocabulary, and is a pure function of its seed. The means are defaults to edit, not facts
+a 32k vocabulary, and is a pure function of its seed. A system prompt's and a tool spec's end is a
+request's `turn_ends` (the message boundary a chat template reports). The means are defaults to edit, not facts
 about any one service.
 
     chat            sessions of several turns; each turn extends the previous turn and its answer
@@ -97,9 +98,13 @@ def system_prompt(options: GeneratorOptions) -> list[TraceRequest]:
     d = _Draw(options)
     prompts = [d.tokens(options.mean_prompt_tokens) for _ in range(8)]
     weights = [1 / (rank + 1) for rank in range(len(prompts))]
-    return [TraceRequest(arrival_ms=d.arrival(), output_tokens=d.output(),
-                         new_tokens=d.rng.choices(prompts, weights)[0] + d.tokens(options.mean_prompt_tokens / 8))
-            for _ in range(options.num_requests)]
+    out = []
+    for _ in range(options.num_requests):
+        arrival, output = d.arrival(), d.output()
+        system = d.rng.choices(prompts, weights)[0]
+        out.append(TraceRequest(arrival_ms=arrival, output_tokens=output, turn_ends=(len(system),),
+                                new_tokens=system + d.tokens(options.mean_prompt_tokens / 8)))
+    return out
 
 
 def agentic(options: GeneratorOptions) -> list[TraceRequest]:
@@ -121,7 +126,8 @@ def agentic(options: GeneratorOptions) -> list[TraceRequest]:
                 live.pop(k)
         else:
             task = spec + d.tokens(options.mean_prompt_tokens / 4)
-            out.append(TraceRequest(arrival_ms=d.arrival(), new_tokens=task, output_tokens=action))
+            out.append(TraceRequest(arrival_ms=d.arrival(), new_tokens=task, output_tokens=action,
+                                    turn_ends=(len(spec),)))
             live.append((len(out) - 1, d.rng.randint(5, 20)))
     return out
 

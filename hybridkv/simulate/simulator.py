@@ -86,6 +86,9 @@ class SimOptions:
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
     running_state: RunningState = RunningState.MOVING
     queue_order: QueueOrder = QueueOrder.FCFS
+    #: pass each request's chat-message ends (its trace's `turn_ends`) as `cache_checkpoints`, as
+    #: `serve` does from the chat template (the ends before a turn's hit, its parent's, add nothing)
+    turn_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -200,7 +203,10 @@ class _Run:
         item = self.trace[index]
         prompt = (self.finished[item.parent] if item.parent is not None else []) + list(item.new_tokens)
         prompt = prompt[: self.options.max_model_len - 1]
-        kv = KVRequest(request_id=RequestId(f"r{index}"), token_ids=prompt, cache_salt=item.cache_salt)
+        parent_len = len(self.finished[item.parent]) if item.parent is not None else 0
+        ends = tuple(parent_len + p for p in item.turn_ends if parent_len + p < len(prompt))
+        kv = KVRequest(request_id=RequestId(f"r{index}"), token_ids=prompt, cache_salt=item.cache_salt,
+                       cache_checkpoints=ends if self.options.turn_checkpoints else ())
         request = SimRequest(kv=kv, arrival_seq=index, prompt_len=len(prompt),
                              output_tokens=item.output_tokens, queued_ms=self.clock_ms)
         request.ideal_tokens = min(self.ideal.longest_prefix(prompt, salt=item.cache_salt), len(prompt) - 1)

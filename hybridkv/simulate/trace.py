@@ -37,6 +37,9 @@ class TraceRequest:
     output_tokens: int
     parent: int | None = None  # index of an earlier request whose whole sequence this prompt extends
     cache_salt: str | None = None
+    #: positions in `new_tokens` where a chat message ends before the prompt's end (a system prompt, a
+    #: tool spec): what a chat template tells the server (`SimOptions.turn_checkpoints`)
+    turn_ends: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.output_tokens < 1:
@@ -45,6 +48,10 @@ class TraceRequest:
             raise ConfigError("a trace request without a parent needs at least one prompt token")
         if self.arrival_ms < 0:
             raise ConfigError(f"arrival time must be >= 0 ms, got {self.arrival_ms}")
+        ends = self.turn_ends
+        if any(not 0 < p < len(self.new_tokens) for p in ends) or list(ends) != sorted(set(ends)):
+            raise ConfigError(f"turn_ends must be increasing positions inside the {len(self.new_tokens)} new "
+                              f"tokens (1..{len(self.new_tokens) - 1}), got {ends[:8]}")
 
 
 class TraceFormat(Enum):

@@ -21,6 +21,10 @@ POLICIES: dict[str, dict[str, str]] = {
     "queue": {"eviction": "lru", "checkpoint_placement": "junction", "queue_order": "cache_aware"},
     "ours": {"eviction": "value", "checkpoint_placement": "placed", "decode_checkpoints": "last",
              "admission_headroom": "next_block", "state_layout": "multi_page", "queue_order": "cache_aware"},
+    "ours, fixed state, waiting hits kept": {
+        "eviction": "value", "checkpoint_placement": "placed", "decode_checkpoints": "last",
+        "admission_headroom": "waiting_hits", "state_layout": "multi_page", "queue_order": "cache_aware",
+        "running_state": "fixed"},
 }
 
 
@@ -41,6 +45,7 @@ def test_outputs_are_identical_across_policies(model_dir: Callable[[str], Path],
     assert outputs["placed"] == outputs["vllm"]
     assert outputs["queue"] == outputs["vllm"]
     assert outputs["ours"] == outputs["vllm"]
+    assert outputs["ours, fixed state, waiting hits kept"] == outputs["vllm"]
     with pytest.raises(ConfigError, match="cache_checkpoints of prompt 0 must be positive token positions"):
         llm.generate([shared], GREEDY, cache_checkpoints=[[0]])
     with pytest.raises(ConfigError, match="one sequence of positions per prompt"):

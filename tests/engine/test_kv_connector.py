@@ -82,14 +82,17 @@ def test_procedure_attention_models(kind: str, model_dir: Callable[[str], Path],
         assert out.token_ids == hf_greedy(hf_model(path), prompt, NEW)[0]
 
 
-@pytest.mark.parametrize(("kind", "mode"), [("qwen3_5", "align"), ("qwen3_5", "all"), ("bamba", "align"),
-                                            ("bamba", "all")])
-def test_procedure_state_models(kind: str, mode: str, model_dir: Callable[[str], Path],
+@pytest.mark.parametrize(("kind", "mode", "running"), [
+    ("qwen3_5", "align", "moving"), ("qwen3_5", "all", "moving"), ("bamba", "align", "moving"),
+    ("bamba", "all", "moving"), ("qwen3_5", "align", "fixed"), ("bamba", "align", "fixed")])
+def test_procedure_state_models(kind: str, mode: str, running: str, model_dir: Callable[[str], Path],
                                 mamba_dir: Callable[[str], Path], hf_model: Callable[[Path], Any],  # noqa: F811
                                 server: RunningServer) -> None:
+    # (fixed: one running state per request; a loaded state lands in the running block)
     path = model_dir(kind) if kind == "qwen3_5" else mamba_dir(kind)
     batch = prompts([41, 58, 35], seed=4)
-    with LLM(str(path), kv_server=server.endpoint, max_model_len=128, mamba_cache_mode=mode) as llm:
+    with LLM(str(path), kv_server=server.endpoint, max_model_len=128, mamba_cache_mode=mode,
+             running_state=running) as llm:
         first, second = procedure(llm, server, batch)
         names = llm.transfer.connector.object_groups if llm.transfer else []
     check(first, second, server, names)

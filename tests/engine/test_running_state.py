@@ -17,7 +17,6 @@ import pytest
 
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import BlockCopy, PrefixCaching, RunningState
 from hybridkv.plan.planner import StateLayout
 from tests.engine.conftest import prompts
@@ -98,7 +97,3 @@ def test_without_the_copy_into_the_running_state_tokens_differ(model_dir: Callab
     assert hits[1] > 0 and sum(skipped) > 0, (hits, skipped)
     assert got[0] == expected[0] and got[1] != expected[1]
 
-
-def test_fixed_running_state_with_a_kv_server_is_refused(model_dir: Callable[[str], Path]) -> None:
-    with pytest.raises(ConfigError, match="running_state=fixed"):
-        LLM(str(model_dir("qwen3_5")), running_state="fixed", kv_server="tcp://127.0.0.1:9", **OPTIONS)

@@ -67,18 +67,19 @@ def test_mamba2_outputs_are_equal_across_layouts(mamba_dir: Callable[[str], Path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["qwen3_5", "bamba"])
-def test_kv_server_restores_multi_page_states(kind: str, model_dir: Callable[[str], Path],
+@pytest.mark.parametrize(("kind", "running"), [("qwen3_5", "moving"), ("bamba", "moving"), ("qwen3_5", "fixed")])
+def test_kv_server_restores_multi_page_states(kind: str, running: str, model_dir: Callable[[str], Path],
                                               mamba_dir: Callable[[str], Path]) -> None:  # noqa: F811
     """The KV server procedure: run, clear the local prefix cache, run again. Each state's k pages are one
     object group ("state:g<first page group>"), retrieved as one object per chunk; outputs equal the
-    one-page layout's (itself equal to transformers, `test_kv_connector.py`)."""
+    one-page layout's (itself equal to transformers, `test_kv_connector.py`); with one running state per
+    request too (a loaded state's k pages land in the running state's)."""
     path = model_dir(kind) if kind == "qwen3_5" else mamba_dir(kind)
     batch = prompts([41, 58, 35], seed=4)
     one = LLM(str(path), max_model_len=128, block_size=4).generate(batch, GREEDY)
     with running_server(StoreConfig(chunk_tokens=16, l1_bytes=1 << 26)) as server, \
             LLM(str(path), kv_server=server.endpoint, max_model_len=128, block_size=4,
-                state_layout=StateLayout.MULTI_PAGE) as llm:
+                state_layout=StateLayout.MULTI_PAGE, running_state=running) as llm:
         first = llm.generate(batch, GREEDY)
         assert llm.reset_prefix_cache()
         second = llm.generate(batch, GREEDY)

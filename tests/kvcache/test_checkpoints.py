@@ -84,3 +84,36 @@ def test_a_finished_sequence_keeps_its_window_tail() -> None:
     assert sorted(order[3:]) == sorted([*full, tail])  # the hit at 64 outlives them
     b = request([*range(1, 65), 5, 6], name="b")
     assert manager.lookup(b).num_tokens == 64
+
+
+def test_a_prefix_whose_hits_end_at_the_same_place_twice_becomes_hot() -> None:
+    # one full-attention group, blocks of 16, value policy. A computes a 32-token prefix P plus 2
+    # tokens. B and C each add their own tokens after P: both hits end at 32. B's is the first hit
+    # ending there (P stays FULL); C's is the second (HOT_HITS = 2): P's two blocks become HOT. D
+    # extends C's whole prompt: its hit ends at 48, where no hit ended before: nothing new is HOT.
+    from hybridkv.kvcache.checkpoints import HOT_HITS
+    from hybridkv.kvcache.free_queue import EvictionPolicyName
+
+    assert HOT_HITS == 2
+    manager = KVCacheManager(make_config(num_blocks=32), max_model_len=256, eviction=EvictionPolicyName.VALUE)
+    policy = manager._pool._policy  # (the classes are what is tested)
+    assert isinstance(policy, ValuePolicy)
+    prefix = list(range(1, 33))
+
+    def run(name: str, tokens: list[int]) -> tuple[int, list[int]]:
+        kv = request(tokens, name=name)
+        manager.begin_step()
+        hit = manager.lookup(kv)
+        assert manager.allocate(kv, len(tokens) - hit.num_tokens, hit=hit) is not None
+        kv.num_computed_tokens = len(tokens)
+        blocks = list(manager.block_ids(kv.request_id)[0])
+        manager.free(kv)
+        return hit.num_tokens, blocks
+
+    assert run("a", [*prefix, 7, 7])[0] == 0
+    hit, blocks = run("b", [*prefix, 8, 8])
+    assert hit == 32 and [policy.value_of(b) for b in blocks[:2]] == [BlockValue.FULL] * 2
+    hit, blocks = run("c", [*prefix, *range(100, 120)])
+    assert hit == 32 and [policy.value_of(b) for b in blocks[:2]] == [BlockValue.HOT] * 2
+    hit, blocks = run("d", [*prefix, *range(100, 120), 5])
+    assert hit == 48 and [policy.value_of(b) for b in blocks[:3]] == [BlockValue.HOT] * 2 + [BlockValue.FULL]

@@ -61,7 +61,7 @@ def test_value_policy_matches_a_brute_force_scorer(seed: int) -> None:
     kinds = [SpecKind.FULL, SpecKind.SLIDING_WINDOW, SpecKind.MAMBA]
     content = np.zeros(num_blocks, np.bool_)
     group_of = np.zeros(num_blocks, np.int64)
-    weights = ValueWeights(low=0.0, full=0.5, anchor=1.0, protected=2.0)
+    weights = ValueWeights(low=0.0, full=0.5, anchor=1.0, hot=1.5, protected=2.0)
     policy = ValuePolicy(num_blocks, content, weights)
     policy.bind(group_of, kinds)
     model = BruteForce(num_blocks, weights.bonuses(num_blocks))
@@ -81,7 +81,7 @@ def test_value_policy_matches_a_brute_force_scorer(seed: int) -> None:
                 group_of[block] = rng.randrange(len(kinds))
         elif op < 0.45 and held:
             block = rng.choice(sorted(held))
-            value = rng.choice([BlockValue.ANCHOR, BlockValue.FULL, BlockValue.LOW])
+            value = rng.choice([BlockValue.HOT, BlockValue.ANCHOR, BlockValue.FULL, BlockValue.LOW])
             policy.mark([block], value)
             marks[block] = max(marks.get(block, 0), int(value))
         elif op < 0.8 and held:
@@ -118,7 +118,7 @@ def test_hand_computed_order() -> None:
     Scores: 1 -> 0+7, 2 -> 1, 3 -> 2+14, 4 -> 3, 5 -> 4, 6 -> 5: order 2 4 5 6 1 3."""
     content = np.ones(7, np.bool_)
     group_of = np.array([0, 0, 1, 1, 1, 1, 1], np.int64)
-    policy = ValuePolicy(7, content, ValueWeights(full=1.0, anchor=2.0, protected=3.0))
+    policy = ValuePolicy(7, content, ValueWeights(full=1.0, anchor=2.0, hot=2.5, protected=3.0))
     policy.bind(group_of, [SpecKind.FULL, SpecKind.SLIDING_WINDOW])
     assert policy.pop_few(6) == [1, 2, 3, 4, 5, 6]  # all start empty, reused in id order
     policy.mark([3], BlockValue.ANCHOR)

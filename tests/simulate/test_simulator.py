@@ -146,6 +146,47 @@ def test_a_junction_checkpoint_lets_a_sibling_resume_at_the_shared_prefix() -> N
     assert report.ideal_tokens == 40 + 40
 
 
+def test_turn_checkpoints_let_the_second_sharer_of_a_system_prompt_resume() -> None:
+    # full + Mamba (align, blocks of 16). A = a 40-token system prompt + 9 question tokens, in one chunk:
+    # its state is checkpointed at 48 only. B, the second request with that system prompt, hits 0 (no
+    # checkpoint at or below 40) unless A's message end (40, block-floored: 32) was a checkpoint stop.
+    import dataclasses
+
+    groups = [make_group(kind="full"), make_group(kind="mamba")]
+    system = tuple(range(1, 41))
+    trace = [TraceRequest(arrival_ms=0, new_tokens=system + (900,) * 9, output_tokens=1, turn_ends=(40,)),
+             TraceRequest(arrival_ms=1000, new_tokens=system + (901,) * 9, output_tokens=1, turn_ends=(40,))]
+    config = make_config(groups=groups, num_blocks=64)
+    assert simulate(trace, config, OPTIONS).request_hits == (0, 0)
+    assert simulate(trace, config, dataclasses.replace(OPTIONS, turn_checkpoints=True)).request_hits == (0, 32)
+
+
+def test_generated_turn_ends_are_the_shared_system_prompts() -> None:
+    # two first turns share exactly their tokens before the turn end when the ends are equal (the same
+    # system prompt / tool spec, then a fresh question), and less than either end otherwise
+    def common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+    for kind, most in ((Generator.SYSTEM_PROMPT, 8), (Generator.AGENTIC, 1)):
+        firsts = [r for r in generate(kind, GeneratorOptions(num_requests=60, seed=3)) if r.parent is None]
+        assert all(len(r.turn_ends) == 1 for r in firsts)
+        assert 1 < len({r.turn_ends for r in firsts} | {()}) <= most + 1
+        for i, a in enumerate(firsts):
+            for b in firsts[i + 1 :]:
+                shared = common(a.new_tokens, b.new_tokens)
+                if a.turn_ends == b.turn_ends:
+                    assert shared == a.turn_ends[0]
+                else:
+                    assert shared < min(a.turn_ends[0], b.turn_ends[0])
+
+
+def test_turn_ends_outside_the_new_tokens_are_refused() -> None:
+    with pytest.raises(ConfigError, match="turn_ends must be increasing positions inside the 3 new tokens"):
+        TraceRequest(arrival_ms=0, new_tokens=(1, 2, 3), output_tokens=1, turn_ends=(3,))
+    with pytest.raises(ConfigError, match="got \\(2, 1\\)"):
+        TraceRequest(arrival_ms=0, new_tokens=(1, 2, 3), output_tokens=1, turn_ends=(2, 1))
+
+
 @pytest.mark.slow
 def test_simulate_runs_on_every_catalog_model() -> None:
     from hybridkv.catalog import catalog

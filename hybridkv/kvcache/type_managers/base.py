@@ -151,6 +151,10 @@ class SingleTypeManager(ABC):
         hits = self.find_hits(view, hashes[self.block_size], max_length)
         return hits, len(hits[0]) * self.block_size
 
+    def hit_block_ids(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], num_tokens: int) -> list[int]:
+        """The blocks (every group, nulls left out) of a hit of `num_tokens` every group serves."""
+        return [b for blocks in self.find_hits(view, hashes[self.block_size], num_tokens) for b in blocks if b]
+
     def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
         """The length in tokens of `find_hit_tokens`' hit, without its block lists (a probe)."""
         return self.find_hit_tokens(view, hashes, max_length)[1]

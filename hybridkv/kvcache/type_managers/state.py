@@ -114,6 +114,14 @@ class MambaManager(SingleTypeManager):
         row, slots = view.held(block_hashes[: max_length // self.block_size])
         return row.rfind(1), slots
 
+    def hit_block_ids(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], num_tokens: int) -> list[int]:
+        """The checkpoint at `num_tokens` alone (the hit's other entries are null): no k-page lists."""
+        index = num_tokens // self.block_size - 1
+        if self.mode is MambaCacheMode.ALL or self.partial_unit or index < 0:
+            return super().hit_block_ids(view, hashes, num_tokens)
+        return [b for blocks in view.blocks_at(view.slots(hashes[self.block_size][index : index + 1])) for b in blocks
+                if b]
+
     def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
         if self.partial_unit or self.mode is MambaCacheMode.NONE:
             return super().hit_tokens(view, hashes, max_length)
