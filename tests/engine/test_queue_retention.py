@@ -56,3 +56,32 @@ def test_every_waiting_prefix_is_evicted_after_the_unwanted_ones() -> None:
     order = [b for b in policy.ordered() if manager._pool.hash_of(b) is not None]
     assert order[:2] == p3  # no one waits for it
     assert sorted(order[2:]) == sorted(p1 + p2)
+
+
+def test_waiting_hits_keeps_a_queued_prefix_from_a_new_request_before_it() -> None:
+    # one full-attention group, block 16, 6 usable blocks, FCFS. P (32 tokens) is cached (2 free FULL
+    # blocks); R runs (2 blocks). A (40 fresh tokens: 3 blocks) is queued just before B, which
+    # extends P. Free: P's 2 + 2 empty = 4 = A's 3 + 1 headroom for R: next_block admits A and its
+    # blocks evict P, so B hits nothing; waiting_hits keeps P's 2 blocks free too, A waits for R to
+    # finish, and B hits all of P.
+    from hybridkv.kvcache.manager import AdmissionHeadroom
+
+    hits = {}
+    for mode in (AdmissionHeadroom.NEXT_BLOCK, AdmissionHeadroom.WAITING_HITS):
+        manager = KVCacheManager(make_config(num_blocks=7), max_model_len=256, eviction=EvictionPolicyName.VALUE,
+                                 admission_headroom=mode)
+        scheduler: Scheduler[SimRequest] = Scheduler(manager, max_num_batched_tokens=64, max_num_seqs=4)
+        prefix = [2000 + i for i in range(32)]
+        first = sim_request(0, [*prefix, 1, 1])
+        scheduler.add(first)
+        run_step(scheduler)
+        assert first.status is RequestStatus.FINISHED
+        scheduler.add(sim_request(1, list(range(5, 21)), output_tokens=12))
+        run_step(scheduler)
+        a, b = sim_request(2, list(range(300, 340))), sim_request(3, [*prefix, 9, 9])
+        scheduler.add(a)
+        scheduler.add(b)
+        while scheduler.has_unfinished:
+            run_step(scheduler)
+        hits[mode] = (a.prefix_hit_tokens, b.prefix_hit_tokens)
+    assert hits == {AdmissionHeadroom.NEXT_BLOCK: (0, 0), AdmissionHeadroom.WAITING_HITS: (0, 32)}

@@ -24,7 +24,8 @@ def manager(headroom: AdmissionHeadroom) -> KVCacheManager:
 
 
 @pytest.mark.parametrize(("headroom", "admitted"), [(AdmissionHeadroom.NONE, True),
-                                                    (AdmissionHeadroom.NEXT_BLOCK, False)])
+                                                    (AdmissionHeadroom.NEXT_BLOCK, False),
+                                                    (AdmissionHeadroom.WAITING_HITS, False)])
 def test_a_new_request_leaves_one_block_per_group_for_each_running_one(headroom: AdmissionHeadroom,
                                                                         admitted: bool) -> None:
     m = manager(headroom)
