@@ -96,6 +96,7 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
                          admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")),
                          queue_order=QueueOrder(job.get("queue_order", "fcfs")),
                          turn_checkpoints=job.get("turn_checkpoints", False),
+                         ms_per_token=job.get("ms_per_token", 0.0),
                          running_state=RunningState(job.get("running_state", "moving")))
     return config, trace, options
 
@@ -206,7 +207,7 @@ def budget_blocks(config: KVCacheConfig, distinct_tokens: int, fraction: float) 
     return 1 + math.ceil(fraction * distinct_tokens * sum(1 / g.block_size for g in config.groups))
 
 
-def targets(seed: int, num_requests: int) -> int:
+def targets(seed: int, num_requests: int, ms_per_token: float = 0.0) -> int:
     """At a pool holding 25% / 100% of each trace's distinct tokens (the same bytes on both sides): our
     manager at OURS vs vLLM 0.32's manager at its best retention setting (None or 0), and vs the
     infinite cache; and the prompt tokens each side computed (recompute after preemption included).
@@ -221,7 +222,7 @@ def targets(seed: int, num_requests: int) -> int:
             base = {"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
                     "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
                     "retention": None, "release_order": "by_group", "spec_decode": "off", "generator": trace_name,
-                    "generator_options": {"num_requests": num_requests, "seed": seed}}
+                    "generator_options": {"num_requests": num_requests, "seed": seed}, "ms_per_token": ms_per_token}
             config, trace, options = materialize(base)
             distinct = simulate(trace, config, options).distinct_tokens
             for fraction in (0.25, 1.0):
@@ -293,9 +294,12 @@ def main(argv: list[str] | None = None) -> int:
                              "checkpoints, admission headroom) vs vLLM's best at "
                              "25%% / 100%% of each trace's distinct tokens")
     parser.add_argument("--seed", type=int, default=0, help="--targets: the traces' seed")
+    parser.add_argument("--ms-per-token", type=float, default=0.0,
+                        help="--targets: simulated ms each computed token adds to its step, both sides (0: 30 ms "
+                             "steps whatever they compute)")
     args = parser.parse_args(argv)
     if args.targets:
-        return targets(args.seed, 30 if args.quick else 100)
+        return targets(args.seed, 30 if args.quick else 100, args.ms_per_token)
     if args.record:
         record(args.record)
         return 0

@@ -40,7 +40,7 @@ from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
 from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
 
 SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
-                      "prefix_match_unit", "step_ms", "num_requests"])
+                      "prefix_match_unit", "step_ms", "ms_per_token", "num_requests"])
 PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: the policies `--plot` draws side by side (each at the run's other options)
 _VLLM: dict[str, Any] = {"eviction": EvictionPolicyName.LRU, "checkpoint_placement": CheckpointPlacement.JUNCTION,
@@ -110,6 +110,8 @@ def simulate_command(
         "--turn-checkpoints", help="state checkpoints at the trace's chat-message ends (a system prompt's, a tool "
         "spec's), as serve takes them from the chat template")] = False,
     step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
+    ms_per_token: Annotated[float, typer.Option(
+        "--ms-per-token", help="simulated ms each computed token adds to its step (0: steps take --step-ms)")] = 0.0,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
 ) -> None:
@@ -129,7 +131,8 @@ def simulate_command(
                               running_state=running_state)
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                             max_num_seqs=max_num_seqs, step_ms=step_ms, prefix_caching=prefix_caching,
+                             max_num_seqs=max_num_seqs, step_ms=step_ms, ms_per_token=ms_per_token,
+                             prefix_caching=prefix_caching,
                              mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
                              prefix_cache_retention_interval=retention_interval, release_order=release_order,
                              spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,

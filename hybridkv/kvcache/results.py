@@ -156,7 +156,7 @@ class AdmissionHeadroom(Enum):
     prompts and evicts the prefixes it then misses (docs/prefix_caching.md). WAITING_HITS:
     NEXT_BLOCK, and the free blocks the waiting requests' hits will take stay free too (the
     scheduler names them each step, `KVCacheManager.protect_waiting`): a new request is not
-    admitted by evicting the prefix a request queued before it would hit.
+    admitted by evicting the prefix another waiting request would hit.
     """
 
     NONE = "none"

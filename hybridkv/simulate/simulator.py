@@ -5,7 +5,8 @@ queue; `Scheduler.schedule()` picks the step's work exactly as in the engine (de
 chunked prefill within the token budget, admission with prefix lookups, preemption by recompute,
 align-mode chunk cuts for state groups); every request whose step reached its last known token
 "samples" a synthetic token; `finish_step` advances computed tokens and frees finished requests;
-the clock moves by `step_ms` (or jumps to the next arrival when nothing runs).
+the clock moves by `step_ms`, plus `ms_per_token` for each token the step computed (0 by default:
+every step takes the same time), or jumps to the next arrival when nothing runs.
 
     hit tokens:   what the manager served at each request's first admission (`prefix_hit_tokens`)
     ideal tokens: the infinite-cache ideal at its arrival (`ideal.py`), capped at prompt - 1
@@ -72,6 +73,9 @@ class SimOptions:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     step_ms: float = 30.0
+    #: simulated ms each computed token adds to its step (prefill costs time: a side that recomputes
+    #: more prompt tokens waits longer); 0 = every step takes `step_ms`
+    ms_per_token: float = 0.0
     prefix_caching: PrefixCaching = PrefixCaching.ON
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
     sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
@@ -96,6 +100,8 @@ class SimOptions:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.step_ms <= 0:
             raise ConfigError(f"step time must be > 0 ms, got {self.step_ms}")
+        if not self.ms_per_token >= 0:
+            raise ConfigError(f"ms_per_token must be >= 0 (simulated ms per computed token), got {self.ms_per_token}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,6 +191,7 @@ class _Run:
         self.finished: dict[int, list[int]] = {}  # index -> whole sequence
         self.requests: list[SimRequest] = []
         self.clock_ms = 0.0
+        self.step_tokens = 0  # tokens the last step computed
 
     def arrive(self) -> None:
         trace, ready = self.trace, []
@@ -216,6 +223,7 @@ class _Run:
 
     def step(self) -> int:
         out = self.scheduler.schedule()
+        self.step_tokens = out.num_tokens
         self.block_copies += len(out.copies)  # (no pages here: a copy is only counted)
         max_len = self.options.max_model_len
         for work in out.work:
@@ -285,7 +293,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         max_running = max(max_running, running)
         if steps % concurrency_every == 0:
             samples.append((run.clock_ms, running, len(run.scheduler.waiting)))
-        run.clock_ms += options.step_ms
+        run.clock_ms += options.step_ms + options.ms_per_token * run.step_tokens
     stats = manager.stats()
     requests = run.requests
     return SimReport(

@@ -228,3 +228,21 @@ def test_cli_queue_order_reports_prefill_and_waits(order: str) -> None:
     assert recomputed >= 0 and (out["preemptions"] > 0 or recomputed == 0)
     assert out["p95_wait_ms"] % 30 == 0 and out["p95_wait_ms"] >= 0  # whole steps of 30 ms
     assert out["mean_wait_ms"] >= 0
+
+
+def test_a_step_takes_longer_for_each_token_it_computes() -> None:
+    # one request at a time, 64 tokens per step, 30 ms a step plus 1 ms per computed token. A (100
+    # tokens, 1 output) arrives at 0: its steps compute 64 then 36 tokens and end at 94 and 160 ms. B
+    # (10 tokens) arrives at 50 ms, joins the queue at 94 (the first step's end) and runs at 160:
+    # a 66 ms wait. With steps of 30 ms whatever they compute, A is done at 60 before B arrives.
+    import dataclasses
+
+    trace = [TraceRequest(arrival_ms=0, new_tokens=tuple(range(1, 101)), output_tokens=1),
+             TraceRequest(arrival_ms=50, new_tokens=tuple(range(500, 510)), output_tokens=1)]
+    options = SimOptions(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=1)
+    config = make_config(num_blocks=64)
+    assert simulate(trace, config, options).mean_wait_ms == 0
+    timed = simulate(trace, config, dataclasses.replace(options, ms_per_token=1.0))
+    assert timed.mean_wait_ms == 66 / 2
+    with pytest.raises(ConfigError, match="ms_per_token must be >= 0"):
+        dataclasses.replace(options, ms_per_token=-1.0)
