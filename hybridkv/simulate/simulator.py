@@ -60,8 +60,9 @@ class SimRequest(KVRequestView):
     external_hit_tokens: int = 0
     computed_prefill_tokens: int = 0
     num_preemptions: int = 0
-    queued_ms: float = 0.0  # when it joined the waiting queue (its arrival, or its parent's end)
-    wait_ms: float = -1.0  # from joining the queue to its first scheduled step; -1 until then
+    queued_ms: float = 0.0  # when it last joined the waiting queue (its arrival or parent's end, a preemption)
+    wait_ms: float = -1.0  # time spent in the queue: before its first step and after each preemption; -1 until run
+    queued: bool = True  # in the waiting queue now
     ideal_tokens: int = 0
 
 
@@ -148,8 +149,9 @@ class SimReport:
     #: checkpoints skipped for want of free blocks
     checkpoint_copies: int = 0
     checkpoints_skipped: int = 0
-    #: simulated ms from joining the waiting queue to the first scheduled step: mean and 95th percentile
-    #: over the requests (what a queue order costs in time to first token)
+    #: simulated ms each request spent in the waiting queue (before its first step, and again after each
+    #: preemption until it runs again): mean and 95th percentile over the requests (what a queue order
+    #: costs in time to first token, and what preemption costs)
     mean_wait_ms: float = 0.0
     p95_wait_ms: float = 0.0
 
@@ -226,9 +228,12 @@ class _Run:
         self.step_tokens = out.num_tokens
         self.block_copies += len(out.copies)  # (no pages here: a copy is only counted)
         max_len = self.options.max_model_len
+        for request in out.preempted:  # back in the queue: its wait runs again
+            request.queued, request.queued_ms = True, self.clock_ms
         for work in out.work:
-            if work.request.wait_ms < 0:
-                work.request.wait_ms = self.clock_ms - work.request.queued_ms
+            if work.request.queued:
+                work.request.wait_ms = max(work.request.wait_ms, 0.0) + self.clock_ms - work.request.queued_ms
+                work.request.queued = False
             if work.samples:
                 request = work.request
                 generated = request.num_tokens - request.prompt_len

@@ -246,3 +246,16 @@ def test_a_step_takes_longer_for_each_token_it_computes() -> None:
     assert timed.mean_wait_ms == 66 / 2
     with pytest.raises(ConfigError, match="ms_per_token must be >= 0"):
         dataclasses.replace(options, ms_per_token=-1.0)
+
+
+def test_a_preempted_request_waits_again_until_it_runs_again() -> None:
+    # 4 usable blocks of 16, 30 ms steps. A (32 tokens, 20 outputs) and B (16 tokens) both start at 0 ms
+    # (2 + 1 blocks). At 30 ms A's decode needs its 3rd block (the last free one) and B its 2nd: none
+    # left, so B (the later arrival) is preempted. A decodes alone (its 4th block comes from B's) and
+    # ends in the step at 570 ms; B runs again at 600 ms: it waited 0 + 570 ms.
+    trace = [TraceRequest(arrival_ms=0, new_tokens=tuple(range(1, 33)), output_tokens=20),
+             TraceRequest(arrival_ms=0, new_tokens=tuple(range(100, 116)), output_tokens=20)]
+    options = SimOptions(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=2)
+    report = simulate(trace, make_config(num_blocks=5), options)
+    assert report.preemptions == 1
+    assert (report.mean_wait_ms, report.p95_wait_ms) == (570 / 2, 570)
