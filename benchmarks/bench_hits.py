@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--release-order", choices=[o.value for o in ReleaseOrder], default="by_group",
                         help="our manager's free order (by_group: vLLM's, the parity setting)")
     parser.add_argument("--targets", action="store_true",
-                        help="issue 29's targets: ours (OURS: multi-page state, value eviction, placed and last decode "
-                             "checkpoints, admission headroom) vs vLLM's best at "
+                        help="issue 29's targets: ours (the OURS settings) vs vLLM's best at "
                              "25%% / 100%% of each trace's distinct tokens")
     parser.add_argument("--seed", type=int, default=0, help="--targets: the traces' seed")
     parser.add_argument("--ms-per-token", type=float, default=0.0,

@@ -222,13 +222,20 @@ class Scheduler(Generic[R]):
 
     def _admit(self, work: list[ScheduledWork[R]], budget: int) -> None:
         aware = self.queue_order is QueueOrder.CACHE_AWARE
+        peeks: dict[RequestId, int] = {}  # this step's probes: the order and the protection share them
+
+        def peek(request: R) -> int:
+            if request.request_id not in peeks:
+                peeks[request.request_id] = self.manager.peek(request.kv)
+            return peeks[request.request_id]
+
         if aware and len(self.waiting) > 1 and budget > 0 and len(self.running) < self.max_num_seqs:
-            self.waiting = cache_aware(self.waiting, lambda r: self.manager.peek(r.kv), self._bypasses)
+            self.waiting = cache_aware(self.waiting, peek, self._bypasses)
         admitted: list[R] = []
         deferred: list[R] = []
         if self.waiting and self.manager.protects:  # queue-aware retention: every waiting prefix stays
             for request in itertools.islice(self.waiting, PROBE_WINDOW):
-                self.manager.protect_waiting(request.kv)
+                self.manager.protect_waiting(request.kv, peek(request))
         self._admit_waiting(work, budget, admitted, deferred)
         self.waiting.extendleft(reversed(deferred))
         if aware:

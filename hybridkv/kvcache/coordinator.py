@@ -402,6 +402,7 @@ class KVCacheCoordinator:
         self.quiet[request_id] = bounds
 
     def new_step(self) -> None:
+        self.waiting_hits.clear()  # (named again by this step's protect_waiting)
         for manager in self._deferring:
             manager.new_step()
 

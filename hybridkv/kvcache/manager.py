@@ -233,7 +233,6 @@ class KVCacheManager:
         `new_step_starts`). Without it, hits on checkpoints cached since the last call wait.
         """
         self._coordinator.new_step()
-        self._coordinator.waiting_hits.clear()
 
     def lookup(self, request: KVRequest) -> CacheHit:
         """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last
@@ -294,26 +293,28 @@ class KVCacheManager:
     def protect(self, hit: CacheHit) -> None:
         """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks
         last (queue-aware retention); no-op with LRU."""
-        protect = self._pool.protect
-        if protect is not None and hit.num_tokens:
-            protect([b for blocks in hit.blocks for b in filter(None, blocks)])  # (state rows: mostly null)
+        if hit.num_tokens:
+            self._protect([b for blocks in hit.blocks for b in blocks if b])  # (state rows: mostly null)
 
-    def protect_waiting(self, request: KVRequest) -> None:
-        """`protect` the hit `lookup` would find now for a request still waiting (counting nothing):
-        queue-aware retention keeps every queued request's prefix, not only the head's."""
-        protect = self._pool.protect
-        tokens = self.peek(request) if protect is not None else 0
-        if protect is None or not tokens:
+    def protect_waiting(self, request: KVRequest, hit_tokens: int) -> None:
+        """`protect` the hit of `hit_tokens` (`peek`'s answer this step) of a request still waiting,
+        counting nothing: queue-aware retention keeps every queued request's prefix, not only the
+        head's. With `AdmissionHeadroom.WAITING_HITS` its blocks are also kept free at admission."""
+        if self._pool.protect is None or not hit_tokens:
             return
         if self._eagle or self._coordinator.partial_hits:  # (blocks looked up whole: hits end elsewhere)
             blocks = self._find_hit(request, min(request.num_tokens - 1, self.max_model_len))[1][0]
             ids = [b for group in blocks for b in group if b]
         else:
             hashes = self._hashes(request)
-            ids = [b for m in self._coordinator.managers for b in m.hit_block_ids(m.view, hashes, tokens)]
-        protect(ids)
+            ids = [b for m in self._coordinator.managers for b in m.hit_block_ids(m.view, hashes, hit_tokens)]
+        self._protect(ids)
         if self._coordinator.keeps_waiting_hits:
             self._coordinator.waiting_hits.update(ids)
+
+    def _protect(self, ids: list[int]) -> None:
+        if self._pool.protect is not None:
+            self._pool.protect(ids)
 
     @property
     def protects(self) -> bool:
