@@ -136,6 +136,8 @@ class SimReport:
     distinct_tokens: int = 0
     #: per trace request (in trace order): its hit tokens at its first admission
     request_hits: tuple[int, ...] = field(default=())
+    #: per trace request (in trace order): its infinite-cache ideal (what `request_hits` is measured against)
+    request_ideals: tuple[int, ...] = field(default=())
     #: prompt tokens the model computed: the prompts less their hits, plus every recompute after a preemption
     prefill_tokens: int = 0
     #: the pool's fraction held by running requests after each step's allocation, averaged over steps
@@ -301,6 +303,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         run.clock_ms += options.step_ms + options.ms_per_token * run.step_tokens
     stats = manager.stats()
     requests = run.requests
+    ordered = sorted(requests, key=lambda r: r.arrival_seq)
     return SimReport(
         requests=len(requests), prompt_tokens=sum(r.prompt_len for r in requests),
         hit_tokens=sum(max(r.prefix_hit_tokens, 0) for r in requests),
@@ -310,7 +313,8 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         mean_running=running_sum / steps if steps else 0.0, num_blocks=config.num_blocks,
         wall_s=time.perf_counter() - started, groups=_limits_of(config, stats.limited_by),
         concurrency=tuple(samples), distinct_tokens=run.ideal.distinct_tokens(),
-        request_hits=tuple(r.prefix_hit_tokens for r in sorted(requests, key=lambda r: r.arrival_seq)),
+        request_hits=tuple(r.prefix_hit_tokens for r in ordered),
+        request_ideals=tuple(r.ideal_tokens for r in ordered),
         block_copies=run.block_copies, checkpoint_copies=stats.checkpoint_copies,
         checkpoints_skipped=stats.checkpoints_skipped,
         prefill_tokens=sum(r.computed_prefill_tokens for r in requests),

@@ -143,7 +143,7 @@ def test_a_junction_checkpoint_lets_a_sibling_resume_at_the_shared_prefix() -> N
              TraceRequest(arrival_ms=2000, new_tokens=a[:40] + (901,) * 9, output_tokens=1)]
     report = simulate(trace, make_config(groups=groups, num_blocks=64), OPTIONS)
     assert report.request_hits == (0, 0, 32)
-    assert report.ideal_tokens == 40 + 40
+    assert report.request_ideals == (0, 40, 40) and report.ideal_tokens == 40 + 40
 
 
 def test_turn_checkpoints_let_the_second_sharer_of_a_system_prompt_resume() -> None:
