@@ -181,11 +181,12 @@ def record(path: Path) -> None:
 TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
 TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
 #: our setting: small attention blocks with a state over several pages (Mamba hybrids; one page otherwise),
-#: one running state per request (checkpoints by copy), value-aware eviction, placed checkpoints, one decode
-#: checkpoint per request, admission headroom that keeps the waiting requests' hits, the cache-aware queue
+#: one running state per request (checkpoints by copy; a hit on a finished request's end moved into it),
+#: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom that keeps
+#: the waiting requests' hits, the cache-aware queue
 #: order (the longest cached prefix first), and checkpoints at the chat-message ends the trace carries
 OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved",
-        "state_layout": "multi_page", "running_state": "fixed", "decode_checkpoints": "last",
+        "state_layout": "multi_page", "running_state": "adopt", "decode_checkpoints": "last",
         "admission_headroom": "waiting_hits", "queue_order": "cache_aware", "turn_checkpoints": True}
 
 

@@ -57,7 +57,8 @@ Headroom = Annotated[AdmissionHeadroom, typer.Option(
     "cached prefixes waiting requests will hit)")]
 RunningStateOption = Annotated[RunningState, typer.Option(
     "--running-state", help="state groups in align mode: moving (vLLM's: a request holds the state it reads and "
-    "the one it writes) or fixed (one running state per request; hits and checkpoints copied)")]
+    "the one it writes), fixed (one running state per request; hits and checkpoints copied) or adopt (fixed; "
+    "a hit on a finished request's end becomes the running state, moved instead of copied)")]
 QueueOrderOption = Annotated[QueueOrder, typer.Option(
     "--queue-order", help="which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached "
     "prefix first, each request passed over at most 32 times)")]

@@ -79,7 +79,8 @@ def plan_command(
                                "tokens: short prefixes hit)")] = StateLayout.ONE_PAGE,
     running_state: Annotated[RunningState, typer.Option(
         "--running-state", help="state groups in align mode: moving (vLLM's: 2 states per request and state group) "
-                                "or fixed (1 running state; hits and checkpoints copied)")] = RunningState.MOVING,
+                                "fixed (1 running state; hits and checkpoints copied) or adopt (fixed; a hit on a "
+                                "finished request's end is moved, not copied)")] = RunningState.MOVING,
     list_catalog: Annotated[bool, typer.Option("--list", help="show the shipped catalog and exit")] = False,
     list_types: Annotated[bool, typer.Option(
         "--list-types", help="show every config.json model_type plan reads, by family, and exit")] = False,
@@ -121,7 +122,7 @@ def plan_command(
     if vllm and state_layout is StateLayout.MULTI_PAGE:
         raise usage_error("--vllm prints the flags of vLLM's own layout, which keeps a state in one page: "
                           "use it with --state-layout one_page (vLLM 0.32 has no multi-page state layout)")
-    if vllm and running_state is RunningState.FIXED:
+    if vllm and running_state.one_state:
         raise usage_error("--vllm prints the flags of vLLM's own layout, which holds 2 states per request and state "
                           "group in align mode: use it with --running-state moving (vLLM 0.32 has no fixed running "
                           "state)")

@@ -90,22 +90,27 @@ class Anchors:
     every block of a hit whose end was hit before as HOT."""
 
     def __init__(self, managers: Sequence[SingleTypeManager], alignment_tokens: int,
-                 mark: Callable[[Sequence[int], BlockValue], None]) -> None:
+                 mark: Callable[[Sequence[int], BlockValue], None], *, prompt_ends: bool = True) -> None:
         self._managers = list(managers)
+        #: whether a prompt's end (`prompt - 1`, an exact resend) is an anchor (not with RunningState.ADOPT)
+        self._prompt_ends = prompt_ends
         self._marked = [m for m in managers if m.group.kind in (SpecKind.SLIDING_WINDOW, SpecKind.MAMBA)]
         self._alignment = alignment_tokens
         self._mark = mark
         self._pending: dict[RequestId, list[int]] = {}
         #: per hit end (the prefix hash of its last block): hits that ended there (bounded: cleared when full)
         self._hit_ends: Counter[BlockHash] = Counter()
+        #: the hashes where finished requests ended (their last full block; bounded like `_hit_ends`)
+        self._seq_ends: set[BlockHash] = set()
 
     def admitted(self, request: KVRequest, hit_tokens: int) -> None:
         """A request's first allocation: its anchors below the prompt's end; a hit ending where an
         earlier one ended makes its blocks HOT (a recurring prefix: a system prompt, a shared document;
         a chat turn's hit on its parent ends where no earlier hit did)."""
         prompt = request.num_prompt_tokens if request.num_prompt_tokens is not None else request.num_tokens
-        points = {hit_tokens, prompt - 1, request.shared_prefix_boundary, *request.cache_checkpoints,
-                  *request.checkpoint_stops}
+        points = {hit_tokens, request.shared_prefix_boundary, *request.cache_checkpoints, *request.checkpoint_stops}
+        if self._prompt_ends:
+            points.add(prompt - 1)
         self._pending[request.request_id] = sorted(p for p in points if p > 0)
         size = min(request.block_hashes, default=0)
         if hit_tokens < self._alignment or not size:
@@ -126,8 +131,20 @@ class Anchors:
     def finished(self, request: KVRequest) -> None:
         """Before the request's blocks are released: its computed end is where the next turn lands."""
         self._pending.pop(request.request_id, None)
-        if request.num_computed_tokens > 0:
-            self._mark_at(request.request_id, request.num_computed_tokens)
+        computed = request.num_computed_tokens
+        if computed > 0:
+            self._mark_at(request.request_id, computed)
+        size = min(request.block_hashes, default=0)
+        end = (computed - computed % self._alignment) // size if size else 0
+        if end and len(request.block_hashes[size]) >= end:
+            if len(self._seq_ends) >= HIT_ENDS_KEPT:
+                self._seq_ends.clear()
+            self._seq_ends.add(request.block_hashes[size][end - 1])
+
+    def fresh_end(self, key: BlockHash) -> bool:
+        """`key` is where a finished request ended and no hit has ended yet: the next turn of a chat or
+        an agent, which takes it over (`RunningState.ADOPT`); a recurring point never is."""
+        return key in self._seq_ends and not self._hit_ends.get(key)
 
     def _mark_hot(self, request_id: RequestId, hit_tokens: int) -> None:
         """Every block of the request's hit of `hit_tokens` (held: its admission just took them) HOT."""

@@ -26,7 +26,8 @@ Allocation runs in phases so that a refusal changes nothing:
     1. count:   sum over groups of (new real blocks + free hit blocks - blocks released by skipping)
                 > free blocks  ->  return None   (an upper bound without per-block work first)
     2. release: out-of-window / finished-chunk / old-state blocks, all groups interleaved tail first
-    3. touch:   hit blocks of every group (before any pop, so no group pops another's hit)
+    3. touch:   hit blocks of every group (before any pop, so no group pops another's hit); an
+                adopted state hit (`RunningState.ADOPT`) leaves the cache here
     4. allocate new blocks for every group in one pop (group 0's first), then extend the tables
 
 The decode path (`decode`): a running request's step that adds at most one entry per group
@@ -111,6 +112,14 @@ class KVCacheCoordinator:
         self.partial_hits = False
         #: a manager copies every hit into a fresh block (`RunningState.FIXED`): allocate may copy
         self.copies_hits = any(m.copies_hits for m in managers)
+        #: RunningState.ADOPT: whether a state hit at this hash may be moved into the running state
+        #: rather than copied (set by the manager: a finished request's end no hit has used); None: never
+        self.adoptable: Callable[[BlockHash], bool] | None = None
+        #: per state checkpoint (its first block) the waiting requests whose hit ends there (named each step)
+        self.waiting_states: dict[int, int] = {}
+        #: state hits moved into running states, since construction
+        self.adoptions = 0
+        self._adopted: list[int] = []
         self._reclaiming = tuple(m for m in managers if m.copies_hits)  # (checkpoints held for the schedule)
         self._no_cows: list[tuple[int, list[int]] | None] = []
 
@@ -159,6 +168,7 @@ class KVCacheCoordinator:
         if hits and self.defers(hits):
             return None
         manager_hits = self._by_manager(hits)
+        self._adopted = []
         cows = self._cows(rid, manager_hits, hit_tokens) if self.partial_hits or self.copies_hits else self._no_cows
         extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
@@ -194,6 +204,9 @@ class KVCacheCoordinator:
                     touched[g] = kept
             if any(touched):
                 pool.touch(touched)
+            if self._adopted:  # the request's running state now: no lookup may find it
+                pool.uncache(self._adopted)
+                self.adoptions += 1
             for m in managers:
                 count = m.num_new_blocks(request, first_new, total_tokens)
                 for g in m.group_ids:
@@ -215,6 +228,15 @@ class KVCacheCoordinator:
                 new[g] = np.concatenate([np.array(copied[g], np.int64), row]) if len(copied[g]) else row
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
+
+    def _adoptable(self, blocks: list[int]) -> bool:
+        """RunningState.ADOPT: the state hit `blocks` (one per page group) may become the new request's
+        running state: `adoptable` says yes to its hash, nobody holds it, and no other waiting request's
+        hit ends there."""
+        if self.adoptable is None or any(self.pool.ref_cnt.item(b) for b in blocks):
+            return False
+        key = self.pool.hash_of(blocks[0])
+        return key is not None and self.adoptable(key) and self.waiting_states.get(blocks[0], 0) <= 1
 
     def _waiting_hits_free(self, hits: GroupBlocks | None) -> int:
         """The free cached blocks of the waiting requests' hits, less those `hits` takes itself."""
@@ -241,7 +263,11 @@ class KVCacheCoordinator:
                 elif rid in self.allocated:
                     cow = m.producer_cow(rid)
             elif m.copies_hits and hits and hits[0]:  # the checkpoint hit, copied into the running block
-                cow = len(hits[0]) - 1, [row[-1] for row in hits]
+                sources = [row[-1] for row in hits]
+                if rid not in self.allocated and self._adoptable(sources):
+                    self._adopted += sources  # (ADOPT: the hit block is the running block, `_fill`)
+                else:
+                    cow = len(hits[0]) - 1, sources
             out.append(cow)
         return out
 
@@ -403,6 +429,7 @@ class KVCacheCoordinator:
 
     def new_step(self) -> None:
         self.waiting_hits.clear()  # (named again by this step's protect_waiting)
+        self.waiting_states.clear()
         for manager in self._deferring:
             manager.new_step()
 

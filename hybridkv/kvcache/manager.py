@@ -127,7 +127,7 @@ def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCac
     by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
     for group in config.groups:
         by_rule.setdefault(rule_of(group), []).append(group)
-    fixed = running_state is RunningState.FIXED and mode is MambaCacheMode.ALIGN
+    fixed = running_state.one_state and mode is MambaCacheMode.ALIGN
     managers = [FixedStateManager(groups, pool, retention=retention) if fixed and groups[0].kind is SpecKind.MAMBA
                 else make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
     if caching is PrefixCaching.OFF:
@@ -205,8 +205,11 @@ class KVCacheManager:
         self._placing = checkpoint_placement is not CheckpointPlacement.JUNCTION
         mark = self._pool.mark
         #: a value-aware policy's anchors (checkpoints.py); None with LRU (nothing to mark)
-        self._anchors = (Anchors(self._coordinator.managers, alignment, mark)
+        self._anchors = (Anchors(self._coordinator.managers, alignment, mark,
+                                 prompt_ends=running_state is not RunningState.ADOPT)
                          if mark is not None and self._caching else None)
+        if self._anchors is not None and running_state is RunningState.ADOPT:
+            self._coordinator.adoptable = self._anchors.fresh_end
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
@@ -307,7 +310,13 @@ class KVCacheManager:
             ids = [b for group in blocks for b in group if b]
         else:
             hashes = self._hashes(request)
-            ids = [b for m in self._coordinator.managers for b in m.hit_block_ids(m.view, hashes, hit_tokens)]
+            ids = []
+            states = self._coordinator.waiting_states
+            for m in self._coordinator.managers:
+                found = m.hit_block_ids(m.view, hashes, hit_tokens)
+                if m.copies_hits and found:  # (RunningState.ADOPT moves no state another waiting request hits)
+                    states[found[0]] = states.get(found[0], 0) + 1
+                ids += found
         self._protect(ids)
         if self._coordinator.keeps_waiting_hits:
             self._coordinator.waiting_hits.update(ids)
@@ -519,7 +528,8 @@ class KVCacheManager:
                             group_hit_tokens=tuple(self._group_hit_tokens),
                             limited_by=self._limits.per_group(), block_copies=self._copies,
                             checkpoint_copies=sum(m.checkpoints_copied for m in self._fixed),
-                            checkpoints_skipped=sum(m.checkpoints_skipped for m in self._fixed))
+                            checkpoints_skipped=sum(m.checkpoints_skipped for m in self._fixed),
+                            state_adoptions=self._coordinator.adoptions)
 
     def take_pending_copies(self) -> tuple[BlockCopy, ...]:
         """The block copies the engine must run before the next forward, in order (copy on write

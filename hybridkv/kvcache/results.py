@@ -126,6 +126,8 @@ class ManagerStats:
     #: `take_checkpoint_copies`), and checkpoints skipped for want of free blocks (`running_state.py`)
     checkpoint_copies: int = 0
     checkpoints_skipped: int = 0
+    #: RunningState.ADOPT: state hits moved into a new request's running state instead of copied
+    state_adoptions: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -292,8 +292,8 @@ def check_running_state(running_state: RunningState, mamba_cache_mode: MambaCach
     mamba_cache_mode ALL, or FIXED with partial hits (a hit inside a block is copied on write into
     the block the request goes on writing; not combined with one running state yet)."""
     check_mode(running_state, mamba_cache_mode)
-    if running_state is RunningState.FIXED and unit.partial_hits:
+    if running_state.one_state and unit.partial_hits:
         raise ConfigError(
-            f"running_state=fixed with prefix_match_unit={unit.hash_unit_tokens} (hits inside the "
+            f"running_state={running_state.value} with prefix_match_unit={unit.hash_unit_tokens} (hits inside the "
             f"{unit.scheduler_block_tokens}-token blocks) is not supported; expected a unit of at least "
             f"{unit.scheduler_block_tokens} tokens (or None), or running_state moving")

@@ -67,21 +67,33 @@ class RunningState(Enum):
     FIXED: one running state per request and state group, read and written in place; a hit is
     copied into it before the step's forward, a checkpoint copied out of it after the forward into
     a block the request does not hold (free and cached, best effort).
+    ADOPT: FIXED, but a hit on the end of a finished request that no hit has used before (the next
+    chat turn or agent step) becomes the running state itself: moved, not copied, so the
+    checkpoint leaves the cache and the request holds no second state. A recurring point (a
+    system prompt's end) or one another waiting request will hit is copied as in FIXED. With a
+    value-aware eviction, prompt ends (`prompt - 1`, where an exact resend would resume) are then
+    not anchors: a continuation resumes at the sequence end.
     """
 
     MOVING = "moving"
     FIXED = "fixed"
+    ADOPT = "adopt"
+
+    @property
+    def one_state(self) -> bool:
+        """One running state per request and state group (FIXED or ADOPT)."""
+        return self is not RunningState.MOVING
 
 
 def check_running_state(running_state: RunningState, mamba_cache_mode: MambaCacheMode) -> None:
     """ConfigError unless `running_state` is a RunningState that fits `mamba_cache_mode`."""
     if not isinstance(running_state, RunningState):
         raise ConfigError(f"running_state must be one of {[m.value for m in RunningState]}, got {running_state!r}")
-    if running_state is RunningState.FIXED and mamba_cache_mode is MambaCacheMode.ALL:
-        raise ConfigError("running_state=fixed copies a checkpoint out of the running state where a step ends "
-                          "(align mode); mamba_cache_mode=all keeps one at every boundary a step crosses, "
-                          "which one running state cannot give; expected mamba_cache_mode align (or none), "
-                          "or running_state moving")
+    if running_state.one_state and mamba_cache_mode is MambaCacheMode.ALL:
+        raise ConfigError(f"running_state={running_state.value} copies a checkpoint out of the running state "
+                          "where a step ends (align mode); mamba_cache_mode=all keeps one at every boundary a "
+                          "step crosses, which one running state cannot give; expected mamba_cache_mode align "
+                          "(or none), or running_state moving")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

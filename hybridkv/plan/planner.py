@@ -321,7 +321,7 @@ def _request_need(config: KVCacheConfig, options: PlannerOptions) -> tuple[int, 
     one state per state group, as with no caching (its checkpoints are copied into blocks it never
     holds: taken from the free blocks after the step's allocations and released at once)."""
     mode = options.mamba_cache_mode
-    if options.running_state is RunningState.FIXED and mode is MambaCacheMode.ALIGN:
+    if options.running_state.one_state and mode is MambaCacheMode.ALIGN:
         mode = MambaCacheMode.NONE
     return tuple(
         g.spec.blocks_needed(block_size=g.block_size, max_model_len=options.max_model_len,

@@ -17,7 +17,7 @@ import pytest
 
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.kvcache.manager import BlockCopy, PrefixCaching, RunningState
+from hybridkv.kvcache.manager import BlockCopy, EvictionPolicyName, PrefixCaching, RunningState
 from hybridkv.plan.planner import StateLayout
 from tests.engine.conftest import prompts
 from tests.engine.mamba_fixtures import mamba_dir, mamba_hf  # noqa: F401 (fixtures)
@@ -97,3 +97,20 @@ def test_without_the_copy_into_the_running_state_tokens_differ(model_dir: Callab
     assert hits[1] > 0 and sum(skipped) > 0, (hits, skipped)
     assert got[0] == expected[0] and got[1] != expected[1]
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_adopt_moves_the_next_turns_hit_and_gives_the_same_tokens(
+        family: str, model_dir: Callable[[str], Path], mamba_dir: Callable[[str], Path]) -> None:  # noqa: F811
+    """`running_state=adopt` with value eviction: the next turn's hit on the first request's end becomes
+    its running state (no copy: counted in `state_adoptions`), and every token equals prefix caching off."""
+    path = model_dir(family) if family == "qwen3_5" else mamba_dir(family)
+    batch = _batch()
+    cold, _ = _serve(LLM(str(path), prefix_caching=PrefixCaching.OFF, **OPTIONS), batch)
+    llm = LLM(str(path), state_layout=StateLayout.MULTI_PAGE, running_state=RunningState.ADOPT,
+              eviction=EvictionPolicyName.VALUE, **OPTIONS)
+    got, hits = _serve(llm, batch)
+    assert got == cold
+    assert hits[1] > 0 and hits[2] > 70, hits
+    assert llm.manager.stats().state_adoptions >= 1

@@ -17,6 +17,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import (
     BlockCopy,
     DecodeCheckpoints,
+    EvictionPolicyName,
     KVCacheManager,
     MambaCacheMode,
     PrefixCaching,
@@ -94,7 +95,7 @@ def test_a_hit_is_copied_into_the_running_block_before_the_forward() -> None:
         assert m.allocate(b, 3, hit=hit) is not None
         copies = m.take_pending_copies()
         b_state = m.block_ids("b")[1]
-        if running is RunningState.FIXED:
+        if running.one_state:  # (ADOPT copies too: it moves only with a value-aware eviction, below)
             assert checkpoint == after[0].dst_block_id
             assert b_state == [0, 0, b_state[2]] and b_state[2] != checkpoint
             assert copies == (BlockCopy(group_id=1, src_block_id=checkpoint, dst_block_id=b_state[2]),)  # type: ignore[arg-type]
@@ -246,14 +247,14 @@ def test_a_step_whose_forward_failed_leaves_no_checkpoint() -> None:
         m.lookup(a)
         assert m.allocate(a, 8) is not None
         m.take_pending_copies()
-        assert len(m.take_checkpoint_copies()) == (1 if running is RunningState.FIXED else 0)
+        assert len(m.take_checkpoint_copies()) == (1 if running.one_state else 0)
         m.free(a)  # num_computed_tokens still 0
         b = make_request(request_id="b", token_ids=range(9))
         m.begin_step()
         assert m.lookup(b).num_tokens == 0
         assert m.allocate(b, 8) is not None
         m.take_pending_copies()
-        assert len(m.take_checkpoint_copies()) == (1 if running is RunningState.FIXED else 0), running
+        assert len(m.take_checkpoint_copies()) == (1 if running.one_state else 0), running
         b.num_computed_tokens = 8
         m.free(b)
         m.begin_step()
@@ -321,3 +322,78 @@ def test_value_eviction_keeps_a_hit_checkpoint_copied_in() -> None:
     m.begin_step()
     assert [m.lookup(make_request(request_id=f"p{n}", token_ids=[*range(n), 99, 99])).num_tokens
             for n in (4, 8, 12, 16)] == [0, 8, 8, 8]
+
+
+def finished_session(m: KVCacheManager) -> list[int]:
+    """a: prompt range(6) in steps of 4 + 2 (a checkpoint at 4), then decodes to 8 computed tokens (a
+    checkpoint at 8, where its next turn resumes) and finishes. Its tokens, for the next turn."""
+    a = make_request(request_id="a", token_ids=range(6))
+    m.begin_step()
+    m.lookup(a)
+    step(m, a, 4)
+    step(m, a, 2)
+    for token in (6, 7, 8):
+        a.token_ids.append(token)
+        step(m, a, 1)
+    m.free(a)  # 8 computed (the last sampled token never is)
+    return list(a.token_ids)
+
+
+def test_adopt_moves_a_finished_requests_end_into_the_next_turns_running_state() -> None:
+    """FIXED copies b's hit at a's end (8) into a fresh running block and keeps the checkpoint (c hits 8
+    too); ADOPT (value eviction) makes the checkpoint b's running block: no copy, no fresh state block,
+    and the checkpoint left the cache (c resumes at 4, a's prompt checkpoint)."""
+    for running, copies, c_hit in ((RunningState.FIXED, 1, 8), (RunningState.ADOPT, 0, 4)):
+        m = manager(running, eviction=EvictionPolicyName.VALUE)
+        tokens = finished_session(m)
+        b = make_request(request_id="b", token_ids=[*tokens, 99])
+        m.begin_step()
+        hit = m.lookup(b)
+        assert hit.num_tokens == 8
+        checkpoint = hit.blocks[1][-1]
+        assert m.allocate(b, 2, hit=hit) is not None
+        assert len(m.take_pending_copies()) == copies, running
+        assert (m.block_ids("b")[1][-1] == checkpoint) is (running is RunningState.ADOPT)
+        m.take_checkpoint_copies()
+        m.begin_step()
+        assert m.lookup(make_request(request_id="c", token_ids=[*tokens, 77])).num_tokens == c_hit, running
+        assert m.stats().state_adoptions == (1 if running is RunningState.ADOPT else 0)
+        m.check_integrity()
+
+
+def test_adopt_copies_a_point_hit_before_or_one_another_waiting_request_hits() -> None:
+    """ADOPT moves only a finished request's end that no hit used yet and no other waiting request will
+    hit: a prompt checkpoint (4, not a sequence end) is copied; an end that b and c both wait on is
+    copied into b (c then hits it); an end whose first hit already happened is copied."""
+    m = manager(RunningState.ADOPT, eviction=EvictionPolicyName.VALUE)
+    tokens = finished_session(m)
+    m.begin_step()
+    p = make_request(request_id="p", token_ids=[*range(4), 50, 51])
+    hit = m.lookup(p)
+    assert hit.num_tokens == 4 and m.allocate(p, 2, hit=hit) is not None
+    assert len(m.take_pending_copies()) == 1  # a's prompt checkpoint: not where a request ended
+    b = make_request(request_id="b", token_ids=[*tokens, 99])
+    c = make_request(request_id="c", token_ids=[*tokens, 98])
+    m.begin_step()
+    m.protect_waiting(b, 8)
+    m.protect_waiting(c, 8)
+    hit = m.lookup(b)
+    assert hit.num_tokens == 8 and m.allocate(b, 2, hit=hit) is not None
+    assert len(m.take_pending_copies()) == 1  # c waits on the same end: copied
+    m.begin_step()
+    hit = m.lookup(c)
+    assert hit.num_tokens == 8 and m.allocate(c, 2, hit=hit) is not None
+    assert len(m.take_pending_copies()) == 1  # b's hit ended there before: a recurring point
+    assert m.stats().state_adoptions == 0
+    m.check_integrity()
+
+
+def test_adopt_with_lru_copies_as_fixed() -> None:
+    """Without a value-aware eviction (no record of where requests ended) ADOPT is FIXED."""
+    m = manager(RunningState.ADOPT)
+    tokens = finished_session(m)
+    b = make_request(request_id="b", token_ids=[*tokens, 99])
+    m.begin_step()
+    hit = m.lookup(b)
+    assert hit.num_tokens == 8 and m.allocate(b, 2, hit=hit) is not None
+    assert len(m.take_pending_copies()) == 1
