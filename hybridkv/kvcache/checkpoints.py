@@ -112,12 +112,11 @@ class Anchors:
         if self._prompt_ends:
             points.add(prompt - 1)
         self._pending[request.request_id] = sorted(p for p in points if p > 0)
-        size = min(request.block_hashes, default=0)
-        if hit_tokens < self._alignment or not size:
+        key = self._key_at(request, hit_tokens) if hit_tokens >= self._alignment else None
+        if key is None:
             return
         if len(self._hit_ends) >= HIT_ENDS_KEPT:
             self._hit_ends.clear()
-        key = request.block_hashes[size][hit_tokens // size - 1]
         self._hit_ends[key] += 1
         if self._hit_ends[key] >= HOT_HITS:
             self._mark_hot(request.request_id, hit_tokens)
@@ -131,15 +130,23 @@ class Anchors:
     def finished(self, request: KVRequest) -> None:
         """Before the request's blocks are released: its computed end is where the next turn lands."""
         self._pending.pop(request.request_id, None)
+        if request.num_computed_tokens > 0:
+            self._mark_at(request.request_id, request.num_computed_tokens)
         computed = request.num_computed_tokens
-        if computed > 0:
-            self._mark_at(request.request_id, computed)
-        size = min(request.block_hashes, default=0)
-        end = (computed - computed % self._alignment) // size if size else 0
-        if end and len(request.block_hashes[size]) >= end:
+        key = self._key_at(request, computed - computed % self._alignment)
+        if key is not None:
             if len(self._seq_ends) >= HIT_ENDS_KEPT:
                 self._seq_ends.clear()
-            self._seq_ends.add(request.block_hashes[size][end - 1])
+            self._seq_ends.add(key)
+
+    @staticmethod
+    def _key_at(request: KVRequest, num_tokens: int) -> BlockHash | None:
+        """The prefix hash of the request's last full block within `num_tokens` (the smallest block
+        size's chain), None before its first block or past its hashed blocks."""
+        size = min(request.block_hashes, default=0)
+        end = num_tokens // size if size else 0
+        hashes = request.block_hashes.get(size, ())
+        return hashes[end - 1] if 0 < end <= len(hashes) else None
 
     def fresh_end(self, key: BlockHash) -> bool:
         """`key` is where a finished request ended and no hit has ended yet: the next turn of a chat or

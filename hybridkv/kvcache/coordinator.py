@@ -119,7 +119,6 @@ class KVCacheCoordinator:
         self.waiting_states: dict[int, int] = {}
         #: state hits moved into running states, since construction
         self.adoptions = 0
-        self._adopted: list[int] = []
         self._reclaiming = tuple(m for m in managers if m.copies_hits)  # (checkpoints held for the schedule)
         self._no_cows: list[tuple[int, list[int]] | None] = []
 
@@ -168,8 +167,9 @@ class KVCacheCoordinator:
         if hits and self.defers(hits):
             return None
         manager_hits = self._by_manager(hits)
-        self._adopted = []
-        cows = self._cows(rid, manager_hits, hit_tokens) if self.partial_hits or self.copies_hits else self._no_cows
+        adopted: list[int] = []  # (ADOPT: state hits moved into the running state, uncached once admitted)
+        cows = (self._cows(rid, manager_hits, hit_tokens, adopted) if self.partial_hits or self.copies_hits
+                else self._no_cows)
         extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
@@ -204,8 +204,8 @@ class KVCacheCoordinator:
                     touched[g] = kept
             if any(touched):
                 pool.touch(touched)
-            if self._adopted:  # the request's running state now: no lookup may find it
-                pool.uncache(self._adopted)
+            if adopted:  # the request's running state now: no lookup may find it
+                pool.uncache(adopted)
                 self.adoptions += 1
             for m in managers:
                 count = m.num_new_blocks(request, first_new, total_tokens)
@@ -250,9 +250,10 @@ class KVCacheCoordinator:
         if any(part.size for _, part in released):
             self._release(released)
 
-    def _cows(self, rid: RequestId, manager_hits: list[list[list[int]] | None],
-              hit_tokens: int) -> list[tuple[int, list[int]] | None]:
-        """Per manager, (entry, source block per group) to copy on write in this allocate, or None."""
+    def _cows(self, rid: RequestId, manager_hits: list[list[list[int]] | None], hit_tokens: int,
+              adopted: list[int]) -> list[tuple[int, list[int]] | None]:
+        """Per manager, (entry, source block per group) to copy on write in this allocate, or None; a
+        state hit moved instead (`_adoptable`) goes to `adopted`."""
         out: list[tuple[int, list[int]] | None] = []
         for m, hits in zip(self.managers, manager_hits, strict=True):
             cow = None
@@ -265,7 +266,7 @@ class KVCacheCoordinator:
             elif m.copies_hits and hits and hits[0]:  # the checkpoint hit, copied into the running block
                 sources = [row[-1] for row in hits]
                 if rid not in self.allocated and self._adoptable(sources):
-                    self._adopted += sources  # (ADOPT: the hit block is the running block, `_fill`)
+                    adopted += sources  # (ADOPT: the hit block is the running block, `_fill`)
                 else:
                     cow = len(hits[0]) - 1, sources
             out.append(cow)

@@ -311,10 +311,11 @@ class KVCacheManager:
         else:
             hashes = self._hashes(request)
             ids = []
-            states = self._coordinator.waiting_states
-            for m in self._coordinator.managers:
+            coordinator = self._coordinator
+            for m in coordinator.managers:
                 found = m.hit_block_ids(m.view, hashes, hit_tokens)
-                if m.copies_hits and found:  # (RunningState.ADOPT moves no state another waiting request hits)
+                if m.copies_hits and found and coordinator.adoptable is not None:  # (ADOPT moves no state
+                    states = coordinator.waiting_states  # another waiting request hits)
                     states[found[0]] = states.get(found[0], 0) + 1
                 ids += found
         self._protect(ids)
