@@ -205,6 +205,10 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
         *([("block copies (before a step)", str(report.block_copies))] if report.block_copies else []),
         *([("state checkpoints copied / skipped", f"{report.checkpoint_copies} / {report.checkpoints_skipped}")]
           if report.checkpoint_copies or report.checkpoints_skipped else []),
+        *([("state adoptions", str(report.state_adoptions))] if report.state_adoptions else []),
+        *([("anchors hit / made, per kind", ", ".join(f"{kind} {hit} / {made}"
+                                                     for kind, (made, hit) in report.anchor_reuse.items()))]
+          if report.anchor_reuse else []),
         ("running requests, mean / max", f"{report.mean_running:.1f} / {report.max_running}"),
         ("prompt tokens computed", f"{report.prefill_tokens} (recompute after preemption included)"),
         ("queue wait, mean / p95", f"{report.mean_wait_ms:.0f} / {report.p95_wait_ms:.0f} ms (simulated)"),

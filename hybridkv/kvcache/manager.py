@@ -206,7 +206,7 @@ class KVCacheManager:
         mark = self._pool.mark
         #: a value-aware policy's anchors (checkpoints.py); None with LRU (nothing to mark)
         self._anchors = (Anchors(self._coordinator.managers, alignment, mark,
-                                 prompt_ends=running_state is not RunningState.ADOPT)
+                                 prompt_ends=running_state is not RunningState.ADOPT, weigh=self._pool.weigh)
                          if mark is not None and self._caching else None)
         if self._anchors is not None and running_state is RunningState.ADOPT:
             self._coordinator.adoptable = self._anchors.fresh_end
@@ -530,7 +530,8 @@ class KVCacheManager:
                             limited_by=self._limits.per_group(), block_copies=self._copies,
                             checkpoint_copies=sum(m.checkpoints_copied for m in self._fixed),
                             checkpoints_skipped=sum(m.checkpoints_skipped for m in self._fixed),
-                            state_adoptions=self._coordinator.adoptions)
+                            state_adoptions=self._coordinator.adoptions,
+                            anchor_reuse=self._anchors.rates.counts() if self._anchors is not None else {})
 
     def take_pending_copies(self) -> tuple[BlockCopy, ...]:
         """The block copies the engine must run before the next forward, in order (copy on write

@@ -128,6 +128,9 @@ class ManagerStats:
     checkpoints_skipped: int = 0
     #: RunningState.ADOPT: state hits moved into a new request's running state instead of copied
     state_adoptions: int = 0
+    #: value eviction: per anchor kind (`checkpoints.AnchorKind` value), (anchors made, anchors a later hit
+    #: ended at): the reuse rates that scale each anchor's bonus
+    anchor_reuse: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

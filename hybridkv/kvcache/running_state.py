@@ -100,8 +100,9 @@ class FixedStateManager(MambaManager):
         self._taken: dict[RequestId, tuple[int, list[int], BlockHash]] = {}
         #: per request, the checkpoint align mode would still hold (its hit, then its newest one)
         self._last: dict[RequestId, _Checkpoint] = {}
-        #: per request, the entries at its hit points whose checkpoint is not taken yet (`anchor`)
-        self._anchored: dict[RequestId, set[int]] = {}
+        #: per request, the entries at its hit points whose checkpoint is not taken yet, with their share
+        #: of the ANCHOR bonus (`anchor`)
+        self._anchored: dict[RequestId, dict[int, float]] = {}
         #: block copies of checkpoints handed out (one per page group), checkpoints skipped for want of
         #: free blocks, since construction
         self.checkpoints_copied = 0
@@ -176,8 +177,9 @@ class FixedStateManager(MambaManager):
         rows[:, index] = blocks
         pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
         self._cached_this_step.add(key)
-        if index in self._anchored.get(request.request_id, ()):
-            self._mark(blocks)
+        share = self._anchored.get(request.request_id, {}).get(index)
+        if share is not None:
+            self._mark(blocks, share=share)
         self._pending[request.request_id] = _Pending(request=request, num_tokens=num_tokens, key=key,
                                                      blocks=blocks, running=table.ids[:, index].tolist())
 
@@ -208,25 +210,30 @@ class FixedStateManager(MambaManager):
             self._last[request_id] = _Checkpoint(index=index, blocks=hit, key=key)
         super().apply_cow(request_id, index, blocks)
 
-    def anchor(self, request_id: RequestId, index: int, value: BlockValue = BlockValue.ANCHOR) -> None:
+    def anchor(self, request_id: RequestId, index: int, value: BlockValue = BlockValue.ANCHOR,
+               share: float = 1.0) -> None:
         """The request's checkpoint at entry `index` is at one of its hit points (`Anchors`): `value`
         for a value-aware policy, now where it is taken (the hit or the newest checkpoint, pending,
-        held or free and still cached), else (ANCHOR) when it is taken. An older checkpoint is left
-        alone, as align mode's request no longer holds it."""
+        held or free and still cached), else (ANCHOR) when it is taken; an ANCHOR gets `share` of its
+        class's bonus (`checkpoints.ReuseRates`). An older checkpoint is left alone, as align mode's
+        request no longer holds it."""
         pending = self._pending.get(request_id)
         last = self._last.get(request_id)
         if pending is not None and pending.num_tokens // self.block_size - 1 == index:
-            self._mark(pending.blocks, value)
+            self._mark(pending.blocks, value, share)
         elif last is not None and last.index == index:
             if self._cached(last):
-                self._mark(last.blocks, value)
+                self._mark(last.blocks, value, share)
                 self._release_again([b for b in last.blocks if not self._pool.ref_cnt.item(b)])
         elif last is None or index > last.index:
-            self._anchored.setdefault(request_id, set()).add(index)
+            shares = self._anchored.setdefault(request_id, {})
+            shares[index] = max(share, shares.get(index, 0.0))
 
-    def _mark(self, blocks: list[int], value: BlockValue = BlockValue.ANCHOR) -> None:
+    def _mark(self, blocks: list[int], value: BlockValue = BlockValue.ANCHOR, share: float = 1.0) -> None:
         if self._pool.mark is not None:
             self._pool.mark(blocks, value)
+            if self._pool.weigh is not None and value is BlockValue.ANCHOR:
+                self._pool.weigh(blocks, share)
 
     def _cached(self, checkpoint: _Checkpoint) -> bool:
         hash_of = self._pool.hash_of

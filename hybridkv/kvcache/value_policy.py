@@ -20,15 +20,21 @@ plus compute saved per byte). The classes, lowest first:
 
 A block's class is the highest of its group kind's class (full attention: FULL, others: LOW)
 and the marks set on it while it was held (`mark`); the marks are forgotten when the block is
-reused. Within a class blocks leave in release order, so a chain released tail first is evicted
+reused. An ANCHOR block gets only a share w in [0, 1] of its class's bonus (`weigh`, the highest
+share set; 1 when none is): how often anchors of its kind were hit, relative to the kind hit
+most often (`checkpoints.ReuseRates`), so a prompt end or a sequence end that no request ever
+extends leaves like an unanchored block while the system prompt's end stays. Within a class
+blocks leave in release order (ANCHOR: by score), so a chain released tail first is evicted
 from the tail. Each class is a FIFO of (block, clock) with lazy deletion (a hit that takes a
-block back bumps its stamp), so `pop` is O(classes) per block and `release` O(1) per block.
+block back bumps its stamp), ANCHOR a heap of (score, clock, block), so `pop` is O(classes)
+per block (ANCHOR: O(log n)) and `release` O(1) per block (ANCHOR: O(log n)).
 
 `ValuePolicy` satisfies the `EvictionPolicy` protocol of `free_queue.py`.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +46,9 @@ from numpy.typing import NDArray
 from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName, Ids, PolicyFactory
 from hybridkv.plan.specs import SpecKind
+
+#: queue entries per block above which the stale ones are dropped (`ValuePolicy._drop_stale`)
+STALE_ENTRIES_PER_BLOCK = 4
 
 
 class BlockValue(IntEnum):
@@ -90,6 +99,10 @@ class ValuePolicy:
         self._stamp = [0] * num_blocks  # bumped when a block leaves the free set
         self._where = [-1] * num_blocks  # class of a free block, -1 when held
         self._marks = [0] * num_blocks  # the highest mark set since the block was last reused
+        self._share = [1.0] * num_blocks  # an ANCHOR block's share of its bonus (`weigh`; 1: none set)
+        self._weighed = [False] * num_blocks  # whether `weigh` set the share since the block was reused
+        self._anchors: list[tuple[float, int, int, int]] = []  # ANCHOR's heap: (score, clock, block, stamp)
+        self._max_entries = STALE_ENTRIES_PER_BLOCK * num_blocks + 64  # (`_drop_stale`)
         self._kind_value = [int(BlockValue.LOW)] * num_blocks
         self._group_of: NDArray[np.int64] | None = None
         self._group_values: list[int] = []
@@ -111,6 +124,17 @@ class ValuePolicy:
             if block and marks[block] < value:
                 marks[block] = value
 
+    def weigh(self, ids: Sequence[int], share: float) -> None:
+        """Give held blocks `ids` at least `share` (in [0, 1]) of the ANCHOR bonus when released as
+        ANCHOR (the first share set replaces the default 1)."""
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"an anchor's share of its bonus must be in [0, 1], got {share}")
+        shares, weighed = self._share, self._weighed
+        for block in ids:
+            if block and (not weighed[block] or shares[block] < share):
+                shares[block] = share
+                weighed[block] = True
+
     def protect(self, ids: Sequence[int]) -> None:
         """Move free cached blocks `ids` into PROTECTED (a waiting request's hit), as if released now;
         held ones are left alone (a hit that takes a block back ends its protection)."""
@@ -121,6 +145,25 @@ class ValuePolicy:
                 self._queues[BlockValue.PROTECTED].append((block, self._clock, self._stamp[block]))
                 self._where[block] = BlockValue.PROTECTED
                 self._clock += 1
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Drop the entries of blocks taken back or moved since they were queued, once the queues hold
+        more than `STALE_ENTRIES_PER_BLOCK` per block: eviction drops them only as it reaches them, so a
+        pool that never fills would otherwise keep one entry per release for ever."""
+        if len(self._anchors) + sum(map(len, self._queues)) <= self._max_entries:
+            return
+        stamp = self._stamp
+        for queue in self._queues:
+            live = [entry for entry in queue if stamp[entry[0]] == entry[2]]
+            queue.clear()
+            queue.extend(live)
+        self._anchors = [entry for entry in self._anchors if stamp[entry[2]] == entry[3]]
+        heapq.heapify(self._anchors)
+
+    def num_entries(self) -> int:
+        """Queue entries, stale ones included (bounded by `_drop_stale`)."""
+        return len(self._anchors) + sum(map(len, self._queues))
 
     def value_of(self, block: int) -> BlockValue:
         """The class `block` would be released into now."""
@@ -137,11 +180,17 @@ class ValuePolicy:
         empty = self._empty
         while empty and len(out) < num_blocks:
             out.append(empty.pop())
-        queues, bonus, stamp = self._queues, self._bonus, self._stamp
+        queues, bonus, stamp, anchors = self._queues, self._bonus, self._stamp, self._anchors
         while len(out) < num_blocks:
             best = -1
             best_score = 0.0
             for value in range(1, len(queues)):
+                if value == BlockValue.ANCHOR:
+                    while anchors and stamp[anchors[0][2]] != anchors[0][3]:
+                        heapq.heappop(anchors)  # (lazy deletion, as below)
+                    if anchors and (best < 0 or anchors[0][0] < best_score):
+                        best, best_score = value, anchors[0][0]
+                    continue
                 queue = queues[value]
                 while queue and stamp[queue[0][0]] != queue[0][2]:
                     queue.popleft()  # taken back by a hit (or moved) since it was queued
@@ -150,12 +199,13 @@ class ValuePolicy:
                     if best < 0 or score < best_score:
                         best, best_score = value, score
             assert best >= 0, "the value policy holds fewer blocks than num_free says"
-            block = queues[best].popleft()[0]
-            out.append(block)
-        marks, where = self._marks, self._where
+            out.append(heapq.heappop(anchors)[2] if best == BlockValue.ANCHOR else queues[best].popleft()[0])
+        marks, where, shares, weighed = self._marks, self._where, self._share, self._weighed
         for block in out:
             stamp[block] += 1
             marks[block] = 0
+            shares[block] = 1.0
+            weighed[block] = False
             where[block] = -1
         self.num_free -= num_blocks
         return out
@@ -183,11 +233,16 @@ class ValuePolicy:
             where[block] = value
             if value is BlockValue.EMPTY:
                 self._empty.append(block)
+            elif value is BlockValue.ANCHOR:
+                score = clock + self._bonus[value] * self._share[block]
+                heapq.heappush(self._anchors, (score, clock, block, stamp[block]))
+                clock += 1
             else:
                 queues[value].append((block, clock, stamp[block]))
                 clock += 1
         self._clock = clock
         self.num_free += len(ids)
+        self._drop_stale()
 
     def release(self, ids: Ids) -> None:
         self.release_few(ids.tolist())
@@ -199,13 +254,15 @@ class ValuePolicy:
         """Every free block in eviction order (EMPTY last released first, then by score)."""
         out = self._empty[::-1]
         live = []
-        for value in range(1, len(self._queues)):
-            for block, clock, stamp in self._queues[value]:
-                if self._stamp[block] == stamp:
-                    if self._where[block] != value:
-                        raise IntegrityError(f"block {block} is queued as class {value} but recorded as "
-                                             f"{self._where[block]}")
-                    live.append((clock + self._bonus[value], value, clock, block))
+        queued = [(value, clock + self._bonus[value], clock, block, stamp)
+                  for value in range(1, len(self._queues)) for block, clock, stamp in self._queues[value]]
+        queued += [(int(BlockValue.ANCHOR), score, clock, block, stamp) for score, clock, block, stamp in self._anchors]
+        for value, score, clock, block, stamp in queued:
+            if self._stamp[block] == stamp:
+                if self._where[block] != value:
+                    raise IntegrityError(f"block {block} is queued as class {value} but recorded as "
+                                         f"{self._where[block]}")
+                live.append((score, value, clock, block))
         live.sort()
         out += [block for *_, block in live]
         if len(out) != self.num_free:

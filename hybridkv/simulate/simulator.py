@@ -153,6 +153,8 @@ class SimReport:
     checkpoints_skipped: int = 0
     #: RunningState.ADOPT: state hits moved into running states instead of copied
     state_adoptions: int = 0
+    #: value eviction: per anchor kind, (anchors made, anchors a later hit ended at) (`ManagerStats`)
+    anchor_reuse: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: simulated ms each request spent in the waiting queue (before its first step, and again after each
     #: preemption until it runs again): mean and 95th percentile over the requests (what a queue order
     #: costs in time to first token, and what preemption costs)
@@ -319,6 +321,7 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         request_ideals=tuple(r.ideal_tokens for r in ordered),
         block_copies=run.block_copies, checkpoint_copies=stats.checkpoint_copies,
         checkpoints_skipped=stats.checkpoints_skipped, state_adoptions=stats.state_adoptions,
+        anchor_reuse=stats.anchor_reuse,
         prefill_tokens=sum(r.computed_prefill_tokens for r in requests),
         mean_held_fraction=held_sum / steps if steps else 0.0,
         **_waits(requests),

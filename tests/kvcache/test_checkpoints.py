@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridkv.engine.scheduler import RequestStatus, Scheduler
 from hybridkv.kvcache.checkpoints import CheckpointPlacement, CheckpointPlanner
-from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.value_policy import BlockValue, ValuePolicy
@@ -117,3 +117,79 @@ def test_a_prefix_whose_hits_end_at_the_same_place_twice_becomes_hot() -> None:
     assert hit == 32 and [policy.value_of(b) for b in blocks[:2]] == [BlockValue.HOT] * 2
     hit, blocks = run("d", [*prefix, *range(100, 120), 5])
     assert hit == 48 and [policy.value_of(b) for b in blocks[:3]] == [BlockValue.HOT] * 2 + [BlockValue.FULL]
+
+
+def test_reuse_rates_by_hand() -> None:
+    from hybridkv.kvcache.checkpoints import AnchorKind, ReuseRates
+
+    rates = ReuseRates()
+    end, hint = AnchorKind.SEQUENCE_END, AnchorKind.HINT
+    assert rates.share({end}) == 1.0  # nothing seen: every anchor keeps its whole bonus
+    rates.made_at(BlockHash(b"k1"), {end})
+    rates.made_at(BlockHash(b"k2"), {end})
+    rates.made_at(BlockHash(b"k1"), {end})  # the same position again: not a new anchor
+    rates.made_at(BlockHash(b"k3"), {hint})
+    rates.hit_at(BlockHash(b"k3"))
+    rates.hit_at(BlockHash(b"k3"))  # a position counts one hit
+    rates.hit_at(BlockHash(b"nowhere"))
+    assert (rates.made[end], rates.hit[end], rates.made[hint], rates.hit[hint]) == (2, 0, 1, 1)
+    assert rates.rate(end) == 1 / 4 and rates.rate(hint) == 2 / 3  # (hit + 1) / (made + 2)
+    # share: rate / (FULL_SHARE_RATE x the best rate), at most 1
+    assert rates.share({end}) == (1 / 4) / (0.5 * 2 / 3)
+    assert rates.share({end, hint}) == 1.0  # the best of its kinds
+    for key in (BlockHash(b"k4"), BlockHash(b"k5"), BlockHash(b"k6")):
+        rates.made_at(key, {end})
+    assert rates.share({end}) == (1 / 7) / (0.5 * 2 / 3)
+    rates.made_at(BlockHash(b"k1"), {hint})  # a second kind at a known position counts for that kind
+    assert rates.made[hint] == 2 and rates.made[end] == 5
+
+
+def test_sequence_ends_no_request_extends_leave_before_the_system_prompt() -> None:
+    # full + Mamba (FIXED running state), blocks of 4, value policy. Three unrelated requests x y z, then
+    # two that share a hinted 8-token system prompt, each with its own question; no request extends
+    # another's answer. a and b anchor the hint (2 made) and b hits it (1 hit): HINT rate (1 + 1) /
+    # (2 + 2) = 1/2, the best. No sequence end is hit: rate 1/7 when b's (the fifth) is marked, so b's
+    # end gets (1/7) / (FULL_SHARE_RATE 0.5 x 1/2) = 4/7 of the ANCHOR bonus and is evicted before the
+    # system prompt's checkpoint, though released after it (with the whole bonus each, the two would
+    # leave in release order: the system prompt first).
+    from hybridkv.kvcache.checkpoints import AnchorKind
+    from hybridkv.kvcache.free_queue import EvictionPolicyName
+    from hybridkv.kvcache.manager import RunningState
+    from hybridkv.kvcache.running_state import FixedStateManager
+
+    groups = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_size=4)]
+    manager = KVCacheManager(make_config(groups=groups, num_blocks=64), max_model_len=256,
+                             eviction=EvictionPolicyName.VALUE, running_state=RunningState.FIXED)
+    scheduler: Scheduler[SimRequest] = Scheduler(manager, max_num_batched_tokens=64, max_num_seqs=4, align_tokens=4)
+    for n, name in enumerate("xyz"):
+        kv = request(list(range(500 + 20 * n, 514 + 20 * n)), name=name)
+        run_alone(scheduler, SimRequest(kv=kv, arrival_seq=n, prompt_len=14, output_tokens=3))
+    system = list(range(1, 9))
+    kvs = []
+    for n, name in enumerate("ab"):
+        kv = request([*system, *range(100 + 10 * n, 106 + 10 * n)], hints=(8,), name=name)
+        run_alone(scheduler, SimRequest(kv=kv, arrival_seq=3 + n, prompt_len=14, output_tokens=3))
+        kvs.append(kv)
+    assert manager._anchors is not None
+    rates = manager._anchors.rates  # (the learned rates and the eviction order are what is tested)
+    assert (rates.made[AnchorKind.HINT], rates.hit[AnchorKind.HINT]) == (2, 1)
+    assert (rates.made[AnchorKind.SEQUENCE_END], rates.hit[AnchorKind.SEQUENCE_END]) == (5, 0)
+    # and what the stats report: b's hit point (8) and the five prompt ends (13, floored to 12) are
+    # anchors no hit ended at (rates 1/3 and 1/7, below the hint's)
+    assert manager.stats().anchor_reuse == {"hit": (1, 0), "hint": (2, 1), "prompt_end": (5, 0),
+                                            "sequence_end": (5, 0)}
+    state = next(m for m in manager._coordinator.managers if isinstance(m, FixedStateManager))
+    policy = manager._pool._policy
+    assert isinstance(policy, ValuePolicy)
+
+    def checkpoint(kv: KVRequest, tokens: int) -> int:
+        found = state.view.blocks_if_held([kv.block_hashes[4][tokens // 4 - 1]])
+        assert found is not None, f"no checkpoint at {tokens}"
+        return found[0][0]
+
+    prompt_checkpoint = checkpoint(kvs[0], 8)
+    end_b = checkpoint(kvs[1], kvs[1].num_computed_tokens // 4 * 4)
+    assert policy.value_of(prompt_checkpoint) is BlockValue.ANCHOR and policy.value_of(end_b) is BlockValue.ANCHOR
+    assert policy._share[end_b] == (1 / 7) / (0.5 * 1 / 2) and policy._share[prompt_checkpoint] == 1
+    order = policy.ordered()
+    assert order.index(end_b) < order.index(prompt_checkpoint)

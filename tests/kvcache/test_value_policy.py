@@ -23,13 +23,17 @@ class BruteForce:
         self.clock = 0
         self.empty = list(range(num_blocks - 1, 0, -1))  # stack: the last released on top
         self.queued: dict[int, tuple[int, int]] = {}  # block -> (clock, class)
+        self.share: dict[int, float] = {}  # block -> its share of the ANCHOR bonus (absent: 1)
+
+    def score(self, block: int) -> float:
+        clock, value = self.queued[block]
+        return clock + self.bonus[value] * (self.share.get(block, 1.0) if value == BlockValue.ANCHOR else 1.0)
 
     def pop(self, n: int) -> list[int]:
         out = []
         while self.empty and len(out) < n:
             out.append(self.empty.pop())
-        ranked = sorted(self.queued, key=lambda b: (self.queued[b][0] + self.bonus[self.queued[b][1]],
-                                                   self.queued[b][1], self.queued[b][0]))
+        ranked = sorted(self.queued, key=lambda b: (self.score(b), self.queued[b][1], self.queued[b][0]))
         for block in ranked[: n - len(out)]:
             del self.queued[block]
             out.append(block)
@@ -77,6 +81,7 @@ def test_value_policy_matches_a_brute_force_scorer(seed: int) -> None:
             for block in got:
                 held.add(block)
                 marks.pop(block, None)
+                model.share.pop(block, None)
                 content[block] = rng.random() < 0.8
                 group_of[block] = rng.randrange(len(kinds))
         elif op < 0.45 and held:
@@ -84,6 +89,10 @@ def test_value_policy_matches_a_brute_force_scorer(seed: int) -> None:
             value = rng.choice([BlockValue.HOT, BlockValue.ANCHOR, BlockValue.FULL, BlockValue.LOW])
             policy.mark([block], value)
             marks[block] = max(marks.get(block, 0), int(value))
+            if value == BlockValue.ANCHOR and rng.random() < 0.7:  # a share: the first set, then the highest
+                share = rng.choice([0.0, 0.25, 0.5, 1.0])
+                policy.weigh([block], share)
+                model.share[block] = max(model.share.get(block, 0.0), share)
         elif op < 0.8 and held:
             out = rng.sample(sorted(held), rng.randint(1, min(5, len(held))))
             for block in out:
@@ -129,6 +138,56 @@ def test_hand_computed_order() -> None:
     policy.remove_few([5])
     policy.release_few([5])
     assert policy.pop_few(1) == [5]
+
+
+def test_an_anchor_with_a_share_of_its_bonus_by_hand() -> None:
+    """test_hand_computed_order's pool and bonuses. Blocks 1 2 3 released first (clocks 0 1 2), block 3
+    an anchor with a quarter of its bonus: 1 -> 0 + 7, 2 -> 1, 3 -> 2 + 14/4 = 5.5: order 2 3 1 (with
+    its whole bonus, 3 would go last). Then 4 5 6 (clocks 3 4 5), block 4 an anchor weighed 0 and then
+    0.5 (the highest kept): 4 -> 3 + 7 = 10, 5 -> 4, 6 -> 5: order 2 5 6 3 1 4."""
+    content = np.ones(7, np.bool_)
+    group_of = np.array([0, 0, 1, 1, 1, 1, 1], np.int64)
+    policy = ValuePolicy(7, content, ValueWeights(full=1.0, anchor=2.0, hot=2.5, protected=3.0))
+    policy.bind(group_of, [SpecKind.FULL, SpecKind.SLIDING_WINDOW])
+    assert policy.pop_few(6) == [1, 2, 3, 4, 5, 6]
+    policy.mark([3], BlockValue.ANCHOR)
+    policy.weigh([3], 0.25)
+    policy.release_few([1, 2, 3])
+    assert policy.ordered() == [2, 3, 1]
+    policy.mark([4], BlockValue.ANCHOR)
+    policy.weigh([4], 0.0)
+    policy.weigh([4], 0.5)
+    policy.release_few([4, 5, 6])
+    assert policy.ordered() == [2, 5, 6, 3, 1, 4]
+    assert policy.pop_few(6) == [2, 5, 6, 3, 1, 4]
+    with pytest.raises(ConfigError, match=r"in \[0, 1\], got 1.5"):
+        policy.weigh([4], 1.5)
+
+
+def test_a_pool_that_never_fills_keeps_a_bounded_queue() -> None:
+    """Hits that take blocks back and release them again leave stale entries that eviction would
+    drop as it reaches them; with no eviction they are dropped once there are more than
+    STALE_ENTRIES_PER_BLOCK per block, and the order is unchanged."""
+    from hybridkv.kvcache.value_policy import STALE_ENTRIES_PER_BLOCK
+
+    content = np.ones(8, np.bool_)
+    policy = ValuePolicy(8, content)
+    policy.bind(np.zeros(8, np.int64), [SpecKind.FULL])
+    assert policy.pop_few(4) == [1, 2, 3, 4]
+    policy.mark([2], BlockValue.ANCHOR)
+    policy.weigh([2], 0.5)
+    policy.release_few([1, 2, 3, 4])
+    for _ in range(2000):  # a hit on blocks 1 and 2, freed again
+        policy.remove_few([1, 2])
+        policy.mark([2], BlockValue.ANCHOR)
+        policy.release_few([1, 2])
+        policy.protect([3])
+    assert policy.num_entries() <= STALE_ENTRIES_PER_BLOCK * 8 + 64
+    # by hand (bonus: full 8, anchor 8 x 0.5, protected 64 ticks): the never-used blocks 5 6 7 first, then
+    # 4 (clock 3 + 8), 3 (protected at clock 6: 70), 2 (its last release at clock 4004, ANCHOR: + 4) and
+    # 1 (clock 4003, FULL: + 8)
+    assert policy.ordered() == [5, 6, 7, 4, 3, 2, 1]
+    assert policy.pop_few(7) == [5, 6, 7, 4, 3, 2, 1]
 
 
 def test_weights_must_be_ordered() -> None:
