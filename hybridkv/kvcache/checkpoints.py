@@ -177,13 +177,8 @@ class Anchors:
         kinds anchored where it ends (`rates`); a hit ending where an earlier one ended makes its blocks
         HOT (a recurring prefix: a system prompt, a shared document; a chat turn's hit on its parent
         ends where no earlier hit did)."""
-        prompt = request.num_prompt_tokens if request.num_prompt_tokens is not None else request.num_tokens
         points: dict[int, set[AnchorKind]] = {}
-        for point, kind in ((hit_tokens, AnchorKind.HIT), (request.shared_prefix_boundary, AnchorKind.JUNCTION),
-                            *((c, AnchorKind.HINT) for c in request.cache_checkpoints),
-                            *((c, AnchorKind.STOP) for c in request.checkpoint_stops
-                              if c not in request.cache_checkpoints),
-                            *(((prompt - 1, AnchorKind.PROMPT_END),) if self._prompt_ends else ())):
+        for point, kind in self._anchor_points(request, hit_tokens):
             point -= point % self._alignment
             if point > 0:
                 points.setdefault(point, set()).add(kind)
@@ -197,6 +192,16 @@ class Anchors:
         self._hit_ends[key] += 1
         if self._hit_ends[key] >= HOT_HITS:
             self._mark_hot(request.request_id, hit_tokens)
+
+    def _anchor_points(self, request: KVRequest, hit_tokens: int) -> list[tuple[int, AnchorKind]]:
+        """The positions a request anchors below its prompt's end (module docstring), each with why."""
+        points = [(hit_tokens, AnchorKind.HIT), (request.shared_prefix_boundary, AnchorKind.JUNCTION)]
+        points += [(c, AnchorKind.HINT) for c in request.cache_checkpoints]
+        points += [(c, AnchorKind.STOP) for c in request.checkpoint_stops if c not in request.cache_checkpoints]
+        if self._prompt_ends:
+            prompt = request.num_prompt_tokens if request.num_prompt_tokens is not None else request.num_tokens
+            points.append((prompt - 1, AnchorKind.PROMPT_END))
+        return points
 
     def allocated(self, request: KVRequest, num_tokens: int) -> None:
         """Mark the anchors whose blocks are now all allocated (`num_tokens` slots)."""
