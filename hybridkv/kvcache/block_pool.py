@@ -118,7 +118,6 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         #: the policy's `mark` / `protect` (value_policy.py), None for a policy without values
         self.mark = getattr(self._policy, "mark", None)
         self.protect = getattr(self._policy, "protect", None)
-        self.weigh = getattr(self._policy, "weigh", None)
         self.slot_of = np.zeros(num_blocks, np.int64)
         by_size: dict[int, list[int]] = {}
         for g, spec in enumerate(self._groups):

@@ -154,16 +154,14 @@ class Anchors:
     every block of a hit whose end was hit before as HOT."""
 
     def __init__(self, managers: Sequence[SingleTypeManager], alignment_tokens: int,
-                 mark: Callable[[Sequence[int], BlockValue], None], *, prompt_ends: bool = True,
-                 weigh: Callable[[Sequence[int], float], None] | None = None) -> None:
+                 mark: Callable[[Sequence[int], BlockValue, float], None], *, prompt_ends: bool = True) -> None:
         self._managers = list(managers)
         #: whether a prompt's end (`prompt - 1`, an exact resend) is an anchor (not with RunningState.ADOPT)
         self._prompt_ends = prompt_ends
         self._marked = [m for m in managers if m.group.kind in (SpecKind.SLIDING_WINDOW, SpecKind.MAMBA)]
         self._alignment = alignment_tokens
+        #: the policy's `mark` (block ids, class, and an ANCHOR's share of its bonus, from `rates`)
         self._mark = mark
-        #: the policy's `weigh` (an anchor's share of its bonus, from `rates`); None: every anchor gets it all
-        self._weigh = weigh
         self.rates = ReuseRates()
         #: per request, its anchors not marked yet: (position, block-floored, and the kinds anchored there)
         self._pending: dict[RequestId, list[tuple[int, set[AnchorKind]]]] = {}
@@ -243,7 +241,7 @@ class Anchors:
             if isinstance(manager, FixedStateManager):
                 manager.anchor(request_id, last - 1, BlockValue.HOT)
             elif manager.group.kind in (SpecKind.FULL, SpecKind.SLIDING_WINDOW, SpecKind.MAMBA):
-                self._mark([b for b in table.ids[:, :last].ravel().tolist() if b], BlockValue.HOT)
+                self._mark([b for b in table.ids[:, :last].ravel().tolist() if b], BlockValue.HOT, 1.0)
 
     @staticmethod
     def _tables(managers: Sequence[SingleTypeManager],
@@ -260,7 +258,7 @@ class Anchors:
         key = self._key_at(request, point)
         if key is not None:
             self.rates.made_at(key, kinds)
-        share = self.rates.share(kinds) if self._weigh is not None else 1.0
+        share = self.rates.share(kinds)
         for manager, table in self._tables(self._marked, request.request_id):
             if isinstance(manager, FixedStateManager):  # its checkpoints are copies, not in the table
                 manager.anchor(request.request_id, point // manager.block_size - 1, share=share)
@@ -272,7 +270,4 @@ class Anchors:
                 first = last - -(-(manager.group.window_tokens - 1) // manager.block_size)
             first = max(first, table.num_skipped, 0)
             if first < last:
-                ids = table.ids[:, first:last].ravel().tolist()
-                self._mark(ids, BlockValue.ANCHOR)
-                if self._weigh is not None:
-                    self._weigh(ids, share)
+                self._mark(table.ids[:, first:last].ravel().tolist(), BlockValue.ANCHOR, share)

@@ -206,7 +206,7 @@ class KVCacheManager:
         mark = self._pool.mark
         #: a value-aware policy's anchors (checkpoints.py); None with LRU (nothing to mark)
         self._anchors = (Anchors(self._coordinator.managers, alignment, mark,
-                                 prompt_ends=running_state is not RunningState.ADOPT, weigh=self._pool.weigh)
+                                 prompt_ends=running_state is not RunningState.ADOPT)
                          if mark is not None and self._caching else None)
         if self._anchors is not None and running_state is RunningState.ADOPT:
             self._coordinator.adoptable = self._anchors.fresh_end

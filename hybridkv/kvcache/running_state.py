@@ -231,9 +231,7 @@ class FixedStateManager(MambaManager):
 
     def _mark(self, blocks: list[int], value: BlockValue = BlockValue.ANCHOR, share: float = 1.0) -> None:
         if self._pool.mark is not None:
-            self._pool.mark(blocks, value)
-            if self._pool.weigh is not None and value is BlockValue.ANCHOR:
-                self._pool.weigh(blocks, share)
+            self._pool.mark(blocks, value, share)
 
     def _cached(self, checkpoint: _Checkpoint) -> bool:
         hash_of = self._pool.hash_of

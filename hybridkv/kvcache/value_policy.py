@@ -20,8 +20,8 @@ plus compute saved per byte). The classes, lowest first:
 
 A block's class is the highest of its group kind's class (full attention: FULL, others: LOW)
 and the marks set on it while it was held (`mark`); the marks are forgotten when the block is
-reused. An ANCHOR block gets only a share w in [0, 1] of its class's bonus (`weigh`, the highest
-share set; 1 when none is): how often anchors of its kind were hit, relative to the kind hit
+reused. An ANCHOR block gets only a share w in [0, 1] of its class's bonus (`mark` / `weigh`, the
+highest share set; 1 when none is): how often anchors of its kind were hit, relative to the kind hit
 most often (`checkpoints.ReuseRates`), so a prompt end or a sequence end that no request ever
 extends leaves like an unanchored block while the system prompt's end stays. Within a class
 blocks leave in release order (ANCHOR: by score), so a chain released tail first is evicted
@@ -95,6 +95,7 @@ class ValuePolicy:
     def __init__(self, num_blocks: int, has_content: NDArray[np.bool_], weights: ValueWeights | None = None) -> None:
         self._content = has_content
         self._bonus = (weights or ValueWeights()).bonuses(num_blocks)
+        #: per class a FIFO of (block, clock, stamp); EMPTY's and ANCHOR's stay empty (`_empty`, `_anchors`)
         self._queues: list[deque[tuple[int, int, int]]] = [deque() for _ in BlockValue]
         self._stamp = [0] * num_blocks  # bumped when a block leaves the free set
         self._where = [-1] * num_blocks  # class of a free block, -1 when held
@@ -117,8 +118,11 @@ class ValuePolicy:
         self._group_of = group_of
         self._group_values = [int(kind_value(k)) for k in kinds]
 
-    def mark(self, ids: Sequence[int], value: BlockValue) -> None:
-        """Raise the class of held blocks `ids` to at least `value` (applied when released)."""
+    def mark(self, ids: Sequence[int], value: BlockValue, share: float | None = None) -> None:
+        """Raise the class of held blocks `ids` to at least `value` (applied when released); an ANCHOR
+        mark with a `share` also gives them that share of the ANCHOR bonus (`weigh`)."""
+        if share is not None and value is BlockValue.ANCHOR:
+            self.weigh(ids, share)
         marks = self._marks
         for block in ids:
             if block and marks[block] < value:
