@@ -37,18 +37,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hybridkv.catalog import find  # noqa: E402
-from hybridkv.engine.queue_order import QueueOrder  # noqa: E402
 from hybridkv.errors import CapacityError  # noqa: E402
 from hybridkv.kvcache.manager import (  # noqa: E402
-    AdmissionHeadroom,
-    CheckpointPlacement,
-    DecodeCheckpoints,
-    EvictionPolicyName,
     MambaCacheMode,
     ReleaseOrder,
-    SpecDecode,
 )
-from hybridkv.plan.kv_cache_config import RunningState, StateLayout  # noqa: E402
+from hybridkv.kvcache.options import MECHANISM_DEFAULTS, PRESETS, CacheOptions, options_from  # noqa: E402
+from hybridkv.plan.kv_cache_config import StateLayout  # noqa: E402
 from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
 from hybridkv.plan.planner import GIB, KVCacheConfig, PlannerOptions, plan  # noqa: E402
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate  # noqa: E402
@@ -62,6 +57,16 @@ LAYOUTS = {"gemma3": "gemma-3-27b-it", "qwen3.5": "qwen3.5-27b", "mamba2": "nemo
            "full": "Llama-3.1-8B-Instruct"}
 VENV = Path(os.environ.get("HYBRIDKV_VLLM_VENV", Path.home() / ".cache/hybridkv-bench/vllm-manager-venv"))
 OVERLAY = Path.home() / ".cache/hybridkv-bench/xxhash-overlay"
+
+
+#: the job fields that are CacheOptions fields taken as given (the rest are mapped in `materialize`)
+CACHE_JOB_FIELDS = ("eviction", "checkpoint_placement", "checkpoint_interval_tokens", "decode_checkpoints",
+                    "admission_headroom", "queue_order", "turn_checkpoints", "running_state")
+
+
+def _job_value(value: object) -> object:
+    """A CacheOptions value as a job's JSON field (an enum by its value)."""
+    return getattr(value, "value", value)
 
 
 def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest], SimOptions]:
@@ -84,20 +89,13 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
         config = dataclasses.replace(config, num_blocks=job["num_blocks"])
     elif job.get("pool_bytes"):  # the same bytes whatever the layout's page size
         config = dataclasses.replace(config, num_blocks=max(2, int(job["pool_bytes"] // bytes_per_block(config))))
+    cache = options_from(MECHANISM_DEFAULTS, {
+        "mamba_cache_mode": mode, "prefix_cache_retention_interval": job["retention"],
+        "release_order": job["release_order"], "spec_decode": job["spec_decode"],
+        "prefix_match_unit": match_unit(job, planned.config),
+        **{name: job[name] for name in CACHE_JOB_FIELDS if name in job}})
     options = SimOptions(max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
-                         max_num_seqs=job["max_num_seqs"], mamba_cache_mode=mode,
-                         prefix_cache_retention_interval=job["retention"],
-                         release_order=ReleaseOrder(job["release_order"]), spec_decode=SpecDecode(job["spec_decode"]),
-                         prefix_match_unit=match_unit(job, planned.config),
-                         eviction=EvictionPolicyName(job.get("eviction", "lru")),
-                         checkpoint_placement=CheckpointPlacement(job.get("checkpoint_placement", "junction")),
-                         checkpoint_interval_tokens=job.get("checkpoint_interval_tokens"),
-                         decode_checkpoints=DecodeCheckpoints(job.get("decode_checkpoints", "every")),
-                         admission_headroom=AdmissionHeadroom(job.get("admission_headroom", "none")),
-                         queue_order=QueueOrder(job.get("queue_order", "fcfs")),
-                         turn_checkpoints=job.get("turn_checkpoints", False),
-                         ms_per_token=job.get("ms_per_token", 0.0),
-                         running_state=RunningState(job.get("running_state", "moving")))
+                         max_num_seqs=job["max_num_seqs"], ms_per_token=job.get("ms_per_token", 0.0), cache=cache)
     return config, trace, options
 
 
@@ -185,9 +183,9 @@ TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
 #: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom that keeps
 #: the waiting requests' hits, the cache-aware queue
 #: order (the longest cached prefix first), and checkpoints at the chat-message ends the trace carries
-OURS = {"eviction": "value", "checkpoint_placement": "placed", "release_order": "interleaved",
-        "state_layout": "multi_page", "running_state": "adopt", "decode_checkpoints": "last",
-        "admission_headroom": "waiting_hits", "queue_order": "cache_aware", "turn_checkpoints": True}
+#: the project's best setting (`--preset hybridkv`) as job fields: where it differs from `--preset vllm`
+OURS = {f.name: _job_value(getattr(PRESETS["hybridkv"], f.name)) for f in dataclasses.fields(CacheOptions)
+        if getattr(PRESETS["hybridkv"], f.name) != getattr(PRESETS["vllm"], f.name)}
 
 
 #: vLLM 0.32's settings tried per layout, the best taken: dense retention, retention 0, and on the state

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from hybridkv.kvcache.hashing import BlockHasher
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.plan.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
@@ -130,7 +131,8 @@ def run(layout: str, trace: Trace, *, seed: int, progress: bool, mode: MambaCach
         name: str = "", max_running: int = MAX_RUNNING) -> Result:
     """Replay `trace` on a fresh manager; see the module docstring for the loop."""
     num_blocks = NUM_BLOCKS * max(1, -(-max_running // MAX_RUNNING))
-    manager = KVCacheManager(build_config(layout, num_blocks), max_model_len=MAX_MODEL_LEN, mamba_cache_mode=mode)
+    manager = KVCacheManager(build_config(layout, num_blocks), max_model_len=MAX_MODEL_LEN,
+        options=CacheOptions(mamba_cache_mode=mode))
     hasher = BlockHasher()
     rng = random.Random(seed + 1)
     result = Result(layout=name or layout, requests=len(trace))

@@ -48,9 +48,7 @@ VOCAB = 32768  # the generators draw token ids below 32,000
 MAX_MODEL_LEN = 16384
 STEP_TOKENS = 512
 MAX_NUM_SEQS = 16
-OURS_FLAGS = ["--state-layout", "multi_page", "--running-state", "adopt", "--eviction", "value",
-              "--checkpoint-placement", "placed", "--decode-checkpoints", "last",
-              "--admission-headroom", "waiting_hits", "--queue-order", "cache_aware"]
+OURS_FLAGS = ["--preset", "hybridkv"]
 
 
 def build_model(target: Path) -> None:

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hybridkv.catalog import find  # noqa: E402
+from hybridkv.kvcache.options import CacheOptions  # noqa: E402
 from hybridkv.plan.model_specs import model_spec_from_config  # noqa: E402
 from hybridkv.plan.planner import GIB, PlannerOptions, RunningState, StateLayout, plan  # noqa: E402
 from hybridkv.plan.specs import ModelSpec  # noqa: E402
@@ -84,7 +85,8 @@ def burst(spec: ModelSpec, *, num_requests: int) -> dict[tuple[StateLayout, Runn
         result = plan(spec, PlannerOptions(memory_bytes=int(BURST_GIB * GIB), max_model_len=longest,
                                            state_layout=layout, running_state=running))
         report = simulate(trace, result.config, SimOptions(max_model_len=longest, max_num_seqs=4096,
-                                                           max_num_batched_tokens=8192, running_state=running))
+                                                           max_num_batched_tokens=8192,
+                                                           cache=CacheOptions(running_state=running)))
         peaks[layout, running] = report.max_running
         print(f"burst layout={layout.value} running_state={running.value} memory_gib={BURST_GIB} "
               f"requests={report.requests} peak_running={report.max_running} mean_running={report.mean_running:.1f} "
@@ -107,7 +109,8 @@ def hits_by_budget(spec: ModelSpec, *, num_requests: int, budgets: tuple[float, 
             for running in RunningState:
                 config = plan(spec, PlannerOptions(memory_bytes=int(gib * GIB), max_model_len=LONG_LEN,
                                                    state_layout=StateLayout.MULTI_PAGE, running_state=running)).config
-                report = simulate(trace, config, SimOptions(max_model_len=LONG_LEN, running_state=running))
+                report = simulate(trace, config, SimOptions(max_model_len=LONG_LEN,
+                                                                      cache=CacheOptions(running_state=running)))
                 print(f"budget memory_gib={gib} trace={name} running_state={running.value} "
                       f"requests={report.requests} hits={report.hit_tokens} prefill_tokens={report.prefill_tokens} "
                       f"preemptions={report.preemptions} peak_running={report.max_running} "

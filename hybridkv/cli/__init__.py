@@ -35,7 +35,7 @@ import typer
 
 from hybridkv import __version__
 from hybridkv.cli import cache_server, openai_server, plan, run, simulate
-from hybridkv.cli.errors import OneLineErrors
+from hybridkv.cli.errors import OneLineErrors, PanelledCommand
 
 # Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column; a parse
 # error is one `error:` line, as every other bad input.
@@ -58,10 +58,10 @@ def _root(
 
 # One line per subcommand (see the module docstring).
 app.command("plan")(plan.plan_command)
-app.command("run")(run.run_command)
+app.command("run", cls=PanelledCommand)(run.run_command)
 app.command("server")(cache_server.server_command)
-app.command("serve")(openai_server.serve_command)
-app.command("simulate")(simulate.simulate_command)
+app.command("serve", cls=PanelledCommand)(openai_server.serve_command)
+app.command("simulate", cls=PanelledCommand)(simulate.simulate_command)
 
 
 def main() -> None:

@@ -11,9 +11,10 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from typer._click.core import Context  # typer 0.29 vendors click: its own Context and parse errors
+from typer._click.core import Context, Parameter  # typer 0.29 vendors click: its own Context and parse errors
 from typer._click.exceptions import UsageError
-from typer.core import TyperGroup
+from typer._click.formatting import HelpFormatter
+from typer.core import TyperCommand, TyperGroup
 
 USAGE_EXIT_CODE = 2
 
@@ -47,3 +48,25 @@ class OneLineErrors(TyperGroup):
             sub = [exc.ctx.info_name or ""] if exc.ctx is not None and exc.ctx is not ctx else []
             command = " ".join(["hybridkv", *ctx.command_path.split()[1:], *sub])
             raise usage_error(f"{exc.format_message().rstrip('.')}; see `{command} --help`") from None
+
+
+class PanelledCommand(TyperCommand):
+    """A command whose plain `--help` lists the options of each `rich_help_panel` (e.g. "Engine",
+    "Cache policy") under a heading of their own, after the command's other options."""
+
+    def format_options(self, ctx: Context, formatter: HelpFormatter) -> None:
+        panels: dict[str, list[Parameter]] = {}
+        for param in self.params:
+            panel = getattr(param, "rich_help_panel", None)
+            if panel:
+                panels.setdefault(panel, []).append(param)
+        original = self.params
+        try:
+            self.params = [p for p in original if not getattr(p, "rich_help_panel", None)]
+            super().format_options(ctx, formatter)
+        finally:
+            self.params = original
+        for panel, params in panels.items():
+            records = [record for record in (p.get_help_record(ctx) for p in params) if record]
+            with formatter.section(panel):
+                formatter.write_dl(records)

@@ -35,6 +35,7 @@ MaxConnections = Annotated[int, typer.Option(
     "--max-connections", help="open connections (and requests) at most; beyond: 503")]
 
 
+@opt.with_engine_options
 def serve_command(
     model: opt.Model = DEFAULT_MODEL_NAME,
     host: Annotated[str, typer.Option("--host", help="bind address (loopback unless --allow-remote)")] = "127.0.0.1",
@@ -51,26 +52,8 @@ def serve_command(
     header_timeout_s: HeaderTimeout = 10.0,
     idle_timeout_s: IdleTimeout = 5,
     max_connections: MaxConnections = 1024,
-    kv_server: opt.KVServer = opt.DEFAULTS["kv_server"],
-    kv_server_timeout_s: opt.KVServerTimeout = opt.DEFAULTS["kv_server_timeout_s"],
-    kv_cache_memory_gib: opt.KVCacheMemoryGiB = opt.DEFAULTS["kv_cache_memory_gib"],
-    max_num_batched_tokens: opt.MaxNumBatchedTokens = opt.DEFAULTS["max_num_batched_tokens"],
-    max_num_seqs: opt.MaxNumSeqs = opt.DEFAULTS["max_num_seqs"],
-    max_model_len: opt.MaxModelLen = opt.DEFAULTS["max_model_len"],
-    block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
-    prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
-    mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
-    state_layout: opt.StateLayoutOption = opt.DEFAULTS["state_layout"],
-    prefix_cache_retention_interval: opt.RetentionInterval = None,
-    prefix_match_unit: opt.MatchUnitOption = None,
-    eviction: opt.Eviction = opt.DEFAULTS["eviction"],
-    checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
-    decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
-    admission_headroom: opt.Headroom = opt.DEFAULTS["admission_headroom"],
-    running_state: opt.RunningStateOption = opt.DEFAULTS["running_state"],
-    queue_order: opt.QueueOrderOption = opt.DEFAULTS["queue_order"],
-    seed: opt.Seed = opt.DEFAULTS["seed"],
-    num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
+    *,
+    engine: EngineConfig,
 ) -> None:
     """Serve the model over OpenAI's HTTP API: /v1/completions, /v1/chat/completions, /metrics.
 
@@ -91,18 +74,9 @@ def serve_command(
         check_host(host, allow_remote=allow_remote)
         limits = ServeLimits(api_key=api_key, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
                              idle_timeout_s=idle_timeout_s, max_connections=max_connections)
-        options = opt.engine_options(
-            kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-            prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
-            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
-            prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
-            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
-            decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-            running_state=running_state, queue_order=queue_order)
         from hybridkv.engine.llm import LLM
 
-        llm = LLM(model, **options)
+        llm = LLM(model, **opt.engine_kwargs(engine))
         try:
             server = ServeServer(llm, host=host, port=port, model_name=served_model_name or model,
                                  allow_remote=allow_remote, graceful_s=graceful_s, log_level=log_level.lower(),

@@ -19,6 +19,7 @@ the generated `token_ids`, `local_hit_tokens`, `external_hit_tokens`, `computed_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -47,33 +48,14 @@ MIB = 1024**2
 RUN_FLAGS = flags_of([*EngineConfig.option_names(), "max_tokens", "temperature"], num_threads="--threads")
 
 
+@opt.with_engine_options
 def run_command(
     model: opt.Model = DEFAULT_MODEL_NAME,
     workload: Annotated[Path | None, typer.Option(
         "--workload", help="JSONL: one {prompt | prompt_token_ids, session?, max_tokens?} per line")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
-    kv_cache_memory_gib: opt.KVCacheMemoryGiB = opt.DEFAULTS["kv_cache_memory_gib"],
-    max_num_batched_tokens: opt.MaxNumBatchedTokens = opt.DEFAULTS["max_num_batched_tokens"],
-    max_num_seqs: opt.MaxNumSeqs = opt.DEFAULTS["max_num_seqs"],
-    max_model_len: opt.MaxModelLen = opt.DEFAULTS["max_model_len"],
-    block_size: opt.BlockSize = opt.DEFAULTS["block_size"],
-    prefix_caching: opt.PrefixCachingOption = opt.DEFAULTS["prefix_caching"],
-    mamba_cache_mode: opt.MambaCacheModeOption = opt.DEFAULTS["mamba_cache_mode"],
-    state_layout: opt.StateLayoutOption = opt.DEFAULTS["state_layout"],
-    prefix_cache_retention_interval: opt.RetentionInterval = None,
-    prefix_match_unit: opt.MatchUnitOption = None,
-    eviction: opt.Eviction = opt.DEFAULTS["eviction"],
-    checkpoint_placement: opt.Placement = opt.DEFAULTS["checkpoint_placement"],
-    decode_checkpoints: opt.DecodeCheckpointsOption = opt.DEFAULTS["decode_checkpoints"],
-    admission_headroom: opt.Headroom = opt.DEFAULTS["admission_headroom"],
-    running_state: opt.RunningStateOption = opt.DEFAULTS["running_state"],
-    queue_order: opt.QueueOrderOption = opt.DEFAULTS["queue_order"],
-    seed: opt.Seed = opt.DEFAULTS["seed"],
-    num_threads: opt.Threads = opt.DEFAULTS["num_threads"],
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request (unless the workload says)")] = 32,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    kv_server: opt.KVServer = opt.DEFAULTS["kv_server"],
-    kv_server_timeout_s: opt.KVServerTimeout = opt.DEFAULTS["kv_server_timeout_s"],
     passes: Annotated[int, typer.Option(help="run the workload this many times, clearing only the engine's local "
                                              "prefix cache in between")] = 1,
     reset_prefix_cache_between_rounds: Annotated[bool, typer.Option(
@@ -82,6 +64,8 @@ def run_command(
     cache_salt: Annotated[str | None, typer.Option(
         "--cache-salt", help="cache salt of requests whose workload line names none (tenants never share "
                              "blocks)")] = None,
+    *,
+    engine: EngineConfig,
 ) -> None:
     """Run the reference engine on a chat workload; report KV cache use.
 
@@ -93,16 +77,7 @@ def run_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = Console(stderr=True)
     try:
-        options = opt.engine_options(
-            kv_cache_memory_gib=kv_cache_memory_gib, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-            prefix_caching=prefix_caching, mamba_cache_mode=mamba_cache_mode, seed=seed, num_threads=num_threads,
-            kv_server=kv_server, kv_server_timeout_s=kv_server_timeout_s,
-            prefix_cache_retention_interval=prefix_cache_retention_interval, prefix_match_unit=prefix_match_unit,
-            state_layout=state_layout, eviction=eviction, checkpoint_placement=checkpoint_placement,
-            decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-            running_state=running_state, queue_order=queue_order)
-        config = EngineConfig.from_options(options)
+        config = engine
         if passes < 1:
             raise usage_error(f"--passes must be at least 1, got {passes}")
         if cache_salt == "":
@@ -113,7 +88,7 @@ def run_command(
 
         base = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         load_start = time.perf_counter()
-        llm = LLM(model, **options)
+        llm = LLM(model, **opt.engine_kwargs(config))
         load_s = time.perf_counter() - load_start
         with llm:
             _note_tokenizer(llm, model, err)
@@ -141,7 +116,8 @@ def run_command(
 
 
 def _asdict(config: EngineConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in EngineConfig.option_names()}
+    own = {name: getattr(config, name) for name in EngineConfig.option_names()}
+    return {**own, **{f.name: getattr(config.cache, f.name) for f in dataclasses.fields(config.cache)}}
 
 
 def _run_rounds(llm: LLM, turns: list[Turn], base: Any, err: Console, *, pass_index: int,
@@ -261,7 +237,7 @@ def _memory_report(llm: LLM, requests: dict[str, Any]) -> dict[str, Any]:
     ratio = plan.capacity_ratio
     return {
         "prefix_cache": {
-            "enabled": llm.config.prefix_caching is PrefixCaching.ON,
+            "enabled": llm.config.cache.prefix_caching is PrefixCaching.ON,
             "prompt_tokens": prompt_tokens, "hit_tokens": prompt_hits,
             "hit_rate": round(prompt_hits / prompt_tokens, 4) if prompt_tokens else 0.0,
             "repeated_lookups": {  # a request looked up again: still waiting for room, or preempted

@@ -15,26 +15,13 @@ from typing import Annotated, Any
 
 import typer
 
-from hybridkv.cli import engine_options as opt
-from hybridkv.cli.engine_options import MatchUnitOption
+from hybridkv.cli.cache_flags import with_cache_options
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
-from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
-from hybridkv.kvcache.manager import (
-    AdmissionHeadroom,
-    CheckpointPlacement,
-    DecodeCheckpoints,
-    EvictionPolicyName,
-    PrefixCaching,
-    ReleaseOrder,
-    SlidingWindowCaching,
-    SpecDecode,
-)
-from hybridkv.plan.kv_cache_config import RunningState, StateLayout
+from hybridkv.kvcache.options import PRESETS, CacheOptions
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
-from hybridkv.plan.specs import MambaCacheMode
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
 from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
 from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
@@ -42,28 +29,7 @@ from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
 SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
                       "prefix_match_unit", "step_ms", "ms_per_token", "num_requests"])
 PLOT_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
-#: the policies `--plot` draws side by side (each at the run's other options)
-_VLLM: dict[str, Any] = {"eviction": EvictionPolicyName.LRU, "checkpoint_placement": CheckpointPlacement.JUNCTION,
-                         "decode_checkpoints": DecodeCheckpoints.EVERY, "admission_headroom": AdmissionHeadroom.NONE,
-                         "queue_order": QueueOrder.FCFS, "turn_checkpoints": False}
-#: the policies `--plot` draws side by side: SimOptions fields over vLLM's settings
-PLOT_POLICIES: dict[str, dict[str, Any]] = {
-    "lru (vLLM)": _VLLM,
-    "value": {**_VLLM, "eviction": EvictionPolicyName.VALUE},
-    "value + placed checkpoints": {**_VLLM, "eviction": EvictionPolicyName.VALUE,
-                                   "checkpoint_placement": CheckpointPlacement.PLACED},
-    "value + placed + last decode checkpoint + headroom": {
-        **_VLLM, "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
-        "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.NEXT_BLOCK},
-    "cache-aware queue": {**_VLLM, "queue_order": QueueOrder.CACHE_AWARE},
-    "chat-turn checkpoints": {**_VLLM, "turn_checkpoints": True},
-    "all of ours": {
-        "eviction": EvictionPolicyName.VALUE, "checkpoint_placement": CheckpointPlacement.PLACED,
-        "decode_checkpoints": DecodeCheckpoints.LAST, "admission_headroom": AdmissionHeadroom.WAITING_HITS,
-        "queue_order": QueueOrder.CACHE_AWARE, "turn_checkpoints": True},
-}
-
-
+@with_cache_options
 def simulate_command(
     model: Annotated[str, typer.Argument(help="catalog name, config.json or model directory")],
     trace: Annotated[Path | None, typer.Option("--trace", help="JSONL workload or Mooncake trace")] = None,
@@ -81,39 +47,14 @@ def simulate_command(
     kv_cache_dtype: Annotated[KVCacheDType, typer.Option("--kv-cache-dtype", help="KV dtype")] = KVCacheDType.AUTO,
     block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
     mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
-    mamba_cache_mode: Annotated[MambaCacheMode, typer.Option(
-        "--mamba-cache-mode", help="state checkpoints")] = MambaCacheMode.ALIGN,
-    state_layout: Annotated[StateLayout, typer.Option(
-        "--state-layout", help="Mamba hybrids: one_page (vLLM's) or multi_page (small attention blocks, a state "
-                               "over several pages)")] = StateLayout.ONE_PAGE,
-    prefix_caching: Annotated[PrefixCaching, typer.Option("--prefix-caching", help="on or off")] = PrefixCaching.ON,
-    sliding_window_caching: Annotated[SlidingWindowCaching, typer.Option(
-        "--sliding-window-caching", help="which sliding-window blocks to cache")] = SlidingWindowCaching.REACHABLE,
-    retention_interval: Annotated[int | None, typer.Option(
-        "--prefix-cache-retention-interval", help="vLLM's option: 0 = windows and states kept at the replay "
-        "boundary only; N = also one per N tokens (default: every aligned boundary)")] = None,
-    prefix_match_unit: MatchUnitOption = None,
-    release_order: Annotated[ReleaseOrder, typer.Option(
-        "--release-order", help="free order of a request's blocks (by_group: vLLM's)")] = ReleaseOrder.INTERLEAVED,
-    spec_decode: Annotated[SpecDecode, typer.Option(
-        "--spec-decode", help="eagle: hits drop one block for the draft model (vLLM's use_eagle)")] = SpecDecode.OFF,
-    eviction: opt.Eviction = EvictionPolicyName.LRU,
-    checkpoint_placement: opt.Placement = CheckpointPlacement.JUNCTION,
-    decode_checkpoints: opt.DecodeCheckpointsOption = DecodeCheckpoints.EVERY,
-    admission_headroom: opt.Headroom = AdmissionHeadroom.NONE,
-    running_state: opt.RunningStateOption = RunningState.MOVING,
-    queue_order: opt.QueueOrderOption = QueueOrder.FCFS,
-    checkpoint_interval: Annotated[int | None, typer.Option(
-        "--checkpoint-interval", help="with --checkpoint-placement placed: also a state checkpoint every N "
-        "tokens (a multiple of the block size)")] = None,
-    turn_checkpoints: Annotated[bool, typer.Option(
-        "--turn-checkpoints", help="state checkpoints at the trace's chat-message ends (a system prompt's, a tool "
-        "spec's), as serve takes them from the chat template")] = False,
     step_ms: Annotated[float, typer.Option("--step-ms", help="simulated time of one scheduler step")] = 30.0,
     ms_per_token: Annotated[float, typer.Option(
         "--ms-per-token", help="simulated ms each computed token adds to its step (0: steps take --step-ms)")] = 0.0,
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
-    plot: Annotated[Path | None, typer.Option("--plot", help="write hit rate vs memory (PNG, SVG, PDF)")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="write hit rate vs memory per preset, and this run's setting (PNG, SVG, PDF)")] = None,
+    *,
+    cache: CacheOptions,
 ) -> None:
     """Replay a trace through the KV cache manager of MODEL (no engine, no torch)."""
     from hybridkv.cli.plan_report import make_plan
@@ -127,25 +68,17 @@ def simulate_command(
         request = PlanRequest(model=model, memory_gib=memory_gib, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               mamba_alignment=mamba_alignment, spec_options=SpecOptions(kv_cache_dtype=kv_cache_dtype),
-                              mamba_cache_mode=mamba_cache_mode, state_layout=state_layout,
-                              running_state=running_state)
+                              mamba_cache_mode=cache.mamba_cache_mode, state_layout=cache.state_layout,
+                              running_state=cache.running_state)
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                             max_num_seqs=max_num_seqs, step_ms=step_ms, ms_per_token=ms_per_token,
-                             prefix_caching=prefix_caching,
-                             mamba_cache_mode=mamba_cache_mode, sliding_window_caching=sliding_window_caching,
-                             prefix_cache_retention_interval=retention_interval, release_order=release_order,
-                             spec_decode=spec_decode, prefix_match_unit=prefix_match_unit, eviction=eviction,
-                             checkpoint_placement=checkpoint_placement, checkpoint_interval_tokens=checkpoint_interval,
-                             decode_checkpoints=decode_checkpoints, admission_headroom=admission_headroom,
-                             running_state=running_state, queue_order=queue_order,
-                             turn_checkpoints=turn_checkpoints)
+                             max_num_seqs=max_num_seqs, step_ms=step_ms, ms_per_token=ms_per_token, cache=cache)
         report = simulate(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
         curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s,
-                                                      dataclasses.replace(options, **fields))) for s in scales]
-                  for label, fields in PLOT_POLICIES.items()} if plot else {}
+                                                      dataclasses.replace(options, cache=setting))) for s in scales]
+                  for label, setting in _plot_settings(cache).items()} if plot else {}
     except HybridKVError as exc:
         raise usage_error(str(exc), SIM_FLAGS) from None
     if json_output:
@@ -166,10 +99,21 @@ def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: f
     """The simulation at another memory budget; None where one request alone does not fit."""
     from hybridkv.cli.plan_report import make_plan
 
+    cache = options.cache
+    planned = dataclasses.replace(request, memory_gib=memory_gib, mamba_cache_mode=cache.mamba_cache_mode,
+                                  state_layout=cache.state_layout, running_state=cache.running_state)
     try:
-        return simulate(requests, make_plan(dataclasses.replace(request, memory_gib=memory_gib))[1].config, options)
+        return simulate(requests, make_plan(planned)[1].config, options)
     except (CapacityError, ConfigError):
         return None
+
+
+def _plot_settings(cache: CacheOptions) -> dict[str, CacheOptions]:
+    """The curves `--plot` draws: every preset, and this run's setting where it is none of them."""
+    curves = {f"--preset {name}": setting for name, setting in PRESETS.items()}
+    if cache not in PRESETS.values():
+        curves["this run's flags"] = cache
+    return curves
 
 
 def _trace(path: Path | None, trace_format: TraceFormat, block_tokens: int, generator: Generator | None,

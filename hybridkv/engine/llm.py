@@ -104,18 +104,12 @@ class LLM:
             memory_bytes=memory_gib_to_bytes(cfg.kv_cache_memory_gib, option="kv_cache_memory_gib"),
             max_model_len=self.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
-            mamba_cache_mode=cfg.mamba_cache_mode, state_layout=cfg.state_layout, running_state=cfg.running_state))
+            mamba_cache_mode=cfg.cache.mamba_cache_mode, state_layout=cfg.cache.state_layout,
+            running_state=cfg.cache.running_state))
         check_fits(kv_cache_gib=cfg.kv_cache_memory_gib,
                    weights_bytes=sum(f.stat().st_size for f in safetensors_files(self.model_dir)))
         self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
-        self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len,
-                                      prefix_caching=cfg.prefix_caching, mamba_cache_mode=cfg.mamba_cache_mode,
-                                      prefix_cache_retention_interval=cfg.prefix_cache_retention_interval,
-                                      sliding_window_caching=cfg.sliding_window_caching,
-                                      prefix_match_unit=cfg.prefix_match_unit, eviction=cfg.eviction,
-                                      checkpoint_placement=cfg.checkpoint_placement,
-                                      decode_checkpoints=cfg.decode_checkpoints,
-                                      admission_headroom=cfg.admission_headroom, running_state=cfg.running_state)
+        self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len, options=cfg.cache)
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
@@ -125,7 +119,7 @@ class LLM:
                                    max_num_seqs=cfg.max_num_seqs, align_tokens=align,
                                    connector=self.transfer.connector if self.transfer else None,
                                    partial_unit_tokens=unit.hash_unit_tokens if align and unit.partial_hits else 0,
-                                   queue_order=cfg.queue_order)
+                                   queue_order=cfg.cache.queue_order)
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())
@@ -142,10 +136,11 @@ class LLM:
                               f"{unit.scheduler_block_tokens}-token blocks, copied on write) is not supported yet; "
                               f"expected a unit of at least {unit.scheduler_block_tokens} tokens (or None), "
                               "or no kv_server")
-        if has_state and cfg.prefix_caching is PrefixCaching.OFF:
+        if has_state and cfg.cache.prefix_caching is PrefixCaching.OFF:
             raise ConfigError("kv_server with a state model (Mamba / Gated DeltaNet) needs prefix_caching on: "
                               "without it a state group keeps one running state, no checkpoint to store")
-        saves = StateSaves.EVERY_BOUNDARY if cfg.mamba_cache_mode is MambaCacheMode.ALL else StateSaves.AT_STEP_END
+        all_boundaries = cfg.cache.mamba_cache_mode is MambaCacheMode.ALL
+        saves = StateSaves.EVERY_BOUNDARY if all_boundaries else StateSaves.AT_STEP_END
         return KVTransfer.attach(cfg.kv_server, config=self.plan.config, state_saves=saves,
                                  model_id=model_identity(name, self.model_dir, cfg.dtype),
                                  timeout_s=cfg.kv_server_timeout_s)
@@ -177,8 +172,8 @@ class LLM:
         (ALL mode checkpoints every boundary a step crosses, so chunks need no cut)."""
         state_blocks = {g.block_size for g in self.plan.config.groups if g.kind is SpecKind.MAMBA}
         cfg = self.config
-        if (not state_blocks or cfg.prefix_caching is PrefixCaching.OFF
-                or cfg.mamba_cache_mode in (MambaCacheMode.ALL, MambaCacheMode.NONE)):
+        if (not state_blocks or cfg.cache.prefix_caching is PrefixCaching.OFF
+                or cfg.cache.mamba_cache_mode in (MambaCacheMode.ALL, MambaCacheMode.NONE)):
             return 0
         block = max(state_blocks)
         if self.plan.config.pages_per_state > 1 and self.transfer is not None:

@@ -24,19 +24,10 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable, Iterable
-from enum import Enum
 from itertools import islice
 from typing import Protocol, TypeVar
 
 from hybridkv.kvcache.ids import RequestId
-
-
-class QueueOrder(Enum):
-    """Which waiting request is admitted next (module docstring)."""
-
-    FCFS = "fcfs"
-    CACHE_AWARE = "cache_aware"
-
 
 #: waiting requests probed per step by CACHE_AWARE; those behind them keep FCFS order
 PROBE_WINDOW = 64

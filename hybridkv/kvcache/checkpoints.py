@@ -33,6 +33,7 @@ from enum import Enum
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.options import CheckpointPlacement  # (re-exported: the mode enums live in options.py)
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.running_state import FixedStateManager
 from hybridkv.kvcache.type_managers.base import SingleTypeManager, Table
@@ -45,13 +46,6 @@ HOT_HITS = 2
 FULL_SHARE_RATE = 0.5
 #: hit ends counted at most (the count restarts when full)
 HIT_ENDS_KEPT = 1 << 16
-
-
-class CheckpointPlacement(Enum):
-    """Where align-mode prefill chunks end, i.e. where state checkpoints exist (module docstring)."""
-
-    JUNCTION = "junction"
-    PLACED = "placed"
 
 
 class CheckpointPlanner:

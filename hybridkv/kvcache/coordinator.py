@@ -48,8 +48,8 @@ from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.options import ReleaseOrder
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.results import ReleaseOrder
 from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null

@@ -16,25 +16,18 @@ usefulness-aware policy plugs in here (docs/design.md §4 and §8, "eviction pol
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from hybridkv.errors import IntegrityError
+from hybridkv.kvcache.options import EvictionPolicyName  # (re-exported: the mode enums live in options.py)
 
 Ids = NDArray[np.int64]
 #: A policy is built from the pool's size and its per-block "holds cached content" flags (which
 #: the pool keeps current); every block but the null block 0 starts free, in id order.
 PolicyFactory = Callable[[int, NDArray[np.bool_]], "EvictionPolicy"]
-
-
-class EvictionPolicyName(Enum):
-    """The eviction policies a `KVCacheManager` can be built with."""
-
-    LRU = "lru"
-    VALUE = "value"  # value_policy.py: recency plus compute saved per byte, dead blocks first
 
 
 class EvictionPolicy(Protocol):

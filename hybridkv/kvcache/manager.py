@@ -43,8 +43,8 @@ from hybridkv.errors import (
     StaleHitError,
     UnknownRequestError,
 )
-from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent, KVEvents
-from hybridkv.kvcache.checkpoints import Anchors, CheckpointPlacement, CheckpointPlanner
+from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent
+from hybridkv.kvcache.checkpoints import Anchors, CheckpointPlanner
 from hybridkv.kvcache.coordinator import (
     GroupBlocks,
     HybridCoordinator,
@@ -52,46 +52,50 @@ from hybridkv.kvcache.coordinator import (
     NoPrefixCacheCoordinator,
     UnitaryCoordinator,
 )
-from hybridkv.kvcache.free_queue import EvictionPolicyName
-from hybridkv.kvcache.hashing import BlockHasher, HashAlgo
+from hybridkv.kvcache.hashing import BlockHasher
 from hybridkv.kvcache.hit_checks import check_no_hit_start, resolve_hit, verify_hit
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
 from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.integrity import check_manager_integrity
-from hybridkv.kvcache.partial_hits import check_partial_hits
+from hybridkv.kvcache.options import (
+    MECHANISM_DEFAULTS,
+    PRESETS,
+    AdmissionHeadroom,
+    CacheOptions,
+    CheckpointPlacement,
+    DecodeCheckpoints,
+    EvictionPolicyName,
+    PrefixCaching,
+    ReleaseOrder,
+    SlidingWindowCaching,
+    SpecDecode,
+)
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.results import (
-    AdmissionHeadroom,
     BlockCopy,
     CacheHit,
     CacheTiming,
     ManagerStats,
     NewBlocks,
-    PrefixCaching,
-    ReleaseOrder,
     StateCheckpoint,
     StateStep,
 )
-from hybridkv.kvcache.retention import (
-    DecodeCheckpoints,
-    Retention,
-    SlidingWindowCaching,
-    SpecDecode,
-    check_spec_decode,
-)
-from hybridkv.kvcache.running_state import FixedStateManager, check_running_state, fixed_state_managers
+from hybridkv.kvcache.retention import Retention
+from hybridkv.kvcache.running_state import FixedStateManager, fixed_state_managers
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import rule_of
 from hybridkv.kvcache.value_policy import ALL_POLICIES
-from hybridkv.plan.match_unit import MatchUnit, resolve_match_unit
+from hybridkv.plan.match_unit import MatchUnit
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec, RunningState
 from hybridkv.plan.specs import MambaCacheMode, SpecKind
 
 __all__ = [
+    "PRESETS",
     "AdmissionHeadroom",
     "AllocationError",
     "BlockCopy",
     "CacheHit",
+    "CacheOptions",
     "CacheTiming",
     "CheckpointPlacement",
     "DecodeCheckpoints",
@@ -137,31 +141,18 @@ def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCac
     return HybridCoordinator(managers, pool)
 
 
+
 class KVCacheManager:
     """Hands out block ids per KV cache group and keeps the prefix cache of all groups."""
 
-    def __init__(
-        self,
-        config: KVCacheConfig,
-        *,
-        max_model_len: int,
-        prefix_caching: PrefixCaching = PrefixCaching.ON,
-        hash_algo: HashAlgo = HashAlgo.XXH3_128,
-        hash_seed: int = 0,
-        eviction: EvictionPolicyName = EvictionPolicyName.LRU,
-        events: KVEvents = KVEvents.OFF,
-        mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN,
-        sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE,
-        prefix_cache_retention_interval: int | None = None,
-        release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED,
-        spec_decode: SpecDecode = SpecDecode.OFF,
-        prefix_match_unit: int | None = None,
-        checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION,
-        checkpoint_interval_tokens: int | None = None,
-        decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY,
-        admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE,
-        running_state: RunningState = RunningState.MOVING,
-    ) -> None:
+    def __init__(self, config: KVCacheConfig, *, max_model_len: int,
+                 options: CacheOptions = MECHANISM_DEFAULTS) -> None:
+        """A manager for `config`'s groups with the cache knobs of `options` (`kvcache/options.py`).
+
+        Raises:
+            ConfigError: `max_model_len` not positive, a config without groups, or options these
+                groups cannot take (`CacheOptions.validate`).
+        """
         if max_model_len <= 0:
             raise ConfigError(f"max_model_len must be a positive integer, got {max_model_len}")
         if not config.groups:
@@ -169,26 +160,27 @@ class KVCacheManager:
         for index, group in enumerate(config.groups):
             if group.group_id != index:
                 raise ConfigError(f"group at position {index} has group_id {group.group_id}; expected {index}")
-        if not isinstance(mamba_cache_mode, MambaCacheMode):
-            raise ConfigError(f"mamba_cache_mode must be one of {[m.value for m in MambaCacheMode]}, "
-                              f"got {mamba_cache_mode!r}")
+        if not isinstance(options, CacheOptions):
+            raise ConfigError(f"options must be a CacheOptions, got {type(options).__name__}")
         self.config = config
         self.max_model_len = max_model_len
+        self.options = options
         #: where hits land (vLLM's prefix_match_unit resolved for these groups; docs/prefix_caching.md)
-        self.match_unit = resolve_match_unit(config.groups, prefix_match_unit,
-                                             caching=prefix_caching is PrefixCaching.ON,
-                                             mamba_cache_mode=mamba_cache_mode)
-        check_partial_hits(self.match_unit, config)
-        check_running_state(running_state, mamba_cache_mode, self.match_unit)
+        self.match_unit = options.validate(config)
+        prefix_caching, mamba_cache_mode, running_state = options.prefix_caching, options.mamba_cache_mode, \
+            options.running_state
+        spec_decode, release_order, admission_headroom = options.spec_decode, options.release_order, \
+            options.admission_headroom
+        checkpoint_placement = options.checkpoint_placement
         self.mamba_cache_mode = mamba_cache_mode
         self._caching = prefix_caching is PrefixCaching.ON
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
-                               policy_factory=ALL_POLICIES[eviction], events=events)
+                               policy_factory=ALL_POLICIES[options.eviction], events=options.events)
         self._eagle = spec_decode is SpecDecode.EAGLE
-        check_spec_decode(config.groups, spec_decode)
-        retention = Retention(sliding=sliding_window_caching, interval_tokens=prefix_cache_retention_interval,
+        retention = Retention(sliding=options.sliding_window_caching,
+                              interval_tokens=options.prefix_cache_retention_interval,
                               alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
-                              spec_decode=spec_decode, decode_checkpoints=decode_checkpoints)
+                              spec_decode=spec_decode, decode_checkpoints=options.decode_checkpoints)
         self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention,
                                               running_state)
         self._fixed = fixed_state_managers(self._coordinator.managers)
@@ -201,7 +193,7 @@ class KVCacheManager:
             self._coordinator.enable_partial_hits(self.match_unit.hash_unit_tokens)
         alignment = self._coordinator.lcm_block_size
         self._checkpoints = CheckpointPlanner(checkpoint_placement, alignment_tokens=alignment,
-                                              interval_tokens=checkpoint_interval_tokens)
+                                              interval_tokens=options.checkpoint_interval_tokens)
         self._placing = checkpoint_placement is not CheckpointPlacement.JUNCTION
         mark = self._pool.mark
         #: a value-aware policy's anchors (checkpoints.py); None with LRU (nothing to mark)
@@ -212,7 +204,7 @@ class KVCacheManager:
             self._coordinator.adoptable = self._anchors.fresh_end
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
-        self._hasher = BlockHasher(algo=hash_algo, seed=hash_seed)
+        self._hasher = BlockHasher(algo=options.hash_algo, seed=options.hash_seed)
         self._block_sizes = tuple(sorted({*self._coordinator.block_sizes, self._coordinator.hit_step}))
         self._copies = 0
         self._empty_hit = tuple(() for _ in config.groups)

@@ -8,7 +8,6 @@ What the rest of the package needs of them, in one place (docs/prefix_caching.md
   its last unit boundary there);
 - `PartialPoolVerbs`, the block pool's verbs on them (`BlockPool` inherits them: they read and
   write its prefix maps);
-- `check_partial_hits`, the options this manager does not combine with partial hits.
 
 `KVCacheCoordinator.enable_partial_hits` turns them on in a coordinator and its managers.
 """
@@ -20,14 +19,12 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from hybridkv.errors import ConfigError, IntegrityError
+from hybridkv.errors import IntegrityError
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash
 from hybridkv.kvcache.prefix_map import PrefixMap
-from hybridkv.plan.kv_cache_config import KVCacheConfig
-from hybridkv.plan.match_unit import MatchUnit
 
-__all__ = ["PartialEntries", "PartialPoolVerbs", "check_partial_hits"]
+__all__ = ["PartialEntries", "PartialPoolVerbs"]
 
 _NULL = 0  # the null block's id (block_pool.NULL)
 
@@ -162,18 +159,3 @@ class PartialPoolVerbs:
             return
         self.drop_partial(src)
         self.cache_partial(group_id, dst, key)
-
-
-def check_partial_hits(unit: MatchUnit, config: KVCacheConfig) -> None:
-    """ConfigError for partial hits combined with an option this manager does not pair them with
-    (EAGLE with state groups is refused by `retention.check_spec_decode`). With
-    `prefix_cache_retention_interval` they compose as in vLLM 0.32 (bench_hits.py's runs at retention
-    0 and unit 16 hit what vLLM does, request by request)."""
-    if not unit.partial_hits:
-        return
-    other = "the multi_page state layout" if config.pages_per_state > 1 else None
-    if other is not None:
-        raise ConfigError(
-            f"prefix_match_unit={unit.hash_unit_tokens} makes hits land inside the {unit.scheduler_block_tokens}-token "
-            f"blocks of this layout (partial hits), which this manager does not combine with {other}; expected a "
-            f"unit of at least {unit.scheduler_block_tokens} tokens (or None), or that option off")

@@ -14,13 +14,6 @@ from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import NULL_BLOCK_ID, BlockId, GroupId, RequestId
 
 
-class PrefixCaching(Enum):
-    """Whether full blocks are cached and looked up (OFF: state groups keep one running state)."""
-
-    ON = "on"
-    OFF = "off"
-
-
 class CacheTiming(Enum):
     """When `allocate` caches the newly full blocks: now, or later through `cache`
     (external KV still loading asynchronously)."""
@@ -137,33 +130,3 @@ class ManagerStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-class ReleaseOrder(Enum):
-    """The order a finished (or preempted) request's blocks enter the free queue, tail first.
-
-    INTERLEAVED: position by position across groups (the k-th block from the tail of every group
-    before the (k+1)-th of any), so the LRU evicts a position from all groups together.
-    BY_GROUP: group after group in group-id order, each tail first (vLLM 0.32's order: the lowest
-    group's blocks are evicted first)."""
-
-    INTERLEAVED = "interleaved"
-    BY_GROUP = "by_group"
-
-
-class AdmissionHeadroom(Enum):
-    """What a new request's first allocation must leave free for the requests already running.
-
-    NONE: nothing (vLLM's: a request is admitted when its first chunk fits). NEXT_BLOCK: one new
-    block in every group per running request -- what each needs when its computation crosses
-    its next block boundary (for a state group: the new state its next checkpoint is written
-    into, k pages in the multi-page layout). Without it, a request admitted into the last free
-    blocks is preempted by the first running request that crosses a boundary, re-admitted the
-    next step, and preempted again: with small blocks and large states that churn recomputes
-    prompts and evicts the prefixes it then misses (docs/prefix_caching.md). WAITING_HITS:
-    NEXT_BLOCK, and the free blocks the waiting requests' hits will take stay free too (the
-    scheduler names them each step, `KVCacheManager.protect_waiting`): a new request is not
-    admitted by evicting the prefix another waiting request would hit.
-    """
-
-    NONE = "none"
-    NEXT_BLOCK = "next_block"
-    WAITING_HITS = "waiting_hits"

@@ -28,33 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 from hybridkv.errors import ConfigError
+from hybridkv.kvcache.options import (  # (re-exported: the mode enums live in options.py)
+    DecodeCheckpoints,
+    SlidingWindowCaching,
+    SpecDecode,
+)
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.plan.planner import KVCacheGroupSpec
-from hybridkv.plan.specs import SpecKind
-
-
-class SpecDecode(Enum):
-    """Speculative decoding as the prefix cache sees it (vLLM's `use_eagle`): with EAGLE / MTP a hit
-    must leave the block before the generation point to be recomputed (the draft model needs its
-    hidden states), so every group matches one block past the hit and drops it."""
-
-    OFF = "off"
-    EAGLE = "eagle"
-
-
-def check_spec_decode(groups: Sequence[KVCacheGroupSpec], spec_decode: SpecDecode) -> None:
-    """EAGLE's hit rule is modelled for attention groups of one block size (full, sliding window)."""
-    if spec_decode is SpecDecode.OFF:
-        return
-    kinds = {g.kind for g in groups}
-    if not kinds <= {SpecKind.FULL, SpecKind.SLIDING_WINDOW} or len({g.block_size for g in groups}) > 1:
-        raise ConfigError(
-            f"spec_decode={spec_decode.value} is modelled for full and sliding-window groups of one block size; "
-            f"got kinds {sorted(k.value for k in kinds)} and block sizes {sorted({g.block_size for g in groups})}"
-        )
 
 
 def replay_boundaries(num_prompt_tokens: int, alignment_tokens: int, spec_decode: SpecDecode) -> tuple[int, ...]:
@@ -65,28 +46,6 @@ def replay_boundaries(num_prompt_tokens: int, alignment_tokens: int, spec_decode
     resend = (num_prompt_tokens - 1) // alignment_tokens * alignment_tokens
     extension = num_prompt_tokens // alignment_tokens * alignment_tokens
     return tuple(sorted({max(resend - alignment_tokens, 0), max(extension - alignment_tokens, 0)}))
-
-
-class DecodeCheckpoints(Enum):
-    """Which state checkpoints a request's decode leaves cached (align mode).
-
-    EVERY: one at every block boundary decode crosses (vLLM 0.32). With the small blocks of the
-    multi-page state layout that is a checkpoint of k pages every 16 generated tokens, and only
-    the last one -- where the next turn or tool call resumes -- is ever hit. LAST: a decode
-    checkpoint replaces the request's previous one, which is dropped from the cache (the blocks
-    become content-free, reused first) unless another request holds it. Prompt checkpoints
-    (chunk ends, junctions, placed stops) are unaffected.
-    """
-
-    EVERY = "every"
-    LAST = "last"
-
-
-class SlidingWindowCaching(Enum):
-    """Which full sliding-window blocks `allocate` caches (module docstring)."""
-
-    REACHABLE = "reachable"
-    ALL = "all"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

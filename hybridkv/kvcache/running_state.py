@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
@@ -59,9 +58,6 @@ from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import NEVER, SingleTypeManager, StateEntries
 from hybridkv.kvcache.type_managers.state import MambaManager
 from hybridkv.kvcache.value_policy import BlockValue
-from hybridkv.plan.kv_cache_config import RunningState
-from hybridkv.plan.kv_cache_config import check_running_state as check_mode
-from hybridkv.plan.match_unit import MatchUnit
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
 
@@ -290,15 +286,3 @@ class FixedStateManager(MambaManager):
 def fixed_state_managers(managers: Sequence[SingleTypeManager]) -> list[FixedStateManager]:
     """The managers of `managers` that keep one running state."""
     return [m for m in managers if isinstance(m, FixedStateManager)]
-
-
-def check_running_state(running_state: RunningState, mamba_cache_mode: MambaCacheMode, unit: MatchUnit) -> None:
-    """ConfigError for a running state the options cannot give: not a RunningState, FIXED with
-    mamba_cache_mode ALL, or FIXED with partial hits (a hit inside a block is copied on write into
-    the block the request goes on writing; not combined with one running state yet)."""
-    check_mode(running_state, mamba_cache_mode)
-    if running_state.one_state and unit.partial_hits:
-        raise ConfigError(
-            f"running_state={running_state.value} with prefix_match_unit={unit.hash_unit_tokens} (hits inside the "
-            f"{unit.scheduler_block_tokens}-token blocks) is not supported; expected a unit of at least "
-            f"{unit.scheduler_block_tokens} tokens (or None), or running_state moving")

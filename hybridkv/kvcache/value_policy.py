@@ -44,7 +44,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hybridkv.errors import ConfigError, IntegrityError
-from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName, Ids, PolicyFactory
+from hybridkv.kvcache.free_queue import POLICIES, Ids, PolicyFactory
+from hybridkv.kvcache.options import EvictionPolicyName
 from hybridkv.plan.specs import SpecKind
 
 #: queue entries per block above which the stale ones are dropped (`ValuePolicy._drop_stale`)

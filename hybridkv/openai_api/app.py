@@ -189,7 +189,8 @@ def _prepare(state: ServeState, raw: bytes, *, chat: bool) -> tuple[Generation, 
     except HybridKVError as exc:
         raise BadRequest(str(exc), param="messages" if chat else "prompt") from None
     job = to_job(body, ids, max_model_len=llm.max_model_len, vocab_size=int(llm.model.hf_config["vocab_size"]))
-    if isinstance(body, ChatCompletionRequest) and len(body.messages) > 1:  # the chat's turns: where the next resumes
+    if (llm.config.cache.turn_checkpoints and isinstance(body, ChatCompletionRequest)
+            and len(body.messages) > 1):  # the chat's turns: where the next resumes
         turns = state.chat_template.turn_ends(body.messages, ids)
         job = dataclasses.replace(job, cache_checkpoints=tuple(sorted({*job.cache_checkpoints, *turns})))
     gen = Generation(state.engine, llm.tokenizer, state.metrics, job,

@@ -19,26 +19,16 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.engine.queue_order import QueueOrder
 from hybridkv.engine.scheduler import KVRequestView, RequestStatus, Scheduler
 from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import (
-    AdmissionHeadroom,
-    CheckpointPlacement,
-    DecodeCheckpoints,
-    EvictionPolicyName,
     KVCacheManager,
     MambaCacheMode,
-    PrefixCaching,
-    ReleaseOrder,
-    RunningState,
-    SlidingWindowCaching,
-    SpecDecode,
 )
+from hybridkv.kvcache.options import MECHANISM_DEFAULTS, CacheOptions
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.plan.match_unit import resolve_match_unit
 from hybridkv.plan.planner import KVCacheConfig
 from hybridkv.plan.specs import SpecKind
 from hybridkv.simulate.ideal import IdealCache
@@ -77,23 +67,8 @@ class SimOptions:
     #: simulated ms each computed token adds to its step (prefill costs time: a side that recomputes
     #: more prompt tokens waits longer); 0 = every step takes `step_ms`
     ms_per_token: float = 0.0
-    prefix_caching: PrefixCaching = PrefixCaching.ON
-    mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
-    sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
-    prefix_cache_retention_interval: int | None = None
-    release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED
-    spec_decode: SpecDecode = SpecDecode.OFF
-    prefix_match_unit: int | None = None
-    eviction: EvictionPolicyName = EvictionPolicyName.LRU
-    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
-    checkpoint_interval_tokens: int | None = None
-    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
-    admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
-    running_state: RunningState = RunningState.MOVING
-    queue_order: QueueOrder = QueueOrder.FCFS
-    #: pass each request's chat-message ends (its trace's `turn_ends`) as `cache_checkpoints`, as
-    #: `serve` does from the chat template (the ends before a turn's hit, its parent's, add nothing)
-    turn_checkpoints: bool = False
+    #: every prefix-cache knob (`kvcache/options.py`): the manager's, the queue order, the turn hints
+    cache: CacheOptions = MECHANISM_DEFAULTS
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -191,7 +166,7 @@ class _Run:
         self.manager = manager
         self.scheduler: Scheduler[SimRequest] = Scheduler(
             manager, max_num_batched_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs,
-            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens, queue_order=options.queue_order)
+            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens, queue_order=options.cache.queue_order)
         self.block_copies = 0
         self.ideal = IdealCache()
         self.pending = deque(sorted(range(len(trace)), key=lambda i: (trace[i].arrival_ms, i)))
@@ -221,7 +196,7 @@ class _Run:
         parent_len = len(self.finished[item.parent]) if item.parent is not None else 0
         ends = tuple(parent_len + p for p in item.turn_ends if parent_len + p < len(prompt))
         kv = KVRequest(request_id=RequestId(f"r{index}"), token_ids=prompt, cache_salt=item.cache_salt,
-                       cache_checkpoints=ends if self.options.turn_checkpoints else ())
+                       cache_checkpoints=ends if self.options.cache.turn_checkpoints else ())
         request = SimRequest(kv=kv, arrival_seq=index, prompt_len=len(prompt),
                              output_tokens=item.output_tokens, queued_ms=self.clock_ms)
         request.ideal_tokens = min(self.ideal.longest_prefix(prompt, salt=item.cache_salt), len(prompt) - 1)
@@ -264,20 +239,12 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         if item.parent is not None and not 0 <= item.parent < index:
             raise ConfigError(f"trace request {index} names parent {item.parent}; expected an earlier request")
     started = time.perf_counter()
-    manager = manager or KVCacheManager(
-        config, max_model_len=options.max_model_len, prefix_caching=options.prefix_caching,
-        mamba_cache_mode=options.mamba_cache_mode, sliding_window_caching=options.sliding_window_caching,
-        prefix_cache_retention_interval=options.prefix_cache_retention_interval, release_order=options.release_order,
-        spec_decode=options.spec_decode, prefix_match_unit=options.prefix_match_unit, eviction=options.eviction,
-        checkpoint_placement=options.checkpoint_placement, decode_checkpoints=options.decode_checkpoints,
-        admission_headroom=options.admission_headroom, running_state=options.running_state,
-        checkpoint_interval_tokens=options.checkpoint_interval_tokens)
+    manager = manager or KVCacheManager(config, max_model_len=options.max_model_len, options=options.cache)
     state_sizes = {g.block_size for g in config.groups if g.kind is SpecKind.MAMBA}
-    aligned = options.mamba_cache_mode is MambaCacheMode.ALIGN and options.prefix_caching is PrefixCaching.ON
+    cache = options.cache
+    aligned = cache.mamba_cache_mode is MambaCacheMode.ALIGN and cache.caching
     align = max(state_sizes) if aligned and state_sizes else 0  # as the engine's LLM._align_tokens
-    unit = resolve_match_unit(config.groups, options.prefix_match_unit,
-                              caching=options.prefix_caching is PrefixCaching.ON,
-                              mamba_cache_mode=options.mamba_cache_mode)
+    unit = cache.match_unit(config)
     run = _Run(trace, manager, options, align, unit.hash_unit_tokens if align and unit.partial_hits else 0)
     steps = running_sum = max_running = 0
     held_sum = 0.0

@@ -56,5 +56,5 @@ def test_engine_config_names_a_bad_policy() -> None:
     from hybridkv.engine.config import EngineConfig
 
     with pytest.raises(ConfigError, match="eviction must be one of"):
-        EngineConfig(eviction="fifo")  # type: ignore[arg-type]
-    assert EngineConfig(eviction="value").eviction.value == "value"  # type: ignore[arg-type]
+        EngineConfig.from_options({"eviction": "fifo"})  # type: ignore[arg-type]
+    assert EngineConfig.from_options({"eviction": "value"}).cache.eviction.value == "value"  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from hybridkv.engine.sampler import EosMode, SamplingParams
 from hybridkv.engine.scheduler import Scheduler
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group
 
@@ -26,7 +27,8 @@ BLOCK, UNIT, BUDGET = 512, 32, 8192
 
 def _scheduler(unit: int | None) -> Scheduler[Request]:
     groups = [make_group(kind="full", block_size=BLOCK), make_group(kind="mamba", block_size=BLOCK)]
-    manager = KVCacheManager(make_config(groups=groups, num_blocks=96), max_model_len=16384, prefix_match_unit=unit)
+    manager = KVCacheManager(make_config(groups=groups, num_blocks=96), max_model_len=16384,
+        options=CacheOptions(prefix_match_unit=unit))
     partial = manager.match_unit.hash_unit_tokens if manager.match_unit.partial_hits else 0
     return Scheduler(manager, max_num_batched_tokens=BUDGET, max_num_seqs=4, align_tokens=BLOCK,
                      partial_unit_tokens=partial)

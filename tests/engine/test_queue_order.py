@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.queue_order import MAX_BYPASS, PROBE_WINDOW, Bypasses, QueueOrder, cache_aware
+from hybridkv.engine.queue_order import MAX_BYPASS, PROBE_WINDOW, Bypasses, cache_aware
 from hybridkv.engine.request import Request
 from hybridkv.engine.sampler import EosMode, SamplingParams
 from hybridkv.engine.scheduler import Scheduler
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.options import QueueOrder
 from hybridkv.kvcache.request import KVRequest
 from tests.engine.test_scheduler import make_scheduler, step
 from tests.factories import make_config, make_group
@@ -140,8 +141,8 @@ def test_scheduler_default_is_fcfs_and_the_engine_config_names_a_bad_order() -> 
                              max_model_len=64)
     assert Scheduler(manager, max_num_batched_tokens=8, max_num_seqs=2).queue_order is QueueOrder.FCFS
     with pytest.raises(ConfigError, match="queue_order must be one of"):
-        EngineConfig(queue_order="lifo")  # type: ignore[arg-type]
-    assert EngineConfig(queue_order="cache_aware").queue_order is QueueOrder.CACHE_AWARE  # type: ignore[arg-type]
+        EngineConfig.from_options({"queue_order": "lifo"})  # type: ignore[arg-type]
+    assert EngineConfig.from_options({"queue_order": "cache_aware"}).cache.queue_order is QueueOrder.CACHE_AWARE
 
 
 def naive_order(waiting: list[Queued], starved: set[int]) -> list[int]:

@@ -4,9 +4,9 @@ evicted last, not only the prefix of the queue's head (no model, the simulator's
 from __future__ import annotations
 
 from hybridkv.engine.scheduler import RequestStatus, Scheduler
-from hybridkv.kvcache.free_queue import EvictionPolicyName
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.options import CacheOptions, EvictionPolicyName
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.value_policy import ValuePolicy
 from hybridkv.simulate.simulator import SimRequest
@@ -34,7 +34,8 @@ def test_every_waiting_prefix_is_evicted_after_the_unwanted_ones() -> None:
     # 33-token prompts finish in turn (2 full blocks cached each, released in the order p1, p2, p3);
     # then a long request runs while two requests wait: one extends p1, one p2. LRU order would
     # evict p1, p2, p3; queue-aware retention keeps both waiting prefixes: p3 goes first.
-    manager = KVCacheManager(make_config(num_blocks=16), max_model_len=256, eviction=EvictionPolicyName.VALUE)
+    manager = KVCacheManager(make_config(num_blocks=16), max_model_len=256,
+        options=CacheOptions(eviction=EvictionPolicyName.VALUE))
     scheduler: Scheduler[SimRequest] = Scheduler(manager, max_num_batched_tokens=64, max_num_seqs=1)
     prompts = [[1000 * p + i for i in range(33)] for p in (1, 2, 3)]
     for seq, prompt in enumerate(prompts):
@@ -68,8 +69,8 @@ def test_waiting_hits_keeps_a_queued_prefix_from_a_new_request_before_it() -> No
 
     hits = {}
     for mode in (AdmissionHeadroom.NEXT_BLOCK, AdmissionHeadroom.WAITING_HITS):
-        manager = KVCacheManager(make_config(num_blocks=7), max_model_len=256, eviction=EvictionPolicyName.VALUE,
-                                 admission_headroom=mode)
+        manager = KVCacheManager(make_config(num_blocks=7), max_model_len=256,
+            options=CacheOptions(eviction=EvictionPolicyName.VALUE, admission_headroom=mode))
         scheduler: Scheduler[SimRequest] = Scheduler(manager, max_num_batched_tokens=64, max_num_seqs=4)
         prefix = [2000 + i for i in range(32)]
         first = sim_request(0, [*prefix, 1, 1])

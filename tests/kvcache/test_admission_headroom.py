@@ -13,6 +13,7 @@ import pytest
 from hybridkv.engine.config import EngineConfig
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import AdmissionHeadroom, KVCacheManager, MambaCacheMode
+from hybridkv.kvcache.options import CacheOptions
 from tests.factories import make_config, make_group, make_request
 
 GROUPS = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_size=4)]
@@ -20,7 +21,7 @@ GROUPS = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_
 
 def manager(headroom: AdmissionHeadroom) -> KVCacheManager:
     return KVCacheManager(make_config(groups=GROUPS, num_blocks=10), max_model_len=64,
-                          mamba_cache_mode=MambaCacheMode.ALIGN, admission_headroom=headroom)
+        options=CacheOptions(mamba_cache_mode=MambaCacheMode.ALIGN, admission_headroom=headroom))
 
 
 @pytest.mark.parametrize(("headroom", "admitted"), [(AdmissionHeadroom.NONE, True),
@@ -61,6 +62,6 @@ def test_a_running_request_grows_into_the_headroom() -> None:
 
 
 def test_the_engine_option_is_checked() -> None:
-    assert EngineConfig(admission_headroom="next_block").admission_headroom is AdmissionHeadroom.NEXT_BLOCK  # type: ignore[arg-type]
+    assert EngineConfig.from_options({"admission_headroom": "next_block"}).cache.admission_headroom is AdmissionHeadroom.NEXT_BLOCK
     with pytest.raises(ConfigError, match="admission_headroom must be one of"):
-        EngineConfig(admission_headroom="lots")  # type: ignore[arg-type]
+        EngineConfig.from_options({"admission_headroom": "lots"})  # type: ignore[arg-type]

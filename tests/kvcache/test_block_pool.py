@@ -12,8 +12,9 @@ from hybridkv.kvcache.block_pool import (
     IntegrityError,
     KVEvents,
 )
-from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
+from hybridkv.kvcache.free_queue import POLICIES
 from hybridkv.kvcache.ids import GroupId
+from hybridkv.kvcache.options import EvictionPolicyName
 from hybridkv.plan.specs import SpecKind
 from tests.factories import make_group
 from tests.kvcache.pool_helpers import allocate, cache_blocks, cached_map, free_order, touch

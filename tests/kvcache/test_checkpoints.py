@@ -4,9 +4,10 @@ a value-aware policy keeps (a finished sequence's window tail outlives the unanc
 from __future__ import annotations
 
 from hybridkv.engine.scheduler import RequestStatus, Scheduler
-from hybridkv.kvcache.checkpoints import CheckpointPlacement, CheckpointPlanner
+from hybridkv.kvcache.checkpoints import CheckpointPlanner
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.options import CacheOptions, CheckpointPlacement
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.value_policy import BlockValue, ValuePolicy
 from hybridkv.simulate.simulator import SimRequest
@@ -66,7 +67,7 @@ def test_a_finished_sequence_keeps_its_window_tail() -> None:
 
     groups = [make_group(kind="full"), make_group(kind="sliding_window", window_tokens=17)]
     manager = KVCacheManager(make_config(groups=groups, num_blocks=9), max_model_len=256,
-                             eviction=EvictionPolicyName.VALUE)
+        options=CacheOptions(eviction=EvictionPolicyName.VALUE))
     a = request(list(range(1, 66)))
     manager.begin_step()
     for start in range(0, 64, 16):
@@ -95,7 +96,8 @@ def test_a_prefix_whose_hits_end_at_the_same_place_twice_becomes_hot() -> None:
     from hybridkv.kvcache.free_queue import EvictionPolicyName
 
     assert HOT_HITS == 2
-    manager = KVCacheManager(make_config(num_blocks=32), max_model_len=256, eviction=EvictionPolicyName.VALUE)
+    manager = KVCacheManager(make_config(num_blocks=32), max_model_len=256,
+        options=CacheOptions(eviction=EvictionPolicyName.VALUE))
     policy = manager._pool._policy  # (the classes are what is tested)
     assert isinstance(policy, ValuePolicy)
     prefix = list(range(1, 33))
@@ -159,7 +161,7 @@ def test_sequence_ends_no_request_extends_leave_before_the_system_prompt() -> No
 
     groups = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_size=4)]
     manager = KVCacheManager(make_config(groups=groups, num_blocks=64), max_model_len=256,
-                             eviction=EvictionPolicyName.VALUE, running_state=RunningState.FIXED)
+        options=CacheOptions(eviction=EvictionPolicyName.VALUE, running_state=RunningState.FIXED))
     scheduler: Scheduler[SimRequest] = Scheduler(manager, max_num_batched_tokens=64, max_num_seqs=4, align_tokens=4)
     for n, name in enumerate("xyz"):
         kv = request(list(range(500 + 20 * n, 514 + 20 * n)), name=name)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.coordinator import HybridCoordinator
-from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
+from hybridkv.kvcache.free_queue import POLICIES
+from hybridkv.kvcache.options import EvictionPolicyName
 from hybridkv.kvcache.type_managers.attention import MambaCacheMode, make_manager
 from tests.factories import make_config, make_group
 from tests.kvcache.pool_helpers import allocate, cache_blocks

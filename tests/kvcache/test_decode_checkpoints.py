@@ -18,6 +18,7 @@ from hybridkv.kvcache.manager import (
     KVCacheManager,
     MambaCacheMode,
 )
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
 
@@ -27,8 +28,8 @@ GROUPS = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_
 def manager(decode: DecodeCheckpoints, eviction: EvictionPolicyName = EvictionPolicyName.LRU,
             retention: int | None = None) -> KVCacheManager:
     return KVCacheManager(make_config(groups=GROUPS, num_blocks=64), max_model_len=64,
-                          mamba_cache_mode=MambaCacheMode.ALIGN, decode_checkpoints=decode, eviction=eviction,
-                          prefix_cache_retention_interval=retention)
+        options=CacheOptions(mamba_cache_mode=MambaCacheMode.ALIGN, decode_checkpoints=decode, eviction=eviction,
+                prefix_cache_retention_interval=retention))
 
 
 def step(m: KVCacheManager, request: KVRequest, num_new: int) -> None:
@@ -88,7 +89,7 @@ def test_with_sparse_retention_the_newest_cached_decode_checkpoint_stays(decode:
 def test_a_dropped_checkpoint_is_reported_removed(decode: DecodeCheckpoints, removed: list[int]) -> None:
     """The state group's BlockRemoved events name exactly the dropped checkpoints (by their stored hash)."""
     m = KVCacheManager(make_config(groups=GROUPS, num_blocks=64), max_model_len=64,
-                       mamba_cache_mode=MambaCacheMode.ALIGN, decode_checkpoints=decode, events=KVEvents.ON)
+        options=CacheOptions(mamba_cache_mode=MambaCacheMode.ALIGN, decode_checkpoints=decode, events=KVEvents.ON))
     serve_and_finish(m)
     events = m.take_events()
     state_hashes = [h for e in events if isinstance(e, BlockStored) and e.group_id == 1 for h in e.block_hashes]
@@ -98,6 +99,6 @@ def test_a_dropped_checkpoint_is_reported_removed(decode: DecodeCheckpoints, rem
 
 
 def test_the_engine_option_is_checked() -> None:
-    assert EngineConfig(decode_checkpoints="last").decode_checkpoints is DecodeCheckpoints.LAST  # type: ignore[arg-type]
+    assert EngineConfig.from_options({"decode_checkpoints": "last"}).cache.decode_checkpoints is DecodeCheckpoints.LAST
     with pytest.raises(ConfigError, match="decode_checkpoints must be one of"):
-        EngineConfig(decode_checkpoints="some")  # type: ignore[arg-type]
+        EngineConfig.from_options({"decode_checkpoints": "some"})  # type: ignore[arg-type]

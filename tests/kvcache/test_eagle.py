@@ -14,13 +14,14 @@ import pytest
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager, SpecDecode
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group
 
 
 def hit_after_priming(kind: str, num_tokens: int, **group: int) -> int:
     config = make_config(groups=[make_group(kind=kind, block_size=16, **group)], num_blocks=10)
-    manager = KVCacheManager(config, max_model_len=8192, spec_decode=SpecDecode.EAGLE)
+    manager = KVCacheManager(config, max_model_len=8192, options=CacheOptions(spec_decode=SpecDecode.EAGLE))
     first = KVRequest(request_id=RequestId("prime"), token_ids=[0] * num_tokens)
     assert manager.allocate(first, num_tokens, hit=manager.lookup(first)) is not None
     first.num_computed_tokens = num_tokens
@@ -44,7 +45,8 @@ def test_eagle_with_state_groups_or_mixed_block_sizes_is_refused() -> None:
     groups = [make_group(kind="full", block_size=32), make_group(kind="sliding_window", block_size=16,
                                                                  window_tokens=16)]
     with pytest.raises(ConfigError, match="spec_decode=eagle is modelled for"):
-        KVCacheManager(make_config(groups=groups), max_model_len=1024, spec_decode=SpecDecode.EAGLE)
+        KVCacheManager(make_config(groups=groups), max_model_len=1024,
+            options=CacheOptions(spec_decode=SpecDecode.EAGLE))
     with pytest.raises(ConfigError, match=r"got kinds \['full', 'mamba'\]"):
         KVCacheManager(make_config(groups=[make_group(kind="full"), make_group(kind="mamba")]), max_model_len=1024,
-                       spec_decode=SpecDecode.EAGLE)
+            options=CacheOptions(spec_decode=SpecDecode.EAGLE))

@@ -30,6 +30,7 @@ import pytest
 
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import CacheHit, KVCacheManager, MambaCacheMode
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group
 from tests.kvcache import vllm_traces
@@ -47,7 +48,7 @@ class HybridKVDriver:
     def __init__(self, mode: MambaCacheMode, num_blocks: int) -> None:
         groups = [make_group(kind="full", block_size=16), make_group(kind="mamba", block_size=16)]
         self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=8192,
-                                      mamba_cache_mode=mode)
+            options=CacheOptions(mamba_cache_mode=mode))
         self.hits: dict[RequestId, CacheHit] = {}
         self.deferred = 0
 

@@ -20,6 +20,7 @@ from hybridkv.kvcache.manager import (
     StaleHitError,
     UnknownRequestError,
 )
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import SpecKind
@@ -32,7 +33,7 @@ SLIDING4 = make_group(kind="sliding", block_size=4, window_tokens=8)
 def manager(groups: list[KVCacheGroupSpec], *, num_blocks: int = 64, caching: PrefixCaching = PrefixCaching.ON,
             events: KVEvents = KVEvents.OFF, max_model_len: int = 1024) -> KVCacheManager:
     return KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=max_model_len,
-                          prefix_caching=caching, events=events)
+        options=CacheOptions(prefix_caching=caching, events=events))
 
 
 def prefill(m: KVCacheManager, request: KVRequest) -> CacheHit:

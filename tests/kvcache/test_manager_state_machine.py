@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybridkv.errors import StaleHitError
 from hybridkv.kvcache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvents
 from hybridkv.kvcache.manager import CacheHit, CheckpointPlacement, EvictionPolicyName, KVCacheManager, MambaCacheMode
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheGroupSpec, RunningState
 from hybridkv.plan.specs import SpecKind
@@ -109,8 +110,8 @@ class ManagerMachine(RuleBasedStateMachine):
         mode = MambaCacheMode.ALL if layout.endswith("_all") else MambaCacheMode.ALIGN
         running = RunningState.FIXED if layout.endswith("_fixed") else RunningState.MOVING
         self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=MAX_MODEL_LEN,
-                                      events=KVEvents.ON, mamba_cache_mode=mode, eviction=eviction,
-                                      checkpoint_placement=placement, running_state=running)
+            options=CacheOptions(events=KVEvents.ON, mamba_cache_mode=mode, eviction=eviction,
+                    checkpoint_placement=placement, running_state=running))
         self.groups = self.manager.config.groups
         self.tracker = ContentTracker(self.groups, mode, running)
         COVERAGE[f"layout:{layout}"] += 1

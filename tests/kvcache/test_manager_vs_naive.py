@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from hybridkv.kvcache.manager import CacheHit, KVCacheManager, MambaCacheMode
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheGroupSpec
 from tests.factories import make_config, make_group, make_request
@@ -70,7 +71,7 @@ class Harness:
                  mode: MambaCacheMode = MambaCacheMode.ALIGN) -> None:
         self.rng = random.Random(seed)
         self.manager = KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=100_000,
-                                      mamba_cache_mode=mode)
+            options=CacheOptions(mamba_cache_mode=mode))
         self.naive = NaiveManager(self.manager.config.groups, mode)
         self.tracker = ContentTracker(self.manager.config.groups, mode)
         self.block_size = max(g.block_size for g in groups)

@@ -15,6 +15,7 @@ import pytest
 from hybridkv.engine.config import EngineConfig
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
 
@@ -24,7 +25,7 @@ SLIDING16 = make_group(kind="sliding", block_size=16, window_tokens=32)
 
 def _hits(unit: int | None) -> list[int]:
     m = KVCacheManager(make_config(groups=[FULL16, SLIDING16], num_blocks=64), max_model_len=256,
-                       prefix_match_unit=unit)
+        options=CacheOptions(prefix_match_unit=unit))
     hits = []
     prompts = [list(range(40)), [*range(37), 99, 99], [*range(24), 5, 5, 5], list(range(41))]
     for i, tokens in enumerate(prompts):
@@ -41,27 +42,29 @@ def test_finer_keys_beside_a_sliding_window_leave_hits_on_the_block() -> None:
     # 37 shared tokens -> 32 (two 16-token blocks), 24 -> 16, 40 of 41 -> 32: never a multiple of 8 only
     assert _hits(None) == [0, 32, 16, 32]
     assert _hits(8) == _hits(None)
-    m = KVCacheManager(make_config(groups=[FULL16, SLIDING16]), max_model_len=256, prefix_match_unit=8)
+    m = KVCacheManager(make_config(groups=[FULL16, SLIDING16]), max_model_len=256,
+        options=CacheOptions(prefix_match_unit=8))
     assert (m.match_unit.hash_unit_tokens, m.match_unit.hit_alignment_tokens) == (8, 16)
 
 
 def test_a_unit_below_the_state_block_turns_partial_hits_on() -> None:
     groups = [make_group(kind="full", block_size=64), make_group(kind="mamba", block_size=64)]
-    m = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=16)
+    m = KVCacheManager(make_config(groups=groups), max_model_len=256, options=CacheOptions(prefix_match_unit=16))
     assert (m.match_unit.hit_alignment_tokens, m.match_unit.partial_hits) == (16, True)  # (test_partial_hits.py)
     # the state block itself is fine (hits on the block, as with the option off)
-    same = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=64)
+    same = KVCacheManager(make_config(groups=groups), max_model_len=256, options=CacheOptions(prefix_match_unit=64))
     assert same.match_unit.hit_alignment_tokens == 64
 
 
 def test_a_unit_the_blocks_do_not_divide_by_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"prefix_match_unit=8 is invalid: with a single KV cache group"):
-        KVCacheManager(make_config(groups=[FULL16]), max_model_len=256, prefix_match_unit=8)
+        KVCacheManager(make_config(groups=[FULL16]), max_model_len=256, options=CacheOptions(prefix_match_unit=8))
     with pytest.raises(ConfigError, match=r"got group block sizes \[16, 16\]"):
-        KVCacheManager(make_config(groups=[FULL16, SLIDING16]), max_model_len=256, prefix_match_unit=5)
+        KVCacheManager(make_config(groups=[FULL16, SLIDING16]), max_model_len=256,
+            options=CacheOptions(prefix_match_unit=5))
 
 
 def test_engine_config_checks_the_option() -> None:
-    assert EngineConfig(prefix_match_unit=32).prefix_match_unit == 32
+    assert EngineConfig.from_options({"prefix_match_unit": 32}).cache.prefix_match_unit == 32
     with pytest.raises(ConfigError, match="prefix_match_unit must be None or a positive integer"):
-        EngineConfig(prefix_match_unit=0)
+        EngineConfig.from_options({"prefix_match_unit": 0})

@@ -16,6 +16,7 @@ import pytest
 
 from hybridkv.errors import ConfigError, StaleHitError
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, KVCacheManager, NewBlocks
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
 
@@ -23,7 +24,7 @@ from tests.factories import make_config, make_group, make_request
 def _manager(*, full: int, state: int, unit: int, num_blocks: int = 24) -> KVCacheManager:
     groups = [make_group(kind="full", block_size=full), make_group(kind="mamba", block_size=state)]
     return KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=8192,
-                          prefix_match_unit=unit)
+        options=CacheOptions(prefix_match_unit=unit))
 
 
 def _step(manager: KVCacheManager, request: KVRequest, num_new: int,
@@ -189,14 +190,14 @@ def test_partial_hits_with_a_retention_interval(retention: int | None) -> None:
     """A 100-token prompt (steps 64, 32, 4): its replay boundary 96 is a partial tail, kept with any
     retention (0 keeps states only there); a sibling sharing 98 tokens hits 96 either way."""
     groups = [make_group(kind="full", block_size=64), make_group(kind="mamba", block_size=64)]
-    m = KVCacheManager(make_config(groups=groups, num_blocks=32), max_model_len=8192, prefix_match_unit=16,
-                       prefix_cache_retention_interval=retention)
+    m = KVCacheManager(make_config(groups=groups, num_blocks=32), max_model_len=8192,
+        options=CacheOptions(prefix_match_unit=16, prefix_cache_retention_interval=retention))
     assert m.match_unit.partial_hits
     _serve_100_tokens(m)
     assert m.lookup(make_request(request_id="r1", token_ids=[*range(98), 7, 7])).num_tokens == 96
     # the state block itself keeps hits on the block: no partial hits
-    same = KVCacheManager(make_config(groups=groups), max_model_len=256, prefix_match_unit=64,
-                          prefix_cache_retention_interval=retention)
+    same = KVCacheManager(make_config(groups=groups), max_model_len=256,
+        options=CacheOptions(prefix_match_unit=64, prefix_cache_retention_interval=retention))
     assert not same.match_unit.partial_hits
 
 
@@ -218,4 +219,4 @@ def test_partial_hits_in_the_multi_page_state_layout_are_refused() -> None:
     config = make_config(groups=[make_group(kind="full", block_size=64), *state])
     with pytest.raises(ConfigError, match=r"prefix_match_unit=16 makes hits land inside the 64-token blocks .* "
                                           r"multi_page state layout"):
-        KVCacheManager(config, max_model_len=256, prefix_match_unit=16)
+        KVCacheManager(config, max_model_len=256, options=CacheOptions(prefix_match_unit=16))

@@ -23,6 +23,7 @@ from hybridkv.kvcache.manager import (
     KVCacheManager,
     NewBlocks,
 )
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.simulate.simulator import SimOptions, simulate
 from hybridkv.simulate.trace import TraceRequest
@@ -98,10 +99,9 @@ def test_partial_hits_stay_sound_and_the_pool_consistent(trace: list[TraceReques
                                                          eviction: EvictionPolicyName,
                                                          placement: CheckpointPlacement) -> None:
     config = make_config(groups=GROUPS, num_blocks=num_blocks)
-    options = SimOptions(max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4, prefix_match_unit=UNIT,
-                         eviction=eviction, checkpoint_placement=placement)
-    manager = Checked(KVCacheManager(config, max_model_len=64, prefix_match_unit=UNIT, eviction=eviction,
-                                     checkpoint_placement=placement))
+    cache = CacheOptions(prefix_match_unit=UNIT, eviction=eviction, checkpoint_placement=placement)
+    options = SimOptions(max_model_len=64, max_num_batched_tokens=budget, max_num_seqs=4, cache=cache)
+    manager = Checked(KVCacheManager(config, max_model_len=64, options=cache))
     assert manager.match_unit.partial_hits
     try:
         report = simulate(trace, config, options, manager=manager)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockStored, KVEvents
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager, SlidingWindowCaching
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group
 
@@ -28,8 +29,8 @@ def run_prompt(num_tokens: int, *, full_block: int, swa_block: int, window: int,
                ) -> tuple[KVCacheManager, KVRequest]:
     groups = [make_group(kind="full", block_size=full_block),
               make_group(kind="sliding_window", block_size=swa_block, window_tokens=window)]
-    manager = KVCacheManager(make_config(groups=groups, num_blocks=100), max_model_len=8192, events=KVEvents.ON,
-                             **options)  # type: ignore[arg-type]
+    manager = KVCacheManager(make_config(groups=groups, num_blocks=100), max_model_len=8192,
+                             options=CacheOptions(events=KVEvents.ON, **options))  # type: ignore[arg-type]
     request = KVRequest(request_id=RequestId("0"), token_ids=list(range(num_tokens)))
     assert manager.allocate(request, num_tokens, hit=manager.lookup(request)) is not None
     return manager, request
@@ -85,7 +86,7 @@ def test_state_checkpoints_under_retention(retention: int | None, sibling_hit: i
     # A's first 70 tokens resumes at the last kept one <= 64; a resend of A at 96.
     groups = [make_group(kind="full"), make_group(kind="mamba")]
     manager = KVCacheManager(make_config(groups=groups, num_blocks=64), max_model_len=1024,
-                             prefix_cache_retention_interval=retention)
+        options=CacheOptions(prefix_cache_retention_interval=retention))
     a = KVRequest(request_id=RequestId("a"), token_ids=list(range(1, 101)))
     manager.begin_step()
     hit = manager.lookup(a)

@@ -23,6 +23,7 @@ from hybridkv.kvcache.manager import (
     PrefixCaching,
     RunningState,
 )
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
 
@@ -35,7 +36,7 @@ PAGED = [make_group(kind="full", block_size=4),
 def manager(running: RunningState, *, groups: list = GROUPS, num_blocks: int = 64,  # type: ignore[type-arg]
             **options: object) -> KVCacheManager:
     return KVCacheManager(make_config(groups=groups, num_blocks=num_blocks), max_model_len=64,
-                          running_state=running, **options)  # type: ignore[arg-type]
+                          options=CacheOptions(running_state=running, **options))  # type: ignore[arg-type]
 
 
 def step(m: KVCacheManager, request: KVRequest, num_new: int) -> tuple[tuple[BlockCopy, ...], tuple[BlockCopy, ...]]:

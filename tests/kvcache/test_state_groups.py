@@ -16,6 +16,7 @@ from hybridkv.kvcache.manager import (
     StateStep,
     UnknownRequestError,
 )
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheGroupSpec
 from tests.factories import make_config, make_group, make_request
@@ -28,7 +29,7 @@ ALIGN, ALL = MambaCacheMode.ALIGN, MambaCacheMode.ALL
 def manager(mode: MambaCacheMode, groups: list[KVCacheGroupSpec] | None = None, *, num_blocks: int = 64,
             caching: PrefixCaching = PrefixCaching.ON) -> KVCacheManager:
     return KVCacheManager(make_config(groups=groups or [FULL4, MAMBA4], num_blocks=num_blocks), max_model_len=1024,
-                          prefix_caching=caching, mamba_cache_mode=mode)
+        options=CacheOptions(prefix_caching=caching, mamba_cache_mode=mode))
 
 
 def run_step(m: KVCacheManager, request: KVRequest, num_new: int) -> None:
@@ -185,7 +186,7 @@ def test_state_steps_errors_and_attention_only_models() -> None:
 def test_mamba_cache_mode_must_be_the_enum() -> None:
     with pytest.raises(ConfigError, match="mamba_cache_mode must be one of"):
         KVCacheManager(make_config(groups=[FULL4, MAMBA4]), max_model_len=64,
-                       mamba_cache_mode="all")  # type: ignore[arg-type]
+            options=CacheOptions(mamba_cache_mode="all"))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", [ALIGN, ALL])
@@ -198,7 +199,7 @@ def test_planner_need_is_what_the_manager_holds(mode: MambaCacheMode, budget: in
     need = MAMBA4.spec.blocks_needed(block_size=4, max_model_len=max_len, max_num_batched_tokens=budget,
                                      mamba_cache_mode=mode)
     m = KVCacheManager(make_config(groups=[FULL4, MAMBA4], num_blocks=64), max_model_len=max_len,
-                       mamba_cache_mode=mode)
+        options=CacheOptions(mamba_cache_mode=mode))
     for offset in (0, 1, 3):  # a decode step first shifts where the chunks start
         request = make_request(request_id=f"r{offset}", token_ids=range(max_len - 1))
         peak = 0

@@ -8,7 +8,8 @@ import pytest
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
-from hybridkv.kvcache.free_queue import POLICIES, EvictionPolicyName
+from hybridkv.kvcache.free_queue import POLICIES
+from hybridkv.kvcache.options import EvictionPolicyName
 from hybridkv.kvcache.type_managers.attention import MambaCacheMode, SingleTypeManager, make_manager
 from tests.factories import make_group, make_request
 from tests.kvcache.pool_helpers import allocate as pool_allocate

@@ -20,6 +20,7 @@ from hybridkv.catalog import find
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, PrefixCaching
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions, model_spec_from_config
 from hybridkv.plan.packed_layout import approximate_gcd
@@ -139,8 +140,8 @@ def test_fp8_choices_and_bad_ratios() -> None:
 def test_manager_serves_the_packed_groups_by_their_kind() -> None:
     spec = spec_of(tiny([0, 4, 128, 4]))
     cfg = plan(spec, PlannerOptions(memory_bytes=GIB, max_model_len=4096)).config
-    manager = KVCacheManager(cfg, max_model_len=4096, prefix_caching=PrefixCaching.ON,
-                             mamba_cache_mode=MambaCacheMode.ALIGN)
+    manager = KVCacheManager(cfg, max_model_len=4096,
+        options=CacheOptions(prefix_caching=PrefixCaching.ON, mamba_cache_mode=MambaCacheMode.ALIGN))
     manager.begin_step()
     request = KVRequest(request_id=RequestId("a"), token_ids=list(range(1000)))
     assert manager.allocate(request, 1000, hit=manager.lookup(request)) is not None

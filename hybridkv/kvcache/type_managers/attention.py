@@ -27,9 +27,10 @@ from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.options import SlidingWindowCaching, SpecDecode
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.retention import Retention, SlidingWindowCaching, SpecDecode
+from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
     SingleTypeManager,

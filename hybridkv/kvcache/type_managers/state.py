@@ -15,9 +15,10 @@ from collections.abc import Mapping, Sequence
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.free_queue import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.options import DecodeCheckpoints
 from hybridkv.kvcache.prefix_map import GroupsView
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.retention import DecodeCheckpoints, Retention
+from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import (
     NEVER,
     SingleTypeManager,
