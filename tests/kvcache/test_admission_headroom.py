@@ -62,6 +62,7 @@ def test_a_running_request_grows_into_the_headroom() -> None:
 
 
 def test_the_engine_option_is_checked() -> None:
-    assert EngineConfig.from_options({"admission_headroom": "next_block"}).cache.admission_headroom is AdmissionHeadroom.NEXT_BLOCK
+    config = EngineConfig.from_options({"admission_headroom": "next_block"})
+    assert config.cache.admission_headroom is AdmissionHeadroom.NEXT_BLOCK
     with pytest.raises(ConfigError, match="admission_headroom must be one of"):
         EngineConfig.from_options({"admission_headroom": "lots"})  # type: ignore[arg-type]
