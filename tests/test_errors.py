@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv import errors
-from hybridkv.kvcache import block_pool, free_queue, manager
+from hybridkv.kvcache import block_pool, eviction, manager
 
 
 @pytest.mark.parametrize(("name", "builtin"), [
@@ -29,7 +29,7 @@ def test_stale_hit_is_an_allocation_error() -> None:
 
 def test_old_import_paths_re_export_the_same_classes() -> None:
     assert block_pool.IntegrityError is errors.IntegrityError
-    assert free_queue.IntegrityError is errors.IntegrityError
+    assert eviction.IntegrityError is errors.IntegrityError
     for name in ("AllocationError", "StaleHitError", "UnknownRequestError", "IntegrityError"):
         assert getattr(manager, name) is getattr(errors, name)
         assert name in manager.__all__

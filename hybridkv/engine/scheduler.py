@@ -294,7 +294,7 @@ class Scheduler(Generic[R]):
         prompt (hit at most `num_tokens - 1`) finds a checkpoint there; and none runs past the
         request's shared-prefix junction (`KVRequest.shared_prefix_boundary`, block-floored), so
         siblings sharing that prefix find the state there, nor past a placed checkpoint
-        (`KVRequest.checkpoint_stops`, `kvcache/checkpoints.py`)."""
+        (`KVRequest.checkpoint_stops`, `kvcache/policies/placement.py`)."""
         size = self.align_tokens
         end = start + n
         if not size or n <= 1:

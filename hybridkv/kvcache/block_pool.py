@@ -48,7 +48,7 @@ from numpy.typing import NDArray
 
 from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
-from hybridkv.kvcache.free_queue import Ids, PolicyFactory
+from hybridkv.kvcache.eviction import Ids, PolicyFactory
 from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash, GroupId
 from hybridkv.kvcache.partial_hits import PartialEntries, PartialPoolVerbs
 from hybridkv.kvcache.pool_checks import PoolChecks
@@ -111,13 +111,9 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         self._groups = tuple(groups)
         self.num_groups = len(self._groups)
         self._group_ids = np.arange(len(self._groups), dtype=np.int64)
-        self._policy = policy_factory(num_blocks, self.has_hash)
-        bind = getattr(self._policy, "bind", None)
-        if bind is not None:  # a value-aware policy reads each block's group (value_policy.py)
-            bind(self.group_of, [g.kind for g in self._groups])
-        #: the policy's `mark` / `protect` (value_policy.py), None for a policy without values
-        self.mark = getattr(self._policy, "mark", None)
-        self.protect = getattr(self._policy, "protect", None)
+        #: the free blocks' order (`eviction.py`; a value-aware one reads each block's group)
+        self.eviction = policy_factory(num_blocks, self.has_hash)
+        self.eviction.bind(self.group_of, [g.kind for g in self._groups])
         self.slot_of = np.zeros(num_blocks, np.int64)
         by_size: dict[int, list[int]] = {}
         for g, spec in enumerate(self._groups):
@@ -139,7 +135,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
     @property
     def num_free(self) -> int:
         """Blocks with ref count 0 (cached or not): what `allocate` can hand out."""
-        return self._policy.num_free
+        return self.eviction.num_free
 
     @property
     def usable_blocks(self) -> int:
@@ -172,7 +168,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
 
     def usage(self) -> float:
         """Fraction of usable blocks held by at least one request."""
-        return 1.0 - self._policy.num_free / self.usable_blocks
+        return 1.0 - self.eviction.num_free / self.usable_blocks
 
     def group_usage(self) -> tuple[int, ...]:
         """Blocks held by at least one request, per group (counted now: one array pass)."""
@@ -197,7 +193,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         total = sum(counts)
         if total <= FEW:
             return self._allocate_few(counts, total)
-        ids = self._policy.pop(total)
+        ids = self.eviction.pop(total)
         if np.count_nonzero(self.has_hash[ids]):
             self._evict(ids)
         self.ref_cnt[ids] = 1
@@ -211,7 +207,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
 
     def _allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
         """`allocate` for a handful of blocks (`total` = sum of `counts`), as lists."""
-        listed = self._policy.pop_few(total)
+        listed = self.eviction.pop_few(total)
         has_hash, ref_cnt, group_of = self.has_hash, self.ref_cnt, self.group_of
         out: list[list[int]] = []
         start = 0
@@ -297,7 +293,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
                         revived.append(block)
                     refs[block] = held + 1
             if revived:
-                self._policy.remove_few(revived)
+                self.eviction.remove_few(revived)
             return
         ids = np.array(order, np.int64)
         if NULL in order:
@@ -306,7 +302,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         self.ref_cnt[ids] = refs + 1
         revived = ids[refs == 0]
         if len(revived):
-            self._policy.remove(revived)
+            self.eviction.remove(revived)
 
     def free(self, blocks: Sequence[int] | Ids) -> None:
         """Drop one reference to each block, in order, and release those that reach 0 in the
@@ -330,7 +326,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
             if not left:
                 released.append(block)
         if released:
-            self._policy.release_few(released)
+            self.eviction.release_few(released)
 
     def free_tables(self, parts: Sequence[tuple[Sequence[int], Ids]]) -> None:
         """Drop one reference to every block of `parts` and release those that reach 0
@@ -376,9 +372,9 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         if not len(released):
             return
         if np.count_nonzero(self.has_hash[released]) == len(released):
-            self._policy.release_cached(released)
+            self.eviction.release_cached(released)
         else:
-            self._policy.release(released)
+            self.eviction.release(released)
 
     def _unref(self, ids: Ids) -> Ids:
         """Drop one reference to each of `ids`; the ones that reach 0, in order."""
@@ -480,10 +476,10 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         if any(self.ref_cnt.item(b) or self.hash_of(b) != block_hash for b in blocks):
             return False
         ids = list(blocks)
-        self._policy.remove_few(ids)
+        self.eviction.remove_few(ids)
         for block in ids:
             self._drop_hash(block)
-        self._policy.release_few(ids)
+        self.eviction.release_few(ids)
         return True
 
     # -- slow path ----------------------------------------------------------------------------
@@ -531,7 +527,7 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block but null is in use."""
-        if self._policy.num_free != self.usable_blocks:
+        if self.eviction.num_free != self.usable_blocks:
             return False
         for pmap in self._pmaps:
             pmap.clear()

@@ -46,9 +46,11 @@ import numpy as np
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
-from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.eviction import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import ReleaseOrder
+from hybridkv.kvcache.policies.adoption import StateAdoption
+from hybridkv.kvcache.policies.headroom import AdmissionReserve
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
 
@@ -66,7 +68,9 @@ class KVCacheCoordinator:
     `managers`: one per hit rule, each serving one or more groups (`group_ids`); `groups[g]`
     is (manager, row) of group g."""
 
-    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
+    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool, *,
+                 release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED, reserve: AdmissionReserve | None = None,
+                 adoption: StateAdoption | None = None) -> None:
         self.managers = tuple(managers)
         self.pool = pool
         placed = {g: (m, row) for m in managers for row, g in enumerate(m.group_ids)}
@@ -76,12 +80,11 @@ class KVCacheCoordinator:
             raise ConfigError("two managers share one hit rule; expected one manager per rule (make_manager "
                               "takes every group of a rule)")
         self.groups = tuple(placed[g] for g in range(len(placed)))
-        self.release_order = ReleaseOrder.INTERLEAVED
-        #: blocks a new request must leave free per running request (`AdmissionHeadroom`)
-        self.headroom_blocks = 0
-        #: AdmissionHeadroom.WAITING_HITS: the blocks the waiting requests' hits take (named each step)
-        self.keeps_waiting_hits = False
-        self.waiting_hits: set[int] = set()
+        self.release_order = release_order
+        #: what a new request must leave free (`policies/headroom.py`); None: nothing (vLLM's)
+        self.reserve = reserve
+        #: RunningState.ADOPT: whether a state hit may be moved into the running state (`policies/adoption.py`)
+        self.adoption = adoption
         self.num_groups = len(self.groups)
         self.block_sizes = tuple(sorted({m.block_size for m in managers}))
         self.lcm_block_size = math.lcm(*self.block_sizes)
@@ -112,13 +115,6 @@ class KVCacheCoordinator:
         self.partial_hits = False
         #: a manager copies every hit into a fresh block (`RunningState.FIXED`): allocate may copy
         self.copies_hits = any(m.copies_hits for m in managers)
-        #: RunningState.ADOPT: whether a state hit at this hash may be moved into the running state
-        #: rather than copied (set by the manager: a finished request's end no hit has used); None: never
-        self.adoptable: Callable[[BlockHash], bool] | None = None
-        #: per state checkpoint (its first block) the waiting requests whose hit ends there (named each step)
-        self.waiting_states: dict[int, int] = {}
-        #: state hits moved into running states, since construction
-        self.adoptions = 0
         self._reclaiming = tuple(m for m in managers if m.copies_hits)  # (checkpoints held for the schedule)
         self._no_cows: list[tuple[int, list[int]] | None] = []
 
@@ -173,10 +169,7 @@ class KVCacheCoordinator:
         extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
-        admitting = self.headroom_blocks and rid not in self.allocated  # (AdmissionHeadroom)
-        reserve = self.headroom_blocks * len(self.allocated) if admitting else 0
-        if admitting and self.waiting_hits and self.allocated:
-            reserve += self._waiting_hits_free(hits)
+        reserve = self.reserve.blocks(hits, len(self.allocated)) if self.reserve and rid not in self.allocated else 0
         if self._reclaiming and self.allocated and rid not in self.allocated:  # (FIXED: room for its checkpoint)
             reserve += sum(m.checkpoint_blocks(total_tokens) for m in self._reclaiming)
         if sum(bounds) + extra + reserve > pool.num_free:  # tight: count exactly (free hit blocks, blocks released)
@@ -206,7 +199,8 @@ class KVCacheCoordinator:
                 pool.touch(touched)
             if adopted:  # the request's running state now: no lookup may find it
                 pool.uncache(adopted)
-                self.adoptions += 1
+                assert self.adoption is not None
+                self.adoption.adoptions += 1
             for m in managers:
                 count = m.num_new_blocks(request, first_new, total_tokens)
                 for g in m.group_ids:
@@ -229,21 +223,6 @@ class KVCacheCoordinator:
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
 
-    def _adoptable(self, blocks: list[int]) -> bool:
-        """RunningState.ADOPT: the state hit `blocks` (one per page group) may become the new request's
-        running state: `adoptable` says yes to its hash, nobody holds it, and no other waiting request's
-        hit ends there."""
-        if self.adoptable is None or any(self.pool.ref_cnt.item(b) for b in blocks):
-            return False
-        key = self.pool.hash_of(blocks[0])
-        return key is not None and self.adoptable(key) and self.waiting_states.get(blocks[0], 0) <= 1
-
-    def _waiting_hits_free(self, hits: GroupBlocks | None) -> int:
-        """The free cached blocks of the waiting requests' hits, less those `hits` takes itself."""
-        own = {b for group in hits or () for b in group if b}
-        ref, hash_of = self.pool.ref_cnt.item, self.pool.hash_of
-        return sum(1 for b in self.waiting_hits if b not in own and not ref(b) and hash_of(b) is not None)
-
     def _release_skipped(self, rid: RequestId, first_new: int) -> None:
         """Release the blocks a running request no longer needs once `first_new` tokens precede its step."""
         released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
@@ -265,7 +244,7 @@ class KVCacheCoordinator:
                     cow = m.producer_cow(rid)
             elif m.copies_hits and hits and hits[0]:  # the checkpoint hit, copied into the running block
                 sources = [row[-1] for row in hits]
-                if rid not in self.allocated and self._adoptable(sources):
+                if rid not in self.allocated and self.adoption is not None and self.adoption.allows(sources):
                     adopted += sources  # (ADOPT: the hit block is the running block, `_fill`)
                 else:
                     cow = len(hits[0]) - 1, sources
@@ -429,8 +408,10 @@ class KVCacheCoordinator:
         self.quiet[request_id] = bounds
 
     def new_step(self) -> None:
-        self.waiting_hits.clear()  # (named again by this step's protect_waiting)
-        self.waiting_states.clear()
+        if self.reserve is not None:
+            self.reserve.new_step()  # (named again by this step's protect_waiting)
+        if self.adoption is not None:
+            self.adoption.new_step()
         for manager in self._deferring:
             manager.new_step()
 
@@ -506,8 +487,10 @@ class UnitaryCoordinator(KVCacheCoordinator):
 class HybridCoordinator(KVCacheCoordinator):
     """Any number of hit rules; the fixed-point lookup of the module docstring."""
 
-    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool) -> None:
-        super().__init__(managers, pool)
+    def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool, *,
+                 release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED, reserve: AdmissionReserve | None = None,
+                 adoption: StateAdoption | None = None) -> None:
+        super().__init__(managers, pool, release_order=release_order, reserve=reserve, adoption=adoption)
         self._closed = [m for m in self.managers if m.downward_closed]
         self._others = [m for m in self.managers if not m.downward_closed]
 

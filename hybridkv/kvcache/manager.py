@@ -44,7 +44,6 @@ from hybridkv.errors import (
     UnknownRequestError,
 )
 from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent
-from hybridkv.kvcache.checkpoints import Anchors, CheckpointPlanner
 from hybridkv.kvcache.coordinator import (
     GroupBlocks,
     HybridCoordinator,
@@ -70,6 +69,7 @@ from hybridkv.kvcache.options import (
     SlidingWindowCaching,
     SpecDecode,
 )
+from hybridkv.kvcache.policies import CachePolicies, build_policies, eviction_factory
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.results import (
     BlockCopy,
@@ -83,8 +83,7 @@ from hybridkv.kvcache.results import (
 from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.running_state import FixedStateManager, fixed_state_managers
 from hybridkv.kvcache.type_managers.attention import make_manager
-from hybridkv.kvcache.type_managers.base import rule_of
-from hybridkv.kvcache.value_policy import ALL_POLICIES
+from hybridkv.kvcache.type_managers.base import SingleTypeManager, rule_of
 from hybridkv.plan.match_unit import MatchUnit
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec, RunningState
 from hybridkv.plan.specs import MambaCacheMode, SpecKind
@@ -124,22 +123,25 @@ def _new_blocks(entries: Iterable[tuple[int, ...]]) -> NewBlocks:
 
 
 
-def _make_coordinator(config: KVCacheConfig, pool: BlockPool, caching: PrefixCaching,
-                      mamba_cache_mode: MambaCacheMode, retention: Retention,
-                      running_state: RunningState) -> KVCacheCoordinator:
-    mode = mamba_cache_mode if caching is PrefixCaching.ON else MambaCacheMode.NONE
+def _make_managers(config: KVCacheConfig, pool: BlockPool, options: CacheOptions,
+                   retention: Retention) -> list[SingleTypeManager]:
+    """One type manager per hit rule (its groups), in first-group order."""
+    mode = options.mamba_cache_mode if options.caching else MambaCacheMode.NONE
     by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
     for group in config.groups:
         by_rule.setdefault(rule_of(group), []).append(group)
-    fixed = running_state.one_state and mode is MambaCacheMode.ALIGN
-    managers = [FixedStateManager(groups, pool, retention=retention) if fixed and groups[0].kind is SpecKind.MAMBA
-                else make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
-    if caching is PrefixCaching.OFF:
-        return NoPrefixCacheCoordinator(managers, pool)
-    if len(managers) == 1:
-        return UnitaryCoordinator(managers, pool)
-    return HybridCoordinator(managers, pool)
+    fixed = options.running_state.one_state and mode is MambaCacheMode.ALIGN
+    return [FixedStateManager(groups, pool, retention=retention) if fixed and groups[0].kind is SpecKind.MAMBA
+            else make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
 
+
+def _make_coordinator(managers: list[SingleTypeManager], pool: BlockPool, options: CacheOptions,
+                      policies: CachePolicies) -> KVCacheCoordinator:
+    if not options.caching:
+        return NoPrefixCacheCoordinator(managers, pool, release_order=options.release_order)
+    kind = UnitaryCoordinator if len(managers) == 1 else HybridCoordinator
+    return kind(managers, pool, release_order=options.release_order, reserve=policies.reserve,
+                adoption=policies.adoption)
 
 
 class KVCacheManager:
@@ -167,41 +169,25 @@ class KVCacheManager:
         self.options = options
         #: where hits land (vLLM's prefix_match_unit resolved for these groups; docs/prefix_caching.md)
         self.match_unit = options.validate(config)
-        prefix_caching, mamba_cache_mode, running_state = options.prefix_caching, options.mamba_cache_mode, \
-            options.running_state
-        spec_decode, release_order, admission_headroom = options.spec_decode, options.release_order, \
-            options.admission_headroom
-        checkpoint_placement = options.checkpoint_placement
-        self.mamba_cache_mode = mamba_cache_mode
-        self._caching = prefix_caching is PrefixCaching.ON
+        self.mamba_cache_mode = options.mamba_cache_mode
+        self._caching = options.caching
         self._pool = BlockPool(num_blocks=config.num_blocks, groups=config.groups,
-                               policy_factory=ALL_POLICIES[options.eviction], events=options.events)
-        self._eagle = spec_decode is SpecDecode.EAGLE
+                               policy_factory=eviction_factory(options.eviction), events=options.events)
+        self._eagle = options.spec_decode is SpecDecode.EAGLE
         retention = Retention(sliding=options.sliding_window_caching,
                               interval_tokens=options.prefix_cache_retention_interval,
                               alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
-                              spec_decode=spec_decode, decode_checkpoints=options.decode_checkpoints)
-        self._coordinator = _make_coordinator(config, self._pool, prefix_caching, mamba_cache_mode, retention,
-                                              running_state)
-        self._fixed = fixed_state_managers(self._coordinator.managers)
-        self._coordinator.release_order = release_order
-        if admission_headroom is not AdmissionHeadroom.NONE:
-            self._coordinator.headroom_blocks = len(config.groups)
-        self._coordinator.keeps_waiting_hits = admission_headroom is AdmissionHeadroom.WAITING_HITS
+                              spec_decode=options.spec_decode, decode_checkpoints=options.decode_checkpoints)
+        managers = _make_managers(config, self._pool, options, retention)
+        #: the cache policies `options` asks for (`policies/`); `policies.stats()` is their public view
+        self.policies = build_policies(options, self._pool, managers,
+                                       alignment_tokens=math.lcm(*(m.block_size for m in managers)))
+        self._coordinator = _make_coordinator(managers, self._pool, options, self.policies)
+        self._fixed = fixed_state_managers(managers)
         self._partial = self.match_unit.partial_hits
         if self._partial:
             self._coordinator.enable_partial_hits(self.match_unit.hash_unit_tokens)
-        alignment = self._coordinator.lcm_block_size
-        self._checkpoints = CheckpointPlanner(checkpoint_placement, alignment_tokens=alignment,
-                                              interval_tokens=options.checkpoint_interval_tokens)
-        self._placing = checkpoint_placement is not CheckpointPlacement.JUNCTION
-        mark = self._pool.mark
-        #: a value-aware policy's anchors (checkpoints.py); None with LRU (nothing to mark)
-        self._anchors = (Anchors(self._coordinator.managers, alignment, mark,
-                                 prompt_ends=running_state is not RunningState.ADOPT)
-                         if mark is not None and self._caching else None)
-        if self._anchors is not None and running_state is RunningState.ADOPT:
-            self._coordinator.adoptable = self._anchors.fresh_end
+        self._anchors = self.policies.anchors
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=options.hash_algo, seed=options.hash_seed)
@@ -210,8 +196,8 @@ class KVCacheManager:
         self._empty_hit = tuple(() for _ in config.groups)
         self._no_new_blocks = NewBlocks(() for _ in config.groups)
         # (the decode path releases position by position: vLLM's group-by-group order takes the general path)
-        self._decodes = (self._caching and self._coordinator.decodes and release_order is ReleaseOrder.INTERLEAVED
-                         and not self._partial)
+        self._decodes = (self._caching and self._coordinator.decodes
+                         and options.release_order is ReleaseOrder.INTERLEAVED and not self._partial)
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -258,10 +244,7 @@ class KVCacheManager:
         deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
         longest = max(first)
         request.shared_prefix_boundary = longest if longest > num_tokens else 0
-        if self._placing:
-            self._checkpoints.observe(longest)
-        if self._placing or request.cache_checkpoints:
-            request.checkpoint_stops = self._checkpoints.stops(request)
+        self.policies.looked_up(request, longest)
         step = coordinator.lcm_block_size  # (why the hit stops short of the next lcm boundary)
         self._limits.count(hashes, num_tokens // step * step, max_length, deferred=deferred)
         blocks = cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))) if num_tokens else self._empty_hit
@@ -288,14 +271,15 @@ class KVCacheManager:
     def protect(self, hit: CacheHit) -> None:
         """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks
         last (queue-aware retention); no-op with LRU."""
-        if hit.num_tokens:
-            self._protect([b for blocks in hit.blocks for b in blocks if b])  # (state rows: mostly null)
+        if hit.num_tokens and self.policies.marks is not None:
+            self.policies.marks.protect([b for blocks in hit.blocks for b in blocks if b])  # (state rows: mostly null)
 
     def protect_waiting(self, request: KVRequest, hit_tokens: int) -> None:
         """`protect` the hit of `hit_tokens` (`peek`'s answer this step) of a request still waiting,
         counting nothing: queue-aware retention keeps every queued request's prefix, not only the
         head's. With `AdmissionHeadroom.WAITING_HITS` its blocks are also kept free at admission."""
-        if self._pool.protect is None or not hit_tokens:
+        policies = self.policies
+        if policies.marks is None or not hit_tokens:
             return
         if self._eagle or self._coordinator.partial_hits:  # (blocks looked up whole: hits end elsewhere)
             blocks = self._find_hit(request, min(request.num_tokens - 1, self.max_model_len))[1][0]
@@ -306,22 +290,15 @@ class KVCacheManager:
             coordinator = self._coordinator
             for m in coordinator.managers:
                 found = m.hit_block_ids(m.view, hashes, hit_tokens)
-                if m.copies_hits and found and coordinator.adoptable is not None:  # (ADOPT moves no state
-                    states = coordinator.waiting_states  # another waiting request hits)
-                    states[found[0]] = states.get(found[0], 0) + 1
+                if m.copies_hits and found and policies.adoption is not None:  # (ADOPT moves no state
+                    policies.adoption.waiting(found[0])  # another waiting request hits)
                 ids += found
-        self._protect(ids)
-        if self._coordinator.keeps_waiting_hits:
-            self._coordinator.waiting_hits.update(ids)
-
-    def _protect(self, ids: list[int]) -> None:
-        if self._pool.protect is not None:
-            self._pool.protect(ids)
+        policies.waiting(ids)
 
     @property
     def protects(self) -> bool:
         """Whether `protect` keeps anything (a value-aware eviction policy)."""
-        return self._pool.protect is not None
+        return self.policies.marks is not None
 
     def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
                    max_length: int) -> tuple[GroupBlocks, int, list[int]]:
@@ -522,7 +499,7 @@ class KVCacheManager:
                             limited_by=self._limits.per_group(), block_copies=self._copies,
                             checkpoint_copies=sum(m.checkpoints_copied for m in self._fixed),
                             checkpoints_skipped=sum(m.checkpoints_skipped for m in self._fixed),
-                            state_adoptions=self._coordinator.adoptions,
+                            state_adoptions=self.policies.stats().state_adoptions,
                             anchor_reuse=self._anchors.rates.counts() if self._anchors is not None else {})
 
     def take_pending_copies(self) -> tuple[BlockCopy, ...]:
@@ -545,6 +522,11 @@ class KVCacheManager:
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""
         return self._pool.take_events()
+
+    @property
+    def type_managers(self) -> tuple[SingleTypeManager, ...]:
+        """The managers below this one, one per hit rule (read-only inspection: tests, reports)."""
+        return self._coordinator.managers
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` with the actual numbers if any invariant is broken: ref counts

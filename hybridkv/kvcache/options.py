@@ -83,7 +83,7 @@ class EvictionPolicyName(Enum):
     """The eviction policies a `KVCacheManager` can be built with."""
 
     LRU = "lru"
-    VALUE = "value"  # value_policy.py: recency plus compute saved per byte, dead blocks first
+    VALUE = "value"  # policies/value.py: recency plus compute saved per byte, dead blocks first
 
 
 class PrefixCaching(Enum):

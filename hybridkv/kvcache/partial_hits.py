@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hybridkv.errors import IntegrityError
-from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.eviction import Ids
 from hybridkv.kvcache.ids import BlockHash
 from hybridkv.kvcache.prefix_map import PrefixMap
 

@@ -14,14 +14,14 @@ from hybridkv.kvcache.ids import NULL, NULL_REF_CNT
 from hybridkv.plan.planner import KVCacheGroupSpec
 
 if TYPE_CHECKING:
-    from hybridkv.kvcache.free_queue import EvictionPolicy
+    from hybridkv.kvcache.eviction import EvictionPolicy
     from hybridkv.kvcache.partial_hits import PartialEntries
     from hybridkv.kvcache.prefix_map import PrefixMap
 
 class PoolChecks:
     """`BlockPool.check_integrity`. A mixin of `BlockPool`: the attributes declared here are the pool's."""
 
-    _policy: EvictionPolicy
+    eviction: EvictionPolicy
     _pmaps: list[PrefixMap]
     _partial: PartialEntries
     _groups: tuple[KVCacheGroupSpec, ...]
@@ -40,9 +40,9 @@ class PoolChecks:
         `expected_refs[block_id]` is how many request tables hold the block (the managers
         count them); every other non-null block must be free.
         """
-        free_ids = self._policy.ordered()
-        if len(free_ids) != self._policy.num_free:
-            raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {self._policy.num_free}")
+        free_ids = self.eviction.ordered()
+        if len(free_ids) != self.eviction.num_free:
+            raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {self.eviction.num_free}")
         repeated = [i for i, n in Counter(free_ids).items() if n > 1]
         if repeated:
             raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")

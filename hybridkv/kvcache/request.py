@@ -62,7 +62,7 @@ class KVRequest:
     num_prompt_tokens: int | None = None
     #: token positions where a later hit is expected (an application's `cache_checkpoints` hint, or
     #: the ends of a chat's turns): align-mode chunks end there, so a state checkpoint exists, and a
-    #: value-aware eviction keeps the window tails and checkpoints there (`checkpoints.py`)
+    #: value-aware eviction keeps the window tails and checkpoints there (`policies/anchors.py`)
     cache_checkpoints: tuple[int, ...] = ()
     #: set by `lookup` from the checkpoint placement: where align-mode chunks must end (the
     #: scheduler reads it with `shared_prefix_boundary`)

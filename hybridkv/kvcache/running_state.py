@@ -51,13 +51,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridkv.kvcache.block_pool import NULL, BlockPool
-from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.eviction import BlockValue, Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import NEVER, SingleTypeManager, StateEntries
 from hybridkv.kvcache.type_managers.state import MambaManager
-from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
 
@@ -206,12 +205,11 @@ class FixedStateManager(MambaManager):
             self._last[request_id] = _Checkpoint(index=index, blocks=hit, key=key)
         super().apply_cow(request_id, index, blocks)
 
-    def anchor(self, request_id: RequestId, index: int, value: BlockValue = BlockValue.ANCHOR,
-               share: float = 1.0) -> None:
+    def anchor_checkpoint(self, request_id: RequestId, index: int, value: BlockValue, share: float) -> bool:
         """The request's checkpoint at entry `index` is at one of its hit points (`Anchors`): `value`
         for a value-aware policy, now where it is taken (the hit or the newest checkpoint, pending,
         held or free and still cached), else (ANCHOR) when it is taken; an ANCHOR gets `share` of its
-        class's bonus (`checkpoints.ReuseRates`). An older checkpoint is left alone, as align mode's
+        class's bonus (`policies/anchors.py`). An older checkpoint is left alone, as align mode's
         request no longer holds it."""
         pending = self._pending.get(request_id)
         last = self._last.get(request_id)
@@ -224,10 +222,11 @@ class FixedStateManager(MambaManager):
         elif last is None or index > last.index:
             shares = self._anchored.setdefault(request_id, {})
             shares[index] = max(share, shares.get(index, 0.0))
+        return True
 
     def _mark(self, blocks: list[int], value: BlockValue = BlockValue.ANCHOR, share: float = 1.0) -> None:
-        if self._pool.mark is not None:
-            self._pool.mark(blocks, value, share)
+        if self.marks is not None:
+            self.marks.mark(blocks, value, share)
 
     def _cached(self, checkpoint: _Checkpoint) -> bool:
         hash_of = self._pool.hash_of
@@ -236,7 +235,7 @@ class FixedStateManager(MambaManager):
     def _release_again(self, free: list[int]) -> None:
         """Free blocks marked since their release are released again now, in their new class (align
         mode releases them now: a sequence end marked when its request is freed)."""
-        if free and self._pool.mark is not None:
+        if free and self.marks is not None:
             self._pool.touch([free])
             self._pool.free(free)
 

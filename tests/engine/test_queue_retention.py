@@ -8,7 +8,6 @@ from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import CacheOptions, EvictionPolicyName
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.value_policy import ValuePolicy
 from hybridkv.simulate.simulator import SimRequest
 from tests.factories import make_config
 
@@ -43,9 +42,7 @@ def test_every_waiting_prefix_is_evicted_after_the_unwanted_ones() -> None:
         scheduler.add(request)
         run_step(scheduler)
         assert request.status is RequestStatus.FINISHED
-    policy = manager._pool._policy  # (the eviction order is what is tested)
-    assert isinstance(policy, ValuePolicy)
-    cached = [b for b in policy.ordered() if manager._pool.hash_of(b) is not None]
+    cached = manager.policies.eviction_order(cached_only=True)  # (the eviction order is what is tested)
     assert len(cached) == 6  # p1's two blocks, p2's, p3's: in release order
     p1, p2, p3 = cached[:2], cached[2:4], cached[4:]
     scheduler.add(sim_request(3, list(range(5, 25)), output_tokens=50))
@@ -54,7 +51,7 @@ def test_every_waiting_prefix_is_evicted_after_the_unwanted_ones() -> None:
     scheduler.add(sim_request(5, [*prompts[1][:32], 8, 8, 8]))
     run_step(scheduler)
     assert [r.arrival_seq for r in scheduler.waiting] == [4, 5]
-    order = [b for b in policy.ordered() if manager._pool.hash_of(b) is not None]
+    order = manager.policies.eviction_order(cached_only=True)
     assert order[:2] == p3  # no one waits for it
     assert sorted(order[2:]) == sorted(p1 + p2)
 

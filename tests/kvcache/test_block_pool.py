@@ -12,9 +12,8 @@ from hybridkv.kvcache.block_pool import (
     IntegrityError,
     KVEvents,
 )
-from hybridkv.kvcache.free_queue import POLICIES
+from hybridkv.kvcache.eviction import LRUPolicy
 from hybridkv.kvcache.ids import GroupId
-from hybridkv.kvcache.options import EvictionPolicyName
 from hybridkv.plan.specs import SpecKind
 from tests.factories import make_group
 from tests.kvcache.pool_helpers import allocate, cache_blocks, cached_map, free_order, touch
@@ -24,7 +23,7 @@ def make_pool(*, num_blocks: int = 11, events: KVEvents = KVEvents.OFF, two_grou
     groups = [make_group(kind="full", block_size=4, group_id=0)]
     if two_groups:
         groups.append(make_group(kind="sliding", block_size=4, window_tokens=8, group_id=1))
-    return BlockPool(num_blocks=num_blocks, groups=groups, policy_factory=POLICIES[EvictionPolicyName.LRU],
+    return BlockPool(num_blocks=num_blocks, groups=groups, policy_factory=LRUPolicy,
                      events=events)
 
 

@@ -4,12 +4,12 @@ a value-aware policy keeps (a finished sequence's window tail outlives the unanc
 from __future__ import annotations
 
 from hybridkv.engine.scheduler import RequestStatus, Scheduler
-from hybridkv.kvcache.checkpoints import CheckpointPlanner
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import CacheOptions, CheckpointPlacement
+from hybridkv.kvcache.policies.placement import CheckpointPlanner
+from hybridkv.kvcache.policies.value import BlockValue
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.value_policy import BlockValue, ValuePolicy
 from hybridkv.simulate.simulator import SimRequest
 from tests.factories import make_config, make_group
 
@@ -63,7 +63,7 @@ def test_a_finished_sequence_keeps_its_window_tail() -> None:
     # full + sliding window (W 17: 1 block of 16 before a hit), value policy, 8 usable blocks. A 64-token
     # request ends with 4 full blocks and its last window block held; its earlier window blocks left the
     # window while it ran (unanchored: LOW). At free, the tail before 64 is an anchor.
-    from hybridkv.kvcache.free_queue import EvictionPolicyName
+    from hybridkv.kvcache.options import EvictionPolicyName
 
     groups = [make_group(kind="full"), make_group(kind="sliding_window", window_tokens=17)]
     manager = KVCacheManager(make_config(groups=groups, num_blocks=9), max_model_len=256,
@@ -76,10 +76,9 @@ def test_a_finished_sequence_keeps_its_window_tail() -> None:
     full = manager.block_ids(a.request_id)[0]
     tail = manager.block_ids(a.request_id)[1][3]
     manager.free(a)
-    policy = manager._pool._policy  # (the eviction order is what is tested)
-    assert isinstance(policy, ValuePolicy)
+    policy = manager.policies  # (the eviction order is what is tested)
     assert policy.value_of(tail) is BlockValue.ANCHOR
-    order = policy.ordered()
+    order = policy.eviction_order()
     window = [b for b in order if b not in full and b != tail]  # the blocks that left the window: LOW
     assert len(window) == 3 and order[:3] == window  # evicted first, whatever their age
     assert sorted(order[3:]) == sorted([*full, tail])  # the hit at 64 outlives them
@@ -92,14 +91,13 @@ def test_a_prefix_whose_hits_end_at_the_same_place_twice_becomes_hot() -> None:
     # tokens. B and C each add their own tokens after P: both hits end at 32. B's is the first hit
     # ending there (P stays FULL); C's is the second (HOT_HITS = 2): P's two blocks become HOT. D
     # extends C's whole prompt: its hit ends at 48, where no hit ended before: nothing new is HOT.
-    from hybridkv.kvcache.checkpoints import HOT_HITS
-    from hybridkv.kvcache.free_queue import EvictionPolicyName
+    from hybridkv.kvcache.options import EvictionPolicyName
+    from hybridkv.kvcache.policies.anchors import HOT_HITS
 
     assert HOT_HITS == 2
     manager = KVCacheManager(make_config(num_blocks=32), max_model_len=256,
         options=CacheOptions(eviction=EvictionPolicyName.VALUE))
-    policy = manager._pool._policy  # (the classes are what is tested)
-    assert isinstance(policy, ValuePolicy)
+    policy = manager.policies  # (the classes are what is tested)
     prefix = list(range(1, 33))
 
     def run(name: str, tokens: list[int]) -> tuple[int, list[int]]:
@@ -122,7 +120,7 @@ def test_a_prefix_whose_hits_end_at_the_same_place_twice_becomes_hot() -> None:
 
 
 def test_reuse_rates_by_hand() -> None:
-    from hybridkv.kvcache.checkpoints import AnchorKind, ReuseRates
+    from hybridkv.kvcache.policies.anchors import AnchorKind, ReuseRates
 
     rates = ReuseRates()
     end, hint = AnchorKind.SEQUENCE_END, AnchorKind.HINT
@@ -154,9 +152,9 @@ def test_sequence_ends_no_request_extends_leave_before_the_system_prompt() -> No
     # end gets (1/7) / (FULL_SHARE_RATE 0.5 x 1/2) = 4/7 of the ANCHOR bonus and is evicted before the
     # system prompt's checkpoint, though released after it (with the whole bonus each, the two would
     # leave in release order: the system prompt first).
-    from hybridkv.kvcache.checkpoints import AnchorKind
-    from hybridkv.kvcache.free_queue import EvictionPolicyName
     from hybridkv.kvcache.manager import RunningState
+    from hybridkv.kvcache.options import EvictionPolicyName
+    from hybridkv.kvcache.policies.anchors import AnchorKind
     from hybridkv.kvcache.running_state import FixedStateManager
 
     groups = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_size=4)]
@@ -172,17 +170,16 @@ def test_sequence_ends_no_request_extends_leave_before_the_system_prompt() -> No
         kv = request([*system, *range(100 + 10 * n, 106 + 10 * n)], hints=(8,), name=name)
         run_alone(scheduler, SimRequest(kv=kv, arrival_seq=3 + n, prompt_len=14, output_tokens=3))
         kvs.append(kv)
-    assert manager._anchors is not None
-    rates = manager._anchors.rates  # (the learned rates and the eviction order are what is tested)
+    assert manager.policies.anchors is not None
+    rates = manager.policies.anchors.rates  # (the learned rates and the eviction order are what is tested)
     assert (rates.made[AnchorKind.HINT], rates.hit[AnchorKind.HINT]) == (2, 1)
     assert (rates.made[AnchorKind.SEQUENCE_END], rates.hit[AnchorKind.SEQUENCE_END]) == (5, 0)
     # and what the stats report: b's hit point (8) and the five prompt ends (13, floored to 12) are
     # anchors no hit ended at (rates 1/3 and 1/7, below the hint's)
     assert manager.stats().anchor_reuse == {"hit": (1, 0), "hint": (2, 1), "prompt_end": (5, 0),
                                             "sequence_end": (5, 0)}
-    state = next(m for m in manager._coordinator.managers if isinstance(m, FixedStateManager))
-    policy = manager._pool._policy
-    assert isinstance(policy, ValuePolicy)
+    state = next(m for m in manager.type_managers if isinstance(m, FixedStateManager))
+    policy = manager.policies
 
     def checkpoint(kv: KVRequest, tokens: int) -> int:
         found = state.view.blocks_if_held([kv.block_hashes[4][tokens // 4 - 1]])
@@ -192,6 +189,6 @@ def test_sequence_ends_no_request_extends_leave_before_the_system_prompt() -> No
     prompt_checkpoint = checkpoint(kvs[0], 8)
     end_b = checkpoint(kvs[1], kvs[1].num_computed_tokens // 4 * 4)
     assert policy.value_of(prompt_checkpoint) is BlockValue.ANCHOR and policy.value_of(end_b) is BlockValue.ANCHOR
-    assert policy._share[end_b] == (1 / 7) / (0.5 * 1 / 2) and policy._share[prompt_checkpoint] == 1
-    order = policy.ordered()
+    assert policy.anchor_share(end_b) == (1 / 7) / (0.5 * 1 / 2) and policy.anchor_share(prompt_checkpoint) == 1
+    order = policy.eviction_order()
     assert order.index(end_b) < order.index(prompt_checkpoint)

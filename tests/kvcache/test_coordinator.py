@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.coordinator import HybridCoordinator
-from hybridkv.kvcache.free_queue import POLICIES
-from hybridkv.kvcache.options import EvictionPolicyName
+from hybridkv.kvcache.eviction import LRUPolicy
 from hybridkv.kvcache.type_managers.attention import MambaCacheMode, make_manager
 from tests.factories import make_config, make_group
 from tests.kvcache.pool_helpers import allocate, cache_blocks
@@ -23,7 +22,7 @@ def test_fixed_point_over_full_sliding_and_mamba_with_two_block_sizes() -> None:
     config = make_config(groups=[make_group(kind="full", block_size=2),
                                  make_group(kind="sliding", block_size=4, window_tokens=5),
                                  make_group(kind="mamba", block_size=4)], num_blocks=40)
-    pool = BlockPool(num_blocks=40, groups=config.groups, policy_factory=POLICIES[EvictionPolicyName.LRU])
+    pool = BlockPool(num_blocks=40, groups=config.groups, policy_factory=LRUPolicy)
     managers = [make_manager(g, pool, mamba_mode=MambaCacheMode.ALIGN) for g in config.groups]
     coordinator = HybridCoordinator(managers, pool)
     hashes = {2: [f"a{i}".encode() for i in range(9)], 4: [f"b{i}".encode() for i in range(4)]}
@@ -45,7 +44,7 @@ def test_hit_is_aligned_to_the_lcm_of_block_sizes() -> None:
     lcm 6, so the hit is 6 tokens, not 10 (g0 keeps 3 blocks, g1 two null blocks)."""
     config = make_config(groups=[make_group(kind="full", block_size=2),
                                  make_group(kind="sliding", block_size=3, window_tokens=1)], num_blocks=16)
-    pool = BlockPool(num_blocks=16, groups=config.groups, policy_factory=POLICIES[EvictionPolicyName.LRU])
+    pool = BlockPool(num_blocks=16, groups=config.groups, policy_factory=LRUPolicy)
     managers = [make_manager(g, pool, mamba_mode=MambaCacheMode.ALIGN) for g in config.groups]
     coordinator = HybridCoordinator(managers, pool)
     hashes = {2: [f"a{i}".encode() for i in range(6)], 3: [f"b{i}".encode() for i in range(4)]}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hybridkv.errors import IntegrityError
-from hybridkv.kvcache.free_queue import LRUPolicy
+from hybridkv.kvcache.eviction import LRUPolicy
 
 
 class ListModel:

@@ -270,7 +270,7 @@ def test_value_eviction_keeps_copied_checkpoints_at_hit_points() -> None:
     evicted first though released after 4 (unmarked, 4 would go first). By hand, the order after a's
     running block (empty): 8 (LOW), then by release time 4, 12, 16 (marked when a is freed, released
     again then: unmarked it stays LOW and goes second), then the attention blocks."""
-    from hybridkv.kvcache.free_queue import EvictionPolicyName
+    from hybridkv.kvcache.options import EvictionPolicyName
 
     m = manager(RunningState.FIXED, num_blocks=10, eviction=EvictionPolicyName.VALUE)
     a = dataclasses.replace(make_request(request_id="a", token_ids=range(16)), cache_checkpoints=(4,))
@@ -303,7 +303,7 @@ def test_value_eviction_keeps_a_hit_checkpoint_copied_in() -> None:
     b takes a's empty running block and evicts checkpoint 4 (LOW). c (7 new tokens) takes 3 blocks: by
     hand 12 and 16 (ANCHOR, released before a's attention blocks), then a's last attention block; 8
     stays (unmarked it is LOW and goes third)."""
-    from hybridkv.kvcache.free_queue import EvictionPolicyName
+    from hybridkv.kvcache.options import EvictionPolicyName
 
     m = manager(RunningState.FIXED, num_blocks=10, eviction=EvictionPolicyName.VALUE)
     a = make_request(request_id="a", token_ids=range(16))

@@ -8,8 +8,7 @@ import pytest
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import BlockPool
-from hybridkv.kvcache.free_queue import POLICIES
-from hybridkv.kvcache.options import EvictionPolicyName
+from hybridkv.kvcache.eviction import LRUPolicy
 from hybridkv.kvcache.type_managers.attention import MambaCacheMode, SingleTypeManager, make_manager
 from tests.factories import make_group, make_request
 from tests.kvcache.pool_helpers import allocate as pool_allocate
@@ -20,7 +19,7 @@ def setup(*, kind: str, block_size: int = 2, window_tokens: int = 0, chunk_token
           mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN,
           num_blocks: int = 64) -> tuple[BlockPool, SingleTypeManager]:
     group = make_group(kind=kind, block_size=block_size, window_tokens=window_tokens, chunk_tokens=chunk_tokens)
-    pool = BlockPool(num_blocks=num_blocks, groups=[group], policy_factory=POLICIES[EvictionPolicyName.LRU])
+    pool = BlockPool(num_blocks=num_blocks, groups=[group], policy_factory=LRUPolicy)
     return pool, make_manager(group, pool, mamba_mode=mamba_mode)
 
 
@@ -161,7 +160,7 @@ def test_identical_sliding_groups_hit_only_where_every_group_holds_the_window() 
     Group A caches blocks 0-5, group B lacks block 4: from the right, blocks 5 and 4 fail in B,
     blocks 3, 2 hold in both: the hit is 4 blocks, with A's and B's own blocks at 2 and 3."""
     groups = [make_group(kind="sliding", block_size=2, window_tokens=4, group_id=g) for g in (0, 1)]
-    pool = BlockPool(num_blocks=32, groups=groups, policy_factory=POLICIES[EvictionPolicyName.LRU])
+    pool = BlockPool(num_blocks=32, groups=groups, policy_factory=LRUPolicy)
     lead = make_manager(groups[0], pool, mamba_mode=MambaCacheMode.ALIGN)
     block_hashes = [f"h{i}".encode() for i in range(6)]
     held: dict[tuple[int, int], int] = {}
@@ -199,7 +198,7 @@ def test_sliding_window_hits_equal_the_rule_on_random_patterns(layout: str) -> N
     sliding = [g for g, k in enumerate(kinds) if k == "sliding"]
     rng = random.Random(7)
     for trial in range(40):
-        pool = BlockPool(num_blocks=256, groups=groups, policy_factory=POLICIES[EvictionPolicyName.LRU])
+        pool = BlockPool(num_blocks=256, groups=groups, policy_factory=LRUPolicy)
         manager = make_manager([groups[g] for g in sliding], pool, mamba_mode=MambaCacheMode.ALIGN)
         n = rng.randint(1, 14)
         block_hashes = [f"t{trial}-{i}".encode() for i in range(n)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hybridkv.errors import ConfigError
-from hybridkv.kvcache.value_policy import BlockValue, ValuePolicy, ValueWeights
+from hybridkv.kvcache.policies.value import BlockValue, ValuePolicy, ValueWeights
 from hybridkv.plan.specs import SpecKind
 
 INF = float("inf")
@@ -168,7 +168,7 @@ def test_a_pool_that_never_fills_keeps_a_bounded_queue() -> None:
     """Hits that take blocks back and release them again leave stale entries that eviction would
     drop as it reaches them; with no eviction they are dropped once there are more than
     STALE_ENTRIES_PER_BLOCK per block, and the order is unchanged."""
-    from hybridkv.kvcache.value_policy import STALE_ENTRIES_PER_BLOCK
+    from hybridkv.kvcache.policies.value import STALE_ENTRIES_PER_BLOCK
 
     content = np.ones(8, np.bool_)
     policy = ValuePolicy(8, content)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridkv.kvcache.block_pool import NULL, BlockPool
-from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.eviction import BlockMarks, BlockValue, Ids
 from hybridkv.kvcache.hit_limits import HitLimit, limit_of_fate
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.prefix_map import Fate, GroupsView
@@ -118,6 +118,9 @@ class SingleTypeManager(ABC):
         self.num_groups = len(groups)
         self.block_size = self.group.block_size
         self._pool = pool
+        #: a value-aware eviction policy's marking verbs (`eviction.BlockMarks`), None with LRU: set once
+        #: by the manager that builds this one
+        self.marks: BlockMarks | None = None
         self._null = NULL
         self.view = pool.groups_view(self.group_ids)
         self._tables: dict[RequestId, Table] = {}
@@ -400,6 +403,13 @@ class SingleTypeManager(ABC):
             return out
         has_hash = self._pool.has_hash
         return out + [b for b in table.ids[:, start : table.num_cached].ravel().tolist() if has_hash[b]]
+
+    def anchor_checkpoint(self, request_id: RequestId, index: int, value: BlockValue, share: float) -> bool:
+        """Mark the request's checkpoint at table entry `index` as `value` where it is not a table entry
+        of its own (a manager that copies checkpoints out of one running state); False: nothing done,
+        the caller marks the table's blocks."""
+        del request_id, index, value, share
+        return False
 
     def free(self, request_id: RequestId) -> Ids:
         """Forget the request; return its tables, (groups, n), each row tail first (nulls

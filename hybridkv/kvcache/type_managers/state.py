@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from hybridkv.kvcache.block_pool import BlockPool
-from hybridkv.kvcache.free_queue import Ids
+from hybridkv.kvcache.eviction import BlockValue, Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import DecodeCheckpoints
 from hybridkv.kvcache.prefix_map import GroupsView
@@ -25,7 +25,6 @@ from hybridkv.kvcache.type_managers.base import (
     StateEntries,
     cdiv,
 )
-from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.plan.specs import MambaCacheMode
 
@@ -205,8 +204,8 @@ class MambaManager(SingleTypeManager):
         if previous is not None and previous[1] != block_hash:
             self._pool.discard(*previous)
         self._decode_checkpoint[request.request_id] = (blocks, block_hash)
-        if self._pool.mark is not None:  # a value-aware policy keeps it: the next turn resumes here
-            self._pool.mark(blocks, BlockValue.ANCHOR)
+        if self.marks is not None:  # a value-aware policy keeps it: the next turn resumes here
+            self.marks.mark(blocks, BlockValue.ANCHOR)
 
     def free(self, request_id: RequestId) -> Ids:
         self._decode_checkpoint.pop(request_id, None)  # its last decode checkpoint stays cached

@@ -1,4 +1,4 @@
-"""Where hits will land: checkpoint placement for state groups, and the anchors value-aware eviction keeps.
+"""Anchors: the blocks a value-aware eviction keeps because hits will land there.
 
 A state group (Mamba, Gated DeltaNet) in align mode keeps a checkpoint only where a scheduled
 step ends, and a sliding-window group serves a hit only where the window before it is cached. A
@@ -14,10 +14,8 @@ kept exactly there. The positions, per request:
     popular depths  the `budget` most frequent branch depths seen so far (PLACED): a system prompt's
                     end gets its checkpoint from the first request that carries it
 
-`CheckpointPlacement` decides where align-mode chunks end (`KVRequest.checkpoint_stops`, which
-the scheduler reads): JUNCTION is vLLM 0.32's rule (chunk ends, the prompt's last boundary, the
-junction) plus hints; PLACED adds every K and the popular depths. `Anchors` marks, for a
-value-aware eviction policy (`value_policy.py`), the window tails and checkpoints at every
+`placement.py` decides where align-mode chunks end (the checkpoints); `Anchors` marks, for a
+value-aware eviction policy (`value.py`), the window tails and checkpoints at every
 position above as ANCHOR blocks, kept after the full-attention blocks they make usable, and every
 block of a hit whose end `HOT_HITS` hits reached as HOT (a recurring prefix, kept longer still).
 Not every kind of position is hit in every workload (a chat's next turn extends the sequence end;
@@ -31,57 +29,18 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 
-from hybridkv.errors import ConfigError
+from hybridkv.kvcache.eviction import BlockValue
 from hybridkv.kvcache.ids import BlockHash, RequestId
-from hybridkv.kvcache.options import CheckpointPlacement  # (re-exported: the mode enums live in options.py)
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.kvcache.running_state import FixedStateManager
 from hybridkv.kvcache.type_managers.base import SingleTypeManager, Table
-from hybridkv.kvcache.value_policy import BlockValue
 from hybridkv.plan.specs import SpecKind
 
-#: hits ending at the same prefix that make the blocks of the last one HOT (value_policy.py)
+#: hits ending at the same prefix that make the blocks of the last one HOT (value.py)
 HOT_HITS = 2
 #: the rate, relative to the best kind's, from which an anchor kind keeps its whole bonus (`ReuseRates`)
 FULL_SHARE_RATE = 0.5
 #: hit ends counted at most (the count restarts when full)
 HIT_ENDS_KEPT = 1 << 16
-
-
-class CheckpointPlanner:
-    """Computes a request's checkpoint stops and learns popular branch depths from lookups."""
-
-    def __init__(self, placement: CheckpointPlacement, *, alignment_tokens: int,
-                 interval_tokens: int | None = None, budget: int = 8) -> None:
-        if interval_tokens is not None and (interval_tokens <= 0 or interval_tokens % alignment_tokens):
-            raise ConfigError(f"checkpoint_interval_tokens must be a positive multiple of the alignment "
-                              f"{alignment_tokens} tokens, got {interval_tokens}")
-        if budget < 0:
-            raise ConfigError(f"checkpoint budget must be >= 0, got {budget}")
-        self.placement = placement
-        self.alignment = alignment_tokens
-        self.interval = interval_tokens
-        self.budget = budget
-        self._depths: Counter[int] = Counter()
-        self._popular: list[int] = []
-
-    def observe(self, depth: int) -> None:
-        """A lookup's branch depth: how far full attention matched cached content."""
-        depth -= depth % self.alignment
-        if depth <= 0 or self.placement is not CheckpointPlacement.PLACED:
-            return
-        self._depths[depth] += 1
-        self._popular = sorted(d for d, n in self._depths.most_common(self.budget) if n >= 2)
-
-    def stops(self, request: KVRequest) -> tuple[int, ...]:
-        """Where the request's align-mode chunks must end (besides the scheduler's own cuts)."""
-        end = request.num_tokens
-        stops = {c for c in request.cache_checkpoints if 0 < c < end}
-        if self.placement is CheckpointPlacement.PLACED:
-            stops.update(d for d in self._popular if d < end)
-            if self.interval:
-                stops.update(range(self.interval, end, self.interval))
-        return tuple(sorted(stops))
 
 
 class AnchorKind(Enum):
@@ -232,9 +191,9 @@ class Anchors:
         """Every block of the request's hit of `hit_tokens` (held: its admission just took them) HOT."""
         for manager, table in self._tables(self._managers, request_id):
             last = min(hit_tokens // manager.block_size, table.length)
-            if isinstance(manager, FixedStateManager):
-                manager.anchor(request_id, last - 1, BlockValue.HOT)
-            elif manager.group.kind in (SpecKind.FULL, SpecKind.SLIDING_WINDOW, SpecKind.MAMBA):
+            if manager.anchor_checkpoint(request_id, last - 1, BlockValue.HOT, 1.0):
+                continue
+            if manager.group.kind in (SpecKind.FULL, SpecKind.SLIDING_WINDOW, SpecKind.MAMBA):
                 self._mark([b for b in table.ids[:, :last].ravel().tolist() if b], BlockValue.HOT, 1.0)
 
     @staticmethod
@@ -254,9 +213,8 @@ class Anchors:
             self.rates.made_at(key, kinds)
         share = self.rates.share(kinds)
         for manager, table in self._tables(self._marked, request.request_id):
-            if isinstance(manager, FixedStateManager):  # its checkpoints are copies, not in the table
-                manager.anchor(request.request_id, point // manager.block_size - 1, share=share)
-                continue
+            if manager.anchor_checkpoint(request.request_id, point // manager.block_size - 1, BlockValue.ANCHOR, share):
+                continue  # (its checkpoints are copies, not in the table)
             last = min(point // manager.block_size, table.length)
             if manager.group.kind is SpecKind.MAMBA:
                 first = last - 1

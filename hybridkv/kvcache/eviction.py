@@ -15,19 +15,45 @@ usefulness-aware policy plugs in here (docs/design.md §4 and §8, "eviction pol
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from enum import IntEnum
 from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from hybridkv.errors import IntegrityError
-from hybridkv.kvcache.options import EvictionPolicyName  # (re-exported: the mode enums live in options.py)
+from hybridkv.plan.specs import SpecKind
 
 Ids = NDArray[np.int64]
 #: A policy is built from the pool's size and its per-block "holds cached content" flags (which
 #: the pool keeps current); every block but the null block 0 starts free, in id order.
 PolicyFactory = Callable[[int, NDArray[np.bool_]], "EvictionPolicy"]
+
+
+class BlockValue(IntEnum):
+    """The value classes of `ValuePolicy` (module docstring), lowest evicted first."""
+
+    EMPTY = 0
+    LOW = 1
+    FULL = 2
+    ANCHOR = 3
+    HOT = 4
+    PROTECTED = 5
+
+
+class BlockMarks(Protocol):
+    """What a value-aware policy (`policies/value.py`) takes besides the queue verbs: the class a held
+    block is released into (`mark`, an ANCHOR with its `share` of the bonus), and the free cached
+    blocks a waiting request will hit (`protect`). The manager hands it to whoever marks."""
+
+    def mark(self, ids: Sequence[int], value: BlockValue, share: float | None = None) -> None: ...
+
+    def protect(self, ids: Sequence[int]) -> None: ...
+
+    def value_of(self, block: int) -> BlockValue: ...
+
+    def share_of(self, block: int) -> float: ...
 
 
 class EvictionPolicy(Protocol):
@@ -44,6 +70,9 @@ class EvictionPolicy(Protocol):
     """
 
     num_free: int
+
+    def bind(self, group_of: NDArray[np.int64], kinds: Sequence[SpecKind]) -> None:
+        """Called once by the pool: its per-block group array (kept current) and each group's kind."""
 
     def pop(self, num_blocks: int) -> Ids: ...
 
@@ -88,6 +117,10 @@ class LRUPolicy:
         self._tail = num_blocks - 1
         self._holes = 0  # holes in _queue[head:tail]
         self.num_free = num_blocks - 1
+
+    def bind(self, group_of: NDArray[np.int64], kinds: Sequence[SpecKind]) -> None:
+        """LRU orders by release alone: it reads no groups."""
+        del group_of, kinds
 
     def pop(self, num_blocks: int) -> Ids:
         assert num_blocks <= self.num_free, f"pop({num_blocks}) from {self.num_free} free blocks"
@@ -237,8 +270,3 @@ class LRUPolicy:
                 f"and {self._holes} holes are recorded"
             )
         return out
-
-
-POLICIES: dict[EvictionPolicyName, PolicyFactory] = {
-    EvictionPolicyName.LRU: LRUPolicy,
-}

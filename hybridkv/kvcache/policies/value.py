@@ -29,7 +29,7 @@ from the tail. Each class is a FIFO of (block, clock) with lazy deletion (a hit 
 block back bumps its stamp), ANCHOR a heap of (score, clock, block), so `pop` is O(classes)
 per block (ANCHOR: O(log n)) and `release` O(1) per block (ANCHOR: O(log n)).
 
-`ValuePolicy` satisfies the `EvictionPolicy` protocol of `free_queue.py`.
+`ValuePolicy` satisfies the `EvictionPolicy` protocol of `eviction.py`.
 """
 
 from __future__ import annotations
@@ -38,29 +38,16 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 
 import numpy as np
 from numpy.typing import NDArray
 
 from hybridkv.errors import ConfigError, IntegrityError
-from hybridkv.kvcache.free_queue import POLICIES, Ids, PolicyFactory
-from hybridkv.kvcache.options import EvictionPolicyName
+from hybridkv.kvcache.eviction import BlockValue, Ids
 from hybridkv.plan.specs import SpecKind
 
 #: queue entries per block above which the stale ones are dropped (`ValuePolicy._drop_stale`)
 STALE_ENTRIES_PER_BLOCK = 4
-
-
-class BlockValue(IntEnum):
-    """The value classes of `ValuePolicy` (module docstring), lowest evicted first."""
-
-    EMPTY = 0
-    LOW = 1
-    FULL = 2
-    ANCHOR = 3
-    HOT = 4
-    PROTECTED = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +157,10 @@ class ValuePolicy:
         """Queue entries, stale ones included (bounded by `_drop_stale`)."""
         return len(self._anchors) + sum(map(len, self._queues))
 
+    def share_of(self, block: int) -> float:
+        """The share of the ANCHOR bonus `block` gets when released as ANCHOR (1 where none was set)."""
+        return self._share[block]
+
     def value_of(self, block: int) -> BlockValue:
         """The class `block` would be released into now."""
         if not self._content[block]:
@@ -273,11 +264,3 @@ class ValuePolicy:
         if len(out) != self.num_free:
             raise IntegrityError(f"value policy holds {len(out)} free blocks but num_free={self.num_free}")
         return out
-
-
-def _value_policy(num_blocks: int, has_content: NDArray[np.bool_]) -> ValuePolicy:
-    return ValuePolicy(num_blocks, has_content)
-
-
-ALL_POLICIES: dict[EvictionPolicyName, PolicyFactory] = {**POLICIES, EvictionPolicyName.VALUE: _value_policy}
-"""Every eviction policy a `KVCacheManager` can be built with."""

@@ -1,0 +1,50 @@
+"""Admission headroom (`AdmissionHeadroom`): what a new request's first allocation must leave free.
+
+NEXT_BLOCK: one block per group for every running request (what each needs when it crosses its
+next block boundary), so a request admitted into the last free blocks is not preempted by the
+first running request that does. WAITING_HITS: also the free cached blocks the waiting requests'
+hits will take (the scheduler names them each step through `KVCacheManager.protect_waiting`), so
+admitting one request does not evict the prefix another waiting request would hit.
+
+The coordinator asks `blocks(hits, running)` when it admits a request; nothing else reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.kvcache.block_pool import BlockPool
+from hybridkv.kvcache.options import AdmissionHeadroom
+
+
+class AdmissionReserve:
+    """The blocks a new request must leave free (module docstring)."""
+
+    def __init__(self, pool: BlockPool, *, mode: AdmissionHeadroom, num_groups: int) -> None:
+        self._pool = pool
+        self.blocks_per_running = num_groups
+        self.keeps_waiting_hits = mode is AdmissionHeadroom.WAITING_HITS
+        #: the blocks the waiting requests' hits take (named again every step)
+        self.waiting_hits: set[int] = set()
+
+    def blocks(self, hits: Sequence[Sequence[int]] | None, running: int) -> int:
+        """Blocks to leave free when a request whose hit is `hits` joins `running` requests."""
+        reserve = self.blocks_per_running * running
+        if self.waiting_hits and running:
+            own = {b for group in hits or () for b in group if b}
+            ref, hash_of = self._pool.ref_cnt.item, self._pool.hash_of
+            reserve += sum(1 for b in self.waiting_hits if b not in own and not ref(b) and hash_of(b) is not None)
+        return reserve
+
+    def waiting(self, ids: Sequence[int]) -> None:
+        """A waiting request will hit `ids` (this step)."""
+        if self.keeps_waiting_hits:
+            self.waiting_hits.update(ids)
+
+    def new_step(self) -> None:
+        self.waiting_hits.clear()
+
+
+def admission_reserve(pool: BlockPool, mode: AdmissionHeadroom, num_groups: int) -> AdmissionReserve | None:
+    """The reserve for `mode`; None for NONE (vLLM's: nothing is left free)."""
+    return None if mode is AdmissionHeadroom.NONE else AdmissionReserve(pool, mode=mode, num_groups=num_groups)
