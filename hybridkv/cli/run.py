@@ -4,7 +4,7 @@ Registered in `hybridkv/cli/__init__.py` as `app.command("run")(run.run_command)
 imported only when the command runs, so `hybridkv plan` stays light. Without `--workload` it
 runs the built-in multi-turn chat (six sessions sharing a system prompt, three turns each, every
 turn extending the previous one); `--workload FILE.jsonl` runs a file in the format documented
-in `hybridkv/engine/workload.py`.
+in `hybridkv/scheduling/workload.py`.
 
 The report: requests, prompt/generated tokens, throughput, mean TTFT, prefix-cache hit rate per
 KV cache group, and the KV memory the hybrid layout used against what the uniform layout (every
@@ -36,9 +36,9 @@ from hybridkv.cli import engine_options as opt
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.tables import layer_list, new_table, print_table, stdout_console
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
-from hybridkv.engine.workload import Conversation, Turn, builtin_chat, load_jsonl, rounds
 from hybridkv.errors import HybridKVError
 from hybridkv.kvcache.manager import PrefixCaching
+from hybridkv.scheduling.workload import Conversation, Turn, builtin_chat, load_jsonl, rounds
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM

@@ -40,7 +40,6 @@ from hybridkv.engine.outputs import LiveRequests, RequestMetrics, RequestOutput,
 from hybridkv.engine.request import Request
 from hybridkv.engine.runner import ModelRunner, StepItem
 from hybridkv.engine.sampler import SamplingParams, TokenHistory, sample, top_logprobs
-from hybridkv.engine.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 from hybridkv.engine.state_layers import StateIO
 from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridkv.errors import ConfigError
@@ -51,6 +50,7 @@ from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
 from hybridkv.plan.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
 from hybridkv.plan.specs import ModelSpec, SpecKind
+from hybridkv.scheduling.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 
 Prompt = str | Sequence[int]
 

@@ -13,8 +13,8 @@ from enum import Enum
 import torch
 
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.engine.scheduler import KVRequestView, RequestStatus
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.scheduling.scheduler import KVRequestView, RequestStatus
 
 
 class FinishReason(Enum):

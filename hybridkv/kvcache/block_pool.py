@@ -27,20 +27,20 @@ One public verb per operation (the fast variants for a handful of blocks are pri
 - `cache` maps full blocks to their hashes; `uncache` drops hashes of blocks never written.
 - Identical content may be cached in two blocks (two requests computed it concurrently); the
   first stays in the map, later ones wait in a side table and are promoted when it is evicted.
-- Partial entries (`prefix_match_unit` below the block, docs/prefix_caching.md): `cache_partial`
+- Partial entries (`prefix_match_unit` below the block, docs/prefix_caching.md): `partial.cache`
   makes a block reachable under the hash of a prefix that ends inside it. A block without a
   hash takes that key as its hash (in its group's map, like a full block); a block that already
-  carries one keeps it and holds the key as an *extra* entry (`partial_blocks` finds both).
-  `move_partial` re-points a partial entry to a private copy. Partial entries record no events.
-  These verbs live beside the entries' record, in `partial_hits.py` (`PartialPoolVerbs`).
-- `check_integrity` (tests, debugging) is in `pool_checks.py` (`PoolChecks`).
+  carries one keeps it and holds the key as an *extra* entry (`partial.blocks` finds both).
+  `partial.move` re-points a partial entry to a private copy. Partial entries record no events.
+  These verbs live beside the entries' record, in `partial_hits.py` (`PartialIndex`, the pool's `partial`).
+- `check_integrity` (tests, debugging) runs `pool_checks.check_pool`.
 
 The null block's ref count is `NULL_REF_CNT` and never changes (touch and release skip id 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 
 import numpy as np
@@ -50,8 +50,8 @@ from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
 from hybridkv.kvcache.eviction import Ids, PolicyFactory
 from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash, GroupId
-from hybridkv.kvcache.partial_hits import PartialEntries, PartialPoolVerbs
-from hybridkv.kvcache.pool_checks import PoolChecks
+from hybridkv.kvcache.partial_hits import PartialIndex
+from hybridkv.kvcache.pool_checks import check_pool
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
 from hybridkv.plan.planner import KVCacheGroupSpec
 
@@ -88,7 +88,7 @@ def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
 
 
 
-class BlockPool(PartialPoolVerbs, PoolChecks):
+class BlockPool:
     """All blocks of all groups; see the module docstring for the contract."""
 
     def __init__(
@@ -127,8 +127,9 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         self._events: list[KVEvent] = []
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
         self.evictions = 0
-        #: the partial entries (`partial_hits.py`): block -> its partial key, and the extra holders
-        self._partial = PartialEntries(len(self._groups))
+        #: the partial entries and their verbs (`partial_hits.py`): `pool.partial.cache(...)`
+        self.partial = PartialIndex(self, len(self._groups))
+        self._partial = self.partial.entries
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -496,6 +497,18 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         self.slot_of[block] = 0
         self.has_hash[block] = False
         self.evictions += 1
+
+    def place_of(self, group_id: int) -> tuple[PrefixMap, int]:
+        """The prefix map group `group_id` is cached in, and its column there."""
+        return self._place[group_id]
+
+    def drop_hash(self, block: int) -> None:
+        """Uncache one block (no-op without a hash)."""
+        self._drop_hash(block)
+
+    def check_integrity(self, expected_refs: Mapping[int, int]) -> None:
+        """`pool_checks.check_pool`: IntegrityError with the actual numbers on a broken invariant."""
+        check_pool(self, expected_refs)
 
     def _drop_hash(self, block: int) -> None:
         """Remove `block` (which carries a hash) from its group's prefix map."""

@@ -272,7 +272,7 @@ class KVCacheCoordinator:
                 self.copies.append((g, src, dst))
                 self.retained += (src, dst)
                 if running:
-                    pool.move_partial(g, src, dst)
+                    pool.partial.move(g, src, dst)
                     pool.ref_cnt[src] += 1
                 else:
                     pool.ref_cnt[dst] += 1

@@ -71,7 +71,7 @@ def verify_hit(request: KVRequest, groups: GroupBlocks, num_tokens: int, *, hash
             if block == NULL:
                 continue
             if (i + 1) * size > num_tokens:  # the block a partial hit ends in: its partial entry
-                held = pool.holds_partial(block, hashes[unit][num_tokens // unit - 1])
+                held = pool.partial.holds(block, hashes[unit][num_tokens // unit - 1])
             else:
                 held = pool.hash_of(block) == expected[i]
             if not held or group_of[block] != g:

@@ -6,8 +6,8 @@ What the rest of the package needs of them, in one place (docs/prefix_caching.md
   prefix ending inside the block) and which of those hold it as an *extra* key, beside the hash
   the block already carries (an attention block filled by decoding after its prompt registered
   its last unit boundary there);
-- `PartialPoolVerbs`, the block pool's verbs on them (`BlockPool` inherits them: they read and
-  write its prefix maps);
+- `PartialIndex`, the block pool's component holding them and the verbs on them (`pool.partial`:
+  they read and write the pool's prefix maps);
 
 `KVCacheCoordinator.enable_partial_hits` turns them on in a coordinator and its managers.
 """
@@ -15,6 +15,7 @@ What the rest of the package needs of them, in one place (docs/prefix_caching.md
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -24,7 +25,7 @@ from hybridkv.kvcache.eviction import Ids
 from hybridkv.kvcache.ids import BlockHash
 from hybridkv.kvcache.prefix_map import PrefixMap
 
-__all__ = ["PartialEntries", "PartialPoolVerbs"]
+__all__ = ["PartialEntries", "PartialIndex"]
 
 _NULL = 0  # the null block's id (block_pool.NULL)
 
@@ -79,37 +80,46 @@ class PartialEntries:
                                              f"{group_of[block]}")
 
 
-class PartialPoolVerbs:
-    """The block pool's partial-entry verbs (see `block_pool.py`'s docstring). A mixin of
-    `BlockPool`: the attributes and methods declared here are the pool's."""
+class PoolState(Protocol):
+    """What `PartialIndex` reads and writes of its block pool."""
 
-    _partial: PartialEntries
-    _place: list[tuple[PrefixMap, int]]
     has_hash: NDArray[np.bool_]
     slot_of: NDArray[np.int64]
     group_of: NDArray[np.int64]
     evictions: int
 
-    def hash_of(self, block: int) -> BlockHash | None: ...  # (BlockPool's)
+    def place_of(self, group_id: int) -> tuple[PrefixMap, int]: ...
 
-    def _drop_hash(self, block: int) -> None: ...  # (BlockPool's)
+    def hash_of(self, block: int) -> BlockHash | None: ...
 
-    def cache_partial(self, group_id: int, block: int, key: BlockHash) -> bool:
+    def drop_hash(self, block: int) -> None: ...
+
+
+class PartialIndex:
+    """The pool's partial entries and the verbs on them (`BlockPool.partial`; see `block_pool.py`'s
+    docstring): a component of the pool, which owns the prefix maps it writes into."""
+
+    def __init__(self, pool: PoolState, num_groups: int) -> None:
+        self._pool = pool
+        #: which blocks hold a partial key, and the extra holders per group
+        self.entries = PartialEntries(num_groups)
+
+    def cache(self, group_id: int, block: int, key: BlockHash) -> bool:
         """Make `block` (of group `group_id`) reachable under `key`, the hash of a prefix that ends
         inside it (module docstring); False, nothing done, for the null block or a block that
         already holds `key`."""
-        if block == _NULL or self.partial_key(block) == key or self.hash_of(block) == key:
+        if block == _NULL or self.key(block) == key or self._pool.hash_of(block) == key:
             return False
-        if self.partial_key(block) is not None:  # one partial entry per block: the newer replaces it
-            self.drop_partial(block)
-        carries = bool(self.has_hash.item(block))
-        self._partial.add(group_id, block, key, extra=carries)
+        if self.key(block) is not None:  # one partial entry per block: the newer replaces it
+            self.drop(block)
+        carries = bool(self._pool.has_hash.item(block))
+        self.entries.add(group_id, block, key, extra=carries)
         if carries:
             return True
-        pmap, col = self._place[group_id]
+        pmap, col = self._pool.place_of(group_id)
         slot = pmap.slot_for(key)
-        self.has_hash[block] = True
-        self.slot_of[block] = slot
+        self._pool.has_hash[block] = True
+        self._pool.slot_of[block] = slot
         if pmap.blocks.item(col, slot) == _NULL:
             pmap.blocks[col, slot] = block
             pmap.count[slot] += 1
@@ -117,45 +127,45 @@ class PartialPoolVerbs:
             pmap.add_dup(col, slot, key, block)
         return True
 
-    def partial_blocks(self, group_ids: Sequence[int], key: BlockHash) -> list[int] | None:
+    def blocks(self, group_ids: Sequence[int], key: BlockHash) -> list[int] | None:
         """The block every group of `group_ids` holds under `key` (its hash or an extra partial
         entry), one per group; None unless every group holds one."""
         out = []
         for group_id in group_ids:
-            pmap, col = self._place[group_id]
+            pmap, col = self._pool.place_of(group_id)
             slot = pmap.index.get(key, 0)
             block = pmap.blocks.item(col, slot) if slot else _NULL
             if block == _NULL:
-                block = self._partial.extra_holder(group_id, key) or _NULL
+                block = self.entries.extra_holder(group_id, key) or _NULL
                 if block == _NULL:
                     return None
             out.append(block)
         return out
 
-    def partial_key(self, block: int) -> BlockHash | None:
+    def key(self, block: int) -> BlockHash | None:
         """The partial key `block` holds (as its hash or an extra entry), None if none."""
-        return self._partial.key_of.get(block) if self._partial else None
+        return self.entries.key_of.get(block) if self.entries else None
 
-    def holds_partial(self, block: int, key: BlockHash) -> bool:
+    def holds(self, block: int, key: BlockHash) -> bool:
         """Whether `block` is reachable under `key` (its hash or its partial entry)."""
-        return self.partial_key(block) == key or self.hash_of(block) == key
+        return self.key(block) == key or self._pool.hash_of(block) == key
 
-    def drop_partial(self, block: int) -> None:
+    def drop(self, block: int) -> None:
         """Forget the partial entry of `block` (no-op without one); hits taken before are re-verified."""
-        key = self.partial_key(block)
+        key = self.key(block)
         if key is None:
             return
-        if self.hash_of(block) == key:
-            self._drop_hash(block)
+        if self._pool.hash_of(block) == key:
+            self._pool.drop_hash(block)
         else:
-            self._partial.forget([block], self.group_of)
-            self.evictions += 1
+            self.entries.forget([block], self._pool.group_of)
+            self._pool.evictions += 1
 
-    def move_partial(self, group_id: int, src: int, dst: int) -> None:
+    def move(self, group_id: int, src: int, dst: int) -> None:
         """Re-point the partial entry of `src` to `dst` (a fresh block of the same group that
         will hold a copy of `src`'s content); no-op when `src` holds none."""
-        key = self.partial_key(src)
+        key = self.key(src)
         if key is None:
             return
-        self.drop_partial(src)
-        self.cache_partial(group_id, dst, key)
+        self.drop(src)
+        self.cache(group_id, dst, key)

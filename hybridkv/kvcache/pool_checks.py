@@ -1,10 +1,10 @@
-"""The block pool's integrity check (`BlockPool.check_integrity`), a mixin of `BlockPool`."""
+"""The block pool's integrity check (`BlockPool.check_integrity` runs `check_pool`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from hybridkv.kvcache.partial_hits import PartialEntries
     from hybridkv.kvcache.prefix_map import PrefixMap
 
-class PoolChecks:
-    """`BlockPool.check_integrity`. A mixin of `BlockPool`: the attributes declared here are the pool's."""
+class PoolView(Protocol):
+    """What `check_pool` reads of a `BlockPool` (its own fields, private ones included: the check is the pool's)."""
 
     eviction: EvictionPolicy
     _pmaps: list[PrefixMap]
@@ -31,45 +31,46 @@ class PoolChecks:
     has_hash: NDArray[np.bool_]
 
     @property
-    def block_hash(self) -> NDArray[np.object_]:
-        raise NotImplementedError  # (BlockPool's)
+    def block_hash(self) -> NDArray[np.object_]: ...
 
-    def check_integrity(self, expected_refs: Mapping[int, int]) -> None:
-        """Raise `IntegrityError` with the actual numbers if any pool invariant is broken.
 
-        `expected_refs[block_id]` is how many request tables hold the block (the managers
-        count them); every other non-null block must be free.
-        """
-        free_ids = self.eviction.ordered()
-        if len(free_ids) != self.eviction.num_free:
-            raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {self.eviction.num_free}")
-        repeated = [i for i, n in Counter(free_ids).items() if n > 1]
-        if repeated:
-            raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")
-        free_set = set(free_ids)
-        if NULL in free_set or self.slot_of[NULL] or self.has_hash[NULL] or self.ref_cnt[NULL] != NULL_REF_CNT:
-            raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
-        groups = self.group_of.tolist()
-        for block, ref_cnt in enumerate(self.ref_cnt.tolist()[1:], start=1):
-            want = expected_refs.get(block, 0)
-            if ref_cnt != want:
-                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but {want} request tables hold it")
-            if (ref_cnt == 0) != (block in free_set):
-                where = "in" if block in free_set else "not in"
-                raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but is {where} the free queue")
-            if ref_cnt and not 0 <= groups[block] < len(self._groups):
-                raise IntegrityError(f"block {block} is held but belongs to no group ({groups[block]})")
-        self._check_maps()
+def check_pool(pool: PoolView, expected_refs: Mapping[int, int]) -> None:
+    """Raise `IntegrityError` with the actual numbers if any pool invariant is broken.
 
-    def _check_maps(self) -> None:
-        groups = self.group_of.tolist()
-        hashes = self.block_hash
-        entries = sum(pmap.check(hashes, groups, self.slot_of) for pmap in self._pmaps)
-        self._partial.check(self.has_hash.tolist(), groups)
-        hashed = sum(1 for h in hashes if h is not None)
-        if hashed != entries:
-            raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")
-        mirror = np.array([h is not None for h in hashes], np.bool_)
-        wrong = np.flatnonzero((mirror != self.has_hash) | (mirror != (self.slot_of != 0)))
-        if len(wrong):
-            raise IntegrityError(f"has_hash or slot_of disagrees with block_hash for blocks {wrong[:10].tolist()}")
+    `expected_refs[block_id]` is how many request tables hold the block (the managers
+    count them); every other non-null block must be free.
+    """
+    free_ids = pool.eviction.ordered()
+    if len(free_ids) != pool.eviction.num_free:
+        raise IntegrityError(f"free queue holds {len(free_ids)} blocks but num_free says {pool.eviction.num_free}")
+    repeated = [i for i, n in Counter(free_ids).items() if n > 1]
+    if repeated:
+        raise IntegrityError(f"blocks {repeated[:10]} appear twice in the free queue")
+    free_set = set(free_ids)
+    if NULL in free_set or pool.slot_of[NULL] or pool.has_hash[NULL] or pool.ref_cnt[NULL] != NULL_REF_CNT:
+        raise IntegrityError("the null block is in the free queue, carries a hash or lost its ref count")
+    groups = pool.group_of.tolist()
+    for block, ref_cnt in enumerate(pool.ref_cnt.tolist()[1:], start=1):
+        want = expected_refs.get(block, 0)
+        if ref_cnt != want:
+            raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but {want} request tables hold it")
+        if (ref_cnt == 0) != (block in free_set):
+            where = "in" if block in free_set else "not in"
+            raise IntegrityError(f"block {block} has ref_cnt {ref_cnt} but is {where} the free queue")
+        if ref_cnt and not 0 <= groups[block] < len(pool._groups):
+            raise IntegrityError(f"block {block} is held but belongs to no group ({groups[block]})")
+    _check_maps(pool)
+
+
+def _check_maps(pool: PoolView) -> None:
+    groups = pool.group_of.tolist()
+    hashes = pool.block_hash
+    entries = sum(pmap.check(hashes, groups, pool.slot_of) for pmap in pool._pmaps)
+    pool._partial.check(pool.has_hash.tolist(), groups)
+    hashed = sum(1 for h in hashes if h is not None)
+    if hashed != entries:
+        raise IntegrityError(f"{hashed} blocks carry a hash but the cache tables hold {entries} entries")
+    mirror = np.array([h is not None for h in hashes], np.bool_)
+    wrong = np.flatnonzero((mirror != pool.has_hash) | (mirror != (pool.slot_of != 0)))
+    if len(wrong):
+        raise IntegrityError(f"has_hash or slot_of disagrees with block_hash for blocks {wrong[:10].tolist()}")

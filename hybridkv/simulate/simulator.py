@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.engine.scheduler import KVRequestView, RequestStatus, Scheduler
 from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import RequestId
@@ -31,6 +30,7 @@ from hybridkv.kvcache.options import MECHANISM_DEFAULTS, CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheConfig
 from hybridkv.plan.specs import SpecKind
+from hybridkv.scheduling.scheduler import KVRequestView, RequestStatus, Scheduler
 from hybridkv.simulate.ideal import IdealCache
 from hybridkv.simulate.trace import TraceRequest
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from hybridkv.engine.workload import load_jsonl
 from hybridkv.errors import ConfigError
+from hybridkv.scheduling.workload import load_jsonl
 
 DEFAULT_OUTPUT_TOKENS = 16
 

@@ -25,7 +25,7 @@ def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_builtin_chat_report(tmp_path: Path) -> None:
-    from hybridkv.engine.workload import builtin_chat
+    from hybridkv.scheduling.workload import builtin_chat
 
     report = _run(tmp_path, "--max-tokens", "8")
     assert report["requests"] == len(builtin_chat())

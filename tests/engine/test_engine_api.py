@@ -13,8 +13,8 @@ from hybridkv.engine.llm import LLM, resolve_model_dir
 from hybridkv.engine.models.registry import model_class
 from hybridkv.engine.sampler import EosMode, SamplingParams, filtered_logits, sample
 from hybridkv.engine.tokenizer import ByteTokenizer
-from hybridkv.engine.workload import Conversation, load_jsonl, rounds
 from hybridkv.errors import CapacityError, ConfigError, UnsupportedModelError
+from hybridkv.scheduling.workload import Conversation, load_jsonl, rounds
 
 
 def test_unknown_llm_option_is_rejected_with_the_valid_ones_listed() -> None:

@@ -15,11 +15,11 @@ import torch
 
 from hybridkv.engine.request import Request
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.engine.scheduler import Scheduler
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import CacheOptions
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.scheduling.scheduler import Scheduler
 from tests.factories import make_config, make_group
 
 BLOCK, UNIT, BUDGET = 512, 32, 8192

@@ -12,15 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.queue_order import MAX_BYPASS, PROBE_WINDOW, Bypasses, cache_aware
 from hybridkv.engine.request import Request
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.engine.scheduler import Scheduler
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import QueueOrder
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.scheduling.queue_order import MAX_BYPASS, PROBE_WINDOW, Bypasses, cache_aware
+from hybridkv.scheduling.scheduler import Scheduler
 from tests.engine.test_scheduler import make_scheduler, step
 from tests.factories import make_config, make_group
 

@@ -3,11 +3,11 @@ evicted last, not only the prefix of the queue's head (no model, the simulator's
 
 from __future__ import annotations
 
-from hybridkv.engine.scheduler import RequestStatus, Scheduler
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import CacheOptions, EvictionPolicyName
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.scheduling.scheduler import RequestStatus, Scheduler
 from hybridkv.simulate.simulator import SimRequest
 from tests.factories import make_config
 

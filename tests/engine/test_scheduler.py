@@ -8,13 +8,13 @@ import torch
 
 from hybridkv.engine.request import FinishReason, Request, RequestStatus
 from hybridkv.engine.sampler import EosMode, SamplingParams
-from hybridkv.engine.scheduler import Scheduler, SchedulerOutput
 from hybridkv.errors import CapacityError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.model_specs import SpecOptions, model_spec_from_config
 from hybridkv.plan.planner import PlannerOptions, build_kv_cache_config
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerOutput
 
 BLOCK = 4
 CONFIG = {  # 2 sliding (window 8) + 1 full layer; 1 KiB pages at block size 4

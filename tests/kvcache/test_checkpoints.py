@@ -3,13 +3,13 @@ a value-aware policy keeps (a finished sequence's window tail outlives the unanc
 
 from __future__ import annotations
 
-from hybridkv.engine.scheduler import RequestStatus, Scheduler
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import CacheOptions, CheckpointPlacement
 from hybridkv.kvcache.policies.placement import CheckpointPlanner
 from hybridkv.kvcache.policies.value import BlockValue
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.scheduling.scheduler import RequestStatus, Scheduler
 from hybridkv.simulate.simulator import SimRequest
 from tests.factories import make_config, make_group
 

@@ -76,7 +76,7 @@ class FullAttentionManager(SingleTypeManager):
         scale = size // unit
         first = len(hits[0]) * scale
         for i in range(min(first + scale - 1, max_length // unit, len(fine)) - 1, first - 1, -1):
-            blocks = self._pool.partial_blocks(self.group_ids, fine[i])
+            blocks = self._pool.partial.blocks(self.group_ids, fine[i])
             if blocks is not None:
                 return [[*row, block] for row, block in zip(hits, blocks, strict=True)], (i + 1) * unit
         return hits, first * unit
@@ -92,13 +92,13 @@ class FullAttentionManager(SingleTypeManager):
         index = tail // self.block_size
         filled = bool(tail) and table.num_cached <= index < num_tokens // self.block_size
         blocks = table.ids[:, index].tolist() if filled else []
-        keys = [self._pool.partial_key(b) for b in blocks]
+        keys = [self._pool.partial.key(b) for b in blocks]
         for block in blocks:
-            self._pool.drop_partial(block)
+            self._pool.partial.drop(block)
         super().cache_blocks(request, block_hashes, num_tokens)
         for g, block, key in zip(self.group_ids, blocks, keys, strict=False):  # (none unless filled)
             if key is not None:
-                self._pool.cache_partial(g, block, key)
+                self._pool.partial.cache(g, block, key)
         self._register_tail(request, num_tokens, exact=False)
 
 

@@ -397,7 +397,7 @@ class SingleTypeManager(ABC):
         tail = self._registered.get(request_id, 0)
         out = []
         if num_computed_tokens < tail and tail // self.block_size < table.length:  # its partial entry, unwritten
-            out = [b for b in table.ids[:, tail // self.block_size].tolist() if self._pool.partial_key(b) is not None]
+            out = [b for b in table.ids[:, tail // self.block_size].tolist() if self._pool.partial.key(b) is not None]
         start = max(table.num_hit_blocks, num_computed_tokens // self.block_size)
         if start >= table.num_cached:
             return out
@@ -467,7 +467,7 @@ class SingleTypeManager(ABC):
             return None
         key = request.block_hashes[self.partial_unit][tail // self.partial_unit - 1]
         blocks = table.ids[:, index].tolist()
-        cached = [self._pool.cache_partial(g, b, key) for g, b in zip(self.group_ids, blocks, strict=True)]
+        cached = [self._pool.partial.cache(g, b, key) for g, b in zip(self.group_ids, blocks, strict=True)]
         if not any(cached):
             return None
         self._registered[rid] = tail

@@ -54,12 +54,12 @@ from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from hybridkv.connector.base import KVConnectorScheduler
-from hybridkv.engine.queue_order import PROBE_WINDOW, Bypasses, cache_aware
 from hybridkv.errors import CapacityError
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, CacheTiming, KVCacheManager
 from hybridkv.kvcache.options import QueueOrder
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.scheduling.queue_order import PROBE_WINDOW, Bypasses, cache_aware
 
 
 class RequestStatus(Enum):
