@@ -47,58 +47,27 @@ import numpy as np
 from numpy.typing import NDArray
 
 from hybridkv.errors import ConfigError, IntegrityError
-from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEvents
-from hybridkv.kvcache.eviction import Ids, PolicyFactory
-from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash, GroupId
+from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent, KVEvents
+from hybridkv.kvcache.eviction import Ids, PolicyFactory, interleave
+from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash
 from hybridkv.kvcache.partial_hits import PartialIndex
 from hybridkv.kvcache.pool_checks import check_pool
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
 from hybridkv.plan.planner import KVCacheGroupSpec
 
-__all__ = [
-    "NULL", "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
-    "KVEvent", "KVEvents",
-]
+__all__ = ["NULL", "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
+           "KVEvent", "KVEvents"]
 
 #: Up to this many blocks an operation runs block by block on the arrays (a decode step's
 #: handful: no array call overhead); from here on, in array operations.
 FEW = 8
 
 
-def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
-    """`lists[0][0], lists[1][0], ..., lists[0][1], lists[1][1], ...`, skipping exhausted lists.
-
-    Built from `zip` over the rows all remaining lists still have (a few slices per distinct
-    length, no per-block test).
-    """
-    rest = [blocks for blocks in lists if blocks]
-    if len(rest) == 1:
-        return list(rest[0])
-    out: list[int] = []
-    start = 0
-    while rest:
-        stop = min(map(len, rest))
-        if len(rest) == 1:
-            out += rest[0][start:]
-            break
-        out += chain.from_iterable(zip(*(blocks[start:stop] for blocks in rest), strict=True))
-        rest = [blocks for blocks in rest if len(blocks) > stop]
-        start = stop
-    return out
-
-
-
 class BlockPool:
     """All blocks of all groups; see the module docstring for the contract."""
 
-    def __init__(
-        self,
-        *,
-        num_blocks: int,
-        groups: Sequence[KVCacheGroupSpec],
-        policy_factory: PolicyFactory,
-        events: KVEvents = KVEvents.OFF,
-    ) -> None:
+    def __init__(self, *, num_blocks: int, groups: Sequence[KVCacheGroupSpec], policy_factory: PolicyFactory,
+                 events: KVEvents = KVEvents.OFF) -> None:
         if num_blocks < 2:
             raise ConfigError(f"a block pool needs the null block and at least one usable block, "
                               f"got num_blocks={num_blocks}; expected >= 2")
@@ -124,7 +93,7 @@ class BlockPool:
                        for m in self._pmaps if g in m.group_ids]
         self._col_of = np.array([col for _, col in self._place], np.int64)
         self._events_on = events is KVEvents.ON
-        self._events: list[KVEvent] = []
+        self._log = EventLog(self._groups)
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
         self.evictions = 0
         #: the partial entries and their verbs (`partial_hits.py`): `pool.partial.cache(...)`
@@ -179,8 +148,7 @@ class BlockPool:
 
     def take_events(self) -> list[KVEvent]:
         """Return and forget the events recorded since the last call."""
-        events, self._events = self._events, []
-        return events
+        return self._log.take()
 
     # -- hot path -----------------------------------------------------------------------------
 
@@ -276,7 +244,7 @@ class BlockPool:
                 pmap.blocks[col, slot] = NULL
                 pmap.release_one(slot)
             if self._events_on and not quiet:
-                self._record_removed(group_id, block_hash)
+                self._log.removed(group_id, block_hash)
             slot_of[block] = 0
         self.evictions += len(blocks)
 
@@ -401,7 +369,7 @@ class BlockPool:
                 self._cache_one_by_one(pmap, self._place[group_id][1], row, keys)
         if self._events_on:
             for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
-                self._record_stored(group_id, row, hashes, start, end, token_ids)
+                self._log.stored(group_id, row, hashes, start, end, token_ids)
 
     def _cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
                         position: int, token_ids: Sequence[int]) -> None:
@@ -426,7 +394,7 @@ class BlockPool:
                 pmap.add_dup(col, slot, key, block)
         if self._events_on:
             for group_id, block in zip(group_ids, blocks, strict=True):
-                self._record_stored(group_id, [block], hashes, position, position + 1, token_ids)
+                self._log.stored(group_id, [block], hashes, position, position + 1, token_ids)
 
     def _cache_fresh(self, group_ids: Sequence[int], chosen: Ids, keys: Sequence[BlockHash]) -> bool:
         """The common case in bulk: real blocks without a hash, each key new to every group and
@@ -515,29 +483,6 @@ class BlockPool:
         self._unmap([block])
         self.has_hash[block] = False
 
-    def _record_removed(self, group_id: int, block_hash: BlockHash) -> None:
-        spec = self._groups[group_id]
-        self._events.append(BlockRemoved(group_id=GroupId(group_id), kind=spec.kind,
-                                         window_tokens=spec.window_tokens, block_hashes=(block_hash,)))
-
-    def _record_stored(self, group_id: int, blocks: Sequence[int], hashes: Sequence[BlockHash],
-                       start: int, end: int, token_ids: Sequence[int]) -> None:
-        """`blocks` = the table's entries [start, end)."""
-        spec = self._groups[group_id]
-        size = spec.block_size
-        run_start = start
-        for i in range(start, end + 1):
-            if i < end and blocks[i - start] != NULL:
-                continue
-            if i > run_start:
-                self._events.append(BlockStored(
-                    group_id=GroupId(group_id), kind=spec.kind, window_tokens=spec.window_tokens,
-                    block_size=size, block_hashes=tuple(hashes[run_start:i]),
-                    parent_hash=hashes[run_start - 1] if run_start else None,
-                    token_ids=tuple(token_ids[run_start * size : i * size]),
-                ))
-            run_start = i + 1
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block but null is in use."""
         if self.eviction.num_free != self.usable_blocks:
@@ -549,5 +494,5 @@ class BlockPool:
         self.has_hash[:] = False
         self.evictions += 1
         if self._events_on:
-            self._events.append(AllBlocksCleared())
+            self._log.cleared()
         return True

@@ -46,6 +46,7 @@ import numpy as np
 
 from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
+from hybridkv.kvcache.copy_on_write import CopyOnWrite
 from hybridkv.kvcache.eviction import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import ReleaseOrder
@@ -104,10 +105,8 @@ class KVCacheCoordinator:
         #: hits land every `hit_step` tokens (the lcm of the block sizes, or the prefix_match_unit
         #: where partial hits are on)
         self.hit_step = self.lcm_block_size
-        #: copy-on-write copies (group, src, dst) since the last `take_copies`, in allocation order
-        self.copies: list[tuple[int, int, int]] = []
-        #: the blocks each copy holds a reference to until `take_copies` (src and dst of each)
-        self.retained: list[int] = []
+        #: the copies allocations need before the step's forward (`copy_on_write.py`)
+        self.cow = CopyOnWrite(self.managers, pool, len(self.groups), adoption)
         #: a refused allocate of a running request still releases the blocks its step no longer
         #: needs (vLLM 0.32's order; set with partial hits, whose copy-on-write steps can be refused)
         self.release_when_refused = False
@@ -124,6 +123,20 @@ class KVCacheCoordinator:
         `blocks`, the hit's length only (no block lists: a probe)."""
         del hashes, max_length, blocks
         return [[] for _ in self.groups], 0, [0] * self.num_groups
+
+    def eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
+                  max_length: int) -> tuple[GroupBlocks, int, list[int]]:
+        """EAGLE's hit: every group matches one block past the candidate (a sliding window one more
+        contiguous block), then the last block is dropped (vLLM 0.32's `drop_eagle_block`)."""
+        step = self.lcm_block_size
+        # vLLM's hybrid coordinator lets the match run one block past the candidate; its unitary one does not
+        extended = max_length if len(self.managers) == 1 else min(max_length + step, num_tokens // step * step)
+        hits, tokens, first = self.find_longest_cache_hit(hashes, extended)
+        first = [max(0, f - step) for f in first]
+        if not tokens:
+            return hits, 0, first
+        tokens -= step
+        return [h[: tokens // step] for h in hits], tokens, first
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -156,7 +169,7 @@ class KVCacheCoordinator:
         """New entries per group for `total_tokens` slots, or None (nothing changed).
 
         A partial hit (`hit_tokens` inside a block of a group) or a state's partial entry in its
-        running block (`producer_cow`) takes one more block per group: the copy (`_copy_on_write`)."""
+        running block (`producer_cow`) takes one more block per group: the copy (`copy_on_write.py`)."""
         managers = self.managers
         rid = request.request_id
         pool = self.pool
@@ -164,8 +177,8 @@ class KVCacheCoordinator:
             return None
         manager_hits = self._by_manager(hits)
         adopted: list[int] = []  # (ADOPT: state hits moved into the running state, uncached once admitted)
-        cows = (self._cows(rid, manager_hits, hit_tokens, adopted) if self.partial_hits or self.copies_hits
-                else self._no_cows)
+        cows = (self.cow.plan(rid, rid in self.allocated, manager_hits, hit_tokens, adopted)
+                if self.partial_hits or self.copies_hits else self._no_cows)
         extra = sum(m.num_groups for m, cow in zip(managers, cows, strict=True) if cow is not None) if cows else 0
         bounds = [m.blocks_upper_bound(request, h, first_new, total_tokens)
                   for m, h in zip(managers, manager_hits, strict=True)]
@@ -213,7 +226,7 @@ class KVCacheCoordinator:
         fresh: list[Sequence[int] | Ids] | None = list(pool.allocate(counts)) if any(counts) else None
         copied: list[Sequence[int]] = [()] * self.num_groups
         if extra and fresh is not None:
-            copied = self._copy_on_write(rid, cows, fresh)
+            copied = self.cow.apply(rid, rid in self.allocated, cows, fresh)
         new: NewEntries = [EMPTY] * self.num_groups
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
             blocks = [fresh[g] for g in m.group_ids] if fresh is not None else [[]] * m.num_groups
@@ -228,70 +241,6 @@ class KVCacheCoordinator:
         released = [(m.group_ids, m.remove_skipped_blocks(rid, first_new)) for m in self._skipping]
         if any(part.size for _, part in released):
             self._release(released)
-
-    def _cows(self, rid: RequestId, manager_hits: list[list[list[int]] | None], hit_tokens: int,
-              adopted: list[int]) -> list[tuple[int, list[int]] | None]:
-        """Per manager, (entry, source block per group) to copy on write in this allocate, or None; a
-        state hit moved instead (`_adoptable`) goes to `adopted`."""
-        out: list[tuple[int, list[int]] | None] = []
-        for m, hits in zip(self.managers, manager_hits, strict=True):
-            cow = None
-            if m.partial_unit:
-                if hits and hits[0] and hit_tokens % m.block_size:  # a partial hit: the block it ends in
-                    index = hit_tokens // m.block_size
-                    cow = index, [row[index] for row in hits]
-                elif rid in self.allocated:
-                    cow = m.producer_cow(rid)
-            elif m.copies_hits and hits and hits[0]:  # the checkpoint hit, copied into the running block
-                sources = [row[-1] for row in hits]
-                if rid not in self.allocated and self.adoption is not None and self.adoption.allows(sources):
-                    adopted += sources  # (ADOPT: the hit block is the running block, `_fill`)
-                else:
-                    cow = len(hits[0]) - 1, sources
-            out.append(cow)
-        return out
-
-    def _copy_on_write(self, rid: RequestId, cows: list[tuple[int, list[int]] | None],
-                       fresh: list[Sequence[int] | Ids]) -> list[Sequence[int]]:
-        """Take each copy's block (the first popped of its group, so `fresh` keeps the rest) and
-        record the copies. A new request's table takes the copy in place of the hit block; a
-        running request keeps its block and its partial entry moves to the copy. Both ends of a
-        copy keep a reference until `take_copies` (the copy runs before the step's forward)."""
-        pool = self.pool
-        running = rid in self.allocated
-        copied: list[Sequence[int]] = [()] * self.num_groups
-        for m, cow in zip(self.managers, cows, strict=True):
-            if cow is None:
-                continue
-            index, sources = cow
-            dsts = []
-            for g, src in zip(m.group_ids, sources, strict=True):
-                dst = int(fresh[g][0])
-                fresh[g] = fresh[g][1:]
-                dsts.append(dst)
-                self.copies.append((g, src, dst))
-                self.retained += (src, dst)
-                if running:
-                    pool.partial.move(g, src, dst)
-                    pool.ref_cnt[src] += 1
-                else:
-                    pool.ref_cnt[dst] += 1
-                    copied[g] = () if m.copies_hits else (dst,)  # (FIXED: the table's new last entry)
-            if running:
-                m.producer_copied(rid, dsts)
-            else:
-                m.apply_cow(rid, index, dsts)
-        return copied
-
-    def take_copies(self) -> list[tuple[int, int, int]]:
-        """The pending copies (group, src, dst), group by group; their references are dropped."""
-        copies = self.copies
-        if not copies:
-            return []
-        order = sorted(range(len(copies)), key=lambda i: copies[i][0])
-        self.pool.free([b for i in order for b in self.retained[2 * i : 2 * i + 2]])
-        self.copies, self.retained = [], []
-        return [copies[i] for i in order]
 
     def decode(self, request: KVRequest, first_new: int, end: int,
                hashes_of: Callable[[KVRequest], dict[int, list[BlockHash]]]) -> tuple[tuple[int, ...], ...] | None:

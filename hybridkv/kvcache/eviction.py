@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import IntEnum
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -270,3 +271,25 @@ class LRUPolicy:
                 f"and {self._holes} holes are recorded"
             )
         return out
+
+
+def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
+    """`lists[0][0], lists[1][0], ..., lists[0][1], lists[1][1], ...`, skipping exhausted lists.
+
+    Built from `zip` over the rows all remaining lists still have (a few slices per distinct
+    length, no per-block test).
+    """
+    rest = [blocks for blocks in lists if blocks]
+    if len(rest) == 1:
+        return list(rest[0])
+    out: list[int] = []
+    start = 0
+    while rest:
+        stop = min(map(len, rest))
+        if len(rest) == 1:
+            out += rest[0][start:]
+            break
+        out += chain.from_iterable(zip(*(blocks[start:stop] for blocks in rest), strict=True))
+        rest = [blocks for blocks in rest if len(blocks) > stop]
+        start = stop
+    return out

@@ -40,7 +40,7 @@ def check_manager_integrity(groups: Sequence[tuple[SingleTypeManager, int]], coo
                     raise IntegrityError(f"request {rid!r} holds block {block} in group {g} "
                                          f"but the block belongs to group {group_of[block]}")
                 expected[block] += 1
-    expected.update(coordinator.retained)  # the ends of copies not taken yet
+    expected.update(coordinator.cow.retained)  # the ends of copies not taken yet
     for manager in fixed_state_managers(coordinator.managers):
         expected.update(manager.held_checkpoints)  # taken in this schedule (running_state.py)
     pool.check_integrity(expected)

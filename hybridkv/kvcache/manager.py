@@ -43,7 +43,7 @@ from hybridkv.errors import (
     StaleHitError,
     UnknownRequestError,
 )
-from hybridkv.kvcache.block_pool import NULL, BlockPool, KVEvent
+from hybridkv.kvcache.block_pool import BlockPool, KVEvent
 from hybridkv.kvcache.coordinator import (
     GroupBlocks,
     HybridCoordinator,
@@ -81,46 +81,23 @@ from hybridkv.kvcache.results import (
     StateStep,
 )
 from hybridkv.kvcache.retention import Retention
-from hybridkv.kvcache.running_state import FixedStateManager, fixed_state_managers
+from hybridkv.kvcache.running_state import FixedStateManager, fixed_state_managers, state_steps
 from hybridkv.kvcache.type_managers.attention import make_manager
 from hybridkv.kvcache.type_managers.base import SingleTypeManager, rule_of
 from hybridkv.plan.match_unit import MatchUnit
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec, RunningState
 from hybridkv.plan.specs import MambaCacheMode, SpecKind
 
-__all__ = [
-    "PRESETS",
-    "AdmissionHeadroom",
-    "AllocationError",
-    "BlockCopy",
-    "CacheHit",
-    "CacheOptions",
-    "CacheTiming",
-    "CheckpointPlacement",
-    "DecodeCheckpoints",
-    "EvictionPolicyName",
-    "HitLimit",
-    "IntegrityError",
-    "KVCacheManager",
-    "MambaCacheMode",
-    "ManagerStats",
-    "MatchUnit",
-    "NewBlocks",
-    "PrefixCaching",
-    "ReleaseOrder",
-    "RunningState",
-    "SlidingWindowCaching",
-    "SpecDecode",
-    "StaleHitError",
-    "StateCheckpoint",
-    "StateStep",
-    "UnknownRequestError",
-]
+__all__ = ["PRESETS", "AdmissionHeadroom", "AllocationError", "BlockCopy", "CacheHit", "CacheOptions", "CacheTiming",
+           "CheckpointPlacement", "DecodeCheckpoints", "EvictionPolicyName", "HitLimit", "IntegrityError",
+           "KVCacheManager", "MambaCacheMode", "ManagerStats", "MatchUnit", "NewBlocks", "PrefixCaching",
+           "ReleaseOrder", "RunningState", "SlidingWindowCaching", "SpecDecode", "StaleHitError", "StateCheckpoint",
+           "StateStep", "UnknownRequestError"]
+
 
 def _new_blocks(entries: Iterable[tuple[int, ...]]) -> NewBlocks:
     """`NewBlocks` of the coordinator's int entries (block ids from the pool)."""
     return NewBlocks(cast("Iterable[tuple[BlockId, ...]]", entries))
-
 
 
 def _make_managers(config: KVCacheConfig, pool: BlockPool, options: CacheOptions,
@@ -265,7 +242,7 @@ class KVCacheManager:
                                                                       tuple[GroupBlocks, int, list[int]]]:
         hashes = self._hashes(request)
         if self._eagle:
-            return hashes, self._eagle_hit(hashes, request.num_tokens, max_length)
+            return hashes, self._coordinator.eagle_hit(hashes, request.num_tokens, max_length)
         return hashes, self._coordinator.find_longest_cache_hit(hashes, max_length)
 
     def protect(self, hit: CacheHit) -> None:
@@ -283,37 +260,14 @@ class KVCacheManager:
             return
         if self._eagle or self._coordinator.partial_hits:  # (blocks looked up whole: hits end elsewhere)
             blocks = self._find_hit(request, min(request.num_tokens - 1, self.max_model_len))[1][0]
-            ids = [b for group in blocks for b in group if b]
+            policies.waiting([b for group in blocks for b in group if b])
         else:
-            hashes = self._hashes(request)
-            ids = []
-            coordinator = self._coordinator
-            for m in coordinator.managers:
-                found = m.hit_block_ids(m.view, hashes, hit_tokens)
-                if m.copies_hits and found and policies.adoption is not None:  # (ADOPT moves no state
-                    policies.adoption.waiting(found[0])  # another waiting request hits)
-                ids += found
-        policies.waiting(ids)
+            policies.waiting_prefix(self._coordinator.managers, self._hashes(request), hit_tokens)
 
     @property
     def protects(self) -> bool:
         """Whether `protect` keeps anything (a value-aware eviction policy)."""
         return self.policies.marks is not None
-
-    def _eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
-                   max_length: int) -> tuple[GroupBlocks, int, list[int]]:
-        """EAGLE's hit: every group matches one block past the candidate (a sliding window one more
-        contiguous block), then the last block is dropped (vLLM 0.32's `drop_eagle_block`)."""
-        step = self._coordinator.lcm_block_size
-        # vLLM's hybrid coordinator lets the match run one block past the candidate; its unitary one does not
-        unitary = isinstance(self._coordinator, UnitaryCoordinator)
-        extended = max_length if unitary else min(max_length + step, num_tokens // step * step)
-        hits, tokens, first = self._coordinator.find_longest_cache_hit(hashes, extended)
-        first = [max(0, f - step) for f in first]
-        if not tokens:
-            return hits, 0, first
-        tokens -= step
-        return [h[: tokens // step] for h in hits], tokens, first
 
     # -- allocate / cache / free ----------------------------------------------------------------
 
@@ -460,23 +414,7 @@ class KVCacheManager:
                 f"state step [{start_tokens}, {end_tokens}) of request {request_id!r} is not a step it holds "
                 f"slots for; expected 0 <= start < end <= {allocated}"
             )
-        steps = []
-        for manager, row in self._groups:
-            entries = manager.state_entries(request_id, row, start_tokens, end_tokens)
-            if entries is None:
-                continue
-            read, writes = entries
-            if read is not None and read[1] == NULL:
-                raise AllocationError(
-                    f"request {request_id!r} no longer holds its state after {start_tokens} tokens in group "
-                    f"{manager.group_ids[row]}; start_tokens must be the first token of the step just allocated"
-                )
-            steps.append(StateStep(
-                group_id=GroupId(manager.group_ids[row]),
-                read=None if read is None else StateCheckpoint(num_tokens=read[0], block_id=BlockId(read[1])),
-                writes=tuple(StateCheckpoint(num_tokens=t, block_id=BlockId(b)) for t, b in writes),
-            ))
-        return tuple(steps)
+        return state_steps(self._groups, request_id, start_tokens, end_tokens)
 
     # -- cache-wide -----------------------------------------------------------------------------
 
@@ -507,7 +445,7 @@ class KVCacheManager:
         of partial hits, docs/prefix_caching.md): each copies every page of `src_block_id` to
         `dst_block_id` (one group). Call once per step, after its last `allocate`; the blocks the
         copies read stay allocated until this call. Empty unless partial hits are on."""
-        copies = self._coordinator.take_copies()
+        copies = self._coordinator.cow.take()
         self._copies += len(copies)
         return tuple(BlockCopy(group_id=GroupId(g), src_block_id=BlockId(src), dst_block_id=BlockId(dst))
                      for g, src, dst in copies)

@@ -50,10 +50,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridkv.errors import AllocationError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.eviction import BlockValue, Ids
-from hybridkv.kvcache.ids import BlockHash, RequestId
+from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.results import StateCheckpoint, StateStep
 from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import NEVER, SingleTypeManager, StateEntries
 from hybridkv.kvcache.type_managers.state import MambaManager
@@ -285,3 +287,26 @@ class FixedStateManager(MambaManager):
 def fixed_state_managers(managers: Sequence[SingleTypeManager]) -> list[FixedStateManager]:
     """The managers of `managers` that keep one running state."""
     return [m for m in managers if isinstance(m, FixedStateManager)]
+
+
+def state_steps(groups: Sequence[tuple[SingleTypeManager, int]], request_id: RequestId, start_tokens: int,
+                end_tokens: int) -> tuple[StateStep, ...]:
+    """`KVCacheManager.state_steps` over its groups ((manager, row) per group): per state group, where
+    the step `[start_tokens, end_tokens)` reads its state and writes its states."""
+    steps = []
+    for manager, row in groups:
+        entries = manager.state_entries(request_id, row, start_tokens, end_tokens)
+        if entries is None:
+            continue
+        read, writes = entries
+        if read is not None and read[1] == NULL:
+            raise AllocationError(
+                f"request {request_id!r} no longer holds its state after {start_tokens} tokens in group "
+                f"{manager.group_ids[row]}; start_tokens must be the first token of the step just allocated"
+            )
+        steps.append(StateStep(
+            group_id=GroupId(manager.group_ids[row]),
+            read=None if read is None else StateCheckpoint(num_tokens=read[0], block_id=BlockId(read[1])),
+            writes=tuple(StateCheckpoint(num_tokens=t, block_id=BlockId(b)) for t, b in writes),
+        ))
+    return tuple(steps)

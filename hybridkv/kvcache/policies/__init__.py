@@ -36,6 +36,7 @@ from typing import cast
 
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.eviction import BlockMarks, BlockValue, LRUPolicy, PolicyFactory
+from hybridkv.kvcache.ids import BlockHash
 from hybridkv.kvcache.options import (
     CacheOptions,
     CheckpointPlacement,
@@ -108,6 +109,18 @@ class CachePolicies:
             self.marks.protect(ids)
         if self.reserve is not None:
             self.reserve.waiting(ids)
+
+    def waiting_prefix(self, managers: Sequence[SingleTypeManager], hashes: dict[int, list[BlockHash]],
+                       hit_tokens: int) -> None:
+        """`waiting` for the cached blocks of a waiting request's hit of `hit_tokens`; a state hit there
+        is one adoption must leave alone (another waiting request hits it too)."""
+        ids: list[int] = []
+        for m in managers:
+            found = m.hit_block_ids(m.view, hashes, hit_tokens)
+            if m.copies_hits and found and self.adoption is not None:
+                self.adoption.waiting(found[0])
+            ids += found
+        self.waiting(ids)
 
     def value_of(self, block: int) -> BlockValue | None:
         """The class `block` would be released into now (value-aware eviction), None with LRU."""
