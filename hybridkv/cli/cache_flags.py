@@ -7,11 +7,12 @@ place (all in one `--help` panel). A flag left out keeps the preset's value, so
     hybridkv simulate MODEL --preset hybridkv --eviction lru
 
 is the project's best setting with vLLM's eviction. A new knob is a `CacheOptions` field plus its
-line in `HELP` below; no command changes.
+help (`kvcache/options.py`); no command changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -26,41 +27,9 @@ from hybridkv.kvcache.options import DEFAULT_PRESET, ENUM_FIELDS, FIELDS, PRESET
 
 PANEL = "Cache policy"
 
-#: Per field: its help line (the flag is `--` + the name with dashes; `events` is set by the KV
-#: events config, not a flag).
-HELP: dict[str, str] = {
-    "prefix_caching": "cache full blocks and look them up (off: state groups keep one running state)",
-    "mamba_cache_mode": "state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, "
-                        "all = at every block boundary",
-    "state_layout": "Mamba hybrids: one_page (a state in one page, attention blocks of hundreds of tokens, as vLLM) "
-                    "or multi_page (a state over several --block-size pages: short prefixes hit)",
-    "running_state": "state groups in align mode: moving (vLLM's: a request holds the state it reads and the one it "
-                     "writes), fixed (one running state; hits and checkpoints copied) or adopt (fixed; a hit on a "
-                     "finished request's end becomes the running state)",
-    "prefix_cache_retention_interval": "vLLM's option: sliding-window tails and state checkpoints kept only at each "
-                                       "prompt's replay boundary (0), or once per N tokens too (default: every "
-                                       "aligned boundary)",
-    "sliding_window_caching": "which full sliding-window blocks are cached: reachable (vLLM's) or all",
-    "prefix_match_unit": "vLLM's option (alias --hash-block-size): tokens per prefix-cache key (default: the block "
-                         "size; finer units make hits land inside a block only with a state group in align mode)",
-    "eviction": "which cached block is reused first: lru (vLLM's) or value (recency plus compute saved per byte; "
-                "window tails and checkpoints at hit points kept, waiting requests' hits protected)",
-    "checkpoint_placement": "where state checkpoints are written: junction (vLLM's) or placed (also at popular "
-                            "branch depths)",
-    "checkpoint_interval_tokens": "with --checkpoint-placement placed: also a state checkpoint every N tokens",
-    "decode_checkpoints": "state checkpoints decode leaves cached: every (vLLM's: one per block boundary crossed) "
-                          "or last (a request's newest replaces its previous one)",
-    "admission_headroom": "what a new request leaves free: none (vLLM's), next_block (one block per group for each "
-                          "running request) or waiting_hits (next_block, and the prefixes waiting requests will hit)",
-    "queue_order": "which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached prefix "
-                   "first, each request passed over at most 32 times)",
-    "release_order": "free order of a request's blocks: interleaved across groups, or by_group (vLLM's)",
-    "turn_checkpoints": "state checkpoints at chat-message ends (simulate: the trace's turn ends; serve takes them "
-                        "from the chat template)",
-    "spec_decode": "eagle: hits drop one block for the draft model (vLLM's use_eagle)",
-    "hash_algo": "block hash (equal hits with any)",
-    "hash_seed": "seed of the block hash chain",
-}
+#: Per field: its help line (the flag is `--` + the name with dashes); fields without help (`events`)
+#: are not flags.
+HELP: dict[str, str] = {f.name: f.metadata["help"] for f in dataclasses.fields(CacheOptions) if "help" in f.metadata}
 ALIASES = {"prefix_match_unit": ("--hash-block-size",), "checkpoint_interval_tokens": ("--checkpoint-interval",)}
 #: field name -> its flag, for errors (`usage_error` renames a message's leading field name)
 CACHE_FLAGS = flags_of(list(HELP))

@@ -10,15 +10,16 @@ CLI flag per field (one "Cache policy" help panel) and `--preset NAME` starts fr
 `CacheOptions()` with no arguments is the manager's mechanism default: vLLM's policies with
 blocks released position by position across groups (`ReleaseOrder.INTERLEAVED`).
 
-Adding a knob: a field here (with its enum, if it is a mode) and its check in `validate` /
-`__post_init__`; the policy that reads it lives in its own module under `kvcache/policies/`.
+Adding a knob: a field here with its help (the CLI flag appears in every command's Cache policy
+panel by itself), its enum if it is a mode, its check in `__post_init__` / `validate`; the policy
+that reads it lives in its own module under `kvcache/policies/`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -128,47 +129,63 @@ class SpecDecode(Enum):
     EAGLE = "eagle"
 
 
+def _help(text: str) -> dict[str, str]:
+    """A field's metadata: its help line (the CLI flag's, `cli/cache_flags.py`)."""
+    return {"help": text}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheOptions:
-    """Every cache knob (the fields' comments say what each does; docs/prefix_caching.md measures them)."""
+    """Every cache knob; each field's `help` (its metadata) is its CLI flag's help (docs/prefix_caching.md
+    measures them). A field without help (`events`) is set by the code that needs it, not by a flag."""
 
-    #: cache full blocks and look them up (off: state groups keep one running state)
-    prefix_caching: PrefixCaching = PrefixCaching.ON
-    #: where state groups (Mamba, Gated DeltaNet) keep checkpoints (vLLM's mamba_cache_mode)
-    mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALIGN
-    #: one_page (vLLM's: a state in one page, giant attention blocks) or multi_page (16-token blocks)
-    state_layout: StateLayout = StateLayout.ONE_PAGE
-    #: moving (vLLM's: 2 states per request in align mode), fixed (1; checkpoints by copy) or adopt
-    running_state: RunningState = RunningState.MOVING
-    #: vLLM's: None keeps window tails / checkpoints at every aligned boundary, 0 only at the replay
-    #: boundary, N once per N tokens too
-    prefix_cache_retention_interval: int | None = None
-    #: which full sliding-window blocks are cached: reachable (vLLM's) or all
-    sliding_window_caching: SlidingWindowCaching = SlidingWindowCaching.REACHABLE
-    #: vLLM's (alias hash_block_size): tokens per prefix-cache key; None = the block size
-    prefix_match_unit: int | None = None
-    #: lru (vLLM's) or value (recency plus compute saved per byte, anchors kept; policies/value.py)
-    eviction: EvictionPolicyName = EvictionPolicyName.LRU
-    #: junction (vLLM's chunk cuts) or placed (also popular branch depths; policies/placement.py)
-    checkpoint_placement: CheckpointPlacement = CheckpointPlacement.JUNCTION
-    #: placed: also a checkpoint every this many tokens (None: none)
-    checkpoint_interval_tokens: int | None = None
-    #: every (vLLM's: a checkpoint at each block boundary decode crosses) or last (one per request)
-    decode_checkpoints: DecodeCheckpoints = DecodeCheckpoints.EVERY
-    #: none (vLLM's), next_block or waiting_hits (policies/headroom.py)
-    admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
-    #: fcfs (vLLM's) or cache_aware (the longest cached prefix first, bounded bypass)
-    queue_order: QueueOrder = QueueOrder.FCFS
-    #: the free order of a request's blocks: interleaved across groups, or by_group (vLLM's)
-    release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED
-    #: chat-turn ends become checkpoint hints (simulate: a trace's turn_ends; serve: the chat template's)
-    turn_checkpoints: bool = False
-    #: off or eagle (a hit drops its last block: the draft model recomputes it)
-    spec_decode: SpecDecode = SpecDecode.OFF
-    #: the block hash (vLLM's default sha256 is slower; equal hits either way)
-    hash_algo: HashAlgo = HashAlgo.XXH3_128
-    hash_seed: int = 0
-    #: KV events (stored / removed / cleared) for `take_events`
+    prefix_caching: PrefixCaching = field(default=PrefixCaching.ON, metadata=_help(
+        "cache full blocks and look them up (off: state groups keep one running state)"))
+    mamba_cache_mode: MambaCacheMode = field(default=MambaCacheMode.ALIGN, metadata=_help(
+        "state checkpoints (Mamba / Gated DeltaNet): align = where a step ends on a block boundary, all = at "
+        "every block boundary"))
+    state_layout: StateLayout = field(default=StateLayout.ONE_PAGE, metadata=_help(
+        "Mamba hybrids: one_page (a state in one page, attention blocks of hundreds of tokens, as vLLM) or "
+        "multi_page (a state over several --block-size pages: short prefixes hit)"))
+    running_state: RunningState = field(default=RunningState.MOVING, metadata=_help(
+        "state groups in align mode: moving (vLLM's: a request holds the state it reads and the one it writes), "
+        "fixed (one running state; hits and checkpoints copied) or adopt (fixed; a hit on a finished request's "
+        "end becomes the running state)"))
+    prefix_cache_retention_interval: int | None = field(default=None, metadata=_help(
+        "vLLM's option: sliding-window tails and state checkpoints kept only at each prompt's replay boundary "
+        "(0), or once per N tokens too (default: every aligned boundary)"))
+    sliding_window_caching: SlidingWindowCaching = field(default=SlidingWindowCaching.REACHABLE, metadata=_help(
+        "which full sliding-window blocks are cached: reachable (vLLM's) or all"))
+    prefix_match_unit: int | None = field(default=None, metadata=_help(
+        "vLLM's option (alias --hash-block-size): tokens per prefix-cache key (default: the block size; finer "
+        "units make hits land inside a block only with a state group in align mode)"))
+    eviction: EvictionPolicyName = field(default=EvictionPolicyName.LRU, metadata=_help(
+        "which cached block is reused first: lru (vLLM's) or value (recency plus compute saved per byte; window "
+        "tails and checkpoints at hit points kept, waiting requests' hits protected)"))
+    checkpoint_placement: CheckpointPlacement = field(default=CheckpointPlacement.JUNCTION, metadata=_help(
+        "where state checkpoints are written: junction (vLLM's) or placed (also at popular branch depths)"))
+    checkpoint_interval_tokens: int | None = field(default=None, metadata=_help(
+        "with --checkpoint-placement placed: also a state checkpoint every N tokens"))
+    decode_checkpoints: DecodeCheckpoints = field(default=DecodeCheckpoints.EVERY, metadata=_help(
+        "state checkpoints decode leaves cached: every (vLLM's: one per block boundary crossed) or last (a "
+        "request's newest replaces its previous one)"))
+    admission_headroom: AdmissionHeadroom = field(default=AdmissionHeadroom.NONE, metadata=_help(
+        "what a new request leaves free: none (vLLM's), next_block (one block per group for each running "
+        "request) or waiting_hits (next_block, and the prefixes waiting requests will hit)"))
+    queue_order: QueueOrder = field(default=QueueOrder.FCFS, metadata=_help(
+        "which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached prefix first, "
+        "each request passed over at most 32 times)"))
+    release_order: ReleaseOrder = field(default=ReleaseOrder.INTERLEAVED, metadata=_help(
+        "free order of a request's blocks: interleaved across groups, or by_group (vLLM's)"))
+    turn_checkpoints: bool = field(default=False, metadata=_help(
+        "state checkpoints at chat-message ends (simulate: the trace's turn ends; serve takes them from the chat "
+        "template)"))
+    spec_decode: SpecDecode = field(default=SpecDecode.OFF, metadata=_help(
+        "eagle: hits drop one block for the draft model (vLLM's use_eagle)"))
+    hash_algo: HashAlgo = field(default=HashAlgo.XXH3_128, metadata=_help(
+        "block hash (equal hits with any)"))
+    hash_seed: int = field(default=0, metadata=_help(
+        "seed of the block hash chain"))
     events: KVEvents = KVEvents.OFF
 
     def __post_init__(self) -> None:
