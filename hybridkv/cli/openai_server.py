@@ -19,6 +19,7 @@ from hybridkv.cli import engine_options as opt
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.errors import HybridKVError
+from hybridkv.kvcache.options import describe
 
 if TYPE_CHECKING:
     from hybridkv.engine.llm import LLM
@@ -91,7 +92,7 @@ def serve_command(
         typer.echo(f"warning: serving {server.url} to other machines without --api-key: anyone who reaches it may "
                    "use it", err=True)
     typer.echo(f"hybridkv serve: {served_model_name or model} on {server.url} (max_model_len {llm.max_model_len}"
-               f"{_kv_server_words(llm)}); Ctrl-C to stop", err=True)
+               f"; cache {describe(llm.config.cache)}{_kv_server_words(llm)}); Ctrl-C to stop", err=True)
     server.run()
 
 

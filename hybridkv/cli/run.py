@@ -38,6 +38,7 @@ from hybridkv.cli.tables import layer_list, new_table, print_table, stdout_conso
 from hybridkv.engine.config import DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.errors import HybridKVError
 from hybridkv.kvcache.manager import PrefixCaching
+from hybridkv.kvcache.options import describe
 from hybridkv.scheduling.workload import Conversation, Turn, builtin_chat, load_jsonl, rounds
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ def run_command(
     report["config"] = {k: (v.value if isinstance(v, Enum) else v)
                         for k, v in _asdict(config).items()}
     report["config"]["max_model_len"] = llm.max_model_len
+    report["config"]["cache"] = describe(config.cache)
     if model == DEFAULT_MODEL_NAME:
         from hybridkv.engine.default_model import MEANINGLESS_NOTE
 

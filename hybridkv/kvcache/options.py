@@ -34,7 +34,8 @@ from hybridkv.plan.specs import MambaCacheMode, SpecKind
 __all__ = [
     "PRESETS", "AdmissionHeadroom", "CacheOptions", "CheckpointPlacement", "DecodeCheckpoints",
     "EvictionPolicyName", "HashAlgo", "KVEvents", "MambaCacheMode", "PrefixCaching", "QueueOrder",
-    "ReleaseOrder", "RunningState", "SlidingWindowCaching", "SpecDecode", "StateLayout", "options_from",
+    "ReleaseOrder", "RunningState", "SlidingWindowCaching", "SpecDecode", "StateLayout", "describe", "options_from",
+    "preset",
 ]
 
 
@@ -295,6 +296,22 @@ def options_from(base: CacheOptions | str, changes: Mapping[str, object]) -> Cac
         raise ConfigError(f"unknown cache option {unknown[0]!r}; expected one of {', '.join(FIELDS)}")
     coerced: dict[str, Any] = {k: _coerce(k, v) for k, v in changes.items()}
     return dataclasses.replace(start, **coerced)
+
+
+def describe(options: CacheOptions) -> str:
+    """`options` in words: a preset's name, or the nearest preset with the fields that differ
+    (`vllm + eviction=value`)."""
+    best = ""
+    best_changes: list[str] = []
+    for name, setting in PRESETS.items():
+        changes = [f"{f}={_value(getattr(options, f))}" for f in FIELDS if getattr(options, f) != getattr(setting, f)]
+        if not best or len(changes) < len(best_changes):
+            best, best_changes = name, changes
+    return " + ".join([best, *best_changes])
+
+
+def _value(value: object) -> object:
+    return value.value if isinstance(value, Enum) else value
 
 
 def preset(name: str) -> CacheOptions:
