@@ -54,6 +54,10 @@ HELP: dict[str, str] = {
                           "running request) or waiting_hits (next_block, and the prefixes waiting requests will hit)",
     "queue_order": "which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached prefix "
                    "first, each request passed over at most 32 times)",
+    "cache_aware_admission_window": "vLLM 0.34's cache-aware admission (with --queue-order fcfs): the first N waiting "
+                                    "requests admitted deepest cached prefix first (0: off)",
+    "cache_aware_admission_threshold": "vLLM 0.34's: pool usage (blocks held by requests) from which that window "
+                                       "reorders (default 0.5)",
     "release_order": "free order of a request's blocks: interleaved across groups, or by_group (vLLM's)",
     "turn_checkpoints": "state checkpoints at chat-message ends (simulate: the trace's turn ends; serve takes them "
                         "from the chat template)",
@@ -74,6 +78,8 @@ def _flag_type(name: str) -> Any:
     kind = ENUM_FIELDS.get(name)
     if kind is not None:
         return kind | None
+    if name == "cache_aware_admission_threshold":
+        return float | None
     return bool | None if name == "turn_checkpoints" else int | None
 
 

@@ -37,6 +37,7 @@ from hybridkv.engine.default_model import ensure_default_model
 from hybridkv.engine.kv_offload import KVTransfer, model_identity
 from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
 from hybridkv.engine.outputs import LiveRequests, RequestMetrics, RequestOutput, StepOutput
+from hybridkv.engine.queue_order import WindowedAdmission
 from hybridkv.engine.request import Request
 from hybridkv.engine.runner import ModelRunner, StepItem
 from hybridkv.engine.sampler import SamplingParams, TokenHistory, sample, top_logprobs
@@ -119,7 +120,7 @@ class LLM:
                                    max_num_seqs=cfg.max_num_seqs, align_tokens=align,
                                    connector=self.transfer.connector if self.transfer else None,
                                    partial_unit_tokens=unit.hash_unit_tokens if align and unit.partial_hits else 0,
-                                   queue_order=cfg.cache.queue_order)
+                                   queue_order=cfg.cache.queue_order, window=WindowedAdmission.of(cfg.cache))
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())

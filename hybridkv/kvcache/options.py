@@ -159,6 +159,11 @@ class CacheOptions:
     admission_headroom: AdmissionHeadroom = AdmissionHeadroom.NONE
     #: fcfs (vLLM's) or cache_aware (the longest cached prefix first, bounded bypass)
     queue_order: QueueOrder = QueueOrder.FCFS
+    #: vLLM 0.34's cache-aware admission (with fcfs only): the first N waiting requests admitted deepest
+    #: cached prefix first (engine/queue_order.py `windowed`); 0 = off (vLLM's default)
+    cache_aware_admission_window: int = 0
+    #: ... once the pool's usage (blocks held by requests) is at least this fraction (vLLM's default 0.5)
+    cache_aware_admission_threshold: float = 0.5
     #: the free order of a request's blocks: interleaved across groups, or by_group (vLLM's)
     release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED
     #: chat-turn ends become checkpoint hints (simulate: a trace's turn_ends; serve: the chat template's)
@@ -184,6 +189,12 @@ class CacheOptions:
             if value is not None and (not _is_int(value) or value < 0 or value > _MAX_TOKENS):
                 raise ConfigError(f"{name} must be None or an integer in [0, {_MAX_TOKENS}], "
                                   f"got {value!r}")
+        if not _is_int(self.cache_aware_admission_window) or self.cache_aware_admission_window < 0:
+            raise ConfigError(f"cache_aware_admission_window must be an integer >= 0, got "
+                              f"{self.cache_aware_admission_window!r}")
+        threshold = self.cache_aware_admission_threshold
+        if not isinstance(threshold, int | float) or isinstance(threshold, bool) or not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"cache_aware_admission_threshold must be a number in [0, 1], got {threshold!r}")
         if self.checkpoint_interval_tokens == 0:
             raise ConfigError("checkpoint_interval_tokens must be None or a positive integer, got 0")
         if not _is_int(self.hash_seed) or not 0 <= self.hash_seed < 2**64:

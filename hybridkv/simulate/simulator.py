@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hybridkv.engine.queue_order import WindowedAdmission
 from hybridkv.engine.scheduler import KVRequestView, RequestStatus, Scheduler
 from hybridkv.errors import CapacityError, ConfigError
 from hybridkv.kvcache.hit_limits import HitLimit
@@ -166,7 +167,8 @@ class _Run:
         self.manager = manager
         self.scheduler: Scheduler[SimRequest] = Scheduler(
             manager, max_num_batched_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs,
-            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens, queue_order=options.cache.queue_order)
+            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens, queue_order=options.cache.queue_order,
+            window=WindowedAdmission.of(options.cache))
         self.block_copies = 0
         self.ideal = IdealCache()
         self.pending = deque(sorted(range(len(trace)), key=lambda i: (trace[i].arrival_ms, i)))
