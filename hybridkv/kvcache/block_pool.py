@@ -126,6 +126,8 @@ class BlockPool(PartialPoolVerbs, PoolChecks):
         for g, spec in enumerate(self._groups):
             by_size.setdefault((spec.block_size, spec.kind is SpecKind.MAMBA), []).append(g)
         self._pmaps = [PrefixMap(ids, num_blocks) for ids in by_size.values()]
+        for (size, _), pmap in zip(by_size, self._pmaps, strict=True):
+            pmap.peers = tuple(m for (s, _), m in zip(by_size, self._pmaps, strict=True) if s == size)
         #: per group: (its prefix map, its column there)
         self._place = [(m, m.group_ids.index(g)) for g in range(len(self._groups))
                        for m in self._pmaps if g in m.group_ids]

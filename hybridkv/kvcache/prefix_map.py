@@ -73,6 +73,8 @@ class PrefixMap:
         #: evicted block from one never cached when a lookup misses it (`GroupsView.fate`)
         self.evicted: dict[BlockHash, None] = {}
         self._evicted_cap = num_blocks
+        #: every map of this block size, this one included (state groups have their own: `fate` asks all)
+        self.peers: tuple[PrefixMap, ...] = (self,)
 
     @property
     def capacity(self) -> int:
@@ -317,15 +319,16 @@ class GroupsView:
         slot = self._index.get(key, 0)
         if slot:
             return None if all(map(self._map.blocks.item, self.cols, repeat(slot))) else Fate.ELSEWHERE
-        return Fate.EVICTED if key in self._map.evicted else Fate.NEVER
+        return self.fate(key)
 
     def fate(self, key: BlockHash) -> Fate:
         """Why these groups do not all hold `key`: another group of this block size holds it
         (ELSEWHERE), its last block was evicted (EVICTED), or it was never cached (or was evicted
         so long ago that it was forgotten: NEVER)."""
-        if key in self._index:
+        peers = self._map.peers
+        if any(key in m.index for m in peers):
             return Fate.ELSEWHERE
-        return Fate.EVICTED if key in self._map.evicted else Fate.NEVER
+        return Fate.EVICTED if any(key in m.evicted for m in peers) else Fate.NEVER
 
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""
