@@ -43,6 +43,8 @@ def _flag_type(name: str) -> Any:
     kind = ENUM_FIELDS.get(name)
     if kind is not None:
         return kind | None
+    if name == "cache_aware_admission_threshold":
+        return float | None
     return bool | None if name == "turn_checkpoints" else int | None
 
 

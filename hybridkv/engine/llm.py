@@ -50,6 +50,7 @@ from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.model_specs import IndexerFormat, SpecOptions, load_config, model_spec_from_config
 from hybridkv.plan.planner import Plan, PlannerOptions, memory_gib_to_bytes, plan, resolve_max_model_len
 from hybridkv.plan.specs import ModelSpec, SpecKind
+from hybridkv.scheduling.queue_order import WindowedAdmission
 from hybridkv.scheduling.scheduler import ScheduledWork, Scheduler, SchedulerOutput
 
 Prompt = str | Sequence[int]
@@ -119,7 +120,7 @@ class LLM:
                                    max_num_seqs=cfg.max_num_seqs, align_tokens=align,
                                    connector=self.transfer.connector if self.transfer else None,
                                    partial_unit_tokens=unit.hash_unit_tokens if align and unit.partial_hits else 0,
-                                   queue_order=cfg.cache.queue_order)
+                                   queue_order=cfg.cache.queue_order, window=WindowedAdmission.of(cfg.cache))
         self.tokenizer: Tokenizer = load_tokenizer(self.model_dir)
         self.stats = EngineStats(peak_group_blocks=[0] * len(self.plan.config.groups))
         self._uniform_bytes_per_token = sum(s.page_size_bytes(1) for _, s in self.model_spec.owned_layers())

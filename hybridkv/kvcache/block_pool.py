@@ -54,6 +54,7 @@ from hybridkv.kvcache.partial_hits import PartialIndex
 from hybridkv.kvcache.pool_checks import check_pool
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
 from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import SpecKind
 
 __all__ = ["NULL", "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
            "KVEvent", "KVEvents"]
@@ -84,10 +85,14 @@ class BlockPool:
         self.eviction = policy_factory(num_blocks, self.has_hash)
         self.eviction.bind(self.group_of, [g.kind for g in self._groups])
         self.slot_of = np.zeros(num_blocks, np.int64)
-        by_size: dict[int, list[int]] = {}
+        # one map per block size, state groups apart: their (many, in the multi-page layout) columns
+        # take slots only at checkpoints, not at every position the attention groups cache
+        by_size: dict[tuple[int, bool], list[int]] = {}
         for g, spec in enumerate(self._groups):
-            by_size.setdefault(spec.block_size, []).append(g)
+            by_size.setdefault((spec.block_size, spec.kind is SpecKind.MAMBA), []).append(g)
         self._pmaps = [PrefixMap(ids, num_blocks) for ids in by_size.values()]
+        for (size, _), pmap in zip(by_size, self._pmaps, strict=True):
+            pmap.peers = tuple(m for (s, _), m in zip(by_size, self._pmaps, strict=True) if s == size)
         #: per group: (its prefix map, its column there)
         self._place = [(m, m.group_ids.index(g)) for g in range(len(self._groups))
                        for m in self._pmaps if g in m.group_ids]
@@ -377,7 +382,7 @@ class BlockPool:
         `group_ids[i]`, one block size) under `hashes[position]`, with one dict operation for all."""
         key = hashes[position]
         pmap = self._place[group_ids[0]][0]
-        has_hash, slot_of, primaries, place = self.has_hash, self.slot_of, pmap.blocks, self._place
+        has_hash, slot_of, place = self.has_hash, self.slot_of, self._place
         slot = 0
         for group_id, block in zip(group_ids, blocks, strict=True):
             if block == NULL or has_hash.item(block):
@@ -387,6 +392,7 @@ class BlockPool:
             has_hash[block] = True
             slot_of[block] = slot
             col = place[group_id][1]
+            primaries = pmap.blocks  # (after `slot_for`: the map's arrays may have grown)
             if primaries.item(col, slot) == NULL:
                 primaries[col, slot] = block
                 pmap.count[slot] += 1
@@ -417,11 +423,11 @@ class BlockPool:
         """Cache each real block without a hash; a key its group already holds makes it a waiting copy."""
         has_hash = self.has_hash
         slot_of = self.slot_of
-        primaries = pmap.blocks
         for block, key in zip(blocks, keys, strict=True):
             if block == NULL or has_hash.item(block):
                 continue
             slot = pmap.slot_for(key)
+            primaries = pmap.blocks  # (the map's arrays may have grown)
             has_hash[block] = True
             slot_of[block] = slot
             if primaries.item(col, slot) == NULL:

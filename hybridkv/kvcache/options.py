@@ -176,6 +176,11 @@ class CacheOptions:
     queue_order: QueueOrder = field(default=QueueOrder.FCFS, metadata=_help(
         "which waiting request is admitted next: fcfs (vLLM's) or cache_aware (the longest cached prefix first, "
         "each request passed over at most 32 times)"))
+    cache_aware_admission_window: int = field(default=0, metadata=_help(
+        "vLLM 0.34's cache-aware admission (with --queue-order fcfs): the first N waiting requests admitted "
+        "deepest cached prefix first (0: off)"))
+    cache_aware_admission_threshold: float = field(default=0.5, metadata=_help(
+        "vLLM 0.34's: pool usage (blocks held by requests) from which that window reorders (default 0.5)"))
     release_order: ReleaseOrder = field(default=ReleaseOrder.INTERLEAVED, metadata=_help(
         "free order of a request's blocks: interleaved across groups, or by_group (vLLM's)"))
     turn_checkpoints: bool = field(default=False, metadata=_help(
@@ -202,6 +207,12 @@ class CacheOptions:
             if value is not None and (not _is_int(value) or value < 0 or value > _MAX_TOKENS):
                 raise ConfigError(f"{name} must be None or an integer in [0, {_MAX_TOKENS}], "
                                   f"got {value!r}")
+        if not _is_int(self.cache_aware_admission_window) or self.cache_aware_admission_window < 0:
+            raise ConfigError(f"cache_aware_admission_window must be an integer >= 0, got "
+                              f"{self.cache_aware_admission_window!r}")
+        threshold = self.cache_aware_admission_threshold
+        if not isinstance(threshold, int | float) or isinstance(threshold, bool) or not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"cache_aware_admission_threshold must be a number in [0, 1], got {threshold!r}")
         if self.checkpoint_interval_tokens == 0:
             raise ConfigError("checkpoint_interval_tokens must be None or a positive integer, got 0")
         if not _is_int(self.hash_seed) or not 0 <= self.hash_seed < 2**64:

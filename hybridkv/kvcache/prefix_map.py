@@ -17,6 +17,10 @@ array gather. Identical content cached in a second block of the same group (two 
 computed it concurrently) waits in `dups[col][hash]` (and `waiting[col, slot]` is set); the
 pool promotes it when the first is evicted.
 
+The arrays hold the slots taken so far and grow by doubling (`_reserve`): a map's memory follows
+its slots in use, not its groups times the pool's blocks (the multi-page state layout has hundreds
+of page groups, cached only at checkpoints).
+
 Array calls cost a microsecond or more each here, whatever their size, so bulk operations use
 few of them (`np.count_nonzero` rather than `.any()`), and single blocks plain scalar reads.
 """
@@ -35,6 +39,8 @@ from hybridkv.errors import IntegrityError
 from hybridkv.kvcache.ids import BlockHash
 
 Ids = NDArray[np.int64]
+#: slots a new map holds before it first grows
+INITIAL_SLOTS = 1024
 
 
 class Fate(Enum):
@@ -50,27 +56,56 @@ class PrefixMap:
 
     def __init__(self, group_ids: Sequence[int], num_blocks: int) -> None:
         self.group_ids = tuple(group_ids)
-        # at most one slot per hashed block, and the null block is never hashed: num_blocks - 1 slots
+        # at most one slot per hashed block, and the null block is never hashed: num_blocks - 1 slots at
+        # most; the arrays hold `capacity` slots and grow (doubling) as slots are taken, so memory follows
+        # the slots in use (a map of many state-page groups is used only at checkpoints), not groups x blocks
+        self._max_slots = num_blocks
         self.index: dict[BlockHash, int] = {}
-        self.blocks: Ids = np.zeros((len(self.group_ids), num_blocks), np.int64)
-        self.count: Ids = np.zeros(num_blocks, np.int64)
-        self.waiting = np.zeros((len(self.group_ids), num_blocks), np.bool_)
-        self.key: NDArray[np.object_] = np.full(num_blocks, None, object)
+        cap = min(num_blocks, INITIAL_SLOTS)
+        self.blocks: Ids = np.zeros((len(self.group_ids), cap), np.int64)
+        self.count: Ids = np.zeros(cap, np.int64)
+        self.waiting = np.zeros((len(self.group_ids), cap), np.bool_)
+        self.key: NDArray[np.object_] = np.full(cap, None, object)
         self.dups: list[dict[BlockHash, list[int]]] = [{} for _ in self.group_ids]
-        self._free: Ids = np.arange(num_blocks - 1, 0, -1, dtype=np.int64)  # a stack: top = lowest slot
-        self._top = num_blocks - 1
+        self._free: Ids = np.arange(cap - 1, 0, -1, dtype=np.int64)  # a stack: top = lowest slot
+        self._top = cap - 1
         #: hashes whose last block was evicted, oldest first (the newest `num_blocks` at least): tells an
         #: evicted block from one never cached when a lookup misses it (`GroupsView.fate`)
         self.evicted: dict[BlockHash, None] = {}
         self._evicted_cap = num_blocks
+        #: every map of this block size, this one included (state groups have their own: `fate` asks all)
+        self.peers: tuple[PrefixMap, ...] = (self,)
+
+    @property
+    def capacity(self) -> int:
+        """Slots the arrays hold now (slot 0 included)."""
+        return len(self.count)
+
+    def _reserve(self, n: int) -> None:
+        """Grow the arrays (at least doubling, at most `num_blocks` slots) until `n` slots are free."""
+        if n <= self._top:
+            return
+        old = self.capacity
+        cap = min(self._max_slots, max(2 * old, old + n - self._top))
+        assert n - self._top <= cap - old, f"{n} new slots asked for, {self._top} free of {old} (at most {cap})"
+        groups = len(self.group_ids)
+        self.blocks = np.concatenate([self.blocks, np.zeros((groups, cap - old), np.int64)], axis=1)
+        self.waiting = np.concatenate([self.waiting, np.zeros((groups, cap - old), np.bool_)], axis=1)
+        self.count = np.concatenate([self.count, np.zeros(cap - old, np.int64)])
+        self.key = np.concatenate([self.key, np.full(cap - old, None, object)])
+        # the new slots go under the free ones (the stack's top stays the lowest free slot)
+        free = np.concatenate([np.arange(cap - 1, old - 1, -1, dtype=np.int64), self._free[: self._top]])
+        self._free = np.zeros(cap - 1, np.int64)
+        self._free[: len(free)] = free
+        self._top = len(free)
 
     # -- slots ----------------------------------------------------------------------------------
 
     def slots_for(self, keys: Sequence[BlockHash]) -> Ids:
         """The slot of each key, new slots for keys not in the map (one dict operation each)."""
         n = len(keys)
+        self._reserve(n)
         top = self._top
-        assert n <= top, f"{n} new slots asked for, {top} free"
         candidates = self._free[top - n : top]
         got = np.fromiter(map(self.index.setdefault, keys, candidates.tolist()), np.int64, n)
         fresh = got == candidates
@@ -89,6 +124,7 @@ class PrefixMap:
     def slot_for(self, key: BlockHash) -> int:
         slot = self.index.get(key)
         if slot is None:
+            self._reserve(1)
             self._top -= 1
             slot = int(self._free[self._top])
             self.index[key] = slot
@@ -154,7 +190,7 @@ class PrefixMap:
         for dups in self.dups:
             dups.clear()
         self._top = len(self._free)
-        self._free[:] = np.arange(self._top, 0, -1)
+        self._free[:] = np.arange(self._top, 0, -1)  # (the capacity stays as grown)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -221,7 +257,13 @@ class GroupsView:
         # which rows of `blocks`, picked after gathering the columns (`take`: the cheapest gather)
         self._rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
                                    else np.array(self.cols, np.int64))
-        self._lead = pmap.blocks[first]  # a view: the first group's block per slot
+        self._first = first
+
+    @property
+    def _lead(self) -> Ids:
+        """The first group's block per slot (a view, read anew: the map's arrays grow)."""
+        lead: Ids = self._map.blocks[self._first]
+        return lead
 
     def lead(self) -> GroupsView:
         """The first group alone."""
@@ -277,15 +319,16 @@ class GroupsView:
         slot = self._index.get(key, 0)
         if slot:
             return None if all(map(self._map.blocks.item, self.cols, repeat(slot))) else Fate.ELSEWHERE
-        return Fate.EVICTED if key in self._map.evicted else Fate.NEVER
+        return self.fate(key)
 
     def fate(self, key: BlockHash) -> Fate:
         """Why these groups do not all hold `key`: another group of this block size holds it
         (ELSEWHERE), its last block was evicted (EVICTED), or it was never cached (or was evicted
         so long ago that it was forgotten: NEVER)."""
-        if key in self._index:
+        peers = self._map.peers
+        if any(key in m.index for m in peers):
             return Fate.ELSEWHERE
-        return Fate.EVICTED if key in self._map.evicted else Fate.NEVER
+        return Fate.EVICTED if any(key in m.evicted for m in peers) else Fate.NEVER
 
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""

@@ -15,6 +15,10 @@ request waits forever. A hit deferred to
 the next step (a state checkpoint this step writes) does not stop admission as in FCFS: that
 request waits one step and the next candidate is tried.
 
+WINDOWED (vLLM 0.34's `cache_aware_admission_window` / `_threshold`, `windowed`): an FCFS queue whose
+first `window` plain waiting requests are sorted by cached-prefix depth once the pool is at least
+`threshold` used; preempted requests keep their places and the queue behind the window is unchanged.
+
 Only the order changes: each request computes the same tokens either way (`run`'s outputs are
 the same); the hit tokens, the prompt tokens recomputed and the time to first token change.
 """
@@ -24,10 +28,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol, TypeVar
 
 from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.options import CacheOptions
 
 #: waiting requests probed per step by CACHE_AWARE; those behind them keep FCFS order
 PROBE_WINDOW = 64
@@ -97,3 +103,56 @@ def cache_aware(waiting: deque[Q], peek: Callable[[Q], int], bypasses: Bypasses)
     out = deque(sorted(probed, key=key))
     out.extend(islice(waiting, len(probed), None))  # (a deque indexed in its middle walks it)
     return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowedAdmission:
+    """vLLM 0.34's cache-aware admission (`cache_aware_admission_window` / `_threshold`), applied to an
+    FCFS queue before each step's admissions (`windowed`)."""
+
+    window: int = 0
+    threshold: float = 0.5
+
+    @classmethod
+    def of(cls, cache: CacheOptions) -> WindowedAdmission:
+        """The rule of `cache`: off without prefix caching, as vLLM ignores it there."""
+        window = cache.cache_aware_admission_window if cache.caching else 0
+        return cls(window=window, threshold=cache.cache_aware_admission_threshold)
+
+    @property
+    def on(self) -> bool:
+        return self.window > 0
+
+
+def windowed(waiting: deque[Q], peek: Callable[[Q], int], rule: WindowedAdmission, *, usage: float,
+             movable: Callable[[Q], bool]) -> deque[Q]:
+    """`waiting` reordered as vLLM 0.34's `Scheduler._reorder_waiting_by_cached_prefix` does it.
+
+    Nothing moves while the pool's usage (blocks held by requests, cached free blocks not counted)
+    is below `rule.threshold`. Otherwise, among the first `rule.window` requests, the slots of the
+    `movable` ones (waiting, never preempted, nothing computed) are refilled with those same
+    requests, the deepest cached prefix first (ties: queue order); every other request keeps its
+    position and the queue behind the window is unchanged:
+
+        window 4, movable a b _ d (cached 0 5 - 9), c preempted  ->  d b c a
+    """
+    if len(waiting) < 2 or usage < rule.threshold:
+        return waiting
+    head = list(islice(waiting, rule.window))
+    slots = [i for i, request in enumerate(head) if movable(request)]
+    if len(slots) < 2:
+        return waiting
+    cached = {i: peek(head[i]) for i in slots}
+    order = sorted(slots, key=lambda i: (-cached[i], i))
+    if order == slots:
+        return waiting
+    reordered = list(head)
+    for slot, source in zip(slots, order, strict=True):
+        reordered[slot] = head[source]
+    out = deque(reordered)
+    out.extend(islice(waiting, len(head), None))
+    return out
+
+
+#: the window off (vLLM's default)
+NO_WINDOW = WindowedAdmission()

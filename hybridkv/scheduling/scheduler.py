@@ -9,7 +9,7 @@ Each `schedule()` call builds one step:
        allocation is retried; once no later request is left, the request tries smaller chunks
        (halving) and, if not even one token fits, is itself preempted and waits;
     2. if nothing was preempted, waiting requests in FCFS order (or cache-aware, `queue_order`:
-       the longest cached prefix first, `queue_order.py`): prefix-cache lookup, then as
+       the longest cached prefix first; or vLLM 0.34's windowed reorder, `queue_order.py`): prefix-cache lookup, then as
        many prompt tokens as the budget allows (a smaller chunk when nothing else runs), while
        `max_num_seqs` is not reached. A hit on a state checkpoint cached in this very step
        (`CacheHit.deferred`: its state is written only when the step runs) waits for the next.
@@ -59,7 +59,14 @@ from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import BlockCopy, CacheHit, CacheTiming, KVCacheManager
 from hybridkv.kvcache.options import QueueOrder
 from hybridkv.kvcache.request import KVRequest
-from hybridkv.scheduling.queue_order import PROBE_WINDOW, Bypasses, cache_aware
+from hybridkv.scheduling.queue_order import (
+    NO_WINDOW,
+    PROBE_WINDOW,
+    Bypasses,
+    WindowedAdmission,
+    cache_aware,
+    windowed,
+)
 
 
 class RequestStatus(Enum):
@@ -151,9 +158,11 @@ class Scheduler(Generic[R]):
 
     def __init__(self, manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  align_tokens: int = 0, connector: KVConnectorScheduler | None = None,
-                 partial_unit_tokens: int = 0, queue_order: QueueOrder = QueueOrder.FCFS) -> None:
+                 partial_unit_tokens: int = 0, queue_order: QueueOrder = QueueOrder.FCFS,
+                 window: WindowedAdmission = NO_WINDOW) -> None:
         self.manager = manager
         self.queue_order = queue_order
+        self.window = window  # vLLM 0.34's cache-aware admission window (FCFS only)
         self._bypasses = Bypasses()
         self.partial_unit_tokens = partial_unit_tokens  # align mode with partial hits: the prefix_match_unit
         self.connector = connector
@@ -232,6 +241,9 @@ class Scheduler(Generic[R]):
 
         if aware and len(self.waiting) > 1 and budget > 0 and len(self.running) < self.max_num_seqs:
             self.waiting = cache_aware(self.waiting, peek, self._bypasses)
+        elif self.window.on and self.queue_order is QueueOrder.FCFS:  # vLLM 0.34 reorders whatever the budget
+            self.waiting = windowed(self.waiting, peek, self.window, usage=self.manager.usage(),
+                                    movable=lambda r: not r.num_preemptions and not r.num_computed_tokens)
         admitted: list[R] = []
         deferred: list[R] = []
         if self.waiting and self.manager.protects:  # queue-aware retention: every waiting prefix stays

@@ -24,9 +24,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hybridkv.errors import ConfigError
+from hybridkv.simulate.sessions import sessions
 from hybridkv.simulate.trace import TraceRequest
 
 VOCAB = 32_000
+DEFAULT_OUTPUT_TOKENS = 128
+#: the Mooncake FAST'25 trace's average output length (sessions.py)
+SESSION_OUTPUT_TOKENS = 182
 
 
 class Generator(Enum):
@@ -34,6 +38,11 @@ class Generator(Enum):
     SYSTEM_PROMPT = "system-prompt"
     AGENTIC = "agentic"
     BRANCHING = "branching"
+    SESSIONS = "sessions"
+
+
+#: the four short synthetic workloads (`SESSIONS` is the production-like one)
+SHORT = (Generator.CHAT, Generator.SYSTEM_PROMPT, Generator.AGENTIC, Generator.BRANCHING)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,7 +53,7 @@ class GeneratorOptions:
     seed: int = 0
     gap_ms: float = 100.0
     mean_prompt_tokens: int = 1024
-    mean_output_tokens: int = 128
+    mean_output_tokens: int = DEFAULT_OUTPUT_TOKENS
 
     def __post_init__(self) -> None:
         if self.num_requests < 1 or self.mean_prompt_tokens < 1 or self.mean_output_tokens < 1 or self.gap_ms < 0:
@@ -147,11 +156,21 @@ def branching(options: GeneratorOptions) -> list[TraceRequest]:
     return out
 
 
+def production_sessions(options: GeneratorOptions) -> list[TraceRequest]:
+    """`sessions.sessions` with these options (a session starts `gap_ms` after the previous on
+    average; the mean output is the Mooncake trace's 182 tokens unless `mean_output_tokens` was
+    changed)."""
+    output = options.mean_output_tokens
+    output = SESSION_OUTPUT_TOKENS if output == DEFAULT_OUTPUT_TOKENS else output
+    return sessions(options.num_requests, seed=options.seed, gap_ms=options.gap_ms, mean_output_tokens=output)
+
+
 GENERATORS: dict[Generator, Callable[[GeneratorOptions], list[TraceRequest]]] = {
     Generator.CHAT: chat,
     Generator.SYSTEM_PROMPT: system_prompt,
     Generator.AGENTIC: agentic,
     Generator.BRANCHING: branching,
+    Generator.SESSIONS: production_sessions,
 }
 
 

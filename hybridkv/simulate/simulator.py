@@ -30,6 +30,7 @@ from hybridkv.kvcache.options import MECHANISM_DEFAULTS, CacheOptions
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.plan.planner import KVCacheConfig
 from hybridkv.plan.specs import SpecKind
+from hybridkv.scheduling.queue_order import WindowedAdmission
 from hybridkv.scheduling.scheduler import KVRequestView, RequestStatus, Scheduler
 from hybridkv.simulate.ideal import IdealCache
 from hybridkv.simulate.trace import TraceRequest
@@ -166,7 +167,8 @@ class _Run:
         self.manager = manager
         self.scheduler: Scheduler[SimRequest] = Scheduler(
             manager, max_num_batched_tokens=options.max_num_batched_tokens, max_num_seqs=options.max_num_seqs,
-            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens, queue_order=options.cache.queue_order)
+            align_tokens=align_tokens, partial_unit_tokens=partial_unit_tokens, queue_order=options.cache.queue_order,
+            window=WindowedAdmission.of(options.cache))
         self.block_copies = 0
         self.ideal = IdealCache()
         self.pending = deque(sorted(range(len(trace)), key=lambda i: (trace[i].arrival_ms, i)))

@@ -173,3 +173,30 @@ def test_evicting_the_waiting_copy_keeps_the_primary() -> None:
     assert reused == second[0] and pool.block_hash[reused] is None
     assert cached_map(pool, 0)[b"same"] == first[0]
     pool.check_integrity({1: 1, 2: 1})
+
+
+def test_prefix_map_grows_past_its_first_slots_and_keeps_every_entry() -> None:
+    """3,000 cached blocks (the map starts with room for 1,024 slots and doubles): every hash still
+    maps to its block, eviction frees slots that later caches reuse, and the map's memory follows
+    the slots in use, not the pool's blocks."""
+    pool = make_pool(num_blocks=6001)
+    names = [f"h{i}" for i in range(3000)]
+    blocks: list[int] = []
+    for start in range(0, 3000, 700):  # bulk caches and one-by-one caches (a chunk of one)
+        chunk = allocate(pool, min(700, 3000 - start), 0)
+        cache_blocks(pool, 0, chunk, hashes(*names[start : start + len(chunk)]), 0, len(chunk), [])
+        blocks += chunk
+    extra = allocate(pool, 1, 0)
+    cache_blocks(pool, 0, extra, hashes("single"), 0, 1, [])
+    seen = cached_map(pool, 0)
+    assert len(seen) == 3001
+    assert all(seen[name.encode()] == block for name, block in zip(names, blocks, strict=True))
+    pool.free(blocks[::-1] + extra)
+    pool.check_integrity({})
+    fresh = allocate(pool, 6000, 0)  # evicts every cached block
+    assert not cached_map(pool, 0)
+    cache_blocks(pool, 0, fresh[:3500], hashes(*[f"g{i}" for i in range(3500)]), 0, 3500, [])
+    assert len(cached_map(pool, 0)) == 3500
+    pool.check_integrity({b: 1 for b in fresh})
+    slots = pool.groups_view([0]).slots(hashes("g0", "g3499", "h0"))
+    assert 0 < slots.max() < 4096 and slots[2] == 0
