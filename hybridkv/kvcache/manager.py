@@ -15,12 +15,11 @@ A step of one request, in tokens (`allocate` arguments in brackets):
 
 The engine advances `request.num_computed_tokens` itself, after the step, to `end`.
 Verbs: begin_step, lookup, peek, allocate, cache, free, block_ids, state_steps, reset_prefix_cache,
-usage, group_usage, stats, take_pending_copies, take_events, check_integrity. See
-docs/kv_cache_manager.md.
+usage, group_usage, stats, take_pending_copies, take_events, check_integrity (docs/kv_cache_manager.md);
+the cache policies (`policies`, built from `options`) are called at fixed points (policies/__init__.py).
 
-Partial hits (`prefix_match_unit` below a state group's block in align mode, `match_unit`): a hit
-may end inside a block; the request then gets a private copy of that block, and the copies to run
-before the step's forward come from `take_pending_copies` (docs/prefix_caching.md).
+Partial hits (`prefix_match_unit` below a state group's block in align mode): a hit may end inside a
+block; the request gets a private copy of it, run before the forward (`take_pending_copies`).
 
 State groups (Mamba, Gated DeltaNet): `mamba_cache_mode=MambaCacheMode.ALIGN | ALL` selects
 where checkpoints are kept; `state_steps` tells the runner which block each state is read from
@@ -32,7 +31,6 @@ a checkpoint cached since then (`CacheHit.deferred`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from operator import add
 from typing import cast
 
@@ -93,11 +91,6 @@ __all__ = ["PRESETS", "AdmissionHeadroom", "AllocationError", "BlockCopy", "Cach
            "KVCacheManager", "MambaCacheMode", "ManagerStats", "MatchUnit", "NewBlocks", "PrefixCaching",
            "ReleaseOrder", "RunningState", "SlidingWindowCaching", "SpecDecode", "StaleHitError", "StateCheckpoint",
            "StateStep", "UnknownRequestError"]
-
-
-def _new_blocks(entries: Iterable[tuple[int, ...]]) -> NewBlocks:
-    """`NewBlocks` of the coordinator's int entries (block ids from the pool)."""
-    return NewBlocks(cast("Iterable[tuple[BlockId, ...]]", entries))
 
 
 def _make_managers(config: KVCacheConfig, pool: BlockPool, options: CacheOptions,
@@ -203,12 +196,13 @@ class KVCacheManager:
             The hit: its length in tokens and its block ids per group; pass it to `allocate`
             unchanged (`num_tokens == 0`: no hit; `deferred`: retry in the next step).
         """
+        total = request.num_tokens
         self._lookups += 1
-        self._query_tokens += request.num_tokens
-        max_length = min(request.num_tokens - 1, self.max_model_len)
+        self._query_tokens += total
+        max_length = min(total - 1, self.max_model_len)
         request.shared_prefix_boundary = 0
         if request.num_prompt_tokens is None:
-            request.num_prompt_tokens = request.num_tokens
+            request.num_prompt_tokens = total
         coordinator = self._coordinator
         if not self._caching or max_length < coordinator.hit_step:
             if self._caching and max_length > 0:
@@ -221,7 +215,9 @@ class KVCacheManager:
         deferred = bool(num_tokens) and coordinator.may_defer and coordinator.defers(hits)
         longest = max(first)
         request.shared_prefix_boundary = longest if longest > num_tokens else 0
-        self.policies.looked_up(request, longest)
+        policies = self.policies
+        if policies.placing or request.cache_checkpoints:  # (the only lookup hook: free when placement is off)
+            policies.looked_up(request, longest)
         step = coordinator.lcm_block_size  # (why the hit stops short of the next lcm boundary)
         self._limits.count(hashes, num_tokens // step * step, max_length, deferred=deferred)
         blocks = cast("tuple[tuple[BlockId, ...], ...]", tuple(map(tuple, hits))) if num_tokens else self._empty_hit
@@ -320,7 +316,7 @@ class KVCacheManager:
                     if entries is not None:
                         if self._anchors is not None:
                             self._anchors.allocated(request, end)
-                        return _new_blocks(entries)
+                        return NewBlocks.of_ints(entries)
         hit_blocks = self._check_start(request, hit)
         hit_tokens = hit.num_tokens if hit is not None else 0
         first_new = computed + hit_tokens + num_external_tokens
@@ -342,7 +338,7 @@ class KVCacheManager:
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
         coordinator.update_quiet(request.request_id)
-        return _new_blocks(tuple(entries.tolist()) for entries in new)
+        return NewBlocks.of_ints(tuple(entries.tolist()) for entries in new)
 
     def cache(self, request: KVRequest, num_tokens: int) -> None:
         """Cache the full blocks among the first `num_tokens` tokens (after a DELAYED allocate,

@@ -6,8 +6,10 @@ CacheHit` keeps working).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import cast
 
 from hybridkv.errors import AllocationError
 from hybridkv.kvcache.hit_limits import HitLimit
@@ -52,6 +54,11 @@ class NewBlocks(tuple[tuple[BlockId, ...], ...]):
     A tuple of tuples, so `new[g]` and comparison with a plain tuple work as for one."""
 
     __slots__ = ()
+
+    @classmethod
+    def of_ints(cls, entries: Iterable[tuple[int, ...]]) -> NewBlocks:
+        """The coordinator's int entries (block ids from the pool) as `NewBlocks`."""
+        return cls(cast("Iterable[tuple[BlockId, ...]]", entries))
 
     @property
     def num_blocks(self) -> int:
