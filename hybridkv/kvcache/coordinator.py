@@ -50,9 +50,8 @@ from hybridkv.kvcache.copy_on_write import CopyOnWrite
 from hybridkv.kvcache.eviction import Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import ReleaseOrder
-from hybridkv.kvcache.policies.adoption import StateAdoption
-from hybridkv.kvcache.policies.headroom import AdmissionReserve
 from hybridkv.kvcache.request import KVRequest
+from hybridkv.kvcache.seams import Adoption, Reserve
 from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
@@ -70,8 +69,8 @@ class KVCacheCoordinator:
     is (manager, row) of group g."""
 
     def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool, *,
-                 release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED, reserve: AdmissionReserve | None = None,
-                 adoption: StateAdoption | None = None) -> None:
+                 release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED, reserve: Reserve | None = None,
+                 adoption: Adoption | None = None) -> None:
         self.managers = tuple(managers)
         self.pool = pool
         placed = {g: (m, row) for m in managers for row, g in enumerate(m.group_ids)}
@@ -437,8 +436,8 @@ class HybridCoordinator(KVCacheCoordinator):
     """Any number of hit rules; the fixed-point lookup of the module docstring."""
 
     def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool, *,
-                 release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED, reserve: AdmissionReserve | None = None,
-                 adoption: StateAdoption | None = None) -> None:
+                 release_order: ReleaseOrder = ReleaseOrder.INTERLEAVED, reserve: Reserve | None = None,
+                 adoption: Adoption | None = None) -> None:
         super().__init__(managers, pool, release_order=release_order, reserve=reserve, adoption=adoption)
         self._closed = [m for m in self.managers if m.downward_closed]
         self._others = [m for m in self.managers if not m.downward_closed]

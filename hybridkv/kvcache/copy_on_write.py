@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.eviction import Ids
 from hybridkv.kvcache.ids import RequestId
-from hybridkv.kvcache.policies.adoption import StateAdoption
+from hybridkv.kvcache.seams import Adoption
 from hybridkv.kvcache.type_managers.base import SingleTypeManager
 
 
@@ -24,7 +24,7 @@ class CopyOnWrite:
     """The copies of the current schedule (module docstring)."""
 
     def __init__(self, managers: Sequence[SingleTypeManager], pool: BlockPool, num_groups: int,
-                 adoption: StateAdoption | None) -> None:
+                 adoption: Adoption | None) -> None:
         self.managers = tuple(managers)
         self.pool = pool
         self.num_groups = num_groups
