@@ -265,8 +265,9 @@ class StoreReply(Reply, tag="store"):
     it); `refusals`: what was not committed and why. Nothing is reported stored that is not."""
 
     stored: list[bool]
-    refusals: list[Refusal]
+    refusals: list[Refusal]  # at most 64 (the server's limit); the rest are counted in refusals_left_out
     object_group_bytes: list[int] = []  # page bytes copied from the engine, per object group
+    refusals_left_out: int = 0
 
 
 class RetrieveReply(Reply, tag="retrieve"):

@@ -6,9 +6,9 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.l2_sizing import L2Sizing
-from hybridkv.cache_server.store import ObjectGroupMode, StoreConfig
+from hybridkv.cache_server.store_config import ObjectGroupMode, StoreConfig
 from hybridkv.errors import ConfigError
 
 GIB = 1 << 30
@@ -22,7 +22,7 @@ class ServerConfig:
     http_port: int = 8080  # /metrics /status /cache/clear /healthz; 0 = any free port
     chunk_tokens: int = 256
     l1_size_gb: float = 2.0
-    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    eviction_policy: L1EvictionPolicyName = L1EvictionPolicyName.LRU
     object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
     l2_disk: Path | None = None
     l2_disk_size_gb: float = 16.0

@@ -17,7 +17,8 @@ class LookupResult:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreResult:
     stored: list[bool]
-    refusals: list[Refusal]
+    refusals: list[Refusal]  # the first limits.MAX_REFUSALS_REPLIED
+    refusals_left_out: int
     object_group_bytes: list[int]  # bytes copied from the engine, per object group
 
 

@@ -105,7 +105,8 @@ def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> AnyReply:
                                object_group_hit_tokens=r.object_group_hit_tokens, lock_ttl_s=store.config.lock_ttl_s)
         case StoreRequest():
             s = store.store(req)
-            return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals, object_group_bytes=s.object_group_bytes)
+            return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals, refusals_left_out=s.refusals_left_out,
+                              object_group_bytes=s.object_group_bytes)
         case RetrieveRequest():
             got = store.retrieve(req)
             return RetrieveReply(req_id=rid, retrieved_tokens=got.tokens, bytes_copied=got.bytes_copied,

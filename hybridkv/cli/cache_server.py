@@ -13,9 +13,9 @@ from typing import Annotated
 import typer
 
 from hybridkv.cache_server.config import ServerConfig
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.l2_sizing import L2Sizing
-from hybridkv.cache_server.store import ObjectGroupMode
+from hybridkv.cache_server.store_config import ObjectGroupMode
 from hybridkv.cli.errors import usage_error
 from hybridkv.errors import HybridKVError
 
@@ -30,7 +30,7 @@ def server_command(
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per chunk: a multiple of every "
                                             "group's block size")] = _D.chunk_tokens,
     l1_size_gb: Annotated[float, typer.Option("--l1-size-gb", help="L1 memory pool in GiB")] = _D.l1_size_gb,
-    eviction_policy: Annotated[EvictionPolicyName, typer.Option(
+    eviction_policy: Annotated[L1EvictionPolicyName, typer.Option(
         "--eviction-policy", help="which stored chunk L1 drops first when full")] = _D.eviction_policy,
     separate_object_groups: Annotated[bool, typer.Option(
         "--separate-object-groups/--no-separate-object-groups",
