@@ -80,7 +80,7 @@ class KVStore:
         and register it; `owner`: the registration connection whose closing releases it."""
         validate_layout(layout, self.config.chunk_tokens)
         with self._lock:
-            self._engines.check_room()  # before mapping anything
+            self._engines.check_room(len(fds))  # before mapping anything
         buffers = access_buffers(layout, fds, access)
         separate = self.config.object_groups is ObjectGroupMode.SEPARATE
         try:

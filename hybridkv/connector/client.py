@@ -83,6 +83,8 @@ __all__ = [
     "auth_token_from_env", "chunk_hashes", "make_layout",
 ]
 
+MAX_SEGMENTS = 253  # descriptors Linux passes in one message (SCM_MAX_FD): the server takes no more
+
 R = TypeVar("R", bound=AnyReply)
 
 
@@ -187,6 +189,9 @@ class KVClient:
         """Register `layout`, passing its segments (SharedKVBuffers of this process) to the server;
         LOOKUP_ONLY passes none (a process that only looks up, e.g. vLLM's scheduler)."""
         fds = segment_fds(segment_labels(layout)) if access is RegistrationAccess.COPY else []
+        if len(fds) > MAX_SEGMENTS:
+            raise ConfigError(f"the layout has {len(fds)} segments; a registration passes at most {MAX_SEGMENTS} (one "
+                              "descriptor each: Linux passes at most 253 in one message); pack layers into fewer")
         address = self.hello().registration_socket
         self._close_lease()
         lease = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
