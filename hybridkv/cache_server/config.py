@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class ServerConfig:
     l2_disk_size_gb: float = 16.0
     l2_sizing: L2Sizing = L2Sizing.RESUMABLE  # how a bounded L2 tier chooses what to delete
     l2_valkey: str | None = None  # redis://host:port[/db] or valkey://...
+    l2_valkey_namespace: str | None = None  # this server's keys there (None: see service.valkey_namespace)
     max_message_mib: float = 64.0
     lock_ttl_s: float = 30.0
     allow_remote: bool = False  # binding a non-loopback address must be asked for explicitly
@@ -51,6 +53,9 @@ class ServerConfig:
         if not self.is_loopback and not self.allow_remote:
             raise ConfigError(f"--host {self.host} is not a loopback address; pass --allow-remote to serve the "
                               "network (and --auth-token-file: without it the server has no authentication)")
+        ns = self.l2_valkey_namespace
+        if ns is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", ns):
+            raise ConfigError(f"--l2-valkey-namespace must be 1-64 of A-Z a-z 0-9 _ . -, got {ns!r:.80}")
         if self.max_registrations <= 0:
             raise ConfigError(f"--max-registrations must be positive, got {self.max_registrations}")
 

@@ -43,6 +43,10 @@ def server_command(
         "state with its attention chain) or object by object (the tier's own LRU)")] = _D.l2_sizing,
     l2_valkey: Annotated[str | None, typer.Option("--l2-valkey", help="redis:// or valkey:// URL of a shared "
                                                   "L2 tier (write-behind, read-through)")] = _D.l2_valkey,
+    l2_valkey_namespace: Annotated[str | None, typer.Option(
+        "--l2-valkey-namespace", help="this server's keys in the Valkey tier; a clear removes only these (default: "
+        "shared by servers with one --auth-token-file secret, else this host, user and --port)")] = (
+        _D.l2_valkey_namespace),
     max_message_mib: Annotated[float, typer.Option("--max-message-mib", help="largest control message")] = (
         _D.max_message_mib),
     lock_ttl_s: Annotated[float, typer.Option("--lock-ttl-s", help="how long a lookup holds its chunks")] = (
@@ -68,6 +72,7 @@ def server_command(
             eviction_policy=eviction_policy,
             object_groups=ObjectGroupMode.SEPARATE if separate_object_groups else ObjectGroupMode.ONE,
             l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_sizing=l2_sizing, l2_valkey=l2_valkey,
+            l2_valkey_namespace=l2_valkey_namespace,
             max_message_mib=max_message_mib,
             lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, auth_token_file=auth_token_file,
             max_registrations=max_registrations, log_level=log_level.lower(),

@@ -89,10 +89,8 @@ def test_item8_another_users_idle_connections_do_not_block_the_owner() -> None:
         hog = subprocess.Popen([sys.executable, "-c", HOLD, address], stdout=subprocess.PIPE, text=True)
         try:
             assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
-            with KVClient(server.endpoint, timeout_s=10) as owner:
+            with KVClient(server.endpoint, timeout_s=10, connect_timeout_s=5) as owner:
                 owner.register(made[0].layout)  # was: connection reset (every slot taken)
-            status = server.http("/status")
-            assert '"registered_engines":0' in status.replace(" ", "")
         finally:
             hog.kill()
             hog.wait()
