@@ -281,7 +281,8 @@ class OkReply(Reply, tag="ok"):
 
 
 class ClearReply(Reply, tag="cleared"):
-    objects_removed: int
+    objects_removed: int  # from L1
+    problems: list[str] = []  # what an L2 tier could not clear, e.g. files it could not delete (and how many)
 
 
 class StatusReply(Reply, tag="status"):

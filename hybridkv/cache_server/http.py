@@ -72,7 +72,10 @@ def make_app(store: KVStore, auth: Authenticator | None = None, *, allow_remote:
         if request.query_params:  # e.g. ?model=: clearing one model's objects is not offered; never widen it
             return JSONResponse({"error": f"POST /cache/clear takes no parameters (it clears every model's objects "
                                           f"in L1 and L2); got {', '.join(sorted(request.query_params))}"}, 400)
-        return JSONResponse({"objects_removed": store.clear()})
+        cleared = store.clear()
+        if cleared.problems:  # never "removed" for what is still there
+            return JSONResponse({"error": "; ".join(cleared.problems), "objects_removed": cleared.objects_removed}, 500)
+        return JSONResponse({"objects_removed": cleared.objects_removed})
 
     async def healthz(_: Request) -> Response:
         return PlainTextResponse("ok")

@@ -27,3 +27,9 @@ class RetrieveResult:
     tokens: int
     bytes_copied: int
     object_group_bytes: list[int]  # bytes copied to the engine, per object group
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClearResult:
+    objects_removed: int  # from L1
+    problems: list[str]  # what an L2 tier could not clear (empty: everything went)

@@ -123,7 +123,8 @@ def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> AnyReply:
             store.unregister(req.instance_id, req.token)
             return OkReply(req_id=rid)
         case ClearRequest():
-            return ClearReply(req_id=rid, objects_removed=store.clear())
+            cleared = store.clear()
+            return ClearReply(req_id=rid, objects_removed=cleared.objects_removed, problems=cleared.problems)
         case StatusRequest():
             return StatusReply(req_id=rid, status=store.status(detail=detail))
     raise RequestError(ErrorCode.UNKNOWN_OP, f"no handler for {type(req).__name__}")

@@ -35,7 +35,7 @@ from hybridkv.cache_server.registered_layout import (
     object_groups,
     validate_layout,
 )
-from hybridkv.cache_server.results import LookupResult, RetrieveResult, StoreResult
+from hybridkv.cache_server.results import ClearResult, LookupResult, RetrieveResult, StoreResult
 from hybridkv.cache_server.shm import Bytes
 from hybridkv.cache_server.store_config import ObjectGroupMode, StoreConfig
 from hybridkv.cache_server.tiers.base import L2Tier
@@ -437,14 +437,14 @@ class KVStore:
 
     # ---- housekeeping -----------------------------------------------------------------------
 
-    def clear(self) -> int:
+    def clear(self) -> ClearResult:
         """Drop every object of L1 and every L2 tier (held lookups are released)."""
         with self._lock:
             self._leases.release_all()
-            self.tiers.clear()  # first: it flushes the write-behind, which reads L1 memory
+            problems = self.tiers.clear()  # first: it flushes the write-behind, which reads L1 memory
             removed = self._pool.clear()
             self._update_gauges()
-            return removed
+            return ClearResult(objects_removed=removed, problems=problems)
 
     def evict_one(self) -> bytes | None:
         """Evict L1's first unlocked object (tests and memory pressure); its key or None."""

@@ -261,7 +261,10 @@ class KVClient:
 
     def clear(self) -> int:
         """Drop every object of every tier; the number of L1 objects removed."""
-        return self._call(ClearRequest(req_id=0), ClearReply).objects_removed
+        reply = self._call(ClearRequest(req_id=0), ClearReply)
+        if reply.problems:
+            raise ServerError(ErrorCode.INTERNAL, "the clear was partial: " + "; ".join(reply.problems))
+        return reply.objects_removed
 
     def status(self) -> dict[str, Any]:
         return self._call(StatusRequest(req_id=0), StatusReply).status
