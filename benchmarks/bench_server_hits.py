@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.cache_server.auth import Authenticator
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.l2_sizing import L2Sizing
 from hybridkv.cache_server.service import ControlServer
 from hybridkv.cache_server.store import KVStore, StoreConfig
@@ -78,7 +78,7 @@ def sequences(trace: list[TraceRequest], seed: int) -> list[tuple[list[int], lis
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Setup:
-    policy: EvictionPolicyName
+    policy: L1EvictionPolicyName
     l1_bytes: int
     disk_bytes: int = 0  # 0: no L2 tier
     l2_sizing: L2Sizing = L2Sizing.OBJECTS
@@ -183,8 +183,8 @@ def l1_row(shape: Shape, kind: Generator, seqs: list[tuple[list[int], list[int]]
            fraction: float) -> tuple[int, int]:
     """L1 only, at `fraction` of what the trace stores: hits of `lru` and `resumable`."""
     l1 = max(1 << 12, int(stored * fraction))
-    lru = replay(shape, seqs, Setup(policy=EvictionPolicyName.LRU, l1_bytes=l1))
-    res = replay(shape, seqs, Setup(policy=EvictionPolicyName.RESUMABLE, l1_bytes=l1))
+    lru = replay(shape, seqs, Setup(policy=L1EvictionPolicyName.LRU, l1_bytes=l1))
+    res = replay(shape, seqs, Setup(policy=L1EvictionPolicyName.RESUMABLE, l1_bytes=l1))
     print(f"{shape.name} {kind.value}: l1={l1} B ({fraction:.0%} of {stored}) hit tokens lru={lru[0]} "
           f"resumable={res[0]} no_eviction={ideal}; dead bytes lru={lru[2]} resumable={res[2]}", flush=True)
     return lru[0], res[0]
@@ -198,7 +198,7 @@ def trace_of(shape: Shape, kind: Generator, args: argparse.Namespace,
     trace = generate(kind, options)
     seqs = sequences(trace, seed)
     bound = sum(len(full) // CHUNK for _, full in seqs) * sum(g.page_bytes for g in shape.groups) + (1 << 16)
-    ideal, stored, _ = replay(shape, seqs, Setup(policy=EvictionPolicyName.LRU, l1_bytes=bound))
+    ideal, stored, _ = replay(shape, seqs, Setup(policy=L1EvictionPolicyName.LRU, l1_bytes=bound))
     return seqs, stored, ideal
 
 
@@ -208,7 +208,7 @@ def l2_run(shape: Shape, seqs: list[tuple[list[int], list[int]]], stored: int, t
     (`--l2-sizing objects`) and sized by resumable prefixes (`resumable`)."""
     l1 = max(1 << 12, int(stored * l1_share))
     disk = max(1 << 12, int(stored * (total - l1_share)))
-    unsized, sized = (replay(shape, seqs, Setup(policy=EvictionPolicyName.LRU, l1_bytes=l1, disk_bytes=disk,
+    unsized, sized = (replay(shape, seqs, Setup(policy=L1EvictionPolicyName.LRU, l1_bytes=l1, disk_bytes=disk,
                                                 l2_sizing=sizing))[0]
                       for sizing in (L2Sizing.OBJECTS, L2Sizing.RESUMABLE))
     return unsized, sized

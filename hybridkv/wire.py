@@ -265,8 +265,9 @@ class StoreReply(Reply, tag="store"):
     it); `refusals`: what was not committed and why. Nothing is reported stored that is not."""
 
     stored: list[bool]
-    refusals: list[Refusal]
+    refusals: list[Refusal]  # at most 64 (the server's limit); the rest are counted in refusals_left_out
     object_group_bytes: list[int] = []  # page bytes copied from the engine, per object group
+    refusals_left_out: int = 0
 
 
 class RetrieveReply(Reply, tag="retrieve"):
@@ -280,7 +281,8 @@ class OkReply(Reply, tag="ok"):
 
 
 class ClearReply(Reply, tag="cleared"):
-    objects_removed: int
+    objects_removed: int  # from L1
+    problems: list[str] = []  # what an L2 tier could not clear, e.g. files it could not delete (and how many)
 
 
 class StatusReply(Reply, tag="status"):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.l2_sizing import L2Sizing
-from hybridkv.cache_server.store import ObjectGroupMode, StoreConfig
+from hybridkv.cache_server.store_config import ObjectGroupMode, StoreConfig
 from hybridkv.errors import ConfigError
 
 GIB = 1 << 30
@@ -22,12 +23,13 @@ class ServerConfig:
     http_port: int = 8080  # /metrics /status /cache/clear /healthz; 0 = any free port
     chunk_tokens: int = 256
     l1_size_gb: float = 2.0
-    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
+    eviction_policy: L1EvictionPolicyName = L1EvictionPolicyName.LRU
     object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
     l2_disk: Path | None = None
     l2_disk_size_gb: float = 16.0
     l2_sizing: L2Sizing = L2Sizing.RESUMABLE  # how a bounded L2 tier chooses what to delete
     l2_valkey: str | None = None  # redis://host:port[/db] or valkey://...
+    l2_valkey_namespace: str | None = None  # this server's keys there (None: see service.valkey_namespace)
     max_message_mib: float = 64.0
     lock_ttl_s: float = 30.0
     allow_remote: bool = False  # binding a non-loopback address must be asked for explicitly
@@ -51,6 +53,9 @@ class ServerConfig:
         if not self.is_loopback and not self.allow_remote:
             raise ConfigError(f"--host {self.host} is not a loopback address; pass --allow-remote to serve the "
                               "network (and --auth-token-file: without it the server has no authentication)")
+        ns = self.l2_valkey_namespace
+        if ns is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", ns):
+            raise ConfigError(f"--l2-valkey-namespace must be 1-64 of A-Z a-z 0-9 _ . -, got {ns!r:.80}")
         if self.max_registrations <= 0:
             raise ConfigError(f"--max-registrations must be positive, got {self.max_registrations}")
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.cache_server.keys import namespace
+from hybridkv.cache_server.limits import MAX_MAPPED_SEGMENTS
 from hybridkv.cache_server.registered_layout import ChunkRules, ObjectGroup, RequestError, TreeRules
 from hybridkv.cache_server.shm import MappedBuffers
 from hybridkv.wire import ErrorCode, Layout, ObjectGroupInfo, RegistrationAccess
@@ -40,6 +41,7 @@ class Engine:
     buffers: MappedBuffers | None  # None: a lookup-only registration
     owner: int | None  # the registration connection (its lease); None: made in-process
     namespaces: dict[tuple[int, str], bytes] = field(default_factory=dict)
+    segments: int = 0  # segments mapped for it
     trees: dict[str, TreeRules] = field(default_factory=dict)  # per cache salt
 
     def namespace(self, og: ObjectGroup, salt: str) -> bytes:
@@ -98,16 +100,22 @@ class EngineRegistry:
     def values(self) -> list[Engine]:
         return list(self._engines.values())
 
-    def check_room(self) -> None:
+    def check_room(self, segments: int = 0) -> None:
+        """LIMIT when one more registration, or `segments` more mapped segments, would pass a bound."""
         if len(self._engines) >= self.max_registrations:
             raise RequestError(ErrorCode.LIMIT, f"the server holds {len(self._engines)} registrations, its limit "
                                f"(--max-registrations {self.max_registrations}); unregister others or raise it")
+        mapped = sum(e.segments for e in self._engines.values())
+        if mapped + segments > MAX_MAPPED_SEGMENTS:
+            raise RequestError(ErrorCode.LIMIT, f"the server maps {mapped} segments; {segments} more would pass its "
+                               f"limit of {MAX_MAPPED_SEGMENTS}; unregister others first")
 
     def add(self, *, layout: Layout, rules: ChunkRules, groups: list[ObjectGroup], buffers: MappedBuffers | None,
             owner: int | None) -> Engine:
-        self.check_room()
+        self.check_room(buffers.segments if buffers is not None else 0)
         engine = Engine(instance_id=next(self._ids), token=secrets.token_hex(16), layout=layout, rules=rules,
-                        groups=groups, buffers=buffers, owner=owner)
+                        groups=groups, buffers=buffers, owner=owner,
+                        segments=buffers.segments if buffers is not None else 0)
         self._engines[engine.instance_id] = engine
         return engine
 

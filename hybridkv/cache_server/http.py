@@ -1,10 +1,11 @@
 """The server's HTTP face (Starlette on uvicorn, in a background thread): Prometheus `/metrics`,
 `/status` (JSON), `POST /cache/clear`, `/healthz`.
 
-With a shared secret (auth.py) a POST needs `Authorization: Bearer <secret>` and `/status` lists
-the engines' models and fingerprints only to a caller that sends it. Every POST is refused (403)
-when it carries an `Origin` header (a browser page: another site must not clear the cache through
-the user's browser) or, on a loopback server, a `Host` that is not a loopback name (DNS rebinding)."""
+Every route but `/healthz` reveals or changes state and needs `Authorization: Bearer <secret>`
+(the scheme in any case) when the server has a secret, which a server process always has
+(auth.py). Every POST is refused (403) when it carries an `Origin` header (a browser page: another
+site must not clear the cache through the user's browser) or, on a loopback server, a `Host` that
+is not a loopback name (DNS rebinding)."""
 
 from __future__ import annotations
 
@@ -40,19 +41,29 @@ def post_refusal(request: Request, auth: Authenticator, *, allow_remote: bool) -
     if not allow_remote and _host_name(request.headers.get("host", "")).lower() not in LOOPBACK_HOSTS:
         return JSONResponse({"error": f"Host {request.headers.get('host', '')!r:.100} is not a loopback name"}, 403)
     if not auth.ok_bearer(request.headers.get("authorization")):
-        return JSONResponse({"error": "this server needs `Authorization: Bearer <secret>`"}, 401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        return _unauthorized()
     return None
+
+
+def _unauthorized() -> Response:
+    return JSONResponse({"error": "this server needs `Authorization: Bearer <secret>` (a server started without "
+                                  "--auth-token-file writes its secret to $XDG_RUNTIME_DIR/hybridkv/server-<control "
+                                  "port>.secret, else /tmp/hybridkv-<uid>/)"}, 401,
+                        headers={"WWW-Authenticate": "Bearer"})
 
 
 def make_app(store: KVStore, auth: Authenticator | None = None, *, allow_remote: bool = False) -> Starlette:
     auth = auth or Authenticator()
 
-    async def metrics(_: Request) -> Response:
+    async def metrics(request: Request) -> Response:
+        if not auth.ok_bearer(request.headers.get("authorization")):
+            return _unauthorized()
         return Response(generate_latest(store.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def status(request: Request) -> Response:
-        return JSONResponse(store.status(detail=auth.ok_bearer(request.headers.get("authorization"))))
+        if not auth.ok_bearer(request.headers.get("authorization")):
+            return _unauthorized()
+        return JSONResponse(store.status(detail=True))
 
     async def clear(request: Request) -> Response:
         refused = post_refusal(request, auth, allow_remote=allow_remote)
@@ -61,7 +72,10 @@ def make_app(store: KVStore, auth: Authenticator | None = None, *, allow_remote:
         if request.query_params:  # e.g. ?model=: clearing one model's objects is not offered; never widen it
             return JSONResponse({"error": f"POST /cache/clear takes no parameters (it clears every model's objects "
                                           f"in L1 and L2); got {', '.join(sorted(request.query_params))}"}, 400)
-        return JSONResponse({"objects_removed": store.clear()})
+        cleared = store.clear()
+        if cleared.problems:  # never "removed" for what is still there
+            return JSONResponse({"error": "; ".join(cleared.problems), "objects_removed": cleared.objects_removed}, 500)
+        return JSONResponse({"objects_removed": cleared.objects_removed})
 
     async def healthz(_: Request) -> Response:
         return PlainTextResponse("ok")

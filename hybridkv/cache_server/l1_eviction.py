@@ -22,12 +22,12 @@ from hybridkv.cache_server.prefix_index import PrefixIndex
 from hybridkv.errors import ConfigError
 
 
-class EvictionPolicyName(Enum):
+class L1EvictionPolicyName(Enum):
     LRU = "lru"
     RESUMABLE = "resumable"
 
 
-class EvictionPolicy(Protocol):
+class L1EvictionPolicy(Protocol):
     def insert(self, key: bytes) -> None:
         """A new object entered the pool."""
         ...
@@ -44,7 +44,7 @@ class EvictionPolicy(Protocol):
         ...
 
 
-class LRUPolicy:
+class L1LRUPolicy:
     """Least recently used first."""
 
     def __init__(self) -> None:
@@ -63,7 +63,7 @@ class LRUPolicy:
         return iter(self._keys)
 
 
-class ResumablePolicy(LRUPolicy):
+class L1ResumablePolicy(L1LRUPolicy):
     """Dead objects, then resumable prefixes as units (least recently used first), then LRU."""
 
     def __init__(self, index: PrefixIndex) -> None:
@@ -84,13 +84,13 @@ class ResumablePolicy(LRUPolicy):
                 yield key
 
 
-def make_policy(name: EvictionPolicyName | str, index: PrefixIndex) -> EvictionPolicy:
+def make_policy(name: L1EvictionPolicyName | str, index: PrefixIndex) -> L1EvictionPolicy:
     """The policy called `name`; `index` is the pool's prefix index (read by `resumable`)."""
     try:
-        name = EvictionPolicyName(name)
+        name = L1EvictionPolicyName(name)
     except ValueError:
         raise ConfigError(f"unknown eviction policy {name!r}; expected one of "
-                          f"{[p.value for p in EvictionPolicyName]}") from None
-    if name is EvictionPolicyName.RESUMABLE:
-        return ResumablePolicy(index)
-    return LRUPolicy()
+                          f"{[p.value for p in L1EvictionPolicyName]}") from None
+    if name is L1EvictionPolicyName.RESUMABLE:
+        return L1ResumablePolicy(index)
+    return L1LRUPolicy()

@@ -157,15 +157,23 @@ class TierSet:
         except TierError as e:
             self._error(slot, "delete", e)
 
-    def clear(self) -> None:
+    def clear(self) -> list[str]:
+        """Clear every tier; what could not be cleared, one sentence per tier (empty: all went)."""
+        problems: list[str] = []
         for slot in self._slots:
             slot.writer.flush(timeout_s=10.0)
             if slot.sizer is not None:
                 slot.sizer.clear()
             try:
-                slot.tier.clear()
+                remaining = slot.tier.clear() or 0
             except TierError as e:
                 self._error(slot, "clear", e)
+                problems.append(f"the {slot.tier.name} tier could not be cleared: {e}")
+                continue
+            if remaining:
+                problems.append(f"the {slot.tier.name} tier could not delete {remaining} objects; they remain on it "
+                                "(not served until a restart finds them again)")
+        return problems
 
     def flush(self, timeout_s: float) -> bool:
         return all(slot.writer.flush(timeout_s) for slot in self._slots)

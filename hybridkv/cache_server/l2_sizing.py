@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from hybridkv.cache_server.l1_eviction import ResumablePolicy
+from hybridkv.cache_server.l1_eviction import L1ResumablePolicy
 from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex, PrefixRules
 from hybridkv.cache_server.tiers import framing
 from hybridkv.errors import IntegrityError
@@ -89,7 +89,7 @@ class TierSizer:
             raise ValueError(f"L2 sizing budget must be > 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self._index = PrefixIndex()
-        self._policy = ResumablePolicy(self._index)
+        self._policy = L1ResumablePolicy(self._index)
         self._objects: dict[bytes, _Object] = {}  # in L1 or in the tier
         self._used = 0
         self._state_bytes = 0

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybridkv.cache_server.limits import MAX_HELD_LOOKUPS, MAX_HELD_LOOKUPS_PER_REGISTRATION
 from hybridkv.cache_server.registered_layout import RequestError
 from hybridkv.wire import ErrorCode
 
@@ -29,11 +31,22 @@ class Leases:
 
     def __init__(self, unlock: Callable[[bytes], None], on_expire: Callable[[], None]) -> None:
         self._leases: dict[int, Lease] = {}
+        self._held_by: Counter[int] = Counter()  # instance id -> its leases
         self._unlock = unlock
         self._on_expire = on_expire
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    def check_room(self, instance_id: int) -> None:
+        """LIMIT when the server, or registration `instance_id`, holds as many lookups as it may."""
+        if len(self._leases) >= MAX_HELD_LOOKUPS:
+            raise RequestError(ErrorCode.LIMIT, f"the server holds {len(self._leases)} lookups, its limit; retrieve "
+                               "or release held lookups (or wait for their time to live)")
+        mine = self._held_by[instance_id]
+        if mine >= MAX_HELD_LOOKUPS_PER_REGISTRATION:
+            raise RequestError(ErrorCode.LIMIT, f"instance {instance_id} holds {mine} lookups, the limit per "
+                               "registration; retrieve or release them first")
 
     def add(self, lease: Lease) -> int:
         """Hold `lease`; its new random id (never 0, never one held)."""
@@ -41,6 +54,7 @@ class Leases:
             lookup_id = secrets.randbits(63)
             if lookup_id and lookup_id not in self._leases:
                 self._leases[lookup_id] = lease
+                self._held_by[lease.instance_id] += 1
                 return lookup_id
 
     def held(self, lookup_id: int, *, fingerprint: str, instance_id: int) -> Lease:
@@ -53,7 +67,11 @@ class Leases:
         return lease
 
     def release(self, lookup_id: int) -> None:
-        for key in self._leases.pop(lookup_id).locked:
+        lease = self._leases.pop(lookup_id)
+        self._held_by[lease.instance_id] -= 1
+        if not self._held_by[lease.instance_id]:
+            del self._held_by[lease.instance_id]
+        for key in lease.locked:
             self._unlock(key)
 
     def release_instance(self, instance_id: int) -> None:

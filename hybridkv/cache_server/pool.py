@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hybridkv.cache_server.arena import Arena, aligned
-from hybridkv.cache_server.l1_eviction import EvictionPolicy
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicy
 from hybridkv.cache_server.prefix_index import IndexStats, ObjectPlace, PrefixIndex
 from hybridkv.cache_server.shm import Bytes
 from hybridkv.errors import IntegrityError
@@ -52,7 +52,7 @@ class PoolStats:
 
 
 class L1Pool:
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy, *, index: PrefixIndex | None = None,
+    def __init__(self, capacity_bytes: int, policy: L1EvictionPolicy, *, index: PrefixIndex | None = None,
                  on_evict: Callable[[bytes, int], None] | None = None,
                  can_reuse: Callable[[], bool] | None = None, listener: PoolListener | None = None) -> None:
         self._arena = Arena(capacity_bytes)

@@ -20,6 +20,7 @@ mapping keeps the memory); a truncated message or descriptor list is refused.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -29,6 +30,7 @@ import struct
 from typing import Any
 
 from hybridkv.cache_server.auth import Authenticator
+from hybridkv.cache_server.limits import MAX_SEGMENTS_PER_REGISTRATION
 from hybridkv.cache_server.registered_layout import RequestError
 from hybridkv.cache_server.store import KVStore
 from hybridkv.wire import (
@@ -44,7 +46,7 @@ from hybridkv.wire import (
 
 log = logging.getLogger("hybridkv.cache_server")
 
-MAX_FDS = 512  # segments of one registration (one per layer slot)
+MAX_FDS = MAX_SEGMENTS_PER_REGISTRATION  # Linux passes at most 253 descriptors in one message (SCM_MAX_FD)
 MAX_REGISTER_BYTES = 1 << 20  # one register message (a layout of hundreds of buffers is tens of KiB)
 REFUSED_EXTRA = 64  # connections past the limit that are still answered (with LIMIT) before closing
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -90,19 +92,26 @@ class RegistrationSocket:
         except (BlockingIOError, InterruptedError):
             return
         conn.setblocking(False)
+        pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        if uid not in (os.geteuid(), 0):  # another user: told at once and closed, so it holds nothing here
+            self._refuse_now(conn, ErrorCode.UNAUTHORIZED, f"process {pid} runs as uid {uid}; this server serves "
+                             f"its own user (uid {os.geteuid()}) only")
+            return
         if len(self._conns) >= self.max_connections + REFUSED_EXTRA:
             conn.close()  # far over the limit: not even answered
             return
-        pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
         # a refused connection is answered at its first message (closing it now, with that message unread,
         # would reset it and lose the reply)
         refusal: tuple[ErrorCode, str] | None = None
-        if uid not in (os.geteuid(), 0):
-            refusal = (ErrorCode.UNAUTHORIZED, f"process {pid} runs as uid {uid}; this server serves its own user "
-                       f"(uid {os.geteuid()}) only")
-        elif len(self._conns) >= self.max_connections:
+        if len(self._conns) >= self.max_connections:
             refusal = (ErrorCode.LIMIT, f"{len(self._conns)} registration connections are open, the limit")
         self._conns[conn.fileno()] = (conn, next(self._owners), refusal)
+
+    def _refuse_now(self, conn: socket.socket, code: ErrorCode, message: str) -> None:
+        """Answer a connection before it sent anything, and close it (nothing unread: no reset)."""
+        with contextlib.suppress(OSError):
+            conn.send(encode(self._error(0, code, message)))
+        conn.close()
 
     def _receive(self, fd: int) -> None:
         conn, owner, refusal = self._conns[fd]
@@ -130,8 +139,9 @@ class RegistrationSocket:
             self._drop(fd)
 
     def _reply(self, msg: bytes, fds: list[int], flags: int, owner: int) -> AnyReply:
-        if flags & socket.MSG_CTRUNC or len(fds) >= MAX_FDS:
-            return self._error(0, ErrorCode.TOO_LARGE, f"a registration passes at most {MAX_FDS - 1} descriptors")
+        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+            return self._error(0, ErrorCode.TOO_LARGE, f"a registration passes at most {MAX_FDS} descriptors (one "
+                               f"per segment; Linux passes at most 253 in one message), got more")
         if flags & socket.MSG_TRUNC or len(msg) > self.max_message_bytes:
             return self._error(0, ErrorCode.TOO_LARGE, f"registration message over {self.max_message_bytes} bytes")
         try:

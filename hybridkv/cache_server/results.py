@@ -17,7 +17,8 @@ class LookupResult:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreResult:
     stored: list[bool]
-    refusals: list[Refusal]
+    refusals: list[Refusal]  # the first limits.MAX_REFUSALS_REPLIED
+    refusals_left_out: int
     object_group_bytes: list[int]  # bytes copied from the engine, per object group
 
 
@@ -26,3 +27,9 @@ class RetrieveResult:
     tokens: int
     bytes_copied: int
     object_group_bytes: list[int]  # bytes copied to the engine, per object group
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClearResult:
+    objects_removed: int  # from L1
+    problems: list[str]  # what an L2 tier could not clear (empty: everything went)

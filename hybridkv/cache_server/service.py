@@ -19,9 +19,13 @@ times that (a guard against memory exhaustion).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
+import secrets
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -40,6 +44,7 @@ from hybridkv.cache_server.tiers.disk import DiskTier
 from hybridkv.cache_server.tiers.valkey import ValkeyTier
 from hybridkv.errors import ConfigError
 from hybridkv.host_memory import check_fits
+from hybridkv.local_secret import remove_secret, write_secret
 from hybridkv.wire import (
     AnyReply,
     AnyRequest,
@@ -105,7 +110,8 @@ def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> AnyReply:
                                object_group_hit_tokens=r.object_group_hit_tokens, lock_ttl_s=store.config.lock_ttl_s)
         case StoreRequest():
             s = store.store(req)
-            return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals, object_group_bytes=s.object_group_bytes)
+            return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals, refusals_left_out=s.refusals_left_out,
+                              object_group_bytes=s.object_group_bytes)
         case RetrieveRequest():
             got = store.retrieve(req)
             return RetrieveReply(req_id=rid, retrieved_tokens=got.tokens, bytes_copied=got.bytes_copied,
@@ -117,7 +123,8 @@ def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> AnyReply:
             store.unregister(req.instance_id, req.token)
             return OkReply(req_id=rid)
         case ClearRequest():
-            return ClearReply(req_id=rid, objects_removed=store.clear())
+            cleared = store.clear()
+            return ClearReply(req_id=rid, objects_removed=cleared.objects_removed, problems=cleared.problems)
         case StatusRequest():
             return StatusReply(req_id=rid, status=store.status(detail=detail))
     raise RequestError(ErrorCode.UNKNOWN_OP, f"no handler for {type(req).__name__}")
@@ -217,13 +224,26 @@ class ControlServer:
         self.registration.close()
 
 
-def build_tiers(config: ServerConfig) -> list[L2Tier]:
+def valkey_namespace(config: ServerConfig, configured_secret: str) -> str:
+    """The namespace of this server's keys in a shared Valkey (a clear removes only these):
+    --l2-valkey-namespace; else servers configured with one secret share one (a cluster); else this
+    user's server on this host and control port (a restart on the same port finds its objects)."""
+    if config.l2_valkey_namespace is not None:
+        return config.l2_valkey_namespace
+    if configured_secret:
+        return "s-" + hashlib.sha256(configured_secret.encode()).hexdigest()[:16]
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:32]
+    port = str(config.port) if config.port else "any-" + secrets.token_hex(4)
+    return f"{host}-u{os.geteuid()}-p{port}"
+
+
+def build_tiers(config: ServerConfig, configured_secret: str = "") -> list[L2Tier]:
     """The L2 tiers asked for, fastest first: local disk, then the shared Valkey."""
     tiers: list[L2Tier] = []
     if config.l2_disk is not None:
         tiers.append(DiskTier(config.l2_disk, int(config.l2_disk_size_gb * GIB)))
     if config.l2_valkey is not None:
-        valkey = ValkeyTier(config.l2_valkey)
+        valkey = ValkeyTier(config.l2_valkey, namespace=valkey_namespace(config, configured_secret))
         if not valkey.ping():  # a wrong URL at start-up is a mistake; an outage later is served through
             valkey.close()
             raise ConfigError(f"--l2-valkey {config.l2_valkey}: no Valkey / Redis server answers there; expected a "
@@ -243,18 +263,21 @@ def startup_line(config: ServerConfig, control_port: int, http_port: int, tiers:
 def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None = None) -> None:
     """Run until SIGINT/SIGTERM (graceful; a second SIGINT forces)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    auth = Authenticator(server_secret(config.auth_token_file))
-    if not config.is_loopback and not auth.required:
-        log.warning("binding %s WITHOUT AUTHENTICATION: anyone who can reach this address can read, overwrite and "
-                    "clear every cached object; set --auth-token-file (or $HYBRIDKV_AUTH_TOKEN)", config.host)
+    configured = server_secret(config.auth_token_file)
+    secret = configured or secrets.token_hex(32)  # secure by default: a secret of this start, in a 0600 file
+    auth = Authenticator(secret)
     check_fits(kv_cache_gib=config.l1_size_gb, weights_bytes=0, name="--l1-size-gb")
-    store = KVStore(config.store_config(), build_tiers(config))
+    store = KVStore(config.store_config(), build_tiers(config, configured))
     control = ControlServer(store, config.host, config.port, config.max_message_bytes, auth=auth)
+    secret_file = None if configured else write_secret(control.port, secret)
     http = HTTPServer(store, config.host, config.http_port, auth=auth, allow_remote=not config.is_loopback)
     http.start()
     _install_signals(control)
     line = startup_line(config, control.port, http.port, store.tiers.names)
     print(line, flush=True)
+    if secret_file is not None:
+        print(f"hybridkv server: secret for clients of uid {os.geteuid()} in {secret_file} (read there by KVClient, "
+              "the vLLM connector and `hybridkv run`; curl: -H \"Authorization: Bearer $(cat FILE)\")", flush=True)
     if on_ready is not None:
         on_ready(line)
     try:
@@ -262,6 +285,8 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None =
     finally:
         http.stop()
         store.close()
+        if secret_file is not None:
+            remove_secret(secret_file)
         log.info("hybridkv server stopped")
 
 

@@ -11,11 +11,12 @@ a file that shrinks raises SIGBUS on the next copy, which would end the server f
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
 import stat
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +37,40 @@ def _populate_flag(st: os.stat_result) -> int:
     return getattr(mmap, "MAP_POPULATE", 0) if allocated >= st.st_size else 0
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """A shared read-write mapping that keeps no descriptor open. Python's `mmap.mmap` keeps a
+    duplicate of the descriptor for as long as it lives: one per segment of every registration, so
+    a client registering many segments used to take every descriptor the server had (issue 46)."""
+
+    def __init__(self, fd: int, size_bytes: int, flags: int) -> None:
+        addr = _libc.mmap(None, size_bytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self._addr: int | None = addr
+        self._size = size_bytes
+        self.view: Bytes = np.frombuffer(memoryview((ctypes.c_uint8 * size_bytes).from_address(addr)), dtype=np.uint8)
+
+    def close(self) -> None:
+        """Unmap, unless a view of it is still referenced elsewhere (then the mapping stays until the
+        process exits: unmapping under a live view would crash the server on its next use)."""
+        if self._addr is None:
+            return
+        if sys.getrefcount(self.view) > 2:  # this attribute and getrefcount's own argument
+            return
+        self.view = np.empty(0, dtype=np.uint8)
+        _libc.munmap(self._addr, self._size)
+        self._addr = None
+
+
 class MappedBuffers:
     """Read/write views of one registered engine's buffers. Close when the engine unregisters.
 
@@ -45,7 +80,7 @@ class MappedBuffers:
         self.num_blocks = layout.num_blocks
         self.strides = buffer_strides(layout)
         self.offsets = [buf.offset_bytes for buf in layout.buffers]
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[_Mapping] = []
         self.views: list[Bytes] = []
         names = segment_labels(layout)
         if len(fds) != len(names):
@@ -78,11 +113,15 @@ class MappedBuffers:
         if st.st_size < size_bytes:
             raise bad(f"has {st.st_size} bytes, the layout says {size_bytes}")
         try:
-            mapped = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | _populate_flag(st))
+            mapped = _Mapping(fd, size_bytes, mmap.MAP_SHARED | _populate_flag(st))
         except OSError as e:
             raise bad(f"cannot be mapped read-write: {e.strerror} (pass a descriptor opened read-write)") from None
         self._maps.append(mapped)
-        return np.frombuffer(mapped, dtype=np.uint8)
+        return mapped.view
+
+    @property
+    def segments(self) -> int:
+        return len(self._maps)
 
     def check_block_ids(self, what: str, block_ids: list[int]) -> None:
         for b in block_ids:
@@ -97,6 +136,5 @@ class MappedBuffers:
     def close(self) -> None:
         self.views.clear()
         for m in self._maps:
-            with contextlib.suppress(BufferError):  # a view still exported: the OS unmaps at exit
-                m.close()
+            m.close()
         self._maps.clear()

@@ -13,17 +13,16 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
+from hybridkv.cache_server import limits
 from hybridkv.cache_server.engines import Engine, EngineRegistry, Registered, access_buffers
 from hybridkv.cache_server.keys import object_key
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName, make_policy
+from hybridkv.cache_server.l1_eviction import make_policy
 from hybridkv.cache_server.l2 import TierSet
-from hybridkv.cache_server.l2_sizing import L2Sizing, SizerStats
+from hybridkv.cache_server.l2_sizing import SizerStats
 from hybridkv.cache_server.leases import Lease, Leases
 from hybridkv.cache_server.metrics import ServerMetrics
 from hybridkv.cache_server.pool import L1Pool
@@ -36,8 +35,9 @@ from hybridkv.cache_server.registered_layout import (
     object_groups,
     validate_layout,
 )
-from hybridkv.cache_server.results import LookupResult, RetrieveResult, StoreResult
+from hybridkv.cache_server.results import ClearResult, LookupResult, RetrieveResult, StoreResult
 from hybridkv.cache_server.shm import Bytes
+from hybridkv.cache_server.store_config import ObjectGroupMode, StoreConfig
 from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.wire import (
     ErrorCode,
@@ -50,29 +50,10 @@ from hybridkv.wire import (
     StoreRequest,
 )
 
+__all__ = ["KVStore", "ObjectGroupMode", "StoreConfig"]  # the last two live in store_config.py
+
 L2_FLUSH_TIMEOUT_S = 10.0
 _NULL = "\0null"  # _store_object: only null blocks sent (not a refusal by itself)
-
-
-class ObjectGroupMode(Enum):
-    SEPARATE = "separate"  # full / each window / each chunked size / each state group
-    ONE = "one"  # every group in one object per chunk
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreConfig:
-    chunk_tokens: int = 256
-    l1_bytes: int = 1 << 30
-    eviction_policy: EvictionPolicyName = EvictionPolicyName.LRU
-    l2_sizing: L2Sizing = L2Sizing.RESUMABLE
-    object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
-    lock_ttl_s: float = 30.0
-    max_registrations: int = 256
-
-    def __post_init__(self) -> None:
-        if self.chunk_tokens <= 0 or self.l1_bytes <= 0 or self.lock_ttl_s <= 0 or self.max_registrations <= 0:
-            raise ValueError(f"chunk_tokens, l1_bytes, lock_ttl_s and max_registrations must be positive, got "
-                             f"{self.chunk_tokens}, {self.l1_bytes}, {self.lock_ttl_s}, {self.max_registrations}")
 
 
 class KVStore:
@@ -99,7 +80,7 @@ class KVStore:
         and register it; `owner`: the registration connection whose closing releases it."""
         validate_layout(layout, self.config.chunk_tokens)
         with self._lock:
-            self._engines.check_room()  # before mapping anything
+            self._engines.check_room(len(fds))  # before mapping anything
         buffers = access_buffers(layout, fds, access)
         separate = self.config.object_groups is ObjectGroupMode.SEPARATE
         try:
@@ -145,9 +126,8 @@ class KVStore:
         with self._lock:
             self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
+            limits.check_store(req)
             self._check_block_ids(engine, req.block_ids, len(req.chunk_hashes), "store")
-            if req.first_chunk < 0:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"first_chunk must be >= 0, got {req.first_chunk}")
             self.metrics.store_requests.inc()
             self.tiers.begin_store()
             parent = req.parent_hash if req.first_chunk and req.parent_hash else None
@@ -175,7 +155,9 @@ class KVStore:
                 for key in pinned:  # the request's own objects could not evict each other (see _store_object)
                     self._pool.unlock(key)
             self._update_gauges()
-            return StoreResult(stored=stored, refusals=refusals, object_group_bytes=copied)
+            replied = refusals[:limits.MAX_REFUSALS_REPLIED]
+            return StoreResult(stored=stored, refusals=replied, refusals_left_out=len(refusals) - len(replied),
+                               object_group_bytes=copied)
 
     def _store_object(self, engine: Engine, og: ObjectGroup, req: StoreRequest, i: int, chunk_hash: bytes,
                       copied: list[int], pinned: list[bytes]) -> str:
@@ -275,8 +257,7 @@ class KVStore:
             self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
             self.metrics.lookups.inc()
-            if req.num_tokens < 0:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"num_tokens must be >= 0, got {req.num_tokens}")
+            limits.check_lookup(req)
             max_chunks = min(len(req.chunk_hashes), max(0, req.num_tokens - 1) // self.config.chunk_tokens)
             hashes = req.chunk_hashes[:max_chunks]
             keys = [[self._key(engine, og, req.cache_salt, j, h) for j, h in enumerate(hashes)] for og in engine.groups]
@@ -289,6 +270,12 @@ class KVStore:
                     break
             lookup_id = 0
             if hit:
+                try:
+                    self._leases.check_room(req.instance_id)
+                except RequestError:
+                    for key in locked:
+                        self._pool.unlock(key)
+                    raise
                 lookup_id = self._leases.add(Lease(
                     instance_id=req.instance_id, fingerprint=engine.layout.fingerprint, cache_salt=req.cache_salt,
                     hashes=hashes[:hit], locked=locked, expires_at=time.monotonic() + self.config.lock_ttl_s))
@@ -375,6 +362,7 @@ class KVStore:
         with self._lock:
             self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
+            limits.check_retrieve(req)
             lease = self._held(engine, req.lookup_id)
             try:
                 buffers = engine.mapped("retrieve")
@@ -449,14 +437,14 @@ class KVStore:
 
     # ---- housekeeping -----------------------------------------------------------------------
 
-    def clear(self) -> int:
+    def clear(self) -> ClearResult:
         """Drop every object of L1 and every L2 tier (held lookups are released)."""
         with self._lock:
             self._leases.release_all()
-            self.tiers.clear()  # first: it flushes the write-behind, which reads L1 memory
+            problems = self.tiers.clear()  # first: it flushes the write-behind, which reads L1 memory
             removed = self._pool.clear()
             self._update_gauges()
-            return removed
+            return ClearResult(objects_removed=removed, problems=problems)
 
     def evict_one(self) -> bytes | None:
         """Evict L1's first unlocked object (tests and memory pressure); its key or None."""

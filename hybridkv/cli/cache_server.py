@@ -13,9 +13,9 @@ from typing import Annotated
 import typer
 
 from hybridkv.cache_server.config import ServerConfig
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.l2_sizing import L2Sizing
-from hybridkv.cache_server.store import ObjectGroupMode
+from hybridkv.cache_server.store_config import ObjectGroupMode
 from hybridkv.cli.errors import usage_error
 from hybridkv.errors import HybridKVError
 
@@ -30,7 +30,7 @@ def server_command(
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per chunk: a multiple of every "
                                             "group's block size")] = _D.chunk_tokens,
     l1_size_gb: Annotated[float, typer.Option("--l1-size-gb", help="L1 memory pool in GiB")] = _D.l1_size_gb,
-    eviction_policy: Annotated[EvictionPolicyName, typer.Option(
+    eviction_policy: Annotated[L1EvictionPolicyName, typer.Option(
         "--eviction-policy", help="which stored chunk L1 drops first when full")] = _D.eviction_policy,
     separate_object_groups: Annotated[bool, typer.Option(
         "--separate-object-groups/--no-separate-object-groups",
@@ -43,6 +43,10 @@ def server_command(
         "state with its attention chain) or object by object (the tier's own LRU)")] = _D.l2_sizing,
     l2_valkey: Annotated[str | None, typer.Option("--l2-valkey", help="redis:// or valkey:// URL of a shared "
                                                   "L2 tier (write-behind, read-through)")] = _D.l2_valkey,
+    l2_valkey_namespace: Annotated[str | None, typer.Option(
+        "--l2-valkey-namespace", help="this server's keys in the Valkey tier; a clear removes only these (default: "
+        "shared by servers with one --auth-token-file secret, else this host, user and --port)")] = (
+        _D.l2_valkey_namespace),
     max_message_mib: Annotated[float, typer.Option("--max-message-mib", help="largest control message")] = (
         _D.max_message_mib),
     lock_ttl_s: Annotated[float, typer.Option("--lock-ttl-s", help="how long a lookup holds its chunks")] = (
@@ -57,6 +61,7 @@ def server_command(
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = _D.log_level,
 ) -> None:
     """Run the KV cache server: every group's pages, memory / disk / Valkey tiers, metrics."""
+    from hybridkv.cache_server.copy_tuning import reexec_tuned
     from hybridkv.cache_server.service import run_server
 
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -67,10 +72,12 @@ def server_command(
             eviction_policy=eviction_policy,
             object_groups=ObjectGroupMode.SEPARATE if separate_object_groups else ObjectGroupMode.ONE,
             l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_sizing=l2_sizing, l2_valkey=l2_valkey,
+            l2_valkey_namespace=l2_valkey_namespace,
             max_message_mib=max_message_mib,
             lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, auth_token_file=auth_token_file,
             max_registrations=max_registrations, log_level=log_level.lower(),
         )
+        reexec_tuned()  # glibc's non-temporal page copies: read at process start only
         run_server(config)
     except (HybridKVError, OSError) as e:
         raise usage_error(str(e)) from None

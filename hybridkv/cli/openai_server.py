@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -31,6 +32,8 @@ ApiKey = Annotated[str | None, typer.Option(
 MaxBodyBytes = Annotated[int, typer.Option("--max-body-bytes", help="largest request body (413 beyond)")]
 HeaderTimeout = Annotated[float, typer.Option(
     "--header-timeout-s", help="close a connection that has not sent its request head within this time")]
+BodyTimeout = Annotated[float, typer.Option(
+    "--body-timeout-s", help="answer 408 to a request whose body has not all arrived within this time")]
 IdleTimeout = Annotated[int, typer.Option("--idle-timeout-s", help="close a keep-alive connection idle this long")]
 MaxConnections = Annotated[int, typer.Option(
     "--max-connections", help="open connections (and requests) at most; beyond: 503")]
@@ -51,6 +54,7 @@ def serve_command(
     api_key: ApiKey = None,
     max_body_bytes: MaxBodyBytes = 4 * 1024 * 1024,
     header_timeout_s: HeaderTimeout = 10.0,
+    body_timeout_s: BodyTimeout = 30.0,
     idle_timeout_s: IdleTimeout = 5,
     max_connections: MaxConnections = 1024,
     *,
@@ -73,8 +77,12 @@ def serve_command(
         from hybridkv.openai_api.limits import ServeLimits
 
         check_host(host, allow_remote=allow_remote)
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in sys.argv):
+            typer.echo("warning: --api-key on the command line is visible to every user (ps, /proc); set "
+                       "$HYBRIDKV_API_KEY instead", err=True)
         limits = ServeLimits(api_key=api_key, max_body_bytes=max_body_bytes, header_timeout_s=header_timeout_s,
-                             idle_timeout_s=idle_timeout_s, max_connections=max_connections)
+                             body_timeout_s=body_timeout_s, idle_timeout_s=idle_timeout_s,
+                             max_connections=max_connections)
         from hybridkv.engine.llm import LLM
 
         llm = LLM(model, **opt.engine_kwargs(engine))

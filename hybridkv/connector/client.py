@@ -14,7 +14,8 @@ Registering hands the layout's segments (SharedKVBuffers of this process, segmen
 server as file descriptors over its registration socket, whose address the control channel's
 `hello` gives; that connection stays open as the registration's lease, and the reply's secret
 token goes with every later request. The server's shared secret, when it has one, is read from
-$HYBRIDKV_AUTH_TOKEN (or the file named by $HYBRIDKV_AUTH_TOKEN_FILE) unless given.
+$HYBRIDKV_AUTH_TOKEN (or the file named by $HYBRIDKV_AUTH_TOKEN_FILE) unless given, else, for a loopback
+endpoint, from the file the same user's server wrote (hybridkv/local_secret.py).
 
 Every call raises `ServerError` (with the server's `ErrorCode`) on an error reply,
 `ServerUnreachable` within `connect_timeout_s` when no server is connected (nothing listens, it
@@ -42,6 +43,7 @@ import zmq
 
 from hybridkv.connector.segments import SharedKVBuffers, segment_fds
 from hybridkv.errors import ConfigError, HybridKVError
+from hybridkv.local_secret import secret_for_endpoint
 from hybridkv.wire import (
     AUTH_TOKEN_ENV,
     AUTH_TOKEN_FILE_ENV,
@@ -82,6 +84,8 @@ __all__ = [
     "RetrieveReply", "ServerError", "ServerTimeout", "ServerUnreachable", "SharedKVBuffers", "StoreReply",
     "auth_token_from_env", "chunk_hashes", "make_layout",
 ]
+
+MAX_SEGMENTS = 253  # descriptors Linux passes in one message (SCM_MAX_FD): the server takes no more
 
 R = TypeVar("R", bound=AnyReply)
 
@@ -151,14 +155,16 @@ class Registration:
 class KVClient:
     """One engine's connection to the server (a ZeroMQ DEALER; one request in flight at a time,
     not thread-safe: use one client per thread). `auth_token`: the server's shared secret (None:
-    from the environment, `auth_token_from_env`)."""
+    from the environment, `auth_token_from_env`, else the secret file of a local server)."""
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5555", *, timeout_s: float = 10.0,
                  connect_timeout_s: float = 0.5, auth_token: str | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.connect_timeout_s = min(connect_timeout_s, timeout_s)
-        self._auth = auth_token_from_env() if auth_token is None else auth_token
+        given = auth_token_from_env() if auth_token is None else auth_token
+        self._auth_from_file = auth_token is None and not given  # read again after a restart
+        self._auth = secret_for_endpoint(endpoint) if self._auth_from_file else given
         self._ctx = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._lease: socket.socket | None = None  # the registration connection
@@ -187,6 +193,9 @@ class KVClient:
         """Register `layout`, passing its segments (SharedKVBuffers of this process) to the server;
         LOOKUP_ONLY passes none (a process that only looks up, e.g. vLLM's scheduler)."""
         fds = segment_fds(segment_labels(layout)) if access is RegistrationAccess.COPY else []
+        if len(fds) > MAX_SEGMENTS:
+            raise ConfigError(f"the layout has {len(fds)} segments; a registration passes at most {MAX_SEGMENTS} (one "
+                              "descriptor each: Linux passes at most 253 in one message); pack layers into fewer")
         address = self.hello().registration_socket
         self._close_lease()
         lease = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -252,7 +261,10 @@ class KVClient:
 
     def clear(self) -> int:
         """Drop every object of every tier; the number of L1 objects removed."""
-        return self._call(ClearRequest(req_id=0), ClearReply).objects_removed
+        reply = self._call(ClearRequest(req_id=0), ClearReply)
+        if reply.problems:
+            raise ServerError(ErrorCode.INTERNAL, "the clear was partial: " + "; ".join(reply.problems))
+        return reply.objects_removed
 
     def status(self) -> dict[str, Any]:
         return self._call(StatusRequest(req_id=0), StatusReply).status
@@ -291,6 +303,11 @@ class KVClient:
 
     def _call(self, req: Request, reply_type: type[R], *, timeout_s: float | None = None) -> R:
         reply = self._roundtrip(req, self.timeout_s if timeout_s is None else timeout_s)
+        if isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNAUTHORIZED and self._auth_from_file:
+            fresh = secret_for_endpoint(self.endpoint)  # a restarted local server wrote a new one
+            if fresh and fresh != self._auth:
+                self._auth = fresh
+                reply = self._roundtrip(req, self.timeout_s if timeout_s is None else timeout_s)
         if isinstance(reply, ErrorReply):
             raise ServerError(reply.code, reply.message)
         if not isinstance(reply, reply_type):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridkv.errors import HybridKVError
+from hybridkv.local_secret import secret_for_endpoint
 from hybridkv.wire import AUTH_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ class ServerEndpoints:
 
     def http(self, path: str, *, method: str = "GET", headers: dict[str, str] | None = None) -> str:
         sent = dict(headers or {})
-        if self.auth_token and "Authorization" not in sent:
-            sent["Authorization"] = f"Bearer {self.auth_token}"
+        token = self.auth_token or secret_for_endpoint(self.endpoint)  # a server of ours: its secret file
+        if token and "Authorization" not in sent:
+            sent["Authorization"] = f"Bearer {token}"
         req = urllib.request.Request(self.http_url + path, method=method, headers=sent)
         with urllib.request.urlopen(req, timeout=5) as r:
             return str(r.read().decode())

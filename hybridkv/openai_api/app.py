@@ -148,7 +148,7 @@ def _refuse(state: ServeState, exc: BadRequest) -> Response:
 
 async def _generate(state: ServeState, request: Request, *, chat: bool) -> Response:
     try:
-        raw = await read_body(request, state.limits.max_body_bytes)
+        raw = await read_body(request, state.limits.max_body_bytes, state.limits.body_timeout_s)
         gen, writer = await asyncio.to_thread(_prepare, state, raw, chat=chat)  # decode + tokenize off the loop
     except BadRequest as exc:
         return _refuse(state, exc)

@@ -4,6 +4,7 @@
     ApiKeyGuard        ASGI middleware: with an API key, /v1/* and POST /reset_prefix_cache need
                        `Authorization: Bearer <key>` (vLLM's rule; /health and /metrics stay open), else 401
     read_body          the request body, 413 once it passes the limit (Content-Length or counted)
+    read_body          ... and 408 when it has not all arrived within `body_timeout_s`
     HeaderTimeoutH11   uvicorn's h11 protocol plus a header timeout: a connection that has not sent a
                        whole request head within `header_timeout_s` of connecting (or of starting its
                        next request) is closed, so slow clients cannot hold connections open
@@ -43,6 +44,7 @@ class ServeLimits:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0  # the whole body must arrive within this time of its head (408 after)
     idle_timeout_s: int = 5
     max_connections: int = 1024
 
@@ -50,7 +52,8 @@ class ServeLimits:
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key is empty; expected a non-empty token (or leave it out)")
         checks = [("--max-body-bytes", self.max_body_bytes, 1), ("--header-timeout-s", self.header_timeout_s, 0.001),
-                  ("--idle-timeout-s", self.idle_timeout_s, 1), ("--max-connections", self.max_connections, 1)]
+                  ("--body-timeout-s", self.body_timeout_s, 0.001), ("--idle-timeout-s", self.idle_timeout_s, 1),
+                  ("--max-connections", self.max_connections, 1)]
         for flag, value, least in checks:
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= least:
                 raise ConfigError(f"{flag} must be at least {least}, got {value!r}")
@@ -61,7 +64,7 @@ class ApiKeyGuard:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and _guarded(scope) and not self._authorized(scope):
@@ -76,7 +79,9 @@ class ApiKeyGuard:
 
     def _authorized(self, scope: Scope) -> bool:
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(given, self._expected)
+        scheme, _, key = given.partition(b" ")
+        # the scheme is case-insensitive (RFC 9110 11.1): `bearer` and `BEARER` are `Bearer`
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._expected)
 
 
 def _guarded(scope: Scope) -> bool:
@@ -86,8 +91,18 @@ def _guarded(scope: Scope) -> bool:
     return path.startswith("/v1") or (path == "/reset_prefix_cache" and scope["method"] == "POST")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body; BadRequest 413 as soon as it is known to pass `limit` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The whole body; BadRequest 413 as soon as it is known to pass `limit` bytes, 408 when it has
+    not all arrived within `timeout_s` (a client that trickles a body must not hold a connection and
+    its buffer forever)."""
+    try:
+        return await asyncio.wait_for(_read_body(request, limit), timeout_s)
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout_s:g} s (hybridkv serve --body-timeout-s)",
+                         status=408, code="request_timeout") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)

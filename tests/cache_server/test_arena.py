@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.cache_server.arena import Arena
-from hybridkv.cache_server.l1_eviction import LRUPolicy
+from hybridkv.cache_server.l1_eviction import L1LRUPolicy
 from hybridkv.cache_server.pool import L1Pool
 from hybridkv.errors import IntegrityError
 
@@ -27,7 +27,7 @@ def test_first_fit_rounding_and_coalescing() -> None:
 
 
 def test_pool_evicts_until_a_hole_fits() -> None:
-    pool = L1Pool(4 * 64, LRUPolicy())
+    pool = L1Pool(4 * 64, L1LRUPolicy())
     for k in (b"a", b"b", b"c", b"d"):
         assert pool.put(k, 64, lambda v, k=k: v.fill(k[0]))
     pool.lock(b"b")

@@ -71,8 +71,11 @@ def test_http_post_auth_origin_host_and_status_redaction() -> None:
                          Origin="http://evil.example")[0] == 403
         assert http_code(server, "/cache/clear", method="POST", Authorization=bearer, Host="evil.example:80")[0] == 403
         assert server.metric("hybridkv_server_l1_objects") == 2  # none of those cleared anything
-        anonymous = json.loads(http_code(server, "/status", Authorization="")[1])
-        assert anonymous["engines"] == [] and anonymous["registered_engines"] == 1 and "toy" not in str(anonymous)
+        for path in ("/status", "/metrics"):  # state-revealing: refused without the secret (issue 46)
+            code, body = http_code(server, path, Authorization="")
+            assert code == 401 and "toy" not in body
+        assert http_code(server, "/healthz", Authorization="") == (200, "ok")
+        assert http_code(server, "/status", Authorization=f"bEaReR {SECRET}")[0] == 200  # the scheme in any case
         known = json.loads(http_code(server, "/status")[1])  # helpers send the bearer
         assert known["engines"][0]["fingerprint"] == eng.layout.fingerprint
         assert http_code(server, "/cache/clear", method="POST") == (200, '{"objects_removed":2}')

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cache_server.keys import object_key
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.l2 import TierSet
 from hybridkv.cache_server.l2_sizing import L2Sizing, TierSizer, frame_bytes
 from hybridkv.cache_server.metrics import ServerMetrics
@@ -115,7 +115,7 @@ def _hand_case(sizing: L2Sizing, tmp: FsPath) -> tuple[int, dict[str, object], i
     seqs = {name: [base + t for t in range(2 * chunk + 1)] for name, base in (("a", 0), ("b", 1000), ("c", 2000))}
     hashes = {name: chunk_hashes(s, chunk) for name, s in seqs.items()}
     disk = DiskTier(tmp, 5 * frame_bytes(object_key(bytes(16), 0, hashes["a"][0]), page))
-    config = StoreConfig(chunk_tokens=chunk, l1_bytes=4 * page, eviction_policy=EvictionPolicyName.LRU,
+    config = StoreConfig(chunk_tokens=chunk, l1_bytes=4 * page, eviction_policy=L1EvictionPolicyName.LRU,
                          l2_sizing=sizing)
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(running_server(config, [disk]))

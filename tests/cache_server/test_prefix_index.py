@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName, ResumablePolicy
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName, L1ResumablePolicy
 from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex
 from hybridkv.cache_server.store import StoreConfig
 from hybridkv.connector.client import chunk_hashes
@@ -77,7 +77,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["put", "put", "drop", "touch"]), PATHS
 def test_index_and_policy_match_brute_force(kinds: tuple[str, ...], ops: list[tuple[str, Path, int]]) -> None:
     rules = Rules(kinds)
     index = PrefixIndex()
-    policy = ResumablePolicy(index)
+    policy = L1ResumablePolicy(index)
     present: set[tuple[Path, int]] = set()
     recency: list[bytes] = []  # least recently used first
     for op, path, og in ops:
@@ -138,7 +138,7 @@ def _hand_case(policy: str) -> tuple[list[int], float]:
     Returns the hits of A and C afterwards and the dead bytes."""
     chunk = 8
     groups = [make_group(block=8, page=64), make_group(kind="state", block=8, page=64)]
-    config = StoreConfig(chunk_tokens=chunk, l1_bytes=6 * 64, eviction_policy=EvictionPolicyName(policy))
+    config = StoreConfig(chunk_tokens=chunk, l1_bytes=6 * 64, eviction_policy=L1EvictionPolicyName(policy))
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(running_server(config))
         engine = stack.enter_context(fake_engine(groups))
@@ -175,7 +175,7 @@ def test_a_wrong_parent_hash_changes_eviction_order_not_answers() -> None:
     """A client that names a wrong parent for chunk 1 only makes chunk 1 look dead to the index: the
     store still reports it stored and a lookup still hits both chunks (answers come from the objects)."""
     chunk = 8
-    config = StoreConfig(chunk_tokens=chunk, l1_bytes=1 << 16, eviction_policy=EvictionPolicyName.RESUMABLE)
+    config = StoreConfig(chunk_tokens=chunk, l1_bytes=1 << 16, eviction_policy=L1EvictionPolicyName.RESUMABLE)
     with running_server(config) as server, fake_engine([make_group(block=8, page=64)]) as engine, \
             server.client() as c:
         c.register(engine.layout)

@@ -5,6 +5,7 @@ cache salt still isolates tenants across nodes."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
 
@@ -35,8 +36,10 @@ def _ids(base: int, chunks: int = 4) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_two_server_processes_on_one_valkey(redis_url: str) -> None:
-    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-valkey", redis_url)
     model = f"scale-out-{uuid.uuid4().hex[:8]}"  # keys of this test only, in the session's shared Valkey
+    # one cluster: the two nodes name one namespace (else each keeps its own, issue 46)
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-valkey", redis_url, "--l2-valkey-namespace",
+            model)
     with server_process(*args) as node1, server_process(*args) as node2, \
             fake_engine(GROUPS, seed=3, model=model) as a, fake_engine(GROUPS, seed=None, model=model) as b, \
             KVClient(node1.endpoint) as ca, KVClient(node2.endpoint) as cb:
@@ -63,3 +66,34 @@ def test_two_server_processes_on_one_valkey(redis_url: str) -> None:
         cb.release(same.lookup_id)
         metrics = node2.http("/metrics")
         assert 'hybridkv_server_l2_promotions_total{tier="valkey"}' in metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_item14_a_clear_removes_only_its_own_servers_valkey_keys(redis_url: str) -> None:
+    """Two servers on one Valkey, each in its default namespace: a clear on one (POST /cache/clear)
+    leaves what the other stored there (it used to delete every server's chunks): the other, restarted
+    on its port (its namespace), still hits from Valkey."""
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-valkey", redis_url)
+    model = f"clear-{uuid.uuid4().hex[:8]}"
+    hashes = chunk_hashes(TOKENS, CHUNK)
+    port2 = str(_free_port())
+    with server_process(*args) as node1, fake_engine(GROUPS, seed=3, model=model) as a, \
+            KVClient(node1.endpoint) as ca:
+        ca.register(a.layout)
+        with server_process(*args, "--port", port2) as node2, KVClient(node2.endpoint) as cb:
+            cb.register(a.layout)
+            assert cb.store(first_chunk=0, chunk_hashes=hashes, block_ids=_ids(1)).stored == [True] * 4
+            _drained(node2)
+        assert ca.store(first_chunk=0, chunk_hashes=hashes, block_ids=_ids(1)).stored == [True] * 4
+        _drained(node1)
+        assert json.loads(node1.http("/cache/clear", method="POST"))["objects_removed"] == 8  # its 8 L1 objects
+        assert ca.lookup(hashes, num_tokens=len(TOKENS)).hit_tokens == 0  # its own Valkey keys went too
+        with server_process(*args, "--port", port2) as node2, KVClient(node2.endpoint) as cb:
+            cb.register(a.layout)
+            assert cb.lookup(hashes, num_tokens=len(TOKENS)).hit_tokens == 4 * CHUNK

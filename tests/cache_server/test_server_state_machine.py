@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridkv.cache_server.keys import namespace, object_key
-from hybridkv.cache_server.l1_eviction import EvictionPolicyName
+from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.registered_layout import object_groups
 from hybridkv.cache_server.store import KVStore, StoreConfig
 from hybridkv.connector.client import chunk_hashes
@@ -45,7 +45,7 @@ def needed_tokens(g: object, hit: int) -> range:
 
 
 class ServerMachine(RuleBasedStateMachine):
-    policy = EvictionPolicyName.LRU
+    policy = L1EvictionPolicyName.LRU
 
     def __init__(self) -> None:
         super().__init__()
@@ -168,7 +168,7 @@ TestServerMachine.settings = settings(max_examples=40, stateful_step_count=25, d
 class ResumableServerMachine(ServerMachine):
     """The same model under `--eviction-policy resumable` (its prefix index recounted at every step)."""
 
-    policy = EvictionPolicyName.RESUMABLE
+    policy = L1EvictionPolicyName.RESUMABLE
 
 
 TestResumableServerMachine = ResumableServerMachine.TestCase

@@ -21,7 +21,8 @@ from tests.openai_api.conftest import ENGINE, MODEL
 openai = pytest.importorskip("openai")
 
 KEY = "s3cret-key"
-LIMITS = ServeLimits(api_key=KEY, max_body_bytes=2000, header_timeout_s=0.5, idle_timeout_s=1, max_connections=4)
+LIMITS = ServeLimits(api_key=KEY, max_body_bytes=2000, header_timeout_s=0.5, body_timeout_s=1.0, idle_timeout_s=1,
+                     max_connections=4)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +147,25 @@ def test_connections_send_without_nagle_delay(server: ServeServer) -> None:
         assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         sock.close()
+
+
+def test_the_bearer_scheme_is_case_insensitive(guarded: ServeServer) -> None:
+    """RFC 9110: the auth scheme is case-insensitive (`bearer` was refused, issue 46)."""
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert _call(guarded, "GET", "/v1/models", headers={"Authorization": f"{scheme} {KEY}"})[0] == 200
+    assert _call(guarded, "GET", "/v1/models", headers={"Authorization": f"basic {KEY}"})[0] == 401
+
+
+def test_a_body_that_trickles_gets_408(guarded: ServeServer) -> None:
+    """A head that promises 1,000 bytes, then 10: answered 408 after --body-timeout-s (it waited forever)."""
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        t0 = time.monotonic()
+        reply = sock.recv(4096)
+        waited = time.monotonic() - t0
+        while b"arrive within" not in reply and (more := sock.recv(4096)):
+            reply += more
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"did not arrive within 1 s" in reply
+    assert 0.9 < waited < 5

@@ -91,8 +91,9 @@ class L2Tier(Protocol):
         """Remove the object under `key` if present. Raises `TierError`."""
         ...
 
-    def clear(self) -> None:
-        """Remove every object of this tier (only its own namespace on a shared server)."""
+    def clear(self) -> int:
+        """Remove every object of this tier (only its own namespace on a shared server); how many it
+        could not remove (0 when all went)."""
         ...
 
     def stats(self) -> TierStats:

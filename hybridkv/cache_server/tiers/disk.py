@@ -4,6 +4,13 @@
     DIR/tmp/<random>.tmp      an object being written; leftovers from a killed writer are removed
     DIR/objects/ab/<hash>.kvo one framed object (framing.py), named by blake2b-128 of its key
 
+Nobody else reads or plants objects here: directories are 0700 and files 0600 whatever the umask;
+an object is opened with O_NOFOLLOW | O_NONBLOCK and fstat'ed before any read (a regular file of
+this user whose size is the header's claim and the size indexed), so a symlink, FIFO, directory or
+sparse giant where an object should be is dropped, never followed, waited on or read. At start-up
+such stray entries are skipped, counted and reported in one warning (never fatal); a clear that
+cannot delete a file says how many remain.
+
 A put writes the whole frame to a temporary file and renames it into place, so after a crash
 (kill -9 included) a name holds either a complete older object or a complete newer one, never part
 of one. The index lives in memory, ordered least recently used first; on start it is rebuilt by
@@ -16,10 +23,12 @@ but what a process crash leaves is whole.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
 import os
+import stat as stat_mod
 import threading
 import time
 import uuid
@@ -46,6 +55,39 @@ class _Entry:
     size_bytes: int
 
 
+class _NotAnObject(Exception):
+    """What an object path names is not a regular file of this user of the expected size."""
+
+
+def _private_dir(path: Path) -> None:
+    """`path` as a directory of ours, 0700 (created so; an existing one is tightened): TierError when it
+    is a symlink or another user's."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat_mod.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise TierError(f"disk tier: {path} must be a directory of uid {os.geteuid()} (found "
+                        f"{stat_mod.filemode(st.st_mode)}, uid {st.st_uid}); give the tier a directory of its own")
+    if stat_mod.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def _open_object(path: Path, size_bytes: int | None) -> BinaryIO:
+    """`path` opened for reading without following a symlink or waiting on a FIFO, once it is known
+    to be a regular file of this user (of `size_bytes`, when given); _NotAnObject otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise _NotAnObject(f"{path} is not a regular file of uid {os.geteuid()}")
+        if size_bytes is not None and st.st_size != size_bytes:
+            raise _NotAnObject(f"{path} has {st.st_size} bytes, {size_bytes} were written")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class DiskTier:
     """An `L2Tier` in `directory`, holding at most `capacity_bytes` of frames (LRU eviction)."""
 
@@ -67,12 +109,13 @@ class DiskTier:
         self._evictions = 0
         self._closed = False
         self._last_used_ns = 0
+        self._stray = 0  # entries found at start-up that are not objects of ours (skipped)
         try:
-            self._objects_dir.mkdir(parents=True, exist_ok=True)
-            self._tmp_dir.mkdir(exist_ok=True)
+            for d in (self.directory, self._objects_dir, self._tmp_dir):
+                _private_dir(d)
             self._lock_file = self._take_directory_lock()
             for leftover in self._tmp_dir.iterdir():
-                leftover.unlink(missing_ok=True)
+                self._unlink(leftover)
             self._rebuild_index()
         except OSError as e:
             raise TierError(f"cannot open disk tier {self.directory}: {e}") from e
@@ -89,12 +132,14 @@ class DiskTier:
         path = self._path(key)
         tmp = self._tmp_dir / f"{uuid.uuid4().hex}.tmp"
         try:
-            with open(tmp, "xb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with open(fd, "wb") as f:
+                os.fchmod(fd, 0o600)  # whatever the umask
                 f.write(header)
                 f.write(value)
             with self._lock:
                 self._make_room(size, replacing=key)
-                path.parent.mkdir(exist_ok=True)
+                _private_dir(path.parent)
                 os.replace(tmp, path)
                 self._forget(key)
                 self._index[key] = _Entry(path=path, size_bytes=size)
@@ -113,15 +158,18 @@ class DiskTier:
             self._index.move_to_end(key)
             path = entry.path
         try:
-            with open(path, "rb") as f:
+            with _open_object(path, entry.size_bytes) as f:
                 value = self._read_frame(f, key)
         except FileNotFoundError:
             self._drop_if_same(key, entry, "file vanished")
             return None
-        except framing.FrameError as e:
+        except (framing.FrameError, _NotAnObject) as e:
             self._drop_if_same(key, entry, str(e))
             return None
         except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink where the object was: never followed
+                self._drop_if_same(key, entry, "a symlink replaced the file")
+                return None
             raise self._error(f"disk tier get from {path} failed: {e}") from e
         with self._lock, contextlib.suppress(OSError):  # evicted meanwhile: the value is still whole
             self._touch(path)
@@ -139,19 +187,26 @@ class DiskTier:
             if entry is not None:
                 self._unlink(entry.path)
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Remove every object; how many files could not be deleted (they stay on disk, out of the
+        index: not served by this process, found again after a restart)."""
         self._check_open()
         with self._lock:
-            for entry in self._index.values():
-                self._unlink(entry.path)
+            remaining = sum(0 if self._unlink(entry.path) else 1 for entry in self._index.values())
             self._index.clear()
             self._bytes_used = 0
+            return remaining
 
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(name=self.name, objects=len(self._index), bytes_used=self._bytes_used,
                              capacity_bytes=self.capacity_bytes, errors=self._errors,
                              corrupt_dropped=self._corrupt_dropped, evictions=self._evictions)
+
+    @property
+    def stray_entries(self) -> int:
+        """Entries found at start-up that are not objects of this server (skipped, left in place)."""
+        return self._stray
 
     def close(self) -> None:
         with self._lock:
@@ -172,10 +227,20 @@ class DiskTier:
                             f"(its .lock is held); give each server its own directory") from None
         return lock_file
 
+    def _candidates(self) -> list[Path]:
+        """The object files' paths: entries of real subdirectories (never through a symlink)."""
+        paths: list[Path] = []
+        for sub in os.scandir(self._objects_dir):
+            if not sub.is_dir(follow_symlinks=False):
+                self._stray += 1
+                continue
+            paths.extend(Path(e.path) for e in os.scandir(sub.path) if e.name.endswith(_SUFFIX))
+        return paths
+
     def _rebuild_index(self) -> None:
         found: list[tuple[int, bytes, _Entry]] = []
         skipped_versions = 0
-        for path in self._objects_dir.glob(f"*/*{_SUFFIX}"):
+        for path in self._candidates():
             try:
                 key, stat = self._read_key(path)
             except framing.FrameVersionError:
@@ -186,7 +251,14 @@ class DiskTier:
                 self._unlink(path)
                 self._corrupt_dropped += 1
                 continue
+            except (OSError, _NotAnObject):  # a directory, a symlink (loop), a FIFO, another user's file
+                self._stray += 1
+                continue
             found.append((stat.st_mtime_ns, key, _Entry(path=path, size_bytes=stat.st_size)))
+        if self._stray:
+            log.warning("disk tier: %d entries in %s are not objects of this server (a directory, symlink, FIFO or "
+                        "file of another user where an object should be); skipped, left in place", self._stray,
+                        self._objects_dir)
         for mtime_ns, key, entry in sorted(found, key=lambda t: t[0]):
             self._index[key] = entry
             self._bytes_used += entry.size_bytes
@@ -197,7 +269,7 @@ class DiskTier:
         self._make_room(0, replacing=None)  # the capacity may be smaller than last time
 
     def _read_key(self, path: Path) -> tuple[bytes, os.stat_result]:
-        with open(path, "rb") as f:
+        with _open_object(path, None) as f:
             stat = os.fstat(f.fileno())
             header = framing.decode_header(f.read(framing.HEADER_BYTES))
             key = f.read(header.key_bytes)
@@ -249,12 +321,15 @@ class DiskTier:
             self._unlink(entry.path)
             self._corrupt_dropped += 1
 
-    def _unlink(self, path: Path) -> None:
+    def _unlink(self, path: Path) -> bool:
+        """Remove `path`; whether it is gone."""
         try:
             path.unlink(missing_ok=True)
         except OSError as e:
             self._errors += 1
             log.warning("disk tier: cannot remove %s: %s", path, e)
+            return False
+        return True
 
     def _touch(self, path: Path) -> None:
         """Stamp `path` as the most recently used file (lock held). The modification time orders

@@ -128,7 +128,9 @@ class ValkeyTier:
     def delete(self, key: bytes) -> None:
         self._call("DEL", lambda: self._client.delete(self._prefix + key))
 
-    def clear(self) -> None:
+    def clear(self) -> int:
+        """Unlink every key of this server's namespace (never another's); 0, or TierError."""
+
         def unlink_namespace() -> None:
             batch: list[bytes] = []
             for k in self._client.scan_iter(match=self._prefix + b"*", count=_SCAN_BATCH):
@@ -141,6 +143,7 @@ class ValkeyTier:
 
         self._call("SCAN/UNLINK", unlink_namespace)
         self._counted_at = -float("inf")
+        return 0
 
     def stats(self) -> TierStats:
         with self._stats_lock:

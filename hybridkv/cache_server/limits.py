@@ -1,0 +1,80 @@
+"""What one client can make the server hold, or do in one request: every bound and its default
+(docs/cache_server_security.md lists them), and the checks that refuse a request over one before
+anything changes (BAD_REQUEST for a request no server would take, LIMIT for a full budget).
+
+    per request     chunk hashes <= MAX_CHUNKS_PER_REQUEST, each <= MAX_CHUNK_HASH_BYTES;
+                    cache salt <= MAX_SALT_BYTES; chunk indices < 2**32 (the key holds 4 bytes);
+                    token counts < 2**62; at most MAX_REFUSALS_REPLIED refusals in a reply
+    per registration  segments <= MAX_SEGMENTS_PER_REGISTRATION (Linux passes 253 descriptors per
+                    message); held lookups <= MAX_HELD_LOOKUPS_PER_REGISTRATION; salts remembered
+                    <= engines.MAX_NAMESPACES (each <= MAX_SALT_BYTES)
+    whole server    registrations <= --max-registrations; mapped segments <= MAX_MAPPED_SEGMENTS;
+                    held lookups <= MAX_HELD_LOOKUPS
+
+The request cap is what bounds one request's work (and so every other client's wait behind it):
+a lookup of MAX_CHUNKS_PER_REQUEST chunks is answered in tens of milliseconds
+(tests/cache_server/test_client_bounds.py measures the worst wait of a small lookup behind them).
+"""
+
+from __future__ import annotations
+
+from hybridkv.cache_server.registered_layout import RequestError
+from hybridkv.wire import ErrorCode, LookupRequest, RetrieveRequest, StoreRequest
+
+MAX_CHUNK_HASH_BYTES = 64  # a chunk hash (the client's are 16-byte xxh3-128 digests)
+MAX_SALT_BYTES = 256  # a cache salt, UTF-8 bytes
+MAX_CHUNKS_PER_REQUEST = 16384  # chunk hashes in one lookup or store (4M tokens at 256 per chunk)
+MAX_REFUSALS_REPLIED = 64  # refusals listed in one store reply; the rest are counted
+MAX_SEGMENTS_PER_REGISTRATION = 253  # SCM_MAX_FD: descriptors Linux passes in one message
+MAX_MAPPED_SEGMENTS = 16384  # segments mapped for every registration together (vm.max_map_count is 65530)
+MAX_HELD_LOOKUPS_PER_REGISTRATION = 1024  # lookups holding locks, per registration
+MAX_HELD_LOOKUPS = 16384  # ... and in the whole server
+CHUNK_INDEX_END = 1 << 32  # chunk indices are 4 bytes in an object key
+TOKENS_END = 1 << 62  # num_tokens / skip_tokens
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(ErrorCode.BAD_REQUEST, message)
+
+
+def check_hashes(what: str, hashes: list[bytes], parent_hash: bytes = b"") -> None:
+    if len(hashes) > MAX_CHUNKS_PER_REQUEST:
+        raise _bad(f"{what}: {len(hashes)} chunk hashes, at most {MAX_CHUNKS_PER_REQUEST} per request (send the "
+                   "rest in another request)")
+    for i, h in enumerate(hashes):
+        if len(h) > MAX_CHUNK_HASH_BYTES:
+            raise _bad(f"{what}: chunk hash {i} has {len(h)} bytes, expected at most {MAX_CHUNK_HASH_BYTES}")
+    if len(parent_hash) > MAX_CHUNK_HASH_BYTES:
+        raise _bad(f"{what}: parent_hash has {len(parent_hash)} bytes, expected at most {MAX_CHUNK_HASH_BYTES}")
+
+
+def check_salt(what: str, salt: str) -> None:
+    size = len(salt.encode("utf-8", "surrogatepass"))
+    if size > MAX_SALT_BYTES:
+        raise _bad(f"{what}: cache_salt has {size} bytes, expected at most {MAX_SALT_BYTES}")
+
+
+def _check_tokens(what: str, name: str, value: int, low: int) -> None:
+    if not low <= value < TOKENS_END:
+        raise _bad(f"{what}: {name} must be in [{low}, 2**62), got {value}")
+
+
+def check_store(req: StoreRequest) -> None:
+    check_hashes("store", req.chunk_hashes, req.parent_hash)
+    check_salt("store", req.cache_salt)
+    end = req.first_chunk + len(req.chunk_hashes)
+    if req.first_chunk < 0 or end > CHUNK_INDEX_END:
+        raise _bad(f"store: chunks {req.first_chunk}..{end - 1} must lie in [0, 2**32) (first_chunk >= 0, "
+                   f"first_chunk + {len(req.chunk_hashes)} chunk hashes <= 2**32), got first_chunk {req.first_chunk}")
+
+
+def check_lookup(req: LookupRequest) -> None:
+    check_hashes("lookup", req.chunk_hashes)
+    check_salt("lookup", req.cache_salt)
+    _check_tokens("lookup", "num_tokens", req.num_tokens, 0)
+
+
+def check_retrieve(req: RetrieveRequest) -> None:
+    if req.num_tokens != -1:
+        _check_tokens("retrieve", "num_tokens", req.num_tokens, 0)
+    _check_tokens("retrieve", "skip_tokens", req.skip_tokens, 0)
