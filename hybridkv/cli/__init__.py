@@ -36,7 +36,7 @@ from typing import Annotated
 import typer
 
 from hybridkv import __version__
-from hybridkv.cli import cache_server, index, openai_server, plan, run, simulate
+from hybridkv.cli import cache_server, index, openai_server, plan, route, run, simulate
 from hybridkv.cli.errors import OneLineErrors, PanelledCommand
 
 # Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column; a parse
@@ -65,6 +65,7 @@ app.command("server")(cache_server.server_command)
 app.command("serve", cls=PanelledCommand)(openai_server.serve_command)
 app.command("simulate", cls=PanelledCommand)(simulate.simulate_command)
 app.command("index")(index.index_command)
+app.command("route")(route.route_command)
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import uvicorn
@@ -256,7 +256,8 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
 class AppServer:
     """uvicorn serving an ASGI app on a socket bound at construction (port 0 works)."""
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "hybridkv-http") -> None:
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "hybridkv-http",
+                 lifespan: Literal["on", "off"] = "off") -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -268,7 +269,7 @@ class AppServer:
         self._sock.listen(256)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", loop="asyncio",
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan, loop="asyncio",
                                 http="h11", timeout_keep_alive=30, limit_concurrency=1024)
         self._server = uvicorn.Server(config)
         self._name = name
