@@ -12,9 +12,11 @@ own block hashes onto it. A router that hashes prompts itself sends these to `/q
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 
-import numpy as np
 import xxhash
 
 #: the standard's seed (Dynamo's KV router uses the same value)
@@ -22,26 +24,39 @@ SEED = 1337
 
 _pack = struct.Struct("<QQ").pack
 _xxh = xxhash.xxh3_64_intdigest
+_SWAP = sys.byteorder == "big"
+assert array("I").itemsize == 4, "the index needs 4-byte unsigned ints"
 
 
 def token_bytes(token_ids: Sequence[int]) -> memoryview:
     """Token ids as little-endian u32 bytes (ValueError naming the first id outside u32)."""
-    arr = np.asarray(token_ids, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        bad = arr[(arr < 0) | (arr > 0xFFFFFFFF)][0]
-        raise ValueError(f"token id {int(bad)} is outside 0..4294967295")
-    return memoryview(arr.astype("<u4").tobytes())
+    try:
+        arr = array("I", token_ids)  # (a C loop: 3x numpy's conversion of a list)
+    except (OverflowError, TypeError):
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t <= 0xFFFFFFFF), None)
+        raise ValueError(f"token id {bad!r} is outside 0..4294967295") from None
+    if _SWAP:
+        arr.byteswap()
+    return memoryview(arr.tobytes())
 
 
 def iter_seq_hashes(data: memoryview, block_size: int, parent: int | None = None,
-                    seed: int = SEED) -> Iterator[int]:
-    """The sequence hash of each full block of `data` (u32 tokens), chained onto `parent`."""
+                    seed: int = SEED, chunk_blocks: int = 64) -> Iterator[int]:
+    """The sequence hash of each full block of `data` (u32 tokens), chained onto `parent`; computed
+    `chunk_blocks` at a time (local hashes in one C-level map), so a caller that stops early saves
+    the rest."""
     stride = 4 * block_size
     prev = parent
-    for offset in range(0, len(data) - stride + 1, stride):
-        local = _xxh(data[offset : offset + stride], seed)
-        prev = local if prev is None else _xxh(_pack(prev, local), seed)
-        yield prev
+    end = len(data) - stride + 1
+    for first in range(0, max(end, 0), stride * chunk_blocks):
+        stop = min(first + stride * chunk_blocks, end)
+        locals_ = list(map(_xxh, [data[o : o + stride] for o in range(first, stop, stride)], repeat(seed)))
+        out: list[int] = []
+        append = out.append
+        for local in locals_:
+            prev = local if prev is None else _xxh(_pack(prev, local), seed)
+            append(prev)
+        yield from out
 
 
 def seq_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None,

@@ -24,12 +24,14 @@ from hybridkv.index.rules import GroupRule, attention_tokens, joint_hit_tokens
 from hybridkv.index.seq_hash import iter_seq_hashes, token_bytes
 from hybridkv.index.subscriber import Subscriber
 from hybridkv.index.table import (
+    Masks,
     Namespaces,
     PrefixTable,
     Registration,
     RegKey,
     full_slot_mask,
     held_bits,
+    mask_array,
 )
 
 __all__ = ["IndexService", "Query"]
@@ -131,10 +133,10 @@ class IndexService:
             entry["attention_matched"] = max(entry["attention_matched"], attention)
         return answer
 
-    def _masks(self, cid: int, q: Query, regs: Sequence[Registration]) -> dict[int, list[int]]:
+    def _masks(self, cid: int, q: Query, regs: Sequence[Registration]) -> dict[int, Masks]:
         """Per block size the registrations' groups use: the masks of the prompt's blocks."""
         sizes = {r.block_size for reg in regs for r in reg.groups.values()}
-        out: dict[int, list[int]] = {}
+        out: dict[int, Masks] = {}
         data = token_bytes(q.token_ids) if q.token_ids is not None else None
         for size in sorted(sizes):
             hashes: Iterator[int] | Sequence[int]
@@ -144,10 +146,10 @@ class IndexService:
                 hashes = q.seq_hashes
             else:
                 continue
-            out[size] = self.table.held(cid, hashes, full_slot_mask(regs, size))
+            out[size] = mask_array(self.table.held(cid, hashes, full_slot_mask(regs, size)))
         return out
 
-    def _instance_hit(self, reg: Registration, q: Query, masks_by_size: dict[int, list[int]]) -> tuple[int, int]:
+    def _instance_hit(self, reg: Registration, q: Query, masks_by_size: dict[int, Masks]) -> tuple[int, int]:
         rules: list[GroupRule] = []
         held = []
         for group_idx in sorted(reg.groups):
@@ -157,7 +159,7 @@ class IndexService:
             if masks is None:
                 return 0, 0  # (a block size the query cannot see: no hit can be promised)
             rules.append(rule)
-            held.append(held_bits(masks, (slot,)) if slot is not None else np.zeros(len(masks), np.bool_))
+            held.append(held_bits(masks, slot) if slot is not None else np.zeros(len(masks), np.bool_))
         if q.token_ids is not None:
             max_tokens = len(q.token_ids) - 1
         else:

@@ -166,17 +166,31 @@ class PrefixTable:
     # -- ingestion --------------------------------------------------------------------------------
 
     def apply(self, key: RegKey, batch: EventBatch) -> None:
-        """Apply one batch of `key`'s publisher (unknown registrations are ignored)."""
+        """Apply one batch of `key`'s publisher (unknown registrations are ignored).
+
+        A stored run whose parent is stored later in the same batch (an engine lists its groups in
+        any order: a state group's checkpoint may come before the attention group's blocks) is
+        placed once the rest of the batch has been applied."""
         reg = self.registrations.get(key)
         if reg is None:
             return
+        waiting: list[BlockStored] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
-                self._store(reg, event)
+                if not self._store(reg, event, final=False):
+                    waiting.append(event)
             elif isinstance(event, BlockRemoved):
                 self._remove(reg, event)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(reg)
+                waiting.clear()
+        while waiting:
+            left = [e for e in waiting if not self._store(reg, e, final=False)]
+            if len(left) == len(waiting):
+                for event in left:
+                    self._store(reg, event, final=True)
+                return
+            waiting = left
 
     def _root_context(self, reg: Registration, event: BlockStored) -> int | None:
         keys = event.extra_keys[0] if event.extra_keys else None
@@ -188,7 +202,8 @@ class PrefixTable:
             salt = strings[0] if strings else None
         return self._context(reg.model, event.lora_name or reg.lora_name, self.namespaces.of(salt))
 
-    def _store(self, reg: Registration, event: BlockStored) -> None:
+    def _store(self, reg: Registration, event: BlockStored, *, final: bool) -> bool:
+        """Index the event's blocks; False (nothing done) when its parent is unknown and not `final`."""
         num = len(event.block_hashes)
         group_idx = event.group_idx or 0
         if group_idx not in reg.groups:
@@ -197,23 +212,25 @@ class PrefixTable:
         if event.medium:
             reg.medium = event.medium
         if not num:  # (a layout announcement: the group alone)
-            return
+            return True
         parent = event.parent_block_hash
         if parent is None:
             cid = self._root_context(reg, event)
             seq: int | None = None
         else:
             packed = reg.engine.get(parent)
+            if packed is None and not final:
+                return False
             cid = None if packed is None else packed >> _SEQ_BITS
             seq = None if packed is None else packed & _SEQ_MASK
         extra = event.extra_keys
         if (cid is None or len(event.token_ids) != num * event.block_size
                 or (extra and any(extra[1:]))):
             self.counts.unplaced_blocks += num
-            return
+            return True
         if self.num_blocks + num > self.max_blocks:
             self.counts.skipped_blocks += num
-            return
+            return True
         bit = 1 << self._slot(reg, group_idx)
         masks = self._contexts[cid].masks
         engine = reg.engine
@@ -232,6 +249,7 @@ class PrefixTable:
         reg.blocks += added
         self.num_blocks += added
         self.counts.stored_blocks += num
+        return True
 
     def _remove(self, reg: Registration, event: BlockRemoved) -> None:
         slot = reg.slots.get(event.group_idx or 0)
@@ -288,20 +306,26 @@ class PrefixTable:
         return out
 
 
-def held_bits(masks: list[int], slots: Sequence[int]) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    """held[i] = some slot of `slots` is set in masks[i]."""
-    want = 0
-    for s in slots:
-        want |= 1 << s
-    if want < (1 << 63):
-        try:
-            arr = np.fromiter(masks, dtype=np.uint64, count=len(masks))
-        except OverflowError:  # (slots past 63 in use: the general path)
-            pass
-        else:
-            held: np.ndarray[Any, np.dtype[np.bool_]] = (arr & np.uint64(want)) != 0
+Masks = np.ndarray[Any, np.dtype[np.uint64]] | list[int]
+
+
+def mask_array(masks: list[int]) -> Masks:
+    """The masks as one uint64 array (a list still when a slot past 63 is in use)."""
+    try:
+        return np.fromiter(masks, dtype=np.uint64, count=len(masks))
+    except OverflowError:
+        return masks
+
+
+def held_bits(masks: Masks, slot: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """held[i] = bit `slot` is set in masks[i]."""
+    if isinstance(masks, np.ndarray):
+        if slot < 64:
+            held: np.ndarray[Any, np.dtype[np.bool_]] = (masks & np.uint64(1 << slot)) != 0
             return held
-    return np.fromiter((bool(m & want) for m in masks), dtype=np.bool_, count=len(masks))
+        return np.zeros(masks.size, dtype=np.bool_)
+    bit = 1 << slot
+    return np.fromiter((bool(m & bit) for m in masks), dtype=np.bool_, count=len(masks))
 
 
 def full_slot_mask(regs: Sequence[Registration], block_size: int) -> int:

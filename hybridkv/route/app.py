@@ -47,6 +47,7 @@ class RouteConfig:
     policy: Policy = Policy.JOINT
     index_token: str = ""
     max_skew: int = 2
+    max_share: float = 1.25
     down_for_s: float = 5.0
     poll_every_s: float = 1.0
     timeout_s: float = 300.0
@@ -97,7 +98,8 @@ def _prompt_tokens(cfg: RouteConfig, body: dict[str, Any], chat: bool) -> list[i
     return None
 
 
-def _hits(cfg: RouteConfig, body: dict[str, Any], tokens: list[int] | None) -> dict[str, int]:
+def _hits(cfg: RouteConfig, body: dict[str, Any], tokens: list[int] | None) -> dict[str, tuple[int, int]]:
+    """Per instance: (joint hit, attention-only hit) from the index ({} without an answer)."""
     if cfg.policy is Policy.ROUND_ROBIN or cfg.index_url is None or not tokens:
         return {}
     query = {"model": body.get("model", cfg.model), "token_ids": tokens}
@@ -112,24 +114,33 @@ def _hits(cfg: RouteConfig, body: dict[str, Any], tokens: list[int] | None) -> d
     if not answer:
         cfg.index_errors += 1
         return {}
-    field_name = cfg.policy.field
-    return {inst: int(v.get(field_name, 0)) for tenant in answer.values() for inst, v in tenant.items()}
+    return {inst: (int(v.get("longest_matched", 0)), int(v.get("attention_matched", 0)))
+            for tenant in answer.values() for inst, v in tenant.items()}
 
 
-def _record_usage(engine: Engine, raw: bytes) -> None:
+def _record_usage(engine: Engine, raw: bytes, predicted: int | None) -> None:
+    """Tally the response's prompt and cached tokens (and whether the index predicted them)."""
     with contextlib.suppress(ValueError, AttributeError, TypeError):
         usage = json.loads(raw).get("usage") or {}
         engine.prompt_tokens += int(usage.get("prompt_tokens", 0))
-        engine.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        engine.cached_tokens += cached
+        if predicted is not None:
+            engine.checked += 1
+            engine.exact += cached == predicted
+            engine.over += cached < predicted
+            engine.under += cached > predicted
 
 
 async def _forward(cfg: RouteConfig, path: str, raw: bytes, body: dict[str, Any], chat: bool) -> Response:
     tokens = await asyncio.to_thread(_prompt_tokens, cfg, body, chat)
     hits = await asyncio.to_thread(_hits, cfg, body, tokens)
     stream = bool(body.get("stream"))
-    for engine in rank(cfg.engines, hits, cfg.policy, max_skew=cfg.max_skew):
+    field = 1 if cfg.policy is Policy.ATTENTION else 0  # (the number the policy routes by)
+    predicted = {inst: pair[field] for inst, pair in hits.items()}
+    for engine in rank(cfg.engines, hits, cfg.policy, max_skew=cfg.max_skew, max_share=cfg.max_share):
         headers = {"x-hybridkv-instance": engine.instance_id,
-                   "x-hybridkv-predicted-tokens": str(hits.get(engine.instance_id, 0))}
+                   "x-hybridkv-predicted-tokens": str(predicted.get(engine.instance_id, 0))}
         engine.in_flight += 1
         try:
             if stream:
@@ -149,11 +160,11 @@ async def _forward(cfg: RouteConfig, path: str, raw: bytes, body: dict[str, Any]
             engine.down_until = time.monotonic() + cfg.down_for_s
             continue
         engine.routed += 1
-        engine.predicted_tokens += hits.get(engine.instance_id, 0)
+        engine.predicted_tokens += predicted.get(engine.instance_id, 0)
         if stream:
             return StreamingResponse(_relay(engine, chunks), status_code=status, media_type=kind, headers=headers)
         engine.in_flight -= 1
-        _record_usage(engine, answer)
+        _record_usage(engine, answer, predicted.get(engine.instance_id) if hits else None)
         return Response(answer, status_code=status, media_type="application/json", headers=headers)
     cfg.no_engine += 1
     return _error(503, f"no engine answered ({len(cfg.engines)} tried)")
@@ -190,7 +201,9 @@ def _stats(cfg: RouteConfig) -> dict[str, Any]:
     return {"policy": cfg.policy.value, "index_errors": cfg.index_errors, "no_engine": cfg.no_engine,
             "engines": [{"instance_id": e.instance_id, "url": e.url, "routed": e.routed, "failures": e.failures,
                          "in_flight": e.in_flight, "load": e.load, "predicted_tokens": e.predicted_tokens,
-                         "cached_tokens": e.cached_tokens, "prompt_tokens": e.prompt_tokens} for e in cfg.engines]}
+                         "cached_tokens": e.cached_tokens, "prompt_tokens": e.prompt_tokens,
+                         "predictions_checked": e.checked, "predictions_exact": e.exact,
+                         "predicted_over": e.over, "predicted_under": e.under} for e in cfg.engines]}
 
 
 def make_app(cfg: RouteConfig) -> Starlette:

@@ -1,8 +1,10 @@
 """Which engine gets a request.
 
     score  = the index's hit for the engine (JOINT: `longest_matched`; ATTENTION: `attention_matched`)
-    among  the engines up, whose load is within `max_skew` of the least loaded one
-    pick   the highest score; ties: the least loaded, then the one routed the fewest requests
+    among  the engines up, whose load is within `max_skew` of the least loaded one and whose share of
+           the requests routed so far is at most `max_share` x the fair share (1 / engines)
+    pick   the highest score; ties: the longer attention-only prefix (where the session's blocks are,
+           its next hits will be), the least loaded, then the one routed the fewest requests
 
 Load is the larger of what this router has in flight there and what the engine's /metrics last said
 (running + waiting). ROUND_ROBIN ignores the index. An engine that failed is skipped for
@@ -27,10 +29,6 @@ class Policy(Enum):
     ATTENTION = "attention"
     ROUND_ROBIN = "round_robin"
 
-    @property
-    def field(self) -> str:
-        return "attention_matched" if self is Policy.ATTENTION else "longest_matched"
-
 
 @dataclass(slots=True)
 class Engine:
@@ -45,6 +43,10 @@ class Engine:
     predicted_tokens: int = 0
     cached_tokens: int = 0
     prompt_tokens: int = 0
+    checked: int = 0  # responses whose cached tokens were compared with the index's prediction
+    exact: int = 0  # ... and equal to it
+    over: int = 0  # ... predicted more than the engine found (evicted meanwhile)
+    under: int = 0  # ... predicted less (cached meanwhile, e.g. by a request ahead in the engine's queue)
     down_until: float = 0.0
 
     @property
@@ -58,8 +60,8 @@ class Engine:
 _rr = itertools.count()
 
 
-def rank(engines: Sequence[Engine], hits: Mapping[str, int], policy: Policy, *, max_skew: int = 2,
-         now: float | None = None) -> list[Engine]:
+def rank(engines: Sequence[Engine], hits: Mapping[str, tuple[int, int]], policy: Policy, *, max_skew: int = 2,
+         max_share: float = 1.25, now: float | None = None) -> list[Engine]:
     """Engines in the order to try (the first is the choice; the rest are the failover order)."""
     now = time.monotonic() if now is None else now
     live = [e for e in engines if e.up(now)] or list(engines)  # (all down: try them anyway)
@@ -67,10 +69,18 @@ def rank(engines: Sequence[Engine], hits: Mapping[str, int], policy: Policy, *, 
         start = next(_rr) % len(live)
         return live[start:] + live[:start]
     least = min(e.load for e in live)
-    near = [e for e in live if e.load <= least + max_skew]
-    far = [e for e in live if e.load > least + max_skew]
+    cap = max_share * (sum(e.routed for e in live) + 1) / len(live)
 
-    def key(e: Engine) -> tuple[int, int, int]:
-        return (-hits.get(e.instance_id, 0), e.load, e.routed)
+    def ok(e: Engine) -> bool:
+        return e.load <= least + max_skew and e.routed < max(cap, 1.0)
+
+    near = [e for e in live if ok(e)]
+    far = [e for e in live if not ok(e)]
+
+    def key(e: Engine) -> tuple[int, int, int, int]:
+        joint, attention = hits.get(e.instance_id, (0, 0))
+        if policy is Policy.ATTENTION:
+            return (-attention, 0, e.load, e.routed)
+        return (-joint, -attention, e.load, e.routed)
 
     return sorted(near, key=key) + sorted(far, key=key)

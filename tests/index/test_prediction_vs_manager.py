@@ -29,6 +29,8 @@ LAYOUTS = {
     "full+sliding+mamba": [make_group(kind="full", block_size=4),
                            make_group(kind="sliding", block_size=4, window_tokens=5),
                            make_group(kind="mamba", block_size=4)],
+    # (a state group listed first: its checkpoint's event comes before the attention blocks it chains onto)
+    "mamba+full": [make_group(kind="mamba", block_size=4), make_group(kind="full", block_size=4)],
     "two block sizes": [make_group(kind="full", block_size=4), make_group(kind="sliding", block_size=8,
                                                                           window_tokens=12)],
 }

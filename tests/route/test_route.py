@@ -140,10 +140,14 @@ def test_bad_bodies(cluster: tuple[list[ServeServer], AppServer, IndexService], 
 
 def test_rank_prefers_the_hit_within_the_load_skew() -> None:
     a, b, c = (Engine(url=n, instance_id=n) for n in "abc")
-    assert [e.url for e in rank([a, b, c], {"b": 32}, Policy.JOINT, now=0.0)] == ["b", "a", "c"]
+    assert [e.url for e in rank([a, b, c], {"b": (32, 32)}, Policy.JOINT, now=0.0)] == ["b", "a", "c"]
     b.in_flight = 3  # beyond the skew of 2: its hit no longer wins
-    assert next(e.url for e in rank([a, b, c], {"b": 32}, Policy.JOINT, now=0.0)) == "a"
+    assert next(e.url for e in rank([a, b, c], {"b": (32, 32)}, Policy.JOINT, now=0.0)) == "a"
     a.routed = 1  # ties: the least loaded, then the fewest routed
     assert next(e.url for e in rank([a, b, c], {}, Policy.JOINT, now=0.0)) == "c"
+    assert next(e.url for e in rank([a, b, c], {"a": (0, 64), "c": (0, 16)}, Policy.JOINT, now=0.0)) == "c"
+    assert next(e.url for e in rank([a, b, c], {"a": (16, 0), "c": (0, 64)}, Policy.ATTENTION, now=0.0)) == "c"
+    b.in_flight, b.routed, a.routed = 0, 9, 0  # over 1.25 x its fair share: not chosen for its hit
+    assert next(e.url for e in rank([a, b, c], {"b": (32, 32)}, Policy.JOINT, now=0.0)) != "b"
     c.down_until = 10.0
     assert "c" not in [e.url for e in rank([a, b, c], {}, Policy.JOINT, now=1.0)]
