@@ -6,8 +6,9 @@ Part 1, per model (the embedded sliding-window Gemma 3, and a tiny random Gated 
 Qwen3.5-style, built as in bench_run_policies.py): 4 `hybridkv serve` engines publishing KV events,
 one `hybridkv index`, one `hybridkv route` per policy (joint, attention, round_robin; the engines'
 prefix caches reset between policies). Workload (seeded, `workload`): sessions on K long system
-prompts (popularity skewed), 2-5 requests each, run closed loop by 4 clients at once; a request is
-the next turn or a branch from an earlier turn; 1 new token per request, prompts as token ids. The
+prompts (popularity skewed), 2-5 requests each, run closed loop by 4 clients at once (50 ms between a
+response and the client's next request); a request is the next turn or, one time in three, a branch
+from an earlier turn; 1 new token per request, prompts as token ids. The
 KV cache of each engine holds only a few of the system prompts, so where a request goes decides
 its hit.
 
@@ -57,7 +58,16 @@ from hybridkv.route.picker import Policy  # noqa: E402
 from hybridkv.route.upstream import call  # noqa: E402
 
 ENGINES = 4
-CLIENTS = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Clients:
+    """How the workload is driven (the defaults are the documented run)."""
+
+    clients: int = 4
+    think_s: float = 0.05  # a client reads the answer before it sends the next turn
+    max_turns: int = 5  # a session runs 2..max_turns requests
+    branch_p: float = 1 / 3  # a request branches from an earlier turn (else: the next turn)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,7 +80,7 @@ class Shape:
     vocab: int
 
 
-def workload(shape: Shape, seed: int) -> list[list[list[int]]]:
+def workload(shape: Shape, seed: int, drive: Clients) -> list[list[list[int]]]:
     """Sessions, each a list of prompts run one after the other (closed loop): a session opens on one
     of K system prompts (popularity skewed) and runs 2-5 requests; each next request is the next
     turn (the previous prompt + an answer + a question) or, one time in three, a branch (an earlier
@@ -87,8 +97,8 @@ def workload(shape: Shape, seed: int) -> list[list[list[int]]]:
     while total < shape.requests:
         k = rng.choices(range(shape.system_prompts), weights)[0]
         turns = [systems[k] + words(shape.question_tokens)]
-        for _ in range(rng.randrange(1, 5)):
-            if len(turns) > 1 and rng.random() < 1 / 3:
+        for _ in range(rng.randrange(1, drive.max_turns)):
+            if len(turns) > 1 and rng.random() < drive.branch_p:
                 base = turns[rng.randrange(len(turns) - 1)]
                 turns.append(base + words(shape.question_tokens // 2) + words(shape.question_tokens))
             else:
@@ -98,7 +108,8 @@ def workload(shape: Shape, seed: int) -> list[list[list[int]]]:
     return sessions
 
 
-def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[int]]]) -> dict[str, Any]:
+def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[int]]],
+               drive: Clients) -> dict[str, Any]:
     for p in cluster.procs:  # (a cold cache for every policy)
         call(p.url, "/reset_prefix_cache", {})
     time.sleep(0.5)
@@ -117,6 +128,7 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
                     return
                 session = queue.pop(0)
             for prompt in session:
+                time.sleep(drive.think_s)
                 status, raw = call(router.url, "/v1/completions", {"model": cluster.model, "prompt": prompt,
                                                                     "max_tokens": 1, "temperature": 0}, timeout_s=600)
                 if status != 200:
@@ -126,7 +138,7 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
                     results.append((cached, len(prompt)))
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    threads = [threading.Thread(target=client) for _ in range(drive.clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -148,7 +160,7 @@ def build_gdn(target: Path) -> None:
     bench_run_policies.build_model(target)
 
 
-def routing(quick: bool) -> dict[str, dict[str, dict[str, Any]]]:
+def routing(quick: bool, drive: Clients) -> dict[str, dict[str, dict[str, Any]]]:
     """Per model, per policy: the run_policy results."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     from hybridkv.engine.tokenizer import BYTE_VOCAB
@@ -163,14 +175,14 @@ def routing(quick: bool) -> dict[str, dict[str, dict[str, Any]]]:
                                     requests=60 if quick else 240, kv_gib=0.003, vocab=32000)),
         }
         for name, (model, shape) in models.items():
-            sessions = workload(shape, seed=0)
+            sessions = workload(shape, seed=0, drive=drive)
             args = (f"--kv-cache-memory-gib {shape.kv_gib} --threads 1 --max-num-seqs 4 --max-model-len 4096 "
                     "--max-num-batched-tokens 2048")
             cluster = LocalCluster(ENGINES, model=model, engine_args=args, served_model_name=name)
             try:
                 out[name] = {}
                 for policy in (Policy.JOINT, Policy.ATTENTION, Policy.ROUND_ROBIN):
-                    r = run_policy(cluster, policy, sessions)
+                    r = run_policy(cluster, policy, sessions, drive)
                     out[name][policy.value] = r
                     print(f"model={name} policy={policy.value} hit_tokens={r['hit_tokens']} "
                           f"prompt_tokens={r['prompt_tokens']} routed={r['routed']} balance={r['balance']:.2f} "
@@ -263,14 +275,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and blocks (CI smoke run)")
     parser.add_argument("--part", choices=["routing", "scale", "all"], default="all")
+    parser.add_argument("--clients", type=int, default=Clients.clients, help="clients at once")
+    parser.add_argument("--think-s", type=float, default=Clients.think_s, help="a client's pause between requests")
+    parser.add_argument("--max-turns", type=int, default=Clients.max_turns, help="most requests per session")
+    parser.add_argument("--branch-p", type=float, default=Clients.branch_p, help="share of branch requests")
     args = parser.parse_args(argv)
+    drive = Clients(clients=args.clients, think_s=args.think_s, max_turns=args.max_turns, branch_p=args.branch_p)
     parts: list[str] = []
     if args.part in ("scale", "all"):
         s = scale(args.quick)
         parts += [f"query_p99_ms={s['query_p99_ms']:.3f}", f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
                   f"ingest_blocks_per_s={s['ingest_blocks_per_s']:.0f}", f"bytes_per_block={s['bytes_per_block']:.0f}"]
     if args.part in ("routing", "all"):
-        r = routing(args.quick)
+        r = routing(args.quick, drive)
         accuracy = min(r[m]["joint"]["accuracy"] for m in r)
         ratios = []
         for m in ("gdn", "swa"):
