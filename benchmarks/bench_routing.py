@@ -17,11 +17,12 @@ its hit.
     balance    max / min requests per engine
 
 Part 2 (in-process): 1M indexed blocks over 4 instances; ingest rate (msgpack decode + apply);
-memory per indexed block (tracemalloc); `/query` of a 32k-token prompt, p50/p99 in process and
-over HTTP.
+memory per indexed block (tracemalloc); a 32k-token prompt held to its end by one instance: `/query`
+p50/p99 in process and over HTTP, and `/query_by_hash` in process (the router hashed the prompt).
 
 Last line: accuracy=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... joint_vs_attention_swa=...
-joint_vs_rr_swa=... balance_max=... query_p99_ms=... ingest_blocks_per_s=... bytes_per_block=...
+joint_vs_rr_swa=... balance_max=... query_p99_ms=... query_by_hash_p99_ms=... http_query_p99_ms=...
+ingest_blocks_per_s=... bytes_per_block=...
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--part routing|scale|all]
 """
@@ -49,6 +50,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hybridkv.index.events import BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
 from hybridkv.index.http import AppServer, make_app  # noqa: E402
+from hybridkv.index.seq_hash import seq_hashes  # noqa: E402
 from hybridkv.index.service import IndexService, Query  # noqa: E402
 from hybridkv.index.table import Registration  # noqa: E402
 from hybridkv.route.app import RouteConfig  # noqa: E402
@@ -253,6 +255,14 @@ def scale(quick: bool) -> dict[str, float]:
         answer = service.query(Query(model="m", token_ids=prompt))
         times.append(time.perf_counter() - t)
     assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
+    hashes = seq_hashes(prompt, block)  # (a router that hashes prompts itself: /query_by_hash)
+    by_hash = Query(model="m", seq_hashes=hashes, block_size=block, num_tokens=len(prompt))
+    hash_times = []
+    for _ in range(50 if quick else 300):
+        t = time.perf_counter()
+        answer = service.query(by_hash)
+        hash_times.append(time.perf_counter() - t)
+    assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
     server = AppServer(make_app(service))
     server.start()
     body = json.dumps({"model": "m", "token_ids": prompt, "block_size": block}).encode()
@@ -265,6 +275,8 @@ def scale(quick: bool) -> dict[str, float]:
     q = statistics.quantiles
     result = {"blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s, "bytes_per_block": held,
               "query_p50_ms": q(times, n=100)[49] * 1e3, "query_p99_ms": q(times, n=100)[98] * 1e3,
+              "query_by_hash_p50_ms": q(hash_times, n=100)[49] * 1e3,
+              "query_by_hash_p99_ms": q(hash_times, n=100)[98] * 1e3,
               "http_query_p50_ms": q(http_times, n=100)[49] * 1e3, "http_query_p99_ms": q(http_times, n=100)[98] * 1e3}
     print("scale " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
           flush=True)
@@ -284,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parts: list[str] = []
     if args.part in ("scale", "all"):
         s = scale(args.quick)
-        parts += [f"query_p99_ms={s['query_p99_ms']:.3f}", f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
+        parts += [f"query_p99_ms={s['query_p99_ms']:.3f}", f"query_by_hash_p99_ms={s['query_by_hash_p99_ms']:.3f}",
+                  f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
                   f"ingest_blocks_per_s={s['ingest_blocks_per_s']:.0f}", f"bytes_per_block={s['bytes_per_block']:.0f}"]
     if args.part in ("routing", "all"):
         r = routing(args.quick, drive)

@@ -12,8 +12,8 @@ from benchmarks.bench_routing import Clients, Shape, main, workload
 def test_scale_part_prints_its_figures_last(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--quick", "--part", "scale"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(r"query_p99_ms=[\d.]+ http_query_p99_ms=[\d.]+ ingest_blocks_per_s=\d+ bytes_per_block=\d+",
-                        last), last
+    assert re.fullmatch(r"query_p99_ms=[\d.]+ query_by_hash_p99_ms=[\d.]+ http_query_p99_ms=[\d.]+ "
+                        r"ingest_blocks_per_s=\d+ bytes_per_block=\d+", last), last
 
 
 def test_sessions_extend_or_branch_from_their_own_turns() -> None:
