@@ -15,7 +15,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
-from itertools import repeat
+from itertools import chain, repeat
 
 import xxhash
 
@@ -40,10 +40,10 @@ def token_bytes(token_ids: Sequence[int]) -> memoryview:
     return memoryview(arr.tobytes())
 
 
-def iter_seq_hashes(data: memoryview, block_size: int, parent: int | None = None,
-                    seed: int = SEED, chunk_blocks: int = 64) -> Iterator[int]:
-    """The sequence hash of each full block of `data` (u32 tokens), chained onto `parent`; computed
-    `chunk_blocks` at a time (local hashes in one C-level map), so a caller that stops early saves
+def seq_hash_chunks(data: memoryview, block_size: int, parent: int | None = None,
+                    seed: int = SEED, chunk_blocks: int = 64) -> Iterator[list[int]]:
+    """The sequence hashes of the full blocks of `data` (u32 tokens), chained onto `parent`, in lists
+    of `chunk_blocks` (local hashes in one C-level map per list), so a caller that stops early saves
     the rest."""
     stride = 4 * block_size
     prev = parent
@@ -56,7 +56,13 @@ def iter_seq_hashes(data: memoryview, block_size: int, parent: int | None = None
         for local in locals_:
             prev = local if prev is None else _xxh(_pack(prev, local), seed)
             append(prev)
-        yield from out
+        yield out
+
+
+def iter_seq_hashes(data: memoryview, block_size: int, parent: int | None = None,
+                    seed: int = SEED) -> Iterator[int]:
+    """The sequence hash of each full block of `data`, one by one."""
+    return chain.from_iterable(seq_hash_chunks(data, block_size, parent, seed))
 
 
 def seq_hashes(token_ids: Sequence[int], block_size: int, parent: int | None = None,

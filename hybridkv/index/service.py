@@ -13,7 +13,7 @@ attention-only index reports for the same instance (its full-attention blocks al
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ import numpy as np
 
 from hybridkv.index.events import EventBatch
 from hybridkv.index.rules import GroupRule, attention_tokens, joint_hit_tokens
-from hybridkv.index.seq_hash import iter_seq_hashes, token_bytes
+from hybridkv.index.seq_hash import seq_hash_chunks, token_bytes
 from hybridkv.index.subscriber import Subscriber
 from hybridkv.index.table import (
     Masks,
@@ -139,14 +139,14 @@ class IndexService:
         out: dict[int, Masks] = {}
         data = token_bytes(q.token_ids) if q.token_ids is not None else None
         for size in sorted(sizes):
-            hashes: Iterator[int] | Sequence[int]
+            chunks: Iterable[Sequence[int]]
             if data is not None:
-                hashes = iter_seq_hashes(data, size)
+                chunks = seq_hash_chunks(data, size)
             elif size == q.block_size and q.seq_hashes is not None:
-                hashes = q.seq_hashes
+                chunks = (q.seq_hashes,)
             else:
                 continue
-            out[size] = mask_array(self.table.held(cid, hashes, full_slot_mask(regs, size)))
+            out[size] = mask_array(self.table.held(cid, chunks, full_slot_mask(regs, size)))
         return out
 
     def _instance_hit(self, reg: Registration, q: Query, masks_by_size: dict[int, Masks]) -> tuple[int, int]:

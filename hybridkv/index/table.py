@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -291,18 +292,19 @@ class PrefixTable:
 
     # -- queries ----------------------------------------------------------------------------------
 
-    def held(self, cid: int, hashes: Iterator[int] | Sequence[int], stop_mask: int) -> list[int]:
-        """The masks of the blocks of `hashes` in context `cid`, up to the first block whose mask
-        has no bit of `stop_mask` (0: never stop early)."""
-        masks = self._contexts[cid].masks
+    def held(self, cid: int, chunks: Iterable[Sequence[int]], stop_mask: int) -> list[int]:
+        """The masks of the blocks whose hashes `chunks` list, in context `cid`, up to the first block
+        whose mask has no bit of `stop_mask` (0: never stop early)."""
+        get = self._contexts[cid].masks.get
         out: list[int] = []
-        append = out.append
-        get = masks.get
-        for h in hashes:
-            mask = get(h, 0)
-            if stop_mask and not mask & stop_mask:
-                break
-            append(mask)
+        for chunk in chunks:
+            masks = list(map(get, chunk, repeat(0)))
+            if stop_mask:
+                for i, mask in enumerate(masks):
+                    if not mask & stop_mask:
+                        out += masks[:i]
+                        return out
+            out += masks
         return out
 
 
