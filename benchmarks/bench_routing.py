@@ -115,7 +115,7 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
     for p in cluster.procs:  # (a cold cache for every policy)
         call(p.url, "/reset_prefix_cache", {})
     time.sleep(0.5)
-    cfg = RouteConfig(engines=cluster.engines(), index_url=cluster.index.url, model=cluster.model, policy=policy,
+    cfg = RouteConfig(engines=cluster.engines(), index_url=cluster.index_url, model=cluster.model, policy=policy,
                       poll_every_s=0.5)
     router = AppServer(make_route_app(cfg), lifespan="on", name="bench-route")
     router.start()

@@ -55,7 +55,7 @@ def route_command(
         if engines:
             typer.echo(f"starting {engines} engines of {model} and an index ...", err=True)
             cluster = LocalCluster(engines, model=model, engine_args=engine_args)
-            pool, index_url = cluster.engines(), cluster.index.url
+            pool, index_url = cluster.engines(), cluster.index_url
         else:
             pool = [Engine(url=u.rstrip("/"), instance_id=u.rstrip("/")) for u in engine or []]
         cfg = RouteConfig(engines=pool, index_url=index_url, model=model, policy=chosen, max_skew=max_skew,

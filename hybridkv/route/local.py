@@ -1,5 +1,6 @@
 """N local `hybridkv serve` engines publishing KV events (ipc:// sockets in a private directory) and
-an in-process index that subscribes to them: the one-command setup of `hybridkv route --engines N`
+a `hybridkv index` that subscribes to them, each its own process (as deployed: the index's ingest
+thread shares no interpreter with the router): the one-command setup of `hybridkv route --engines N`
 and of bench_routing.py."""
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.index.http import AppServer, make_app
-from hybridkv.index.service import IndexService
 from hybridkv.route.picker import Engine
 from hybridkv.route.upstream import UpstreamError, call
 
@@ -47,16 +46,21 @@ class LocalCluster:
             raise ValueError(f"--engines must be at least 1, got {num_engines}")
         self.model = served_model_name or model
         self._dir = tempfile.TemporaryDirectory(prefix="hybridkv-route-")
-        self.service = IndexService()
-        self.index = AppServer(make_app(self.service), name="hybridkv-index")
-        self.index.start()
         self.procs: list[_Proc] = []
+        index_port = free_port()
+        log = Path(self._dir.name) / "index.log"
+        with log.open("wb") as out:
+            self.index_proc = subprocess.Popen([sys.executable, "-m", "hybridkv", "index", "--port", str(index_port)],
+                                               stdout=out, stderr=subprocess.STDOUT)
+        self.index_url = f"http://127.0.0.1:{index_port}"
+        self._index = _Proc(url=self.index_url, events="", replay="", proc=self.index_proc, log=log)
         try:
+            self._wait_ready([self._index], ready_timeout_s)
             for i in range(num_engines):
                 self.procs.append(self._start(i, model, engine_args))
-            self._wait_ready(ready_timeout_s)
+            self._wait_ready(self.procs, ready_timeout_s)
             for i, p in enumerate(self.procs):
-                status, raw = call(self.index.url, "/register", {
+                status, raw = call(self.index_url, "/register", {
                     "endpoint": p.events, "replay_endpoint": p.replay, "type": "hybridkv", "modelname": self.model,
                     "instance_id": p.url, "block_size": 16, "dp_rank": 0})
                 if status != 200:
@@ -79,9 +83,10 @@ class LocalCluster:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         return _Proc(url=f"http://127.0.0.1:{port}", events=events, replay=replay, proc=proc, log=log)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    @staticmethod
+    def _wait_ready(procs: list[_Proc], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
+        for p in procs:
             while True:
                 if p.proc.poll() is not None:
                     tail = p.log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
@@ -99,15 +104,14 @@ class LocalCluster:
         return [Engine(url=p.url, instance_id=p.url) for p in self.procs]
 
     def close(self) -> None:
-        for p in self.procs:
+        procs = [*self.procs, self._index]
+        for p in procs:
             if p.proc.poll() is None:
                 p.proc.terminate()
-        for p in self.procs:
+        for p in procs:
             try:
                 p.proc.wait(10)
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait()
-        self.index.stop()
-        self.service.close()
         self._dir.cleanup()

@@ -19,7 +19,7 @@ from tests.index.test_index_service import wait_for
 def test_a_local_cluster_routes_and_predicts() -> None:
     cluster = LocalCluster(1, model="default-gemma3", engine_args="--kv-cache-memory-gib 0.05 --threads 1")
     try:
-        cfg = RouteConfig(engines=cluster.engines(), index_url=cluster.index.url, model=cluster.model,
+        cfg = RouteConfig(engines=cluster.engines(), index_url=cluster.index_url, model=cluster.model,
                           policy=Policy.JOINT)
         router = AppServer(make_app(cfg), lifespan="on")
         router.start()
@@ -27,7 +27,7 @@ def test_a_local_cluster_routes_and_predicts() -> None:
         body = {"model": cluster.model, "prompt": prompt, "max_tokens": 1}
         assert call(router.url, "/v1/completions", body)[0] == 200
         engine = cfg.engines[0].instance_id
-        wait_for(lambda: json.loads(call(cluster.index.url, "/query", {"model": cluster.model, "token_ids": prompt})[1])
+        wait_for(lambda: json.loads(call(cluster.index_url, "/query", {"model": cluster.model, "token_ids": prompt})[1])
                  ["default"][engine]["longest_matched"] > 0)
         status, raw = call(router.url, "/v1/completions", {**body, "prompt": [*prompt, 7]})
         assert status == 200 and json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
