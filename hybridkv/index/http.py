@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from hybridkv.index.service import IndexService, Query
+from hybridkv.index.service import IndexFullError, IndexService, Query
 from hybridkv.index.table import Registration, group_rule
 
 __all__ = ["AppServer", "make_app"]
@@ -206,7 +206,7 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
                 return handler(await _body(request, max_body_bytes))
             except HttpError as e:
                 return _error(e.status, e.message)
-            except ValueError as e:
+            except IndexFullError as e:
                 return _error(503, str(e))
         return endpoint
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv.errors import HybridKVError
 from hybridkv.index.events import EventBatch
 from hybridkv.index.rules import GroupRule, attention_tokens, joint_hit_tokens
 from hybridkv.index.seq_hash import seq_hash_chunks, token_bytes
@@ -34,9 +35,13 @@ from hybridkv.index.table import (
     mask_array,
 )
 
-__all__ = ["IndexService", "Query"]
+__all__ = ["IndexFullError", "IndexService", "Query"]
 
 MEDIA = ("GPU", "CPU", "DISK")
+
+
+class IndexFullError(HybridKVError, ValueError):
+    """The index holds as many registrations as it accepts."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,10 +82,10 @@ class IndexService:
     # -- registrations ----------------------------------------------------------------------------
 
     def register(self, reg: Registration, endpoint: str | None, replay_endpoint: str | None) -> None:
-        """Add (or replace) a registration; ValueError when the registry is full."""
+        """Add (or replace) a registration; IndexFullError when the registry is full."""
         with self.lock:
             if reg.key not in self.table.registrations and len(self.table.registrations) >= self.max_registrations:
-                raise ValueError(f"the index holds {len(self.table.registrations)} registrations, the most it "
+                raise IndexFullError(f"the index holds {len(self.table.registrations)} registrations, the most it "
                                  f"accepts (--max-registrations); unregister one first")
             self.table.add(reg)
         if self.subscriber is not None and endpoint is not None:

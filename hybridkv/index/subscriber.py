@@ -30,7 +30,8 @@ from hybridkv.index.table import RegKey
 
 __all__ = ["StreamCounts", "Subscriber"]
 
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_MESSAGE_BYTES = 16 << 20  # a batch is one engine step's events (a 32k-token prompt: ~150 KB)
+RCV_HWM = 256  # messages queued per subscription: with the size cap, what a publisher can make the index hold
 REPLAY_TIMEOUT_S = 0.5
 MAX_REPLAY_BATCHES = 100_000
 CATCH_UP_AFTER_S = 0.1  # (a new SUB socket takes a moment to receive: then ask for what it missed)
@@ -125,6 +126,7 @@ class Subscriber:
             if op == "add":
                 sub = self._ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+                sub.setsockopt(zmq.RCVHWM, RCV_HWM)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.connect(endpoint)
                 stream = _Stream(key=key, sub=sub, replay_endpoint=replay)
