@@ -84,3 +84,13 @@ def test_kv_events_config_is_vllms_json() -> None:
 def test_bad_kv_events_config_is_one_line(text: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         EngineConfig(kv_events_config=text)
+
+
+def test_the_index_and_the_router_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridkv.index.http, hybridkv.index.publisher, hybridkv.route.app, hybridkv.route.local, "
+            "hybridkv.cli.index, hybridkv.cli.route; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
