@@ -16,6 +16,7 @@ from hybridkv.index.service import IndexService, Query
 from hybridkv.index.table import Registration
 from hybridkv.kvcache.block_pool import KVEvents
 from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.options import CacheOptions
 from hybridkv.plan.planner import KVCacheGroupSpec
 from tests.factories import make_config, make_group, make_request
 
@@ -68,7 +69,8 @@ def _workload(rng: random.Random, n: int) -> list[list[int]]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_prediction_equals_the_managers_hit(layout: str, seed: int) -> None:
     groups: list[KVCacheGroupSpec] = LAYOUTS[layout]
-    m = KVCacheManager(make_config(groups=groups, num_blocks=48), max_model_len=4096, events=KVEvents.ON)
+    m = KVCacheManager(make_config(groups=groups, num_blocks=48), max_model_len=4096,
+                       options=CacheOptions(events=KVEvents.ON))
     service = _service()
     service.apply(KEY, EventBatch(ts=0.0, events=list(layout_events(m.config.groups))))
     rng = random.Random(seed)
