@@ -11,6 +11,7 @@ it vLLM's ZMQ KV event batches (vLLM itself, `hybridkv serve` / `run` with `--kv
     subscriber.py   one ZMQ subscription per registered publisher: sequence numbers, replay, gaps
     service.py      registrations, ageing, the query answer
     http.py         `hybridkv index`: the HTTP routes (register, unregister, query, query_by_hash)
+    auth.py         the bearer token and the bind rules (loopback unless --allow-remote with a token)
 
 docs/routing.md explains the rules and how routers (llm-d, Dynamo, `hybridkv route`) ask.
 """
