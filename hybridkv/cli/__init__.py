@@ -4,6 +4,8 @@
     hybridkv run               the reference engine on a chat workload
     hybridkv serve             an OpenAI-compatible HTTP server on the reference engine
     hybridkv simulate MODEL    the KV cache manager alone on a trace: hits vs an infinite cache
+    hybridkv index             the KV cache indexer routers query (joint hybrid hits per instance)
+    hybridkv route             an OpenAI-compatible router over N engines, by the index's joint hit
     hybridkv --version         the installed version
 
 Layout of this package (a newcomer finds each command's code beside its siblings):
@@ -34,7 +36,7 @@ from typing import Annotated
 import typer
 
 from hybridkv import __version__
-from hybridkv.cli import cache_server, openai_server, plan, run, simulate
+from hybridkv.cli import cache_server, index, openai_server, plan, route, run, simulate
 from hybridkv.cli.errors import OneLineErrors, PanelledCommand
 
 # Plain (click-style) help, like vLLM's argparse help: `--json  description`, no type column; a parse
@@ -62,6 +64,8 @@ app.command("run", cls=PanelledCommand)(run.run_command)
 app.command("server")(cache_server.server_command)
 app.command("serve", cls=PanelledCommand)(openai_server.serve_command)
 app.command("simulate", cls=PanelledCommand)(simulate.simulate_command)
+app.command("index")(index.index_command)
+app.command("route")(route.route_command)
 
 
 def main() -> None:

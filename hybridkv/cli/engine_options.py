@@ -35,12 +35,17 @@ KVServer = Annotated[str | None, typer.Option(
 KVServerTimeout = Annotated[float, typer.Option("--kv-server-timeout-s", help="bound on each call to the KV cache "
                                                                                "server")]
 
+KVEventsConfigOption = Annotated[str | None, typer.Option(
+    "--kv-events-config", help="vLLM's JSON: publish KV cache events over ZMQ as vLLM does (for `hybridkv index`), "
+    'e.g. {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}')]
+
 ENGINE_PANEL = "Engine"
 #: EngineConfig's fields -> their flag's annotation (the cache knobs come from cache_flags.py)
 ENGINE_FLAGS: dict[str, Any] = {
     "kv_cache_memory_gib": KVCacheMemoryGiB, "max_num_batched_tokens": MaxNumBatchedTokens,
     "max_num_seqs": MaxNumSeqs, "max_model_len": MaxModelLen, "block_size": BlockSize, "seed": Seed,
     "num_threads": Threads, "kv_server": KVServer, "kv_server_timeout_s": KVServerTimeout,
+    "kv_events_config": KVEventsConfigOption,
 }
 
 __all__ = ["DEFAULTS", "DEFAULT_MODEL_NAME", "ENGINE_FLAGS", "Model", "engine_kwargs", "with_engine_options"]

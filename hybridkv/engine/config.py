@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import ConfigError
+from hybridkv.index.events import KVEventsConfig
 from hybridkv.kvcache.options import DEFAULT_PRESET, FIELDS, PRESETS, CacheOptions, options_from
 from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
 
@@ -43,8 +44,12 @@ class EngineConfig:
     num_threads: int = 0
     kv_server: str | None = None
     kv_server_timeout_s: float = 5.0
+    #: vLLM's `--kv-events-config` JSON: publish the KV cache's events over ZMQ as vLLM does (for KV indexers)
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_json(self.kv_events_config)  # (ConfigError naming the bad field)
         if not isinstance(self.cache, CacheOptions):
             raise ConfigError(f"cache must be a CacheOptions, got {type(self.cache).__name__}")
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size"):

@@ -18,6 +18,7 @@ allocated before the forward pass and stores the chunks the step completed after
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import reprlib
@@ -34,6 +35,7 @@ from hybridkv.connector.base import ConnectorMeta, StepWork
 from hybridkv.connector.transfer import StateSaves
 from hybridkv.engine.config import DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL_NAME, EngineConfig
 from hybridkv.engine.default_model import ensure_default_model
+from hybridkv.engine.kv_events import KVEventStream
 from hybridkv.engine.kv_offload import KVTransfer, model_identity
 from hybridkv.engine.loader import load_model, safetensors_files, torch_dtype
 from hybridkv.engine.outputs import LiveRequests, RequestMetrics, RequestOutput, StepOutput
@@ -44,6 +46,8 @@ from hybridkv.engine.state_layers import StateIO
 from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridkv.errors import ConfigError
 from hybridkv.host_memory import check_fits
+from hybridkv.index.events import KVEventsConfig
+from hybridkv.kvcache.events import KVEvents
 from hybridkv.kvcache.ids import NULL_BLOCK_ID, BlockId, RequestId
 from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching
 from hybridkv.kvcache.request import KVRequest
@@ -110,7 +114,10 @@ class LLM:
         check_fits(kv_cache_gib=cfg.kv_cache_memory_gib,
                    weights_bytes=sum(f.stat().st_size for f in safetensors_files(self.model_dir)))
         self.model, _ = load_model(self.model_dir, dtype=torch_dtype(cfg.dtype))
-        self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len, options=cfg.cache)
+        kv_events = KVEventsConfig.from_json(cfg.kv_events_config or "{}")
+        cache = dataclasses.replace(cfg.cache, events=KVEvents.ON) if kv_events.enabled else cfg.cache
+        self.manager = KVCacheManager(self.plan.config, max_model_len=self.max_model_len, options=cache)
+        self.kv_events = KVEventStream(kv_events, self.manager) if kv_events.enabled else None
         self.transfer: KVTransfer | None = self._attach_kv_server(model) if cfg.kv_server else None
         self.runner = ModelRunner(self.model, self.plan.config,
                                   buffers=self.transfer.tensors if self.transfer else None)
@@ -147,7 +154,11 @@ class LLM:
                                  timeout_s=cfg.kv_server_timeout_s)
 
     def close(self) -> None:
-        """Detach from the KV cache server (and stop the one started for "auto"); idempotent."""
+        """Detach from the KV cache server (and stop the one started for "auto"), stop publishing KV
+        events; idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.transfer is not None:
             self.scheduler.connector = None  # the engine goes on with its local cache only
             self.transfer.close()
@@ -164,6 +175,8 @@ class LLM:
         `external`, also clear the KV cache server (every engine's objects there)."""
         if not self.manager.reset_prefix_cache():
             return False
+        if self.kv_events is not None:
+            self.kv_events.publish()
         if external and self.transfer is not None:
             self.transfer.connector.clear()
         return True
@@ -266,7 +279,10 @@ class LLM:
         freed. Raises CapacityError if the request at the head of the queue can never get blocks
         (the engine stays usable once that request is aborted).
         """
-        return self._live.step_outputs(self._step(), self._output)
+        finished = self._step()
+        if self.kv_events is not None:
+            self.kv_events.publish([r.kv for r in (*self.scheduler.running, *finished)])
+        return self._live.step_outputs(finished, self._output)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks (cached ones stay in the prefix cache); False if unknown or done."""

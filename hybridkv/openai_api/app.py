@@ -52,6 +52,7 @@ from hybridkv.openai_api.schemas import (
     decode_body,
     to_job,
 )
+from hybridkv.openai_api.tokenize import tokenize
 
 log = logging.getLogger("hybridkv.openai_api")
 
@@ -121,12 +122,22 @@ def make_app(llm: LLM, *, model_name: str, limits: ServeLimits | None = None) ->
     async def reset_prefix_cache(request: Request) -> Response:
         return await _reset_prefix_cache(state, request)
 
+    async def tokenize_route(request: Request) -> Response:
+        try:
+            raw = await read_body(request, state.limits.max_body_bytes)
+            return json_response(await asyncio.to_thread(
+                tokenize, raw, model_name=model_name, chat_template=state.chat_template, tokenizer=llm.tokenizer,
+                max_model_len=llm.max_model_len))
+        except BadRequest as exc:
+            return _refuse(state, exc)
+
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models), Route("/v1/models/{name:path}", model),
         Route("/health", health), Route("/metrics", metrics),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
     ], lifespan=lifespan, exception_handlers={HTTPException: _http_error},
         middleware=[Middleware(ApiKeyGuard, api_key=limits.api_key)] if limits.api_key else [])
     app.state.serve = state

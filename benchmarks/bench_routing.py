@@ -1,0 +1,318 @@
+#!/usr/bin/env python
+"""Routing by the joint hybrid hit: prediction accuracy, realized hits vs attention-only and round
+robin, and the index's scale.
+
+Part 1, per model (the embedded sliding-window Gemma 3, and a tiny random Gated DeltaNet hybrid,
+Qwen3.5-style, built as in bench_run_policies.py): 4 `hybridkv serve` engines publishing KV events,
+one `hybridkv index`, one `hybridkv route` per policy (joint, attention, round_robin; the engines'
+prefix caches reset between policies). Workload (seeded, `workload`): sessions on K long system
+prompts (popularity skewed), 2-5 requests each, run closed loop by 4 clients at once (50 ms between a
+response and the client's next request); a request is the next turn or, one time in three, a branch
+from an earlier turn; 1 new token per request, prompts as token ids. The
+KV cache of each engine holds only a few of the system prompts, so where a request goes decides
+its hit.
+
+    accuracy   share of routed requests whose `cached_tokens` equals the index's `longest_matched`
+    hit        realized prefix-hit tokens (sum of `cached_tokens`) per policy
+    balance    max / min requests per engine
+
+Part 2 (in-process): 1M indexed blocks over 4 instances; ingest rate (msgpack decode + apply);
+memory per indexed block (tracemalloc); a 32k-token prompt held to its end by one instance: `/query`
+p50/p99 in process and over HTTP, and `/query_by_hash` in process (the router hashed the prompt).
+
+Last line: accuracy=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... joint_vs_attention_swa=...
+joint_vs_rr_swa=... balance_max=... query_p99_ms=... query_by_hash_p99_ms=... http_query_p99_ms=...
+ingest_blocks_per_s=... bytes_per_block=...
+
+    .venv/bin/python benchmarks/bench_routing.py [--quick] [--part routing|scale|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from hybridkv.index.events import BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
+from hybridkv.index.http import AppServer, make_app  # noqa: E402
+from hybridkv.index.seq_hash import seq_hashes  # noqa: E402
+from hybridkv.index.service import IndexService, Query  # noqa: E402
+from hybridkv.index.table import Registration  # noqa: E402
+from hybridkv.route.app import RouteConfig  # noqa: E402
+from hybridkv.route.app import make_app as make_route_app  # noqa: E402
+from hybridkv.route.local import LocalCluster  # noqa: E402
+from hybridkv.route.picker import Policy  # noqa: E402
+from hybridkv.route.upstream import call  # noqa: E402
+
+ENGINES = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Clients:
+    """How the workload is driven (the defaults are the documented run)."""
+
+    clients: int = 4
+    think_s: float = 0.05  # a client reads the answer before it sends the next turn
+    max_turns: int = 5  # a session runs 2..max_turns requests
+    branch_p: float = 1 / 3  # a request branches from an earlier turn (else: the next turn)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    system_prompts: int
+    system_tokens: int
+    question_tokens: int
+    requests: int
+    kv_gib: float
+    vocab: int
+
+
+def workload(shape: Shape, seed: int, drive: Clients) -> list[list[list[int]]]:
+    """Sessions, each a list of prompts run one after the other (closed loop): a session opens on one
+    of K system prompts (popularity skewed) and runs 2-5 requests; each next request is the next
+    turn (the previous prompt + an answer + a question) or, one time in three, a branch (an earlier
+    turn's prompt + a different question: a regenerated or edited message)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, shape.vocab) for _ in range(shape.system_tokens)] for _ in range(shape.system_prompts)]
+    weights = [1 / (k + 1) ** 0.6 for k in range(shape.system_prompts)]
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(3, shape.vocab) for _ in range(n)]
+
+    sessions: list[list[list[int]]] = []
+    total = 0
+    while total < shape.requests:
+        k = rng.choices(range(shape.system_prompts), weights)[0]
+        turns = [systems[k] + words(shape.question_tokens)]
+        for _ in range(rng.randrange(1, drive.max_turns)):
+            if len(turns) > 1 and rng.random() < drive.branch_p:
+                base = turns[rng.randrange(len(turns) - 1)]
+                turns.append(base + words(shape.question_tokens // 2) + words(shape.question_tokens))
+            else:
+                turns.append(turns[-1] + words(shape.question_tokens // 2) + words(shape.question_tokens))
+        sessions.append(turns)
+        total += len(turns)
+    return sessions
+
+
+def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[int]]],
+               drive: Clients) -> dict[str, Any]:
+    for p in cluster.procs:  # (a cold cache for every policy)
+        call(p.url, "/reset_prefix_cache", {})
+    time.sleep(0.5)
+    cfg = RouteConfig(engines=cluster.engines(), index_url=cluster.index_url, model=cluster.model, policy=policy,
+                      poll_every_s=0.5)
+    router = AppServer(make_route_app(cfg), lifespan="on", name="bench-route")
+    router.start()
+    results: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    queue = list(sessions)
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                session = queue.pop(0)
+            for prompt in session:
+                time.sleep(drive.think_s)
+                status, raw = call(router.url, "/v1/completions", {"model": cluster.model, "prompt": prompt,
+                                                                    "max_tokens": 1, "temperature": 0}, timeout_s=600)
+                if status != 200:
+                    raise RuntimeError(f"request failed: {status} {raw[:200]!r}")
+                cached = int(json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"])
+                with lock:
+                    results.append((cached, len(prompt)))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(drive.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    router.stop()
+    routed = [e.routed for e in cfg.engines]
+    checked = sum(e.checked for e in cfg.engines)
+    return {"policy": policy.value, "hit_tokens": sum(r[0] for r in results),
+            "prompt_tokens": sum(r[1] for r in results), "routed": routed,
+            "balance": max(routed) / max(1, min(routed)), "wall_s": wall,
+            "accuracy": sum(e.exact for e in cfg.engines) / checked if checked else float("nan"),
+            "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines)}
+
+
+def build_gdn(target: Path) -> None:
+    import bench_run_policies
+
+    bench_run_policies.build_model(target)
+
+
+def routing(quick: bool, drive: Clients) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per model, per policy: the run_policy results."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    from hybridkv.engine.tokenizer import BYTE_VOCAB
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gdn = Path(tmp) / "tiny-gdn"
+        build_gdn(gdn)
+        models = {
+            "swa": ("default-gemma3", Shape(system_prompts=12, system_tokens=384, question_tokens=48,
+                                            requests=60 if quick else 240, kv_gib=0.004, vocab=BYTE_VOCAB)),
+            "gdn": (str(gdn), Shape(system_prompts=12, system_tokens=1200, question_tokens=96,
+                                    requests=60 if quick else 240, kv_gib=0.003, vocab=32000)),
+        }
+        for name, (model, shape) in models.items():
+            sessions = workload(shape, seed=0, drive=drive)
+            args = (f"--kv-cache-memory-gib {shape.kv_gib} --threads 1 --max-num-seqs 4 --max-model-len 4096 "
+                    "--max-num-batched-tokens 2048")
+            cluster = LocalCluster(ENGINES, model=model, engine_args=args, served_model_name=name)
+            try:
+                out[name] = {}
+                for policy in (Policy.JOINT, Policy.ATTENTION, Policy.ROUND_ROBIN):
+                    r = run_policy(cluster, policy, sessions, drive)
+                    out[name][policy.value] = r
+                    print(f"model={name} policy={policy.value} hit_tokens={r['hit_tokens']} "
+                          f"prompt_tokens={r['prompt_tokens']} routed={r['routed']} balance={r['balance']:.2f} "
+                          f"accuracy={r['accuracy']:.4f} over={r['over']} under={r['under']} wall_s={r['wall_s']:.1f}",
+                          flush=True)
+            finally:
+                cluster.close()
+    return out
+
+
+def _batches(instance: int, num_blocks: int, block_size: int, rng: random.Random) -> list[bytes]:
+    """Chains of 64 blocks (one BlockStored each), as msgpack payloads of 16 events."""
+    payloads, events = [], []
+    next_hash = instance << 40
+    for _ in range(num_blocks // 64):
+        tokens = [rng.randrange(1 << 17) for _ in range(64 * block_size)]
+        events.append(BlockStored(block_hashes=list(range(next_hash, next_hash + 64)), parent_block_hash=None,
+                                  token_ids=tokens, block_size=block_size, lora_id=None, medium="GPU", lora_name=None,
+                                  group_idx=0, kv_cache_spec_kind="full_attention"))
+        next_hash += 64
+        if len(events) == 16:
+            payloads.append(encode_batch(EventBatch(ts=0.0, events=events)))
+            events = []
+    if events:
+        payloads.append(encode_batch(EventBatch(ts=0.0, events=events)))
+    return payloads
+
+
+def scale(quick: bool) -> dict[str, float]:
+    total = 100_000 if quick else 1_000_000
+    block = 16
+    rng = random.Random(0)
+    service = IndexService(subscribe=False, max_blocks=total + 10_000)
+    keys = [("default", f"e{i}", 0) for i in range(ENGINES)]
+    for key in keys:
+        service.register(Registration(key=key, model="m", lora_name=None, block_size=block), None, None)
+    payloads = [_batches(i, total // ENGINES, block, rng) for i in range(ENGINES)]
+    start = time.perf_counter()
+    for key, batches in zip(keys, payloads, strict=True):
+        for payload in batches:
+            service.apply(key, decode_batch(payload))
+    ingest_s = time.perf_counter() - start
+    # memory: one instance's share ingested again into an empty index, under tracemalloc (which
+    # slows allocation several fold: not timed)
+    probe = IndexService(subscribe=False, max_blocks=total)
+    probe.register(Registration(key=keys[0], model="m", lora_name=None, block_size=block), None, None)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for payload in payloads[0]:
+        probe.apply(keys[0], decode_batch(payload))
+    held = (tracemalloc.get_traced_memory()[0] - before) / probe.table.num_blocks
+    tracemalloc.stop()
+    del probe
+    blocks = service.table.num_blocks
+    # the worst case of a 32k-token prompt: all 2048 blocks held by e0, the first 512 by the others
+    # (the walk cannot stop early), among the 1M other blocks
+    prompt = [rng.randrange(1 << 17) for _ in range(32768)]
+    for i, key in enumerate(keys):
+        n = 2048 if i == 0 else 512
+        service.apply(key, EventBatch(ts=0.0, events=[BlockStored(
+            block_hashes=list(range(1 << 50, (1 << 50) + n)), parent_block_hash=None, token_ids=prompt[: n * block],
+            block_size=block, lora_id=None, medium="GPU", lora_name=None, group_idx=0,
+            kv_cache_spec_kind="full_attention")]))
+    prompt.append(1)
+    times = []
+    for _ in range(50 if quick else 300):
+        t = time.perf_counter()
+        answer = service.query(Query(model="m", token_ids=prompt))
+        times.append(time.perf_counter() - t)
+    assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
+    hashes = seq_hashes(prompt, block)  # (a router that hashes prompts itself: /query_by_hash)
+    by_hash = Query(model="m", seq_hashes=hashes, block_size=block, num_tokens=len(prompt))
+    hash_times = []
+    for _ in range(50 if quick else 300):
+        t = time.perf_counter()
+        answer = service.query(by_hash)
+        hash_times.append(time.perf_counter() - t)
+    assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
+    server = AppServer(make_app(service))
+    server.start()
+    body = json.dumps({"model": "m", "token_ids": prompt, "block_size": block}).encode()
+    http_times = []
+    for _ in range(30 if quick else 200):
+        t = time.perf_counter()
+        call(server.url, "/query", body)
+        http_times.append(time.perf_counter() - t)
+    server.stop()
+    q = statistics.quantiles
+    result = {"blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s, "bytes_per_block": held,
+              "query_p50_ms": q(times, n=100)[49] * 1e3, "query_p99_ms": q(times, n=100)[98] * 1e3,
+              "query_by_hash_p50_ms": q(hash_times, n=100)[49] * 1e3,
+              "query_by_hash_p99_ms": q(hash_times, n=100)[98] * 1e3,
+              "http_query_p50_ms": q(http_times, n=100)[49] * 1e3, "http_query_p99_ms": q(http_times, n=100)[98] * 1e3}
+    print("scale " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
+          flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests and blocks (CI smoke run)")
+    parser.add_argument("--part", choices=["routing", "scale", "all"], default="all")
+    default = Clients()
+    parser.add_argument("--clients", type=int, default=default.clients, help="clients at once")
+    parser.add_argument("--think-s", type=float, default=default.think_s, help="a client's pause between requests")
+    parser.add_argument("--max-turns", type=int, default=default.max_turns, help="most requests per session")
+    parser.add_argument("--branch-p", type=float, default=default.branch_p, help="share of branch requests")
+    args = parser.parse_args(argv)
+    drive = Clients(clients=args.clients, think_s=args.think_s, max_turns=args.max_turns, branch_p=args.branch_p)
+    parts: list[str] = []
+    if args.part in ("scale", "all"):
+        s = scale(args.quick)
+        parts += [f"query_p99_ms={s['query_p99_ms']:.3f}", f"query_by_hash_p99_ms={s['query_by_hash_p99_ms']:.3f}",
+                  f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
+                  f"ingest_blocks_per_s={s['ingest_blocks_per_s']:.0f}", f"bytes_per_block={s['bytes_per_block']:.0f}"]
+    if args.part in ("routing", "all"):
+        r = routing(args.quick, drive)
+        accuracy = min(r[m]["joint"]["accuracy"] for m in r)
+        ratios = []
+        for m in ("gdn", "swa"):
+            joint = r[m]["joint"]["hit_tokens"]
+            ratios += [f"joint_vs_attention_{m}={joint / max(1, r[m]['attention']['hit_tokens']):.3f}",
+                       f"joint_vs_rr_{m}={joint / max(1, r[m]['round_robin']['hit_tokens']):.3f}"]
+        balance = max(r[m][p]["balance"] for m in r for p in r[m])
+        parts = [f"accuracy={accuracy:.4f}", *ratios, f"balance_max={balance:.2f}", *parts]
+    print(" ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The engine's KV event stream: after each step, the manager's events go out as vLLM's
+(`--kv-events-config`, hybridkv/index/publisher.py), so KV indexers and routers see this engine.
+
+Salts: the manager's events carry no cache salt; a chain's first block hash is matched to the
+salted requests of the step (their first block hash per block size) to put the salt where vLLM
+puts it (`extra_keys` of the first block)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hybridkv.index.events import KVEventsConfig
+from hybridkv.index.publisher import ZmqPublisher, external_hash, layout_events, wire_events
+from hybridkv.kvcache.manager import KVCacheManager
+from hybridkv.kvcache.request import KVRequest
+
+
+class KVEventStream:
+    """Publishes a manager's events; `close` stops the publisher thread and its sockets."""
+
+    def __init__(self, config: KVEventsConfig, manager: KVCacheManager) -> None:
+        self._manager = manager
+        self.publisher = ZmqPublisher(config, announce=layout_events(manager.config.groups))
+
+    def publish(self, requests: Iterable[KVRequest] = ()) -> None:
+        """Send what the manager recorded since the last call (nothing when it recorded nothing)."""
+        events = self._manager.take_events()
+        if not events:
+            return
+        salts: dict[int, str] = {}
+        for request in requests:
+            if request.cache_salt is not None:
+                for hashes in request.block_hashes.values():
+                    if hashes:
+                        salts[external_hash(hashes[0])] = request.cache_salt
+        self.publisher.publish(wire_events(events, salts))
+
+    def close(self) -> None:
+        self.publisher.shutdown()

@@ -1,0 +1,17 @@
+"""The KV cache indexer: which engine instance holds which prefix, answered as the joint hybrid hit.
+
+Pure Python (no torch). Routers ask it over the Mooncake Conductor Indexer HTTP API; engines feed
+it vLLM's ZMQ KV event batches (vLLM itself, `hybridkv serve` / `run` with `--kv-events-config`).
+
+    events.py       vLLM 0.32's KV event wire format (msgpack batches) and its `--kv-events-config`
+    seq_hash.py     the Conductor's rolling XXH3-64 sequence hashes of token blocks
+    rules.py        the joint hit of one instance from the blocks each of its groups holds
+    table.py        the index: contexts (model, cache-salt namespace) -> per block, which groups hold it
+    publisher.py    a ZMQ publisher byte-compatible with vLLM's (PUB + replay ROUTER)
+    subscriber.py   one ZMQ subscription per registered publisher: sequence numbers, replay, gaps
+    service.py      registrations, ageing, the query answer
+    http.py         `hybridkv index`: the HTTP routes (register, unregister, query, query_by_hash)
+    auth.py         the bearer token and the bind rules (loopback unless --allow-remote with a token)
+
+docs/routing.md explains the rules and how routers (llm-d, Dynamo, `hybridkv route`) ask.
+"""

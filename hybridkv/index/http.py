@@ -1,0 +1,303 @@
+"""`hybridkv index`: the Mooncake Conductor Indexer HTTP API over an `IndexService`.
+
+    POST /register        a KV event publisher (ZMQ endpoint, replay endpoint, model, instance, ...)
+    POST /unregister      stop consuming it and forget its blocks
+    POST /query           {"model", "token_ids", ...} -> {tenant: {instance: {"longest_matched", ...}}}
+    POST /query_by_hash   {"model", "seq_hashes", "block_size", ...} -> the same shape
+    GET  /health          200 "ok"
+    GET  /metrics         Prometheus text: indexed blocks, registrations, ingest and stream counters
+
+With a token (`--auth-token-file` or $HYBRIDKV_INDEX_TOKEN) every POST needs
+`Authorization: Bearer <token>`. Bodies are capped (`max_body_bytes`); every error is one JSON line
+`{"error": {"message": ...}}` with status 400 / 401 / 404 / 413 / 503, never a traceback.
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from hybridkv.index.service import IndexFullError, IndexService, Query
+from hybridkv.index.table import Registration, group_rule
+
+__all__ = ["AppServer", "make_app"]
+
+_T = TypeVar("_T")
+
+MAX_BODY_BYTES = 16 << 20  # ~2M token ids as JSON
+MAX_TOKENS = 2_000_000
+
+
+class GroupSpecBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A hybridkv extension of /register: a group's layout before its first event."""
+
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+    group_idx: int | None = None
+
+
+class RegisterBody(msgspec.Struct):
+    endpoint: str
+    type: str
+    modelname: str
+    instance_id: str
+    block_size: int
+    dp_rank: int = 0
+    replay_endpoint: str | None = None
+    lora_name: str | None = None
+    tenant_id: str = "default"
+    additionalsalt: str = ""
+    kv_groups: list[GroupSpecBody] | None = None
+
+
+class UnregisterBody(msgspec.Struct):
+    instance_id: str
+    tenant_id: str = "default"
+    dp_rank: int | None = None
+    type: str | None = None
+    modelname: str | None = None
+    lora_name: str | None = None
+    block_size: int | None = None
+
+
+class QueryBody(msgspec.Struct):
+    model: str
+    token_ids: list[int] | None = None
+    seq_hashes: list[int] | None = None
+    block_hash: list[int] | None = None  # (an earlier draft's name for seq_hashes)
+    tenant_id: str = "default"
+    instance_id: str | None = None
+    block_size: int | None = None
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+    num_tokens: int | None = None
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(msgspec.json.encode({"error": {"message": message, "code": status}}), status_code=status,
+                    media_type="application/json")
+
+
+def _json(body: Any) -> Response:
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+async def _body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise HttpError(413, f"request body of {declared} bytes is over the limit of {max_bytes}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise HttpError(413, f"request body is over the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(raw: bytes, kind: type[_T], path: str) -> _T:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise HttpError(400, f"{path}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise HttpError(400, f"{path}: body is not JSON ({e})") from None
+
+
+def _check_endpoint(endpoint: str, field: str) -> None:
+    if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) > 512:
+        raise HttpError(400, f"{field} {endpoint[:80]!r} is not a ZMQ endpoint; expected tcp://HOST:PORT or ipc://PATH")
+
+
+def _registration(body: RegisterBody) -> Registration:
+    _check_endpoint(body.endpoint, "endpoint")
+    if body.replay_endpoint is not None:
+        _check_endpoint(body.replay_endpoint, "replay_endpoint")
+    if body.block_size <= 0 or body.dp_rank < 0:
+        raise HttpError(400, f"block_size must be positive and dp_rank non-negative, got {body.block_size} "
+                             f"and {body.dp_rank}")
+    if not body.instance_id or not body.modelname or len(body.instance_id) > 256 or len(body.modelname) > 256:
+        raise HttpError(400, "instance_id and modelname must be non-empty strings of at most 256 characters")
+    reg = Registration(key=(body.tenant_id, body.instance_id, body.dp_rank), model=body.modelname,
+                       lora_name=body.lora_name or None, block_size=body.block_size, kind=body.type)
+    for i, g in enumerate((body.kv_groups or [])[:64]):
+        if g.block_size <= 0:
+            raise HttpError(400, f"kv_groups[{i}].block_size must be positive, got {g.block_size}")
+        reg.groups[g.group_idx if g.group_idx is not None else i] = group_rule(g.kind, g.block_size, g.sliding_window)
+    return reg
+
+
+def _query(body: QueryBody, *, by_hash: bool) -> Query:
+    hashes = body.seq_hashes if body.seq_hashes is not None else body.block_hash
+    if by_hash:
+        if hashes is None or body.block_size is None or body.block_size <= 0:
+            raise HttpError(400, "/query_by_hash needs seq_hashes and a positive block_size")
+        if len(hashes) > MAX_TOKENS:
+            raise HttpError(400, f"{len(hashes)} seq_hashes is over the limit of {MAX_TOKENS}")
+        if any(h < 0 or h >= 1 << 64 for h in hashes):
+            raise HttpError(400, "seq_hashes must be unsigned 64-bit integers")
+    elif body.token_ids is None:
+        raise HttpError(400, "/query needs token_ids (a list of token ids)")
+    elif len(body.token_ids) > MAX_TOKENS:
+        raise HttpError(400, f"{len(body.token_ids)} token ids is over the limit of {MAX_TOKENS}")
+    elif body.token_ids and (min(body.token_ids) < 0 or max(body.token_ids) > 0xFFFFFFFF):
+        raise HttpError(400, "token_ids must be integers in 0..4294967295")
+    return Query(model=body.model, tenant_id=body.tenant_id, lora_name=body.lora_name, instance_id=body.instance_id,
+                 cache_salt=body.cache_salt, token_ids=None if by_hash else body.token_ids,
+                 seq_hashes=hashes if by_hash else None, block_size=body.block_size, num_tokens=body.num_tokens)
+
+
+def _metrics(service: IndexService) -> str:
+    table = service.table
+    c = table.counts
+    lines = [
+        f"hybridkv_index_blocks {table.num_blocks}",
+        f"hybridkv_index_registrations {len(table.registrations)}",
+        f"hybridkv_index_stored_blocks_total {c.stored_blocks}",
+        f"hybridkv_index_removed_blocks_total {c.removed_blocks}",
+        f"hybridkv_index_unplaced_blocks_total {c.unplaced_blocks}",
+        f"hybridkv_index_skipped_blocks_total {c.skipped_blocks}",
+        f"hybridkv_index_unknown_removals_total {c.unknown_removals}",
+    ]
+    if service.subscriber is not None:
+        s = service.subscriber.counts
+        lines += [f"hybridkv_index_batches_total {s.batches}", f"hybridkv_index_sequence_gaps_total {s.gaps}",
+                  f"hybridkv_index_replayed_batches_total {s.replayed}", f"hybridkv_index_resets_total {s.resets}",
+                  f"hybridkv_index_bad_messages_total {s.bad_messages}"]
+    return "\n".join(lines) + "\n"
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """The HTTP routes over `service` (`token` empty: no authentication)."""
+    secret = token.encode()
+
+    def guarded(handler: Callable[[bytes], Response], path: str) -> Handler:
+        async def endpoint(request: Request) -> Response:
+            try:
+                if secret:
+                    header = request.headers.get("authorization", "")
+                    presented = header[7:].encode() if header.startswith("Bearer ") else b""
+                    if not hmac.compare_digest(presented, secret):
+                        raise HttpError(401, f"{path} needs Authorization: Bearer <the index's token>")
+                return handler(await _body(request, max_body_bytes))
+            except HttpError as e:
+                return _error(e.status, e.message)
+            except IndexFullError as e:
+                return _error(503, str(e))
+        return endpoint
+
+    def register(raw: bytes) -> Response:
+        body = _decode(raw, RegisterBody, "/register")
+        service.register(_registration(body), body.endpoint, body.replay_endpoint)
+        return _json({"status": "registered successfully", "instance_id": body.instance_id})
+
+    def unregister(raw: bytes) -> Response:
+        body = _decode(raw, UnregisterBody, "/unregister")
+        removed = service.unregister(body.tenant_id, body.instance_id, body.dp_rank)
+        if not removed:
+            raise HttpError(404, f"no registration of instance {body.instance_id[:80]!r} under tenant "
+                                 f"{body.tenant_id[:80]!r}")
+        return _json({"status": "unregistered successfully", "removed_instances": removed})
+
+    def query(raw: bytes) -> Response:
+        return _json(service.query(_query(_decode(raw, QueryBody, "/query"), by_hash=False)))
+
+    def query_by_hash(raw: bytes) -> Response:
+        return _json(service.query(_query(_decode(raw, QueryBody, "/query_by_hash"), by_hash=True)))
+
+    async def health(_: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def metrics(_: Request) -> Response:
+        with service.lock:
+            text = _metrics(service)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def not_found(_: Request, exc: Exception) -> Response:
+        return _error(404, "no such route; expected POST /register, /unregister, /query, /query_by_hash")
+
+    async def server_error(_: Request, exc: Exception) -> Response:
+        return _error(500, f"internal error: {type(exc).__name__}")
+
+    return Starlette(routes=[
+        Route("/register", guarded(register, "/register"), methods=["POST"]),
+        Route("/unregister", guarded(unregister, "/unregister"), methods=["POST"]),
+        Route("/query", guarded(query, "/query"), methods=["POST"]),
+        Route("/query_by_hash", guarded(query_by_hash, "/query_by_hash"), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], exception_handlers={404: not_found, 405: not_found, 500: server_error})
+
+
+class AppServer:
+    """uvicorn serving an ASGI app on a socket bound at construction (port 0 works)."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "hybridkv-http",
+                 lifespan: Literal["on", "off"] = "off") -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+        self._sock.listen(256)
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan, loop="asyncio",
+                                http="h11", timeout_keep_alive=30, limit_concurrency=1024)
+        self._server = uvicorn.Server(config)
+        self._name = name
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self._sock.close()
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread = threading.Thread(target=self.run, name=self._name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError(f"the server did not start within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+

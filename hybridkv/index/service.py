@@ -1,0 +1,173 @@
+"""The index service: registrations, the ingest thread, and the answer to a query.
+
+Answer shape (Mooncake Conductor Indexer API, RFC #1403), per tenant, per instance:
+
+    {"default": {"engine-0": {"longest_matched": 96, "GPU": 96, "CPU": 0, "DISK": 0,
+                              "DP": {"0": 96}, "attention_matched": 160}}}
+
+`longest_matched` is the JOINT hybrid hit (rules.py): what the engine's own lookup will find, so a
+router compares instances by the prefix they can really skip. `attention_matched` is what an
+attention-only index reports for the same instance (its full-attention blocks alone).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridkv.errors import HybridKVError
+from hybridkv.index.events import EventBatch
+from hybridkv.index.rules import GroupRule, attention_tokens, joint_hit_tokens
+from hybridkv.index.seq_hash import seq_hash_chunks, token_bytes
+from hybridkv.index.subscriber import Subscriber
+from hybridkv.index.table import (
+    Masks,
+    Namespaces,
+    PrefixTable,
+    Registration,
+    RegKey,
+    full_slot_mask,
+    held_bits,
+    mask_array,
+)
+
+__all__ = ["IndexFullError", "IndexService", "Query"]
+
+MEDIA = ("GPU", "CPU", "DISK")
+
+
+class IndexFullError(HybridKVError, ValueError):
+    """The index holds as many registrations as it accepts."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Query:
+    """A validated `/query` (token_ids) or `/query_by_hash` (seq_hashes at `block_size`)."""
+
+    model: str
+    tenant_id: str = "default"
+    lora_name: str | None = None
+    instance_id: str | None = None
+    cache_salt: str | None = None
+    token_ids: Sequence[int] | None = None
+    seq_hashes: Sequence[int] | None = None
+    block_size: int | None = None
+    num_tokens: int | None = None  # query_by_hash: the prompt's length (the hit stops one short of it)
+
+
+class IndexService:
+    """Owns the table and the ingest thread; every method is thread-safe."""
+
+    def __init__(self, *, max_blocks: int = 4_000_000, max_registrations: int = 1024,
+                 probe_every_s: float = 2.0, dead_after_s: float = 10.0, subscribe: bool = True) -> None:
+        self.lock = threading.Lock()
+        self.table = PrefixTable(max_blocks=max_blocks, namespaces=Namespaces())
+        self.max_registrations = max_registrations
+        self.subscriber = (Subscriber(self.table.apply, self._reset, self.lock, probe_every_s=probe_every_s,
+                                      dead_after_s=dead_after_s) if subscribe else None)
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+
+    def _reset(self, key: RegKey) -> None:
+        reg = self.table.registrations.get(key)
+        if reg is not None:
+            self.table.clear(reg)
+
+    # -- registrations ----------------------------------------------------------------------------
+
+    def register(self, reg: Registration, endpoint: str | None, replay_endpoint: str | None) -> None:
+        """Add (or replace) a registration; IndexFullError when the registry is full."""
+        with self.lock:
+            if reg.key not in self.table.registrations and len(self.table.registrations) >= self.max_registrations:
+                raise IndexFullError(f"the index holds {len(self.table.registrations)} registrations, the most it "
+                                 f"accepts (--max-registrations); unregister one first")
+            self.table.add(reg)
+        if self.subscriber is not None and endpoint is not None:
+            self.subscriber.add(reg.key, endpoint, replay_endpoint)
+
+    def unregister(self, tenant_id: str, instance_id: str, dp_rank: int | None) -> list[str]:
+        """Remove the matching registrations (every DP rank when `dp_rank` is None); their names."""
+        removed = []
+        with self.lock:
+            for key in list(self.table.registrations):
+                if key[0] == tenant_id and key[1] == instance_id and (dp_rank is None or key[2] == dp_rank):
+                    self.table.drop(key)
+                    removed.append(key)
+        for key in removed:
+            if self.subscriber is not None:
+                self.subscriber.remove(key)
+        return [f"{i}|{t}|{r}" for t, i, r in removed]
+
+    def apply(self, key: RegKey, batch: EventBatch) -> None:
+        """Apply a batch directly (tests, in-process publishers)."""
+        with self.lock:
+            self.table.apply(key, batch)
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    def query(self, q: Query) -> dict[str, dict[str, dict[str, Any]]]:
+        with self.lock:
+            return {q.tenant_id: self._answer(q)}
+
+    def _answer(self, q: Query) -> dict[str, dict[str, Any]]:
+        table = self.table
+        regs = [r for r in table.registrations.values()
+                if r.key[0] == q.tenant_id and r.model == q.model and (q.lora_name or None) == (r.lora_name or None)
+                and (q.instance_id is None or r.key[1] == q.instance_id)]
+        answer: dict[str, dict[str, Any]] = {}
+        for reg in regs:
+            answer.setdefault(reg.key[1], {"longest_matched": 0, **dict.fromkeys(MEDIA, 0), "DP": {},
+                                           "attention_matched": 0})
+        cid = table.context_id(q.model, q.lora_name, table.namespaces.of(q.cache_salt))
+        if cid is None or not regs:
+            return answer
+        masks_by_size = self._masks(cid, q, regs)
+        for reg in regs:
+            joint, attention = self._instance_hit(reg, q, masks_by_size)
+            entry = answer[reg.key[1]]
+            entry["DP"][str(reg.key[2])] = max(joint, entry["DP"].get(str(reg.key[2]), 0))
+            medium = reg.medium.upper()
+            entry[medium] = max(entry.get(medium, 0), joint)
+            entry["longest_matched"] = max(entry["longest_matched"], joint)
+            entry["attention_matched"] = max(entry["attention_matched"], attention)
+        return answer
+
+    def _masks(self, cid: int, q: Query, regs: Sequence[Registration]) -> dict[int, Masks]:
+        """Per block size the registrations' groups use: the masks of the prompt's blocks."""
+        sizes = {r.block_size for reg in regs for r in reg.groups.values()}
+        out: dict[int, Masks] = {}
+        data = token_bytes(q.token_ids) if q.token_ids is not None else None
+        for size in sorted(sizes):
+            chunks: Iterable[Sequence[int]]
+            if data is not None:
+                chunks = seq_hash_chunks(data, size)
+            elif size == q.block_size and q.seq_hashes is not None:
+                chunks = (q.seq_hashes,)
+            else:
+                continue
+            out[size] = mask_array(self.table.held(cid, chunks, full_slot_mask(regs, size)))
+        return out
+
+    def _instance_hit(self, reg: Registration, q: Query, masks_by_size: dict[int, Masks]) -> tuple[int, int]:
+        rules: list[GroupRule] = []
+        held = []
+        for group_idx in sorted(reg.groups):
+            rule = reg.groups[group_idx]
+            masks = masks_by_size.get(rule.block_size)
+            slot = reg.slots.get(group_idx)
+            if masks is None:
+                return 0, 0  # (a block size the query cannot see: no hit can be promised)
+            rules.append(rule)
+            held.append(held_bits(masks, slot) if slot is not None else np.zeros(len(masks), np.bool_))
+        if q.token_ids is not None:
+            max_tokens = len(q.token_ids) - 1
+        else:
+            count = len(q.seq_hashes or ()) * (q.block_size or 0)
+            max_tokens = min(count, q.num_tokens - 1) if q.num_tokens else count
+        return joint_hit_tokens(rules, held, max_tokens), attention_tokens(rules, held)

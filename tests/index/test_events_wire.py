@@ -1,0 +1,96 @@
+"""The KV event wire format is vLLM 0.32's byte for byte, and `--kv-events-config` is vLLM's JSON."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from hybridkv.engine.config import EngineConfig
+from hybridkv.errors import ConfigError
+from hybridkv.index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEventsConfig,
+    WireError,
+    decode_batch,
+    encode_batch,
+)
+from hybridkv.index.seq_hash import SEED, seq_hashes
+
+
+def test_a_batch_encodes_as_vllms_tagged_maps() -> None:
+    """vLLM's structs: maps (not arrays), tag field "type" = the class name, defaults omitted, the
+    required-but-None fields (lora_id, medium, lora_name) kept."""
+    batch = EventBatch(ts=1.5, events=[
+        BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 2], block_size=2, lora_id=None,
+                    medium="GPU", lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=8),
+        BlockRemoved(block_hashes=[7], medium="GPU", group_idx=1),
+        AllBlocksCleared(),
+    ], data_parallel_rank=0)
+    expected = {"ts": 1.5, "events": [
+        {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2,
+         "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+         "kv_cache_spec_sliding_window": 8},
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 1},
+        {"type": "AllBlocksCleared"},
+    ], "data_parallel_rank": 0}
+    assert encode_batch(batch) == msgspec.msgpack.encode(expected)
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+def test_older_and_newer_publishers_decode() -> None:
+    """No group fields (older vLLM) and unknown fields (newer vLLM) both decode."""
+    raw = msgspec.msgpack.encode({"ts": 0.0, "events": [
+        {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None, "token_ids": [1],
+         "block_size": 1, "lora_id": None, "medium": None, "lora_name": None, "snapshot_version": 3}]})
+    (event,) = decode_batch(raw).events
+    assert isinstance(event, BlockStored) and event.group_idx is None and event.block_hashes == [b"\x01" * 32]
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"ts": "x", "events": []})])
+def test_garbage_is_a_wire_error(payload: bytes) -> None:
+    with pytest.raises(WireError, match="not a KV event batch"):
+        decode_batch(payload)
+
+
+def test_seq_hashes_follow_the_conductor_standard() -> None:
+    """seq[0] = XXH3(u32 LE tokens, S); seq[i] = XXH3(seq[i-1] LE || local[i] LE, S), recomputed here."""
+    import struct
+
+    import xxhash
+
+    tokens = list(range(10))
+    local = [xxhash.xxh3_64_intdigest(struct.pack("<4I", *tokens[i:i + 4]), SEED) for i in (0, 4)]
+    expected = [local[0], xxhash.xxh3_64_intdigest(struct.pack("<QQ", local[0], local[1]), SEED)]
+    assert seq_hashes(tokens, 4) == expected
+    with pytest.raises(ValueError, match="outside"):
+        seq_hashes([-1, 0, 0, 0], 4)
+
+
+def test_kv_events_config_is_vllms_json() -> None:
+    config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "zmq", '
+                                      '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}')
+    assert config.enabled and config.replay_endpoint == "tcp://*:5558" and config.buffer_steps == 10_000
+    assert not KVEventsConfig.from_json('{"enable_kv_cache_events": false, "publisher": "zmq"}').enabled
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("{", "not JSON"), ("[]", "JSON object"), ('{"publisher": "kafka"}', "'kafka' is not supported"),
+    ('{"buffer_steps": 0}', "buffer_steps must be positive"), ('{"hwm": "many"}', "'hwm' must be int"),
+])
+def test_bad_kv_events_config_is_one_line(text: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        EngineConfig(kv_events_config=text)
+
+
+def test_the_index_and_the_router_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridkv.index.http, hybridkv.index.publisher, hybridkv.route.app, hybridkv.route.local, "
+            "hybridkv.cli.index, hybridkv.cli.route; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

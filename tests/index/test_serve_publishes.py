@@ -1,0 +1,82 @@
+"""`hybridkv serve` with `--kv-events-config` feeds the index, and the index predicts the engine's hit:
+the `cached_tokens` the next completion reports equals the `longest_matched` asked just before."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from hybridkv.engine.llm import LLM
+from hybridkv.index.http import AppServer, make_app
+from hybridkv.index.service import IndexService
+from hybridkv.openai_api.http_server import ServeServer
+from tests.index.test_index_service import wait_for
+
+MODEL = "default-gemma3"
+EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+                     "replay_endpoint": "tcp://127.0.0.1:*"})
+
+
+def call(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[tuple[ServeServer, AppServer]]:
+    llm = LLM(MODEL, kv_cache_memory_gib=0.05, num_threads=1, max_num_batched_tokens=256, kv_events_config=EVENTS)
+    serve = ServeServer(llm, port=0, model_name=MODEL)
+    serve.start()
+    service = IndexService()
+    index = AppServer(make_app(service))
+    index.start()
+    assert llm.kv_events is not None
+    pub = llm.kv_events.publisher
+    status, _ = call(index.url + "/register", {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                                               "type": "hybridkv", "modelname": MODEL, "instance_id": "e0",
+                                               "block_size": 16})
+    assert status == 200
+    yield serve, index
+    index.stop()
+    service.close()
+    serve.stop()
+
+
+def test_tokenize_matches_what_the_engine_runs(setup: tuple[ServeServer, AppServer]) -> None:
+    serve, _ = setup
+    status, body = call(serve.url + "/tokenize", {"model": MODEL, "prompt": "hello"})
+    assert status == 200 and body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    status, done = call(serve.url + "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1})
+    assert done["usage"]["prompt_tokens"] == body["count"]
+    assert call(serve.url + "/tokenize", {"model": MODEL})[0] == 400
+    assert call(serve.url + "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
+
+
+def test_the_index_predicts_cached_tokens(setup: tuple[ServeServer, AppServer]) -> None:
+    serve, index = setup
+    base = "The quick brown fox jumps over the lazy dog. " * 6
+    checks = 0
+    for turn in range(4):
+        prompt = base + f" turn {turn}: " + "more words here " * turn
+        tokens = call(serve.url + "/tokenize", {"model": MODEL, "prompt": prompt})[1]["tokens"]
+
+        def predicted(tokens: list[int] = tokens) -> int:
+            reply = call(index.url + "/query", {"model": MODEL, "token_ids": tokens, "block_size": 16})[1]
+            return int(reply["default"]["e0"]["longest_matched"])
+
+        if turn:  # (the previous turn's events arrive asynchronously)
+            wait_for(lambda: predicted() > 0)
+        expected = predicted()
+        done = call(serve.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})[1]
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
+        checks += expected > 0
+    assert checks >= 3
