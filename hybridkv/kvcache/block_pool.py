@@ -52,9 +52,8 @@ from hybridkv.kvcache.eviction import Ids, PolicyFactory, interleave
 from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash
 from hybridkv.kvcache.partial_hits import PartialIndex
 from hybridkv.kvcache.pool_checks import check_pool
-from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap
+from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap, maps_for
 from hybridkv.plan.planner import KVCacheGroupSpec
-from hybridkv.plan.specs import SpecKind
 
 __all__ = ["NULL", "NULL_REF_CNT", "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "IntegrityError",
            "KVEvent", "KVEvents"]
@@ -85,17 +84,8 @@ class BlockPool:
         self.eviction = policy_factory(num_blocks, self.has_hash)
         self.eviction.bind(self.group_of, [g.kind for g in self._groups])
         self.slot_of = np.zeros(num_blocks, np.int64)
-        # one map per block size, state groups apart: their (many, in the multi-page layout) columns
-        # take slots only at checkpoints, not at every position the attention groups cache
-        by_size: dict[tuple[int, bool], list[int]] = {}
-        for g, spec in enumerate(self._groups):
-            by_size.setdefault((spec.block_size, spec.kind is SpecKind.MAMBA), []).append(g)
-        self._pmaps = [PrefixMap(ids, num_blocks) for ids in by_size.values()]
-        for (size, _), pmap in zip(by_size, self._pmaps, strict=True):
-            pmap.peers = tuple(m for (s, _), m in zip(by_size, self._pmaps, strict=True) if s == size)
-        #: per group: (its prefix map, its column there)
-        self._place = [(m, m.group_ids.index(g)) for g in range(len(self._groups))
-                       for m in self._pmaps if g in m.group_ids]
+        #: the prefix maps (`prefix_map.maps_for`), and per group: (its map, its column there)
+        self._pmaps, self._place = maps_for(self._groups, num_blocks)
         self._col_of = np.array([col for _, col in self._place], np.int64)
         self._events_on = events is KVEvents.ON
         self._log = EventLog(self._groups)

@@ -37,6 +37,8 @@ from numpy.typing import NDArray
 
 from hybridkv.errors import IntegrityError
 from hybridkv.kvcache.ids import BlockHash
+from hybridkv.plan.planner import KVCacheGroupSpec
+from hybridkv.plan.specs import SpecKind
 
 Ids = NDArray[np.int64]
 #: slots a new map holds before it first grows
@@ -334,3 +336,18 @@ class GroupsView:
         """Per group, its blocks in `slots` (every group holds each)."""
         out: list[list[int]] = self._map.blocks.take(slots, axis=1)[self._rows].tolist()
         return out
+
+
+def maps_for(groups: Sequence[KVCacheGroupSpec],
+             num_blocks: int) -> tuple[list[PrefixMap], list[tuple[PrefixMap, int]]]:
+    """The pool's prefix maps: one per block size, state groups apart (their columns, many in the
+    multi-page layout, take slots only at checkpoints, not at every position the attention groups
+    cache); and per group its map and its column there."""
+    by_size: dict[tuple[int, bool], list[int]] = {}
+    for g, spec in enumerate(groups):
+        by_size.setdefault((spec.block_size, spec.kind is SpecKind.MAMBA), []).append(g)
+    maps = [PrefixMap(ids, num_blocks) for ids in by_size.values()]
+    for (size, _), pmap in zip(by_size, maps, strict=True):
+        pmap.peers = tuple(m for (s, _), m in zip(by_size, maps, strict=True) if s == size)
+    place = [(m, m.group_ids.index(g)) for g in range(len(groups)) for m in maps if g in m.group_ids]
+    return maps, place
