@@ -9,6 +9,10 @@ Per stream the next expected sequence number decides what a batch means:
     seq <  expected        the publisher restarted (its cache is new; PUB/SUB never repeats a message):
                            drop its blocks, then as a new stream (replay from 0 when seq > 0)
 
+A disconnection from the publisher (a ZMQ socket monitor) drops its blocks too and starts the
+stream over: a restarted publisher's first batch that reaches us may carry exactly the number the
+old stream expected next, which the numbers alone cannot tell from a continuation.
+
 A new subscription first replays the publisher's buffer (what was published before it joined).
 An idle stream is probed through its replay endpoint (a live publisher answers at once); a
 publisher that answers no probe for `dead_after_s`, or, without a replay endpoint, sends nothing for
@@ -56,6 +60,7 @@ class _Stream:
     last_heard: float = field(default_factory=time.monotonic)
     last_probe: float = 0.0
     dead: bool = False
+    monitor: zmq.Socket[Any] | None = None
     caught_up: bool = False
 
 
@@ -77,6 +82,7 @@ class Subscriber:
         self._ctx: zmq.Context[Any] = zmq.Context.instance()
         self._streams: dict[RegKey, _Stream] = {}
         self._by_socket: dict[Any, _Stream] = {}
+        self._by_monitor: dict[Any, _Stream] = {}
         self._pending: list[tuple[str, RegKey, str, str | None]] = []
         self._pending_lock = threading.Lock()
         self._running = True
@@ -110,6 +116,8 @@ class Subscriber:
                 stream = self._by_socket.get(sock)
                 if stream is not None:
                     self._drain(stream)
+                elif sock in self._by_monitor:
+                    self._disconnected(self._by_monitor[sock])
             self._check_liveness()
         for stream in list(self._streams.values()):
             stream.sub.close(linger=0)
@@ -122,6 +130,11 @@ class Subscriber:
             if old is not None:
                 poller.unregister(old.sub)
                 del self._by_socket[old.sub]
+                if old.monitor is not None:
+                    poller.unregister(old.monitor)
+                    del self._by_monitor[old.monitor]
+                    old.sub.disable_monitor()
+                    old.monitor.close(linger=0)
                 old.sub.close(linger=0)
             if op == "add":
                 sub = self._ctx.socket(zmq.SUB)
@@ -129,10 +142,13 @@ class Subscriber:
                 sub.setsockopt(zmq.RCVHWM, RCV_HWM)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.connect(endpoint)
-                stream = _Stream(key=key, sub=sub, replay_endpoint=replay)
+                stream = _Stream(key=key, sub=sub, replay_endpoint=replay,
+                                 monitor=sub.get_monitor_socket(zmq.EVENT_DISCONNECTED))
                 self._streams[key] = stream
                 self._by_socket[sub] = stream
+                self._by_monitor[stream.monitor] = stream
                 poller.register(sub, zmq.POLLIN)
+                poller.register(stream.monitor, zmq.POLLIN)
 
     def _drain(self, stream: _Stream) -> None:
         for _ in range(1000):  # (then let the other streams in)
@@ -166,6 +182,18 @@ class Subscriber:
             self._apply(stream.key, batch)
         self.counts.batches += 1
         stream.expected = seq + 1
+
+    def _disconnected(self, stream: _Stream) -> None:
+        """The publisher went away (module docstring): its blocks go, its numbers start over."""
+        assert stream.monitor is not None
+        while True:
+            try:
+                stream.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        if stream.expected is not None:
+            stream.expected = None
+            self._drop(stream)
 
     def _drop(self, stream: _Stream) -> None:
         self.counts.resets += 1
