@@ -48,6 +48,8 @@ log = logging.getLogger("hybridkv.cache_server")
 
 MAX_FDS = MAX_SEGMENTS_PER_REGISTRATION  # Linux passes at most 253 descriptors in one message (SCM_MAX_FD)
 MAX_REGISTER_BYTES = 1 << 20  # one register message (a layout of hundreds of buffers is tens of KiB)
+BACKLOG = 1024  # connections waiting to be accepted
+ACCEPT_BATCH = 256  # accepted per poll round
 REFUSED_EXTRA = 64  # connections past the limit that are still answered (with LIMIT) before closing
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -64,7 +66,7 @@ class RegistrationSocket:
         name = f"hybridkv-{os.getpid()}-{secrets.token_hex(8)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._listener.bind("\0" + name)
-        self._listener.listen(64)
+        self._listener.listen(BACKLOG)
         self._listener.setblocking(False)
         self.address = "@" + name  # "@": the abstract namespace, as `ss -x` prints it
         # fd -> (connection, owner id, the refusal its first message gets)
@@ -87,10 +89,16 @@ class RegistrationSocket:
             self._drop(fd)
 
     def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
+        """Accept what waits in the backlog (up to ACCEPT_BATCH), so another user's connections, each
+        refused at once, cannot keep it full while the owner's connect waits."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
         conn.setblocking(False)
         pid, uid, _gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
         if uid not in (os.geteuid(), 0):  # another user: told at once and closed, so it holds nothing here

@@ -24,7 +24,7 @@ from hybridkv.kvcache.options import PRESETS, CacheOptions
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
 from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
-from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
+from hybridkv.simulate.trace import TraceFormat, TraceRequest, length_cuts, read_trace
 
 SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
                       "prefix_match_unit", "step_ms", "ms_per_token", "num_requests"])
@@ -74,6 +74,7 @@ def simulate_command(
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, ms_per_token=ms_per_token, cache=cache)
         report = simulate(requests, plan.config, options)
+        cuts = length_cuts(requests, options.max_model_len)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
         curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s,
@@ -81,9 +82,12 @@ def simulate_command(
                   for label, setting in _plot_settings(cache).items()} if plot else {}
     except HybridKVError as exc:
         raise usage_error(str(exc), SIM_FLAGS) from None
+    if cuts.message() is not None:  # never silently: a cut prompt or output changes every number below
+        typer.echo(cuts.message(), err=True)
     if json_output:
         out = report_json(report)
         out["model"] = spec.name
+        out["length_cuts"] = dataclasses.asdict(cuts)
         if curve:
             out["memory_curve"] = [{"memory_gib": m, "hit_rate": r and r.hit_rate,
                                     "hits_vs_ideal": r and r.hits_vs_ideal} for m, r in curve]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import time
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -201,7 +202,7 @@ class KVClient:
         lease = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         lease.settimeout(self.timeout_s)
         try:
-            lease.connect("\0" + address[1:] if address.startswith("@") else address)
+            self._connect_lease(lease, "\0" + address[1:] if address.startswith("@") else address)
             socket.send_fds(lease, [encode(RegisterRequest(req_id=next(self._ids), auth=self._auth, layout=layout,
                                                            access=access))], fds)
             reply = decode_reply(lease.recv(1 << 20))
@@ -291,6 +292,19 @@ class KVClient:
     def _fp(self) -> str:
         assert self._layout is not None  # set with the registration
         return self._layout.fingerprint
+
+    def _connect_lease(self, lease: socket.socket, address: str) -> None:
+        """Connect, waiting out a full backlog (EAGAIN: other processes' connections are being
+        accepted) for up to `timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                lease.connect(address)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def _engine_call(self, make: Any, reply_type: type[R]) -> R:
         try:

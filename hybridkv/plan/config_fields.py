@@ -18,6 +18,8 @@ from hybridkv.errors import ConfigError
 from hybridkv.plan.specs import DTYPE_BYTES, AttentionSpec, LayerSpec, SpecKind
 
 DEFAULT_DTYPE = "bfloat16"
+MAX_CONFIG_INT = 1 << 40  # sizes, windows, lengths, counts: no real model comes near (1.1e12)
+MAX_LAYERS = 10_000  # a field counting or naming layers (the deepest real models have a few hundred)
 _DTYPE_ALIASES: dict[str, str] = {
     "float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
 }
@@ -125,7 +127,10 @@ class ConfigReader:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise self.error(f"field {key!r} must be {expected}, got {value!r}")
+            raise self.error(f"field {key!r} must be {expected}, got {value!r:.40}")
+        maximum = MAX_LAYERS if "layer" in key else MAX_CONFIG_INT
+        if value > maximum:
+            raise self.error(f"field {key!r} must be at most {maximum}, got {value!r:.40}")
         return value
 
     def require_int(self, key: str, *, minimum: int = 1) -> int:

@@ -16,13 +16,13 @@ vLLM (see model_specs_mamba for the state shapes).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from hybridkv.errors import ConfigError, UnsupportedModelError
+from hybridkv.plan import bounded_json
 from hybridkv.plan.config_fields import (
     DEFAULT_DTYPE,
     ConfigReader,
@@ -401,11 +401,13 @@ def load_config(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"no config.json at {file}; expected a config.json file or a model directory holding one")
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{file} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+        if file.stat().st_size > bounded_json.MAX_CONFIG_BYTES:
+            raise ConfigError(f"{file} has {file.stat().st_size} bytes; a config.json of at most "
+                              f"{bounded_json.MAX_CONFIG_BYTES} is read")
+        text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {file}: {exc}") from None
+    data = bounded_json.loads(text, what=str(file))
     if not isinstance(data, dict):
         raise ConfigError(f"{file} must hold a JSON object, got a JSON {type(data).__name__}")
     return data

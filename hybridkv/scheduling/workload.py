@@ -17,12 +17,14 @@ Pure Python: building the rounds needs the tokenizer only through the two callab
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridkv.errors import ConfigError
+from hybridkv.plan import bounded_json
+
+MAX_TOKEN_ID = 1 << 31  # token ids of a workload file (vocabularies hold at most a few hundred thousand)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,11 +84,14 @@ def _turn(line_no: int, data: object) -> Turn:
     if ids is not None and (not isinstance(ids, list) or not ids
                             or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise ConfigError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")
+    if ids is not None and not all(0 <= t < MAX_TOKEN_ID for t in ids):
+        bad = next(t for t in ids if not 0 <= t < MAX_TOKEN_ID)
+        raise ConfigError(f"{where}: 'prompt_token_ids' holds {bad!r:.40}; expected token ids in [0, 2**31)")
     session, max_tokens = data.get("session"), data.get("max_tokens")
     if session is not None and not isinstance(session, str):
         raise ConfigError(f"{where}: 'session' must be a string, got {session!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
+        raise ConfigError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r:.40}")
     salt = data.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ConfigError(f"{where}: 'cache_salt' must be a non-empty string, got {salt!r}")
@@ -108,10 +113,7 @@ def load_jsonl(path: Path) -> list[Turn]:
     for line_no, line in enumerate(lines, start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"workload line {line_no}: not valid JSON ({exc.msg})") from None
+        data = bounded_json.loads_line(line, where=f"workload line {line_no}")
         turns.append(_turn(line_no, data))
     if not turns:
         raise ConfigError(f"workload {path} holds no requests; expected one JSON object per line")

@@ -17,15 +17,21 @@ Formats (one JSON object per line):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 from hybridkv.errors import ConfigError
+from hybridkv.plan import bounded_json
 from hybridkv.scheduling.workload import load_jsonl
 
 DEFAULT_OUTPUT_TOKENS = 16
+# What a Mooncake trace line may say (a bigger value is a broken file, refused naming the field):
+MAX_BLOCK_TOKENS = 1 << 20  # --trace-block-tokens (the public traces use 512)
+MAX_PROMPT_TOKENS = 1 << 22  # input_length: 4M tokens
+MAX_OUTPUT_TOKENS = 1 << 31  # output_length
+MAX_TIMESTAMP_MS = float(1 << 53)  # timestamp: exact in a double (285,000 years)
+MAX_HASH_ID = 1 << 32  # hash_ids
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,9 +83,9 @@ def _first_record_has(path: Path, key: str) -> bool:
         with path.open(encoding="utf-8") as f:
             for line in f:
                 if line.strip() and not line.lstrip().startswith("#"):
-                    data = json.loads(line)
+                    data = bounded_json.loads_line(line, where="trace line 1")
                     return isinstance(data, dict) and key in data
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, ConfigError):
         return False  # the chosen reader reports the problem with its line
     return False
 
@@ -100,8 +106,8 @@ def read_workload(path: Path, *, default_output_tokens: int = DEFAULT_OUTPUT_TOK
 
 def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
     """A Mooncake trace: prompts built from `hash_ids` (module docstring), arrival = `timestamp`."""
-    if block_tokens < 1:
-        raise ConfigError(f"--trace-block-tokens must be a positive integer, got {block_tokens}")
+    if not 1 <= block_tokens <= MAX_BLOCK_TOKENS:
+        raise ConfigError(f"--trace-block-tokens must be an integer in [1, {MAX_BLOCK_TOKENS}], got {block_tokens}")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -111,10 +117,7 @@ def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
         if not line.strip():
             continue
         where = f"trace line {line_no}"
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
+        data = bounded_json.loads_line(line, where=where)
         out.append(_mooncake_request(data, where, block_tokens))
     if not out:
         raise ConfigError(f"trace {path} holds no requests; expected one JSON object per line")
@@ -127,20 +130,63 @@ def _mooncake_request(data: object, where: str, block_tokens: int) -> TraceReque
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     fields = {}
-    for key in ("timestamp", "input_length", "output_length"):
+    for key, most in (("timestamp", MAX_TIMESTAMP_MS), ("input_length", MAX_PROMPT_TOKENS),
+                      ("output_length", MAX_OUTPUT_TOKENS)):
         value = data.get(key)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{where}: {key!r} must be a number >= 0, got {value!r}")
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= most:
+            raise ConfigError(f"{where}: {key!r} must be a number in [0, {most}], got {value!r:.40}")
         fields[key] = value
     ids = data.get("hash_ids")
-    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
-        raise ConfigError(f"{where}: 'hash_ids' must be a list of non-negative integers, got {ids!r}")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+        raise ConfigError(f"{where}: 'hash_ids' must be a list of integers in [0, 2**32), got {ids!r:.80}")
+    bad = next((h for h in ids if not 0 <= h < MAX_HASH_ID), None)
+    if bad is not None:
+        raise ConfigError(f"{where}: 'hash_ids' holds {bad!r:.40}; expected integers in [0, 2**32)")
     length = int(fields["input_length"])
     if length < 1 or not (len(ids) - 1) * block_tokens < length <= len(ids) * block_tokens:
         raise ConfigError(
             f"{where}: input_length {length} does not match {len(ids)} hash_ids of {block_tokens} tokens; expected "
             f"{(len(ids) - 1) * block_tokens + 1}..{len(ids) * block_tokens} (set --trace-block-tokens)"
         )
-    tokens = [h * block_tokens + i for h in ids for i in range(block_tokens)][:length]
+    tokens = [ids[p // block_tokens] * block_tokens + p % block_tokens for p in range(length)]
     return TraceRequest(arrival_ms=float(fields["timestamp"]), new_tokens=tuple(tokens),
                         output_tokens=max(1, int(fields["output_length"])))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LengthCuts:
+    """What `--max-model-len` cuts from a trace, as the simulator replays it: a prompt (with its
+    parent's whole sequence) keeps its first `max_model_len - 1` tokens, and a request stops
+    generating when its sequence reaches `max_model_len` tokens."""
+
+    max_model_len: int
+    prompts_cut: int
+    longest_prompt_tokens: int  # before the cut
+    outputs_capped: int
+    largest_output_tokens: int  # asked for, before the cap
+
+    def message(self) -> str | None:
+        """One line for stderr, or None when nothing was cut."""
+        parts = []
+        if self.prompts_cut:
+            parts.append(f"{self.prompts_cut} prompt(s) cut to {self.max_model_len - 1} tokens (the longest had "
+                         f"{self.longest_prompt_tokens})")
+        if self.outputs_capped:
+            parts.append(f"{self.outputs_capped} output(s) stopped at {self.max_model_len} tokens of sequence (the "
+                         f"largest asked for {self.largest_output_tokens} tokens)")
+        return f"note: --max-model-len {self.max_model_len}: {'; '.join(parts)}" if parts else None
+
+
+def length_cuts(trace: list[TraceRequest], max_model_len: int) -> LengthCuts:
+    sequence: list[int] = []  # each request's sequence length after the simulator's cuts
+    prompts_cut = outputs_capped = longest = largest = 0
+    for r in trace:
+        full = (sequence[r.parent] if r.parent is not None else 0) + len(r.new_tokens)
+        prompt = min(full, max_model_len - 1)
+        if full > prompt:
+            prompts_cut, longest = prompts_cut + 1, max(longest, full)
+        if prompt + r.output_tokens > max_model_len:
+            outputs_capped, largest = outputs_capped + 1, max(largest, r.output_tokens)
+        sequence.append(min(prompt + r.output_tokens, max_model_len))
+    return LengthCuts(max_model_len=max_model_len, prompts_cut=prompts_cut, longest_prompt_tokens=longest,
+                      outputs_capped=outputs_capped, largest_output_tokens=largest)

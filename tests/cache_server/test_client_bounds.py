@@ -40,7 +40,8 @@ def still_hits(client: KVClient) -> None:
 @pytest.fixture
 def victim():  # type: ignore[no-untyped-def]
     with running_server(StoreConfig(chunk_tokens=CHUNK, l1_bytes=1 << 20), max_message_bytes=64 << 20) as server, \
-            fake_engine(GROUPS, num_blocks=128) as eng, server.client(timeout_s=60) as client:
+            fake_engine(GROUPS, num_blocks=128) as eng, \
+            KVClient(server.endpoint, timeout_s=60, connect_timeout_s=5) as client:
         client.register(eng.layout)
         assert client.store(first_chunk=0, chunk_hashes=HASHES, block_ids=[list(range(1, 7))]).stored == [True] * 3
         yield server, client
@@ -97,7 +98,7 @@ def test_item5_one_lookup_is_bounded_and_nobody_waits_long_behind_it(victim) -> 
     stop = threading.Event()
 
     def hog() -> None:
-        with server.client(timeout_s=60) as other, fake_engine(GROUPS, seed=3) as eng:
+        with KVClient(server.endpoint, timeout_s=60, connect_timeout_s=5) as other, fake_engine(GROUPS, seed=3) as eng:
             other.register(eng.layout)
             while not stop.is_set():
                 other.lookup(biggest, num_tokens=len(biggest) * CHUNK + 1)
@@ -120,7 +121,8 @@ def test_item5_one_lookup_is_bounded_and_nobody_waits_long_behind_it(victim) -> 
 
 def test_item6_a_store_reply_stays_the_size_of_its_request() -> None:
     with running_server(StoreConfig(chunk_tokens=CHUNK, l1_bytes=4096), max_message_bytes=64 << 20) as server, \
-            fake_engine(GROUPS, num_blocks=128) as eng, server.client(timeout_s=60) as client:
+            fake_engine(GROUPS, num_blocks=128) as eng, \
+            KVClient(server.endpoint, timeout_s=60, connect_timeout_s=5) as client:
         client.register(eng.layout)
         n = limits.MAX_CHUNKS_PER_REQUEST
         hashes = [i.to_bytes(16, "little") for i in range(n)]
