@@ -38,7 +38,7 @@ LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\)")
 
 def start_server(chunk_tokens: int, l1_gib: float) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "hybridkv", "server", "--port", "0", "--http-port", "0", "--chunk-size",
-           str(chunk_tokens), "--l1-size-gb", f"{l1_gib:.3f}", "--log-level", "warning"]
+           str(chunk_tokens), "--l1-size-gib", f"{l1_gib:.3f}", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:

@@ -68,7 +68,7 @@ def main() -> None:
     length, reps = (512, 1) if args.quick else (args.prompt_tokens, args.reps)
     from vllm import LLM
 
-    with tempfile.TemporaryDirectory() as tmp, server_process("--l1-size-gb", "1") as server:
+    with tempfile.TemporaryDirectory() as tmp, server_process("--l1-size-gib", "1") as server:
         model = Path(tmp) / "gemma3"
         build_model("gemma3", model)
         config = {"kv_connector": "HybridKVConnector", "kv_connector_module_path": "hybridkv.integrations.vllm",

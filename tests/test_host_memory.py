@@ -35,6 +35,6 @@ def test_check_fits_compares_budget_plus_weights(tmp_path: Path) -> None:
 def test_check_fits_names_the_budget_and_leaves_out_absent_weights(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(MEMINFO)
-    with pytest.raises(CapacityError, match=r"^--l1-size-gb 100000 GiB does not fit: this machine has 20.00 GiB "
+    with pytest.raises(CapacityError, match=r"^--l1-size-gib 100000 GiB does not fit: this machine has 20.00 GiB "
                                             r".* below 20.00 GiB$"):
-        check_fits(kv_cache_gib=100000, weights_bytes=0, meminfo=meminfo, name="--l1-size-gb")
+        check_fits(kv_cache_gib=100000, weights_bytes=0, meminfo=meminfo, name="--l1-size-gib")

@@ -1,4 +1,4 @@
-"""The L1 pool's memory: one anonymous mapping of `--l1-size-gb`, pre-faulted at startup and
+"""The L1 pool's memory: one anonymous mapping of `--l1-size-gib`, pre-faulted at startup and
 carved into extents (first fit, free neighbours coalesce).
 
 Why not one numpy array per object: on this machine kind a fresh page costs a fault (tens of

@@ -22,11 +22,11 @@ class ServerConfig:
     port: int = 5555  # ZeroMQ control channel; 0 = any free port
     http_port: int = 8080  # /metrics /status /cache/clear /healthz; 0 = any free port
     chunk_tokens: int = 256
-    l1_size_gb: float = 2.0
+    l1_size_gib: float = 2.0
     eviction_policy: L1EvictionPolicyName = L1EvictionPolicyName.LRU
     object_groups: ObjectGroupMode = ObjectGroupMode.SEPARATE
     l2_disk: Path | None = None
-    l2_disk_size_gb: float = 16.0
+    l2_disk_size_gib: float = 16.0
     l2_sizing: L2Sizing = L2Sizing.RESUMABLE  # how a bounded L2 tier chooses what to delete
     l2_valkey: str | None = None  # redis://host:port[/db] or valkey://...
     l2_valkey_namespace: str | None = None  # this server's keys there (None: see service.valkey_namespace)
@@ -45,9 +45,9 @@ class ServerConfig:
             raise ConfigError(f"--chunk-size must be a positive number of tokens, got {self.chunk_tokens}")
         if self.lock_ttl_s <= 0:
             raise ConfigError(f"--lock-ttl-s must be positive, got {self.lock_ttl_s}")
-        if self.l1_size_gb <= 0 or self.l2_disk_size_gb <= 0 or self.max_message_mib <= 0:
-            raise ConfigError(f"sizes must be positive, got --l1-size-gb {self.l1_size_gb}, --l2-disk-size-gb "
-                              f"{self.l2_disk_size_gb}, --max-message-mib {self.max_message_mib}")
+        if self.l1_size_gib <= 0 or self.l2_disk_size_gib <= 0 or self.max_message_mib <= 0:
+            raise ConfigError(f"sizes must be positive, got --l1-size-gib {self.l1_size_gib}, --l2-disk-size-gib "
+                              f"{self.l2_disk_size_gib}, --max-message-mib {self.max_message_mib}")
         if self.l2_valkey is not None and not self.l2_valkey.startswith(("redis://", "valkey://")):
             raise ConfigError(f"--l2-valkey must be a redis:// or valkey:// URL, got {self.l2_valkey!r}")
         if not self.is_loopback and not self.allow_remote:
@@ -69,7 +69,7 @@ class ServerConfig:
             return False
 
     def store_config(self) -> StoreConfig:
-        return StoreConfig(chunk_tokens=self.chunk_tokens, l1_bytes=int(self.l1_size_gb * GIB),
+        return StoreConfig(chunk_tokens=self.chunk_tokens, l1_bytes=int(self.l1_size_gib * GIB),
                            eviction_policy=self.eviction_policy, l2_sizing=self.l2_sizing,
                            object_groups=self.object_groups,
                            lock_ttl_s=self.lock_ttl_s, max_registrations=self.max_registrations)

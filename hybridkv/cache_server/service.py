@@ -241,7 +241,7 @@ def build_tiers(config: ServerConfig, configured_secret: str = "") -> list[L2Tie
     """The L2 tiers asked for, fastest first: local disk, then the shared Valkey."""
     tiers: list[L2Tier] = []
     if config.l2_disk is not None:
-        tiers.append(DiskTier(config.l2_disk, int(config.l2_disk_size_gb * GIB)))
+        tiers.append(DiskTier(config.l2_disk, int(config.l2_disk_size_gib * GIB)))
     if config.l2_valkey is not None:
         valkey = ValkeyTier(config.l2_valkey, namespace=valkey_namespace(config, configured_secret))
         if not valkey.ping():  # a wrong URL at start-up is a mistake; an outage later is served through
@@ -256,7 +256,7 @@ def startup_line(config: ServerConfig, control_port: int, http_port: int, tiers:
     l2 = f"{', '.join(tiers)} (sizing {config.l2_sizing.value})" if tiers else "none"
     return (f"hybridkv server listening on tcp://{config.host}:{control_port} (control) and "
             f"http://{config.host}:{http_port} (metrics, status); chunk {config.chunk_tokens} tokens, "
-            f"L1 {config.l1_size_gb:g} GiB {config.eviction_policy.value}, object groups "
+            f"L1 {config.l1_size_gib:g} GiB {config.eviction_policy.value}, object groups "
             f"{config.object_groups.value}, L2: {l2}")
 
 
@@ -266,7 +266,7 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None =
     configured = server_secret(config.auth_token_file)
     secret = configured or secrets.token_hex(32)  # secure by default: a secret of this start, in a 0600 file
     auth = Authenticator(secret)
-    check_fits(kv_cache_gib=config.l1_size_gb, weights_bytes=0, name="--l1-size-gb")
+    check_fits(kv_cache_gib=config.l1_size_gib, weights_bytes=0, name="--l1-size-gib")
     store = KVStore(config.store_config(), build_tiers(config, configured))
     control = ControlServer(store, config.host, config.port, config.max_message_bytes, auth=auth)
     secret_file = None if configured else write_secret(control.port, secret)

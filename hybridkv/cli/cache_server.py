@@ -29,15 +29,17 @@ def server_command(
                                            "/healthz (0: any free port)")] = _D.http_port,
     chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per chunk: a multiple of every "
                                             "group's block size")] = _D.chunk_tokens,
-    l1_size_gb: Annotated[float, typer.Option("--l1-size-gb", help="L1 memory pool in GiB")] = _D.l1_size_gb,
+    l1_size_gib: Annotated[float, typer.Option(
+        "--l1-size-gib", "--l1-size-gb", help="L1 memory pool in GiB (--l1-size-gb: its old name)")] = _D.l1_size_gib,
     eviction_policy: Annotated[L1EvictionPolicyName, typer.Option(
         "--eviction-policy", help="which stored chunk L1 drops first when full")] = _D.eviction_policy,
     separate_object_groups: Annotated[bool, typer.Option(
         "--separate-object-groups/--no-separate-object-groups",
         help="one object group per window class (on) or one for every group")] = True,
     l2_disk: Annotated[Path | None, typer.Option("--l2-disk", help="directory of the L2 disk tier")] = _D.l2_disk,
-    l2_disk_size_gb: Annotated[float, typer.Option(
-        "--l2-disk-size-gb", help="capacity of the L2 disk tier in GiB")] = _D.l2_disk_size_gb,
+    l2_disk_size_gib: Annotated[float, typer.Option(
+        "--l2-disk-size-gib", "--l2-disk-size-gb",
+        help="capacity of the L2 disk tier in GiB (--l2-disk-size-gb: its old name)")] = _D.l2_disk_size_gib,
     l2_sizing: Annotated[L2Sizing, typer.Option(
         "--l2-sizing", help="how a bounded L2 tier makes room: by resumable prefixes (dead objects first, a "
         "state with its attention chain) or object by object (the tier's own LRU)")] = _D.l2_sizing,
@@ -68,10 +70,10 @@ def server_command(
         raise usage_error(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     try:
         config = ServerConfig(
-            host=host, port=port, http_port=http_port, chunk_tokens=chunk_size, l1_size_gb=l1_size_gb,
+            host=host, port=port, http_port=http_port, chunk_tokens=chunk_size, l1_size_gib=l1_size_gib,
             eviction_policy=eviction_policy,
             object_groups=ObjectGroupMode.SEPARATE if separate_object_groups else ObjectGroupMode.ONE,
-            l2_disk=l2_disk, l2_disk_size_gb=l2_disk_size_gb, l2_sizing=l2_sizing, l2_valkey=l2_valkey,
+            l2_disk=l2_disk, l2_disk_size_gib=l2_disk_size_gib, l2_sizing=l2_sizing, l2_valkey=l2_valkey,
             l2_valkey_namespace=l2_valkey_namespace,
             max_message_mib=max_message_mib,
             lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, auth_token_file=auth_token_file,

@@ -53,7 +53,7 @@ def retrieve_matches(client: KVClient, eng: FakeEngine, i: int, src_base: int, d
 
 
 def test_startup_line_round_trip_and_graceful_sigint() -> None:
-    with server_process("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01") as server, fake_engine(GROUPS) as eng:
+    with server_process("--chunk-size", str(CHUNK), "--l1-size-gib", "0.01") as server, fake_engine(GROUPS) as eng:
         assert "(control)" in server.line and "chunk 16 tokens" in server.line and "L2: none" in server.line
         with server.client() as c:
             c.register(eng.layout)
@@ -85,7 +85,7 @@ def test_non_loopback_host_needs_allow_remote() -> None:
 
 @pytest.mark.slow
 def test_disk_tier_survives_restart(tmp_path: Path) -> None:
-    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-disk", str(tmp_path / "l2"))
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gib", "0.01", "--l2-disk", str(tmp_path / "l2"))
     with fake_engine(GROUPS) as eng, KVClient("tcp://127.0.0.1:1", timeout_s=5) as c:
         with server_process(*args) as server:
             c.endpoint = server.endpoint
@@ -103,7 +103,7 @@ def test_disk_tier_survives_restart(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_kill_9_mid_store_leaves_no_partial_chunk(tmp_path: Path) -> None:
-    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-disk", str(tmp_path / "l2"))
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gib", "0.01", "--l2-disk", str(tmp_path / "l2"))
     with fake_engine(GROUPS) as eng:
         server = start_server_process(*args)
         with server.client(timeout_s=1.0) as c:
@@ -156,7 +156,7 @@ def _client_process(endpoint: str, salt: str, rounds: int, out: mp.Queue[object]
 
 @pytest.mark.slow
 def test_four_client_processes_with_different_salts() -> None:
-    with server_process("--chunk-size", str(CHUNK), "--l1-size-gb", "0.05") as server:
+    with server_process("--chunk-size", str(CHUNK), "--l1-size-gib", "0.05") as server:
         ctx = mp.get_context("spawn")
         out: mp.Queue[object] = ctx.Queue()
         procs = [ctx.Process(target=_client_process, args=(server.endpoint, f"tenant-{k}", 10, out))

@@ -38,7 +38,7 @@ def _ids(base: int, chunks: int = 4) -> list[list[int]]:
 def test_two_server_processes_on_one_valkey(redis_url: str) -> None:
     model = f"scale-out-{uuid.uuid4().hex[:8]}"  # keys of this test only, in the session's shared Valkey
     # one cluster: the two nodes name one namespace (else each keeps its own, issue 46)
-    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-valkey", redis_url, "--l2-valkey-namespace",
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gib", "0.01", "--l2-valkey", redis_url, "--l2-valkey-namespace",
             model)
     with server_process(*args) as node1, server_process(*args) as node2, \
             fake_engine(GROUPS, seed=3, model=model) as a, fake_engine(GROUPS, seed=None, model=model) as b, \
@@ -79,7 +79,7 @@ def test_item14_a_clear_removes_only_its_own_servers_valkey_keys(redis_url: str)
     """Two servers on one Valkey, each in its default namespace: a clear on one (POST /cache/clear)
     leaves what the other stored there (it used to delete every server's chunks): the other, restarted
     on its port (its namespace), still hits from Valkey."""
-    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-valkey", redis_url)
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gib", "0.01", "--l2-valkey", redis_url)
     model = f"clear-{uuid.uuid4().hex[:8]}"
     hashes = chunk_hashes(TOKENS, CHUNK)
     port2 = str(_free_port())

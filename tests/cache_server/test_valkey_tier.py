@@ -102,7 +102,7 @@ def test_valkey_down_and_back(redis_server: RedisServer, tmp_path: Path) -> None
 def test_cli_flags_disk_and_valkey(redis_url: str, tmp_path: Path) -> None:
     from tests.cache_server.helpers import server_process
 
-    args = ("--chunk-size", str(CHUNK), "--l1-size-gb", "0.01", "--l2-disk", str(tmp_path / "d"), "--l2-valkey",
+    args = ("--chunk-size", str(CHUNK), "--l1-size-gib", "0.01", "--l2-disk", str(tmp_path / "d"), "--l2-valkey",
             redis_url)
     with fake_engine(GROUPS) as eng, server_process(*args) as server, server.client() as c:
         assert "L2: disk, valkey" in server.line

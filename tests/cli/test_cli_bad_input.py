@@ -102,7 +102,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     # server: each bad option named alone; what the machine or the network cannot give, before serving
     ([*SERVER, "--chunk-size", "0"], ["--chunk-size must be a positive number of tokens, got 0"]),
     ([*SERVER, "--lock-ttl-s", "0"], ["--lock-ttl-s must be positive, got 0.0"]),
-    ([*SERVER, "--l1-size-gb", "100000"], ["--l1-size-gb 100000 GiB does not fit", "GiB of memory free"]),
+    ([*SERVER, "--l1-size-gib", "100000"], ["--l1-size-gib 100000 GiB does not fit", "GiB of memory free"]),
     ([*SERVER, "--l2-valkey", "redis://127.0.0.1:1/0"],
      ["--l2-valkey redis://127.0.0.1:1/0: no Valkey / Redis server answers there"]),
 ]

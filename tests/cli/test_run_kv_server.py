@@ -32,7 +32,7 @@ def _run(tmp_path: Path, *args: str) -> dict[str, Any]:
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    process = start_server_process("--chunk-size", "16", "--l1-size-gb", "0.05")
+    process = start_server_process("--chunk-size", "16", "--l1-size-gib", "0.05")
     try:
         yield process
     finally:

@@ -59,7 +59,7 @@ def test_server_killed_mid_run_then_restarted_with_its_disk_tier(model_dir: Call
     path = model_dir("gemma3")
     batch = prompts([41, 58], seed=9)
     port = _free_port()
-    args = ("--port", str(port), "--chunk-size", "16", "--l1-size-gb", "0.05", "--l2-disk", str(tmp_path / "l2"))
+    args = ("--port", str(port), "--chunk-size", "16", "--l1-size-gib", "0.05", "--l2-disk", str(tmp_path / "l2"))
     server = start_server_process(*args[2:], "--port", str(port))
     try:
         # 3 s per call: a restarted server answers its first registration slowly on a loaded machine

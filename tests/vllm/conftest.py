@@ -96,7 +96,7 @@ def run_vllm(job: dict[str, Any], tmp_path: Path, *, timeout_s: float = 400) -> 
 def kv_server() -> Iterator[Any]:
     from tests.cache_server.helpers import server_process
 
-    with server_process("--l1-size-gb", "0.25") as server:
+    with server_process("--l1-size-gib", "0.25") as server:
         yield server
 
 

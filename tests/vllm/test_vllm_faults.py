@@ -17,7 +17,7 @@ FAST_RETRY = {"retry_after_s": 0.5, "timeout_s": 1.0}
 
 def server_cmd(port: int) -> list[str]:
     return [sys.executable, "-m", "hybridkv", "server", "--port", str(port), "--http-port", "0",
-            "--l1-size-gb", "0.25"]
+            "--l1-size-gib", "0.25"]
 
 
 class Endpoint:
@@ -43,7 +43,7 @@ def test_server_absent_then_started(gemma3_dir: Path, tmp_path: Path) -> None:
 def test_server_killed_and_restarted(gemma3_dir: Path, tmp_path: Path) -> None:
     reference = hf_greedy(gemma3_dir, PROMPTS, MAX_TOKENS)
     where = Endpoint()
-    server = start_server_process("--port", str(where.port), "--l1-size-gb", "0.25")
+    server = start_server_process("--port", str(where.port), "--l1-size-gib", "0.25")
     try:
         phases = ["generate", "kill_server", "reset", "generate", "start_server", "reset", "generate", "reset",
                   "generate", "reset", "fail_next_retrieves", "generate"]

@@ -37,7 +37,7 @@ def kv_server(block_size: int) -> Iterator[Any]:
     """A `hybridkv server` whose chunk is vLLM's block size (a chunk must hold whole state blocks)."""
     from tests.cache_server.helpers import server_process
 
-    with server_process("--l1-size-gb", "0.25", "--chunk-size", str(block_size)) as server:
+    with server_process("--l1-size-gib", "0.25", "--chunk-size", str(block_size)) as server:
         yield server
 
 
