@@ -177,7 +177,16 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
 
 def write_memory_plot(curves: dict[str, list[tuple[float, SimReport | None]]], path: Path, *, model: str) -> None:
     """Hit rate of each policy (and the ideal's) against the memory budget (budgets where a request
-    alone does not fit are left out)."""
+    alone does not fit are left out), the legend below the axes (it never covers a curve)."""
+    import matplotlib.pyplot as plt
+
+    fig = memory_figure(curves, model=model)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def memory_figure(curves: dict[str, list[tuple[float, SimReport | None]]], *, model: str) -> Any:
+    """The figure `write_memory_plot` saves (a matplotlib Figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,7 +204,7 @@ def write_memory_plot(curves: dict[str, list[tuple[float, SimReport | None]]], p
     ax.set_xlabel("KV cache memory (GiB)")
     ax.set_ylabel("prefix-cache hit rate")
     ax.set_title(model)
-    ax.legend()
+    # below the axes, outside them: inside, "best" placement still lands on a curve when the curves fill the plot
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small", frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
