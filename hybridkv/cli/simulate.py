@@ -21,6 +21,7 @@ from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.options import PRESETS, CacheOptions
+from hybridkv.plan.kv_cache_config import KVCacheConfig
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
 from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
@@ -73,7 +74,7 @@ def simulate_command(
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, ms_per_token=ms_per_token, cache=cache)
-        report = simulate(requests, plan.config, options)
+        report = _simulate_or_explain(requests, plan.config, options)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
         curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s,
@@ -94,6 +95,17 @@ def simulate_command(
         write_memory_plot(curves, plot, model=spec.name)
 
 
+def _simulate_or_explain(requests: list[TraceRequest], config: KVCacheConfig, options: SimOptions) -> SimReport:
+    """`simulate`, or a one-line CapacityError when this machine's memory cannot hold the pool's state."""
+    try:
+        return simulate(requests, config, options)
+    except MemoryError:
+        raise CapacityError(
+            f"a pool of {config.num_blocks} blocks x {len(config.groups)} KV cache groups cannot be simulated in "
+            f"this machine's memory; expected a smaller --memory-gib (or the one_page state layout, fewer groups)"
+        ) from None
+
+
 def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: float,
                options: SimOptions) -> SimReport | None:
     """The simulation at another memory budget; None where one request alone does not fit."""
@@ -103,7 +115,7 @@ def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: f
     planned = dataclasses.replace(request, memory_gib=memory_gib, mamba_cache_mode=cache.mamba_cache_mode,
                                   state_layout=cache.state_layout, running_state=cache.running_state)
     try:
-        return simulate(requests, make_plan(planned)[1].config, options)
+        return _simulate_or_explain(requests, make_plan(planned)[1].config, options)
     except (CapacityError, ConfigError):
         return None
 

@@ -107,6 +107,7 @@ def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read trace {path}: {exc}") from None
     out: list[TraceRequest] = []
+    blocks: dict[int, tuple[int, ...]] = {}  # hash id -> its tokens, one copy shared by every prompt that has it
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -115,7 +116,7 @@ def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
             data = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
-        out.append(_mooncake_request(data, where, block_tokens))
+        out.append(_mooncake_request(data, where, block_tokens, blocks))
     if not out:
         raise ConfigError(f"trace {path} holds no requests; expected one JSON object per line")
     start = min(r.arrival_ms for r in out)
@@ -123,7 +124,8 @@ def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
                                 output_tokens=r.output_tokens) for r in out), key=lambda r: r.arrival_ms)
 
 
-def _mooncake_request(data: object, where: str, block_tokens: int) -> TraceRequest:
+def _mooncake_request(data: object, where: str, block_tokens: int,
+                      blocks: dict[int, tuple[int, ...]]) -> TraceRequest:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     fields = {}
@@ -141,6 +143,15 @@ def _mooncake_request(data: object, where: str, block_tokens: int) -> TraceReque
             f"{where}: input_length {length} does not match {len(ids)} hash_ids of {block_tokens} tokens; expected "
             f"{(len(ids) - 1) * block_tokens + 1}..{len(ids) * block_tokens} (set --trace-block-tokens)"
         )
-    tokens = [h * block_tokens + i for h in ids for i in range(block_tokens)][:length]
+    # the token objects of a block are made once (a 27M-token trace of shared blocks keeps one int per
+    # distinct token, not one per prompt position)
+    tokens = [t for h in ids for t in _block(blocks, h, block_tokens)][:length]
     return TraceRequest(arrival_ms=float(fields["timestamp"]), new_tokens=tuple(tokens),
                         output_tokens=max(1, int(fields["output_length"])))
+
+
+def _block(blocks: dict[int, tuple[int, ...]], hash_id: int, block_tokens: int) -> tuple[int, ...]:
+    found = blocks.get(hash_id)
+    if found is None:
+        found = blocks[hash_id] = tuple(range(hash_id * block_tokens, (hash_id + 1) * block_tokens))
+    return found
