@@ -137,7 +137,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     ours, trace, options = bench_hits.materialize(job)
     manager = VLLMManager(vllm_config(ours, mamba_mode=job["mamba_cache_mode"], retention=job["retention"]),
                           max_model_len=options.max_model_len, use_eagle=job["spec_decode"] == "eagle",
-                          prefix_match_unit=options.prefix_match_unit)
+                          prefix_match_unit=options.cache.prefix_match_unit)
     report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
     return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
             "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens,

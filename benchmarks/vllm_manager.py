@@ -29,8 +29,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from hybridkv.kvcache.options import CacheOptions
-
 HASH_FN = get_hash_fn_by_name("sha256")
 init_none_hash(HASH_FN)
 _SAMPLING = SamplingParams(max_tokens=1 << 20)
@@ -68,8 +66,9 @@ def manager(cfg: KVCacheConfig, *, max_model_len: int, use_eagle: bool = False,
     """vLLM's manager; `hash_block` (vLLM's resolved `prefix_match_unit`, `matched_hash_block_size`)
     defaults to the smallest block size."""
     return KVCacheManager(cfg, max_model_len=max_model_len,
-        options=CacheOptions(scheduler_block_size=lcm(*(g.kv_cache_spec.block_size for g in cfg.kv_cache_groups)),
-                hash_block_size=hash_block or hash_block_size(cfg), enable_caching=True, use_eagle=use_eagle))
+                          scheduler_block_size=lcm(*(g.kv_cache_spec.block_size for g in cfg.kv_cache_groups)),
+                          hash_block_size=hash_block or hash_block_size(cfg), enable_caching=True,
+                          use_eagle=use_eagle)
 
 
 def matched_hash_block_size(cfg: KVCacheConfig, prefix_match_unit: int | None) -> int:
