@@ -25,7 +25,7 @@ from hybridkv.plan.kv_cache_config import KVCacheConfig
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
 from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
-from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace
+from hybridkv.simulate.trace import TraceFormat, TraceRequest, read_trace, write_mooncake
 
 SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
                       "prefix_match_unit", "step_ms", "ms_per_token", "num_requests"])
@@ -41,6 +41,8 @@ def simulate_command(
         "--generate", help="a seeded synthetic trace instead of --trace")] = None,
     num_requests: Annotated[int, typer.Option("--num-requests", help="requests --generate makes")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="seed of --generate")] = 0,
+    write_trace: Annotated[Path | None, typer.Option(
+        "--write-trace", help="also write the trace in the Mooncake format (--trace-block-tokens blocks)")] = None,
     memory_gib: Annotated[float, typer.Option("--memory-gib", help="KV cache memory budget in GiB")] = 16.0,
     max_model_len: Annotated[int, typer.Option("--max-model-len", help="longest request")] = 32768,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="step budget")] = 2048,
@@ -66,6 +68,8 @@ def simulate_command(
         raise usage_error(f"--plot {plot}: expected a file name ending in .png, .svg or .pdf")
     try:
         requests = _trace(trace, trace_format, trace_block_tokens, generator, num_requests, seed)
+        if write_trace is not None:
+            write_mooncake(requests, write_trace, block_tokens=trace_block_tokens)
         request = PlanRequest(model=model, memory_gib=memory_gib, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               mamba_alignment=mamba_alignment, spec_options=SpecOptions(kv_cache_dtype=kv_cache_dtype),

@@ -18,6 +18,7 @@ Formats (one JSON object per line):
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -155,3 +156,39 @@ def _block(blocks: dict[int, tuple[int, ...]], hash_id: int, block_tokens: int) 
     if found is None:
         found = blocks[hash_id] = tuple(range(hash_id * block_tokens, (hash_id + 1) * block_tokens))
     return found
+
+
+def mooncake_records(trace: Sequence[TraceRequest], *, block_tokens: int = 512) -> list[dict[str, object]]:
+    """`trace` as Mooncake records (module docstring), in trace order: each prompt written out whole (a
+    parent's sequence is its prompt and then `output_tokens` generated tokens, distinct per request),
+    cut into `block_tokens` blocks, each block numbered by its content and everything before it (equal
+    ids = equal prefix content; the last block may be partial). Read back with `read_mooncake`, prompts
+    share exactly the whole blocks the trace's prompts share."""
+    if block_tokens < 1:
+        raise ConfigError(f"block_tokens must be a positive integer, got {block_tokens}")
+    parents = {r.parent for r in trace if r.parent is not None}
+    sequences: dict[int, tuple[int, ...]] = {}  # whole sequences of the requests a later one extends
+    ids: dict[tuple[int, tuple[int, ...]], int] = {}  # (previous block's id or -1, block tokens) -> id
+    out: list[dict[str, object]] = []
+    for index, request in enumerate(trace):
+        if request.parent is not None and not 0 <= request.parent < index:
+            raise ConfigError(f"trace request {index} names parent {request.parent}; expected an earlier request")
+        prompt = (sequences[request.parent] if request.parent is not None else ()) + request.new_tokens
+        if index in parents:
+            sequences[index] = prompt + tuple(-(index * 65_536 + i) - 1 for i in range(request.output_tokens))
+        hash_ids: list[int] = []
+        for start in range(0, len(prompt), block_tokens):
+            key = (hash_ids[-1] if hash_ids else -1, prompt[start : start + block_tokens])
+            hash_ids.append(ids.setdefault(key, len(ids)))
+        out.append({"timestamp": round(request.arrival_ms), "input_length": len(prompt),
+                    "output_length": request.output_tokens, "hash_ids": hash_ids})
+    return out
+
+
+def write_mooncake(trace: Sequence[TraceRequest], path: Path, *, block_tokens: int = 512) -> None:
+    """Write `mooncake_records(trace)` to `path`, one JSON object per line."""
+    lines = (json.dumps(record) + "\n" for record in mooncake_records(trace, block_tokens=block_tokens))
+    try:
+        path.write_text("".join(lines), encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write trace {path}: {exc}") from None

@@ -92,3 +92,34 @@ def test_cli_budget_that_cannot_be_simulated_is_one_line(tmp_path: Path, monkeyp
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "cannot be simulated in this machine's memory" in lines[0], result.output
     assert "Traceback" not in result.output
+
+
+def test_mooncake_records_number_blocks_by_their_prefix_content() -> None:
+    """Hand-computed, 4-token blocks: r0 = 1..6 (then 2 generated tokens g0 g1); r1 extends r0 by 9."""
+    from hybridkv.simulate.trace import TraceRequest, mooncake_records
+
+    trace = [TraceRequest(arrival_ms=0.0, new_tokens=(1, 2, 3, 4, 5, 6), output_tokens=2),
+             TraceRequest(arrival_ms=10.4, new_tokens=(9,), output_tokens=3, parent=0),
+             TraceRequest(arrival_ms=20.0, new_tokens=(1, 2, 3, 4, 5, 6, 7), output_tokens=1)]
+    assert mooncake_records(trace, block_tokens=4) == [
+        {"timestamp": 0, "input_length": 6, "output_length": 2, "hash_ids": [0, 1]},  # [1 2 3 4] [5 6]
+        {"timestamp": 10, "input_length": 9, "output_length": 3, "hash_ids": [0, 2, 3]},  # [1-4] [5 6 g0 g1] [9]
+        {"timestamp": 20, "input_length": 7, "output_length": 1, "hash_ids": [0, 4]},  # [1-4] [5 6 7]
+    ]
+
+
+def test_cli_writes_a_generated_trace_that_reads_back(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from hybridkv.cli import app
+    from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
+
+    out = tmp_path / "sessions.jsonl"
+    result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it", "--generate", "sessions", "--num-requests", "12",
+                                      "--memory-gib", "4", "--write-trace", str(out)])
+    assert result.exit_code == 0, result.output
+    back = read_trace(out)
+    generated = generate(Generator.SESSIONS, GeneratorOptions(num_requests=12))
+    assert len(back) == 12 and [r.output_tokens for r in back] == [r.output_tokens for r in generated]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 512) for r in records)
