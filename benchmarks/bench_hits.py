@@ -61,7 +61,8 @@ OVERLAY = Path.home() / ".cache/hybridkv-bench/xxhash-overlay"
 
 #: the job fields that are CacheOptions fields taken as given (the rest are mapped in `materialize`)
 CACHE_JOB_FIELDS = ("eviction", "checkpoint_placement", "checkpoint_interval_tokens", "decode_checkpoints",
-                    "admission_headroom", "queue_order", "turn_checkpoints", "running_state")
+                    "admission_headroom", "queue_order", "turn_checkpoints", "running_state",
+                    "cache_aware_admission_window", "cache_aware_admission_threshold")
 
 
 def _job_value(value: object) -> object:
@@ -177,7 +178,7 @@ def record(path: Path) -> None:
 
 
 TARGET_LAYOUTS = ("qwen3.5", "mamba2", "gemma3")
-TARGET_TRACES = (*(g.value for g in Generator), "mooncake")
+TARGET_TRACES = (*(g.value for g in Generator), "mooncake")  # the short generators, sessions, a Mooncake trace
 #: our setting: small attention blocks with a state over several pages (Mamba hybrids; one page otherwise),
 #: one running state per request (checkpoints by copy; a hit on a finished request's end moved into it),
 #: value-aware eviction, placed checkpoints, one decode checkpoint per request, admission headroom that keeps
@@ -188,17 +189,26 @@ OURS = {f.name: _job_value(getattr(PRESETS["hybridkv"], f.name)) for f in datacl
         if getattr(PRESETS["hybridkv"], f.name) != getattr(PRESETS["vllm"], f.name)}
 
 
-#: vLLM 0.32's settings tried per layout, the best taken: dense retention, retention 0, and on the state
-#: layouts sub-block hits (prefix_match_unit 16: hits every 16 tokens inside the 784 / 1312-token blocks)
+#: vLLM's settings tried per layout, the best taken: 0.32's dense retention and retention 0 (vLLM's engine
+#: default), on the state layouts sub-block hits (prefix_match_unit 16: hits every 16 tokens inside the 784 /
+#: 1312-token blocks), and 0.34's cache-aware admission (window 16, threshold 0.5: the first 16 waiting requests
+#: deepest cached prefix first once half the pool is held; `engine/queue_order.py` models 0.34's rule exactly)
+#: with either retention
 VLLM_SETTINGS: dict[str, tuple[dict[str, Any], ...]] = {
     layout: ({"retention": None}, {"retention": 0},
-             *(({"retention": None, "prefix_match_unit": 16},) if layout != "gemma3" else ()))
+             *(({"retention": None, "prefix_match_unit": 16},) if layout != "gemma3" else ()),
+             {"retention": None, "cache_aware_admission_window": 16},
+             {"retention": 0, "cache_aware_admission_window": 16})
     for layout in TARGET_LAYOUTS}
+#: one GPU's KV cache memory (GiB): each layout planned at it, ours at our layout, vLLM's at its own
+GPU_BUDGETS_GIB = (40.0, 64.0, 128.0)
 
 
 def setting_name(setting: dict[str, Any]) -> str:
     unit = setting.get("prefix_match_unit")
-    return f"retention {setting['retention']}" + (f" unit {unit}" if unit else "")
+    window = setting.get("cache_aware_admission_window")
+    return (f"retention {setting['retention']}" + (f" unit {unit}" if unit else "")
+            + (f" window {window}" if window else ""))
 
 
 def budget_blocks(config: KVCacheConfig, distinct_tokens: int, fraction: float) -> int:
@@ -206,40 +216,51 @@ def budget_blocks(config: KVCacheConfig, distinct_tokens: int, fraction: float) 
     return 1 + math.ceil(fraction * distinct_tokens * sum(1 / g.block_size for g in config.groups))
 
 
-def targets(seed: int, num_requests: int, ms_per_token: float = 0.0) -> int:
-    """At a pool holding 25% / 100% of each trace's distinct tokens (the same bytes on both sides): our
-    manager at OURS vs vLLM 0.32's manager at its best retention setting (None or 0), and vs the
+def targets(seed: int, num_requests: int, ms_per_token: float = 0.0, *, quick: bool = False,
+            no_vllm: bool = False) -> int:
+    """Per layout x trace x budget: our manager at OURS (the hybridkv preset) vs vLLM's best setting
+    (`VLLM_SETTINGS`: 0.32's manager, our scheduler with 0.34's admission window where set), and vs the
     infinite cache; and the prompt tokens each side computed (recompute after preemption included).
-    Ours runs twice: at OURS, and at OURS in FCFS order (`fcfs_hits`: the manager's policies alone).
-    Prints per run a line, then per layout the medians over the traces, and last
-    `best_vs_vllm_25pct=<min over layouts> hits_vs_ideal_100pct=<min over layouts>`."""
-    rows: list[tuple[str, str, float, int, int, int, int, float, int]] = []  # ..., nb, ours, vllm, ideal, prefill, fcfs
+    Budgets: pools holding 25% / 100% of each trace's distinct tokens (the same bytes on both sides),
+    and one GPU's KV memory (`GPU_BUDGETS_GIB`; each side planned at it). Ours runs twice: at OURS,
+    and at OURS in FCFS order (`fcfs_hits`: the manager's policies alone). Prints per cell a line, then
+    per layout the medians over the traces, then `best_vs_vllm_25pct=<min over layouts>
+    hits_vs_ideal_100pct=<min over layouts>`, and last `min_cell_vs_vllm=<the minimum over every cell>`
+    (quick: two traces, 64 GiB only)."""
+    rows: list[tuple[str, str, str, int, int, int, int, float, int]] = []  # ..., nb, ours, vllm, ideal, prefill, fcfs
     batch: list[dict[str, Any]] = []
     ours: list[Any] = []
+    traces = ("chat", "sessions") if quick else TARGET_TRACES
+    gpu = (64.0,) if quick else GPU_BUDGETS_GIB
     for layout in TARGET_LAYOUTS:
-        for trace_name in TARGET_TRACES:
+        for trace_name in traces:
             base = {"layout": layout, "model": LAYOUTS[layout], "memory_gib": 8.0, "max_model_len": 32768,
                     "max_num_batched_tokens": 2048, "max_num_seqs": 64, "mamba_cache_mode": "align",
                     "retention": None, "release_order": "by_group", "spec_decode": "off", "generator": trace_name,
                     "generator_options": {"num_requests": num_requests, "seed": seed}, "ms_per_token": ms_per_token}
             config, trace, options = materialize(base)
             distinct = simulate(trace, config, options).distinct_tokens
-            for fraction in (0.25, 1.0):
-                nb = budget_blocks(config, distinct, fraction)
+            for budget, value in [("25%", 0.25), ("100%", 1.0), *((f"{g:g}GiB", g) for g in gpu)]:
+                gib = budget.endswith("GiB")
+                nb = 0 if gib else budget_blocks(config, distinct, value)
                 while True:  # the same bytes on both sides: vLLM's blocks, ours at our layout's page size
-                    job = {**base, **OURS, "pool_bytes": nb * bytes_per_block(config)}
+                    job = ({**base, **OURS, "memory_gib": value} if gib
+                           else {**base, **OURS, "pool_bytes": nb * bytes_per_block(config)})
                     try:
                         config_b, trace_b, options_b = materialize(job)
                         report = simulate(trace_b, config_b, options_b)
                         break
                     except CapacityError:
+                        if gib:
+                            raise
                         nb = nb * 5 // 4 + 1  # a request alone does not fit: the smallest pool that runs it
                 fcfs_job = {**job, "queue_order": "fcfs"}  # the manager's policies alone, in vLLM's queue order
                 config_f, trace_f, options_f = materialize(fcfs_job)
                 fcfs = simulate(trace_f, config_f, options_f).hit_tokens
-                ours.append((layout, trace_name, fraction, nb, report, fcfs))
-                batch += [{**base, "num_blocks": nb, **setting} for setting in VLLM_SETTINGS[layout]]
-    theirs = vllm_side(batch)
+                ours.append((layout, trace_name, budget, nb or config_b.num_blocks, report, fcfs))
+                theirs_pool = {"memory_gib": value} if gib else {"num_blocks": nb}
+                batch += [{**base, **theirs_pool, **setting} for setting in VLLM_SETTINGS[layout]]
+    theirs = None if no_vllm else vllm_side(batch)
     source = "vllm"
     if theirs is None:  # our manager at vLLM's settings: equal to vLLM's hits request by request (docs)
         source = "ours-at-vllm-settings"
@@ -248,7 +269,7 @@ def targets(seed: int, num_requests: int, ms_per_token: float = 0.0) -> int:
             config, trace, options = materialize(job)
             theirs.append(dataclasses.asdict(simulate(trace, config, options)))
     start = 0
-    for layout, trace_name, fraction, nb, report, fcfs in ours:
+    for layout, trace_name, budget, nb, report, fcfs in ours:
         settings = VLLM_SETTINGS[layout]
         tried = theirs[start : start + len(settings)]
         start += len(settings)
@@ -256,29 +277,38 @@ def targets(seed: int, num_requests: int, ms_per_token: float = 0.0) -> int:
         best = other["hit_tokens"]
         tried_list = ", ".join(f"{setting_name(s)} {t['hit_tokens']}" for s, t in zip(settings, tried, strict=True))
         prefill = report.prefill_tokens / max(1, other["prefill_tokens"])
-        rows.append((layout, trace_name, fraction, nb, report.hit_tokens, best, report.ideal_tokens, prefill, fcfs))
-        print(f"layout={layout} trace={trace_name} budget={fraction:.0%} num_blocks={nb} hits={report.hit_tokens} "
-              f"fcfs_hits={fcfs} "
-              f"{source}_best={best} "
+        rows.append((layout, trace_name, budget, nb, report.hit_tokens, best, report.ideal_tokens, prefill, fcfs))
+        print(f"layout={layout} trace={trace_name} budget={budget} num_blocks={nb} hits={report.hit_tokens} "
+              f"vs_{source}={report.hit_tokens / max(1, best):.3f} fcfs_hits={fcfs} {source}_best={best} "
               f"({tried_list}) "
               f"ideal={report.ideal_tokens} preemptions={report.preemptions}/{other['preemptions']} "
               f"prefill_tokens={report.prefill_tokens}/{other['prefill_tokens']} "
               f"held={report.mean_held_fraction:.2f}/{other['mean_held_fraction']:.2f} "
               f"wait_ms={report.mean_wait_ms:.0f}/{other['mean_wait_ms']:.0f} "
               f"p95_wait_ms={report.p95_wait_ms:.0f}/{other['p95_wait_ms']:.0f}")
+    _summaries(rows, source, seed)
+    return 0
+
+
+def _summaries(rows: list[tuple[str, str, str, int, int, int, int, float, int]], source: str, seed: int) -> None:
+    """Per layout the medians over the traces; then the minima over layouts; last the minimum cell."""
     vs_vllm, vs_ideal = {}, {}
     for layout in TARGET_LAYOUTS:
         mine = [r for r in rows if r[0] == layout]
-        vs_vllm[layout] = statistics.median(r[4] / max(1, r[5]) for r in mine if r[2] == 0.25)
-        vs_ideal[layout] = statistics.median(r[4] / max(1, r[6]) for r in mine if r[2] == 1.0)
-        prefill = statistics.median(r[7] for r in mine if r[2] == 0.25)
-        fcfs = statistics.median(r[8] / max(1, r[5]) for r in mine if r[2] == 0.25)
+        vs_vllm[layout] = statistics.median(r[4] / max(1, r[5]) for r in mine if r[2] == "25%")
+        vs_ideal[layout] = statistics.median(r[4] / max(1, r[6]) for r in mine if r[2] == "100%")
+        prefill = statistics.median(r[7] for r in mine if r[2] == "25%")
+        fcfs = statistics.median(r[8] / max(1, r[5]) for r in mine if r[2] == "25%")
+        gpu = " ".join(f"median_vs_{source}_{b}={statistics.median(r[4] / max(1, r[5]) for r in mine if r[2] == b):.3f}"
+                       for b in dict.fromkeys(r[2] for r in mine if r[2].endswith("GiB")))
         print(f"layout={layout} median_vs_{source}_25pct={vs_vllm[layout]:.3f} "
               f"median_vs_ideal_100pct={vs_ideal[layout]:.3f} median_prefill_vs_{source}_25pct={prefill:.3f} "
-              f"median_fcfs_vs_{source}_25pct={fcfs:.3f}")
+              f"median_fcfs_vs_{source}_25pct={fcfs:.3f} {gpu}")
     print(f"best_vs_vllm_25pct={min(vs_vllm.values()):.3f} hits_vs_ideal_100pct={min(vs_ideal.values()):.3f} "
           f"seed={seed} vllm_side={source}")
-    return 0
+    worst = min(rows, key=lambda r: (r[4] + 1) / (r[5] + 1))  # (+1: a cell where neither side hits is even)
+    print(f"min_cell_vs_vllm={(worst[4] + 1) / (worst[5] + 1):.3f} layout={worst[0]} trace={worst[1]} "
+          f"budget={worst[2]} hits={worst[4]} vllm_best={worst[5]} cells={len(rows)} seed={seed} vllm_side={source}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,15 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--release-order", choices=[o.value for o in ReleaseOrder], default="by_group",
                         help="our manager's free order (by_group: vLLM's, the parity setting)")
     parser.add_argument("--targets", action="store_true",
-                        help="issue 29's targets: ours (the OURS settings) vs vLLM's best at "
-                             "25%% / 100%% of each trace's distinct tokens")
+                        help="ours (the hybridkv preset) vs vLLM's best at 25%% / 100%% of each trace's distinct "
+                             "tokens and at one GPU's KV memory (40 / 64 / 128 GiB); the minimum cell last")
     parser.add_argument("--seed", type=int, default=0, help="--targets: the traces' seed")
     parser.add_argument("--ms-per-token", type=float, default=0.0,
                         help="--targets: simulated ms each computed token adds to its step, both sides (0: 30 ms "
                              "steps whatever they compute)")
     args = parser.parse_args(argv)
     if args.targets:
-        return targets(args.seed, 30 if args.quick else 100, args.ms_per_token)
+        return targets(args.seed, 30 if args.quick else 100, args.ms_per_token, quick=args.quick, no_vllm=args.no_vllm)
     if args.record:
         record(args.record)
         return 0

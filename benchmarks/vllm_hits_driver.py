@@ -109,6 +109,14 @@ class VLLMManager:
     def usage(self) -> float:
         return float(self.manager.usage)
 
+    def peek(self, kv: KVRequest) -> int:
+        """vLLM 0.34's `KVCacheManager.get_num_cached_tokens` (the cache-aware admission probe), on this
+        manager: the longest hit up to the last token, taking nothing."""
+        request = self._sync(kv)
+        if not self.manager.prefix_cache_lookup_enabled(request):
+            return 0
+        return int(self.manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[1])
+
     def take_pending_copies(self) -> tuple[Any, ...]:
         """What vLLM's scheduler does at the end of `schedule()` (no async scheduling): drain the
         copy-on-write copies of partial hits and release the blocks they held."""
@@ -129,7 +137,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     ours, trace, options = bench_hits.materialize(job)
     manager = VLLMManager(vllm_config(ours, mamba_mode=job["mamba_cache_mode"], retention=job["retention"]),
                           max_model_len=options.max_model_len, use_eagle=job["spec_decode"] == "eagle",
-                          prefix_match_unit=options.prefix_match_unit)
+                          prefix_match_unit=options.cache.prefix_match_unit)
     report = simulate(trace, ours, options, manager=manager)  # type: ignore[arg-type]
     return {"request_hits": report.request_hits, "hit_tokens": report.hit_tokens,
             "preemptions": report.preemptions, "ideal_tokens": report.ideal_tokens,

@@ -21,10 +21,11 @@ from hybridkv.cli.plan_report import PlanRequest
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.options import PRESETS, CacheOptions
+from hybridkv.plan.kv_cache_config import KVCacheConfig
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
 from hybridkv.simulate.simulator import SimOptions, SimReport, simulate
-from hybridkv.simulate.trace import TraceFormat, TraceRequest, length_cuts, read_trace
+from hybridkv.simulate.trace import TraceFormat, TraceRequest, length_cuts, read_trace, write_mooncake
 
 SIM_FLAGS = flags_of(["max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "mamba_alignment",
                       "prefix_match_unit", "step_ms", "ms_per_token", "num_requests"])
@@ -40,6 +41,8 @@ def simulate_command(
         "--generate", help="a seeded synthetic trace instead of --trace")] = None,
     num_requests: Annotated[int, typer.Option("--num-requests", help="requests --generate makes")] = 100,
     seed: Annotated[int, typer.Option("--seed", help="seed of --generate")] = 0,
+    write_trace: Annotated[Path | None, typer.Option(
+        "--write-trace", help="also write the trace in the Mooncake format (--trace-block-tokens blocks)")] = None,
     memory_gib: Annotated[float, typer.Option("--memory-gib", help="KV cache memory budget in GiB")] = 16.0,
     max_model_len: Annotated[int, typer.Option("--max-model-len", help="longest request")] = 32768,
     max_num_batched_tokens: Annotated[int, typer.Option("--max-num-batched-tokens", help="step budget")] = 2048,
@@ -65,6 +68,8 @@ def simulate_command(
         raise usage_error(f"--plot {plot}: expected a file name ending in .png, .svg or .pdf")
     try:
         requests = _trace(trace, trace_format, trace_block_tokens, generator, num_requests, seed)
+        if write_trace is not None:
+            write_mooncake(requests, write_trace, block_tokens=trace_block_tokens)
         request = PlanRequest(model=model, memory_gib=memory_gib, max_model_len=max_model_len,
                               max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                               mamba_alignment=mamba_alignment, spec_options=SpecOptions(kv_cache_dtype=kv_cache_dtype),
@@ -73,7 +78,7 @@ def simulate_command(
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, ms_per_token=ms_per_token, cache=cache)
-        report = simulate(requests, plan.config, options)
+        report = _simulate_or_explain(requests, plan.config, options)
         cuts = length_cuts(requests, options.max_model_len)
         scales = PLOT_SCALES if plot else ()
         curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
@@ -98,6 +103,17 @@ def simulate_command(
         write_memory_plot(curves, plot, model=spec.name)
 
 
+def _simulate_or_explain(requests: list[TraceRequest], config: KVCacheConfig, options: SimOptions) -> SimReport:
+    """`simulate`, or a one-line CapacityError when this machine's memory cannot hold the pool's state."""
+    try:
+        return simulate(requests, config, options)
+    except MemoryError:
+        raise CapacityError(
+            f"a pool of {config.num_blocks} blocks x {len(config.groups)} KV cache groups cannot be simulated in "
+            f"this machine's memory; expected a smaller --memory-gib (or the one_page state layout, fewer groups)"
+        ) from None
+
+
 def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: float,
                options: SimOptions) -> SimReport | None:
     """The simulation at another memory budget; None where one request alone does not fit."""
@@ -107,7 +123,7 @@ def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: f
     planned = dataclasses.replace(request, memory_gib=memory_gib, mamba_cache_mode=cache.mamba_cache_mode,
                                   state_layout=cache.state_layout, running_state=cache.running_state)
     try:
-        return simulate(requests, make_plan(planned)[1].config, options)
+        return _simulate_or_explain(requests, make_plan(planned)[1].config, options)
     except (CapacityError, ConfigError):
         return None
 
@@ -181,7 +197,16 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
 
 def write_memory_plot(curves: dict[str, list[tuple[float, SimReport | None]]], path: Path, *, model: str) -> None:
     """Hit rate of each policy (and the ideal's) against the memory budget (budgets where a request
-    alone does not fit are left out)."""
+    alone does not fit are left out), the legend below the axes (it never covers a curve)."""
+    import matplotlib.pyplot as plt
+
+    fig = memory_figure(curves, model=model)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def memory_figure(curves: dict[str, list[tuple[float, SimReport | None]]], *, model: str) -> Any:
+    """The figure `write_memory_plot` saves (a matplotlib Figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,7 +224,7 @@ def write_memory_plot(curves: dict[str, list[tuple[float, SimReport | None]]], p
     ax.set_xlabel("KV cache memory (GiB)")
     ax.set_ylabel("prefix-cache hit rate")
     ax.set_title(model)
-    ax.legend()
+    # below the axes, outside them: inside, "best" placement still lands on a curve when the curves fill the plot
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small", frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig

@@ -173,7 +173,9 @@ class _Run:
         self.ideal = IdealCache()
         self.pending = deque(sorted(range(len(trace)), key=lambda i: (trace[i].arrival_ms, i)))
         self.blocked: list[int] = []  # arrived, waiting for their parent to finish
-        self.finished: dict[int, list[int]] = {}  # index -> whole sequence
+        self.finished: dict[int, list[int]] = {}  # index -> whole sequence (only for requests a later one extends)
+        self.done: set[int] = set()  # indices of the finished requests
+        self.parents = {item.parent for item in trace if item.parent is not None}
         self.requests: list[SimRequest] = []
         self.clock_ms = 0.0
         self.step_tokens = 0  # tokens the last step computed
@@ -185,7 +187,7 @@ class _Run:
         still = []
         for index in sorted(self.blocked + ready):
             parent = trace[index].parent
-            if parent is not None and parent not in self.finished:
+            if parent is not None and parent not in self.done:
                 still.append(index)
                 continue
             self._add(index)
@@ -225,7 +227,9 @@ class _Run:
                     request.status = RequestStatus.FINISHED
         for request in self.scheduler.finish_step(out.work):
             index = request.arrival_seq
-            self.finished[index] = list(request.kv.token_ids)
+            self.done.add(index)
+            if index in self.parents:  # (a 27M-token trace without parents keeps no second copy)
+                self.finished[index] = list(request.kv.token_ids)
             # the last sampled token is never computed: the ideal keeps what was
             self.ideal.add(request.kv.token_ids[: request.num_computed_tokens], salt=self.trace[index].cache_salt)
         return len(self.scheduler.running)

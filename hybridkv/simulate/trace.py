@@ -17,6 +17,8 @@ Formats (one JSON object per line):
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -113,12 +115,13 @@ def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read trace {path}: {exc}") from None
     out: list[TraceRequest] = []
+    blocks: dict[int, tuple[int, ...]] = {}  # hash id -> its tokens, one copy shared by every prompt that has it
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         where = f"trace line {line_no}"
         data = bounded_json.loads_line(line, where=where)
-        out.append(_mooncake_request(data, where, block_tokens))
+        out.append(_mooncake_request(data, where, block_tokens, blocks))
     if not out:
         raise ConfigError(f"trace {path} holds no requests; expected one JSON object per line")
     start = min(r.arrival_ms for r in out)
@@ -126,7 +129,8 @@ def read_mooncake(path: Path, *, block_tokens: int = 512) -> list[TraceRequest]:
                                 output_tokens=r.output_tokens) for r in out), key=lambda r: r.arrival_ms)
 
 
-def _mooncake_request(data: object, where: str, block_tokens: int) -> TraceRequest:
+def _mooncake_request(data: object, where: str, block_tokens: int,
+                      blocks: dict[int, tuple[int, ...]]) -> TraceRequest:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
     fields = {}
@@ -148,7 +152,9 @@ def _mooncake_request(data: object, where: str, block_tokens: int) -> TraceReque
             f"{where}: input_length {length} does not match {len(ids)} hash_ids of {block_tokens} tokens; expected "
             f"{(len(ids) - 1) * block_tokens + 1}..{len(ids) * block_tokens} (set --trace-block-tokens)"
         )
-    tokens = [ids[p // block_tokens] * block_tokens + p % block_tokens for p in range(length)]
+    # the token objects of a block are made once (a 27M-token trace of shared blocks keeps one int per
+    # distinct token, not one per prompt position)
+    tokens = [t for h in ids for t in _block(blocks, h, block_tokens)][:length]
     return TraceRequest(arrival_ms=float(fields["timestamp"]), new_tokens=tuple(tokens),
                         output_tokens=max(1, int(fields["output_length"])))
 
@@ -190,3 +196,46 @@ def length_cuts(trace: list[TraceRequest], max_model_len: int) -> LengthCuts:
         sequence.append(min(prompt + r.output_tokens, max_model_len))
     return LengthCuts(max_model_len=max_model_len, prompts_cut=prompts_cut, longest_prompt_tokens=longest,
                       outputs_capped=outputs_capped, largest_output_tokens=largest)
+
+
+def _block(blocks: dict[int, tuple[int, ...]], hash_id: int, block_tokens: int) -> tuple[int, ...]:
+    found = blocks.get(hash_id)
+    if found is None:
+        found = blocks[hash_id] = tuple(range(hash_id * block_tokens, (hash_id + 1) * block_tokens))
+    return found
+
+
+def mooncake_records(trace: Sequence[TraceRequest], *, block_tokens: int = 512) -> list[dict[str, object]]:
+    """`trace` as Mooncake records (module docstring), in trace order: each prompt written out whole (a
+    parent's sequence is its prompt and then `output_tokens` generated tokens, distinct per request),
+    cut into `block_tokens` blocks, each block numbered by its content and everything before it (equal
+    ids = equal prefix content; the last block may be partial). Read back with `read_mooncake`, prompts
+    share exactly the whole blocks the trace's prompts share."""
+    if block_tokens < 1:
+        raise ConfigError(f"block_tokens must be a positive integer, got {block_tokens}")
+    parents = {r.parent for r in trace if r.parent is not None}
+    sequences: dict[int, tuple[int, ...]] = {}  # whole sequences of the requests a later one extends
+    ids: dict[tuple[int, tuple[int, ...]], int] = {}  # (previous block's id or -1, block tokens) -> id
+    out: list[dict[str, object]] = []
+    for index, request in enumerate(trace):
+        if request.parent is not None and not 0 <= request.parent < index:
+            raise ConfigError(f"trace request {index} names parent {request.parent}; expected an earlier request")
+        prompt = (sequences[request.parent] if request.parent is not None else ()) + request.new_tokens
+        if index in parents:
+            sequences[index] = prompt + tuple(-(index * 65_536 + i) - 1 for i in range(request.output_tokens))
+        hash_ids: list[int] = []
+        for start in range(0, len(prompt), block_tokens):
+            key = (hash_ids[-1] if hash_ids else -1, prompt[start : start + block_tokens])
+            hash_ids.append(ids.setdefault(key, len(ids)))
+        out.append({"timestamp": round(request.arrival_ms), "input_length": len(prompt),
+                    "output_length": request.output_tokens, "hash_ids": hash_ids})
+    return out
+
+
+def write_mooncake(trace: Sequence[TraceRequest], path: Path, *, block_tokens: int = 512) -> None:
+    """Write `mooncake_records(trace)` to `path`, one JSON object per line."""
+    lines = (json.dumps(record) + "\n" for record in mooncake_records(trace, block_tokens=block_tokens))
+    try:
+        path.write_text("".join(lines), encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write trace {path}: {exc}") from None

@@ -109,3 +109,26 @@ def test_equals_vllm_034_recorded() -> None:
 def test_equals_vllm_034_live() -> None:
     batch = cases(seed=1)
     assert [ours(c) for c in batch] == vllm_orders(batch)["orders"]
+
+
+@pytest.mark.parametrize(("threshold", "first"), [(0.0, "r2"), (0.5, "r1")])
+def test_the_scheduler_applies_the_window_from_its_usage_threshold(threshold: float, first: str) -> None:
+    """r0 leaves a 24-token prefix cached and the pool empty (usage 0): with threshold 0 the window
+    admits r2 (which hits it) before r1, which arrived first; with vLLM's default 0.5 nothing moves."""
+    from tests.engine.test_queue_order import request, tokens
+    from tests.engine.test_scheduler import make_scheduler, step
+
+    scheduler = make_scheduler(blocks=64, budget=64, max_num_seqs=1)
+    scheduler.window = WindowedAdmission(window=4, threshold=threshold)
+    shared = tokens(0, 24)
+    scheduler.add(request(0, shared + tokens(10, 4)))
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert scheduler.manager.usage() == 0.0
+    scheduler.add(request(1, tokens(11, 20)))
+    scheduler.add(request(2, shared + tokens(12, 4)))
+    out = step(scheduler)
+    assert [w.request.request_id for w in out.work] == [first]
+    assert out.work[0].start_pos == (24 if first == "r2" else 0)
+    while scheduler.has_unfinished:
+        step(scheduler)

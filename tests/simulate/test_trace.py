@@ -62,3 +62,64 @@ def test_cli_replays_a_mooncake_trace(tmp_path: Path) -> None:
     out = json_module.loads(result.output)
     assert (out["requests"], out["prompt_tokens"], out["hit_tokens"], out["ideal_tokens"]) == (2, 72, 32, 32)
     assert out["request_hits"] == [0, 32] and out["generated_tokens"] == 5
+
+
+def test_mooncake_prompts_share_each_blocks_token_objects(tmp_path: Path) -> None:
+    """Equal hash ids give equal tokens, and one object per distinct token (a long trace's memory)."""
+    path = write(tmp_path, [
+        {"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [5, 6]},
+        {"timestamp": 1, "input_length": 7, "output_length": 1, "hash_ids": [5, 7]},
+    ])
+    first, second = read_trace(path, block_tokens=4)
+    assert first.new_tokens == (20, 21, 22, 23, 24, 25, 26, 27) and second.new_tokens == (20, 21, 22, 23, 28, 29, 30)
+    assert all(a is b for a, b in zip(first.new_tokens[:4], second.new_tokens[:4], strict=True))
+
+
+def test_cli_budget_that_cannot_be_simulated_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    import hybridkv.cli.simulate as simulate_cli
+    from hybridkv.cli import app
+
+    def out_of_memory(*_: object, **__: object) -> None:
+        raise MemoryError("Unable to allocate 43.0 GiB for an array with shape (575, 10044620)")
+
+    monkeypatch.setattr(simulate_cli, "simulate", out_of_memory)
+    path = write(tmp_path, [{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}])
+    result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it", "--trace", str(path), "--trace-block-tokens",
+                                      "16", "--memory-gib", "1"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "cannot be simulated in this machine's memory" in lines[0], result.output
+    assert "Traceback" not in result.output
+
+
+def test_mooncake_records_number_blocks_by_their_prefix_content() -> None:
+    """Hand-computed, 4-token blocks: r0 = 1..6 (then 2 generated tokens g0 g1); r1 extends r0 by 9."""
+    from hybridkv.simulate.trace import TraceRequest, mooncake_records
+
+    trace = [TraceRequest(arrival_ms=0.0, new_tokens=(1, 2, 3, 4, 5, 6), output_tokens=2),
+             TraceRequest(arrival_ms=10.4, new_tokens=(9,), output_tokens=3, parent=0),
+             TraceRequest(arrival_ms=20.0, new_tokens=(1, 2, 3, 4, 5, 6, 7), output_tokens=1)]
+    assert mooncake_records(trace, block_tokens=4) == [
+        {"timestamp": 0, "input_length": 6, "output_length": 2, "hash_ids": [0, 1]},  # [1 2 3 4] [5 6]
+        {"timestamp": 10, "input_length": 9, "output_length": 3, "hash_ids": [0, 2, 3]},  # [1-4] [5 6 g0 g1] [9]
+        {"timestamp": 20, "input_length": 7, "output_length": 1, "hash_ids": [0, 4]},  # [1-4] [5 6 7]
+    ]
+
+
+def test_cli_writes_a_generated_trace_that_reads_back(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from hybridkv.cli import app
+    from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
+
+    out = tmp_path / "sessions.jsonl"
+    result = CliRunner().invoke(app, ["simulate", "gemma-3-27b-it", "--generate", "sessions", "--num-requests", "12",
+                                      "--memory-gib", "4", "--write-trace", str(out)])
+    assert result.exit_code == 0, result.output
+    back = read_trace(out)
+    generated = generate(Generator.SESSIONS, GeneratorOptions(num_requests=12))
+    assert len(back) == 12 and [r.output_tokens for r in back] == [r.output_tokens for r in generated]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 512) for r in records)
