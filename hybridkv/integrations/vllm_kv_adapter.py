@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import ConfigError, HybridKVError, UnknownRequestError
-from hybridkv.kvcache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from hybridkv.kvcache.ids import RequestId
 from hybridkv.kvcache.manager import CacheHit, CacheTiming, KVCacheManager
 from hybridkv.kvcache.options import CacheOptions
