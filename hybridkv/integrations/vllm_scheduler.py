@@ -73,15 +73,15 @@ _RUNNER_REASONS = {
 PROBE_WINDOW = 64
 
 
-def scheduler_options(environ: Mapping[str, str], *, mamba_cache_mode: str | None, prefix_caching: bool,
-                      kv_events: bool) -> CacheOptions:
+def scheduler_options(environ: Mapping[str, str], *, mamba_cache_mode: str | None, prefix_caching: PrefixCaching,
+                      events: KVEvents) -> CacheOptions:
     """The `CacheOptions` of `HYBRIDKV_CACHE_PRESET` and `HYBRIDKV_CACHE_OPTIONS` for vLLM's runner.
 
     Args:
         environ: the environment (the two variables; both optional).
         mamba_cache_mode: vLLM's `--mamba-cache-mode` (None: the model has no state groups).
         prefix_caching: vLLM's `--enable-prefix-caching`.
-        kv_events: whether vLLM publishes KV events.
+        events: whether vLLM publishes KV events (`--kv-events-config`).
 
     Raises:
         ConfigError: an unknown preset or field, a bad value, or a value vLLM's runner cannot follow
@@ -101,10 +101,7 @@ def scheduler_options(environ: Mapping[str, str], *, mamba_cache_mode: str | Non
         if field in changes and given != getattr(wanted, "value", wanted):
             raise ConfigError(f"{ENV_OPTIONS}: {field}={given!r} is not supported inside vLLM: "
                               f"{_RUNNER_REASONS[field]}; expected {getattr(wanted, 'value', wanted)!r}")
-    followed: dict[str, object] = {
-        "prefix_caching": PrefixCaching.ON if prefix_caching else PrefixCaching.OFF,
-        "events": KVEvents.ON if kv_events else KVEvents.OFF,
-    }
+    followed: dict[str, object] = {"prefix_caching": prefix_caching, "events": events}
     if mamba_cache_mode is not None:
         followed["mamba_cache_mode"] = mamba_cache_mode
     for field, value in followed.items():
@@ -170,9 +167,9 @@ class HybridKVScheduler(Scheduler):  # type: ignore[misc]
         if mode is not None and mode != MambaCacheMode.ALIGN.value and self.cache_config.enable_prefix_caching:
             raise ConfigError(f"HybridKVScheduler has not been checked with mamba_cache_mode={mode!r}; "
                               f"expected 'align' (--mamba-cache-mode align)")
-        options = scheduler_options(os.environ, mamba_cache_mode=mode or None,
-                                    prefix_caching=bool(self.cache_config.enable_prefix_caching),
-                                    kv_events=self.enable_kv_cache_events)
+        caching = PrefixCaching.ON if self.cache_config.enable_prefix_caching else PrefixCaching.OFF
+        options = scheduler_options(os.environ, mamba_cache_mode=mode or None, prefix_caching=caching,
+                                    events=KVEvents.ON if self.enable_kv_cache_events else KVEvents.OFF)
         # (read once from vLLM's own manager, before it is replaced: its admission cap per group)
         own: Any = self.__dict__["kv_cache_manager"]
         caps = [getattr(m, "max_admission_blocks_per_request", None) for m in own.coordinator.single_type_managers]

@@ -18,8 +18,10 @@ import pytest
 from benchmarks.bench_vllm_scheduler import SCHEDULER, gdn_block_size, lead_job, total_cached
 from hybridkv.errors import ConfigError
 from hybridkv.integrations.vllm_scheduler import scheduler_options
-from hybridkv.kvcache.options import PRESETS, EvictionPolicyName, RunningState, StateLayout
+from hybridkv.kvcache.options import PRESETS, EvictionPolicyName, KVEvents, PrefixCaching, RunningState, StateLayout
 from tests.vllm.conftest import VOCAB, run_vllm, server_metrics
+
+ON, OFF = PrefixCaching.ON, KVEvents.OFF
 
 
 def prompts(scale: int) -> list[list[int]]:
@@ -39,14 +41,14 @@ def parity_job(model: Path, *, qwen: bool) -> dict[str, Any]:
 
 
 def test_presets_are_taken_with_the_layout_vllms_runner_follows() -> None:
-    plain = scheduler_options({}, mamba_cache_mode="align", prefix_caching=True, kv_events=False)
+    plain = scheduler_options({}, mamba_cache_mode="align", prefix_caching=ON, events=OFF)
     assert plain == PRESETS["vllm"]
-    best = scheduler_options({"HYBRIDKV_CACHE_PRESET": "hybridkv"}, mamba_cache_mode="align", prefix_caching=True,
-                             kv_events=False)
+    best = scheduler_options({"HYBRIDKV_CACHE_PRESET": "hybridkv"}, mamba_cache_mode="align", prefix_caching=ON,
+                             events=OFF)
     assert best == PRESETS["hybridkv"].replace(state_layout="one_page", running_state="moving")
     assert best.state_layout is StateLayout.ONE_PAGE and best.running_state is RunningState.MOVING
     one = scheduler_options({"HYBRIDKV_CACHE_OPTIONS": '{"eviction": "value"}'}, mamba_cache_mode=None,
-                            prefix_caching=True, kv_events=False)
+                            prefix_caching=ON, events=OFF)
     assert one.eviction is EvictionPolicyName.VALUE
 
 
@@ -63,7 +65,7 @@ def test_presets_are_taken_with_the_layout_vllms_runner_follows() -> None:
 ])
 def test_a_bad_option_is_one_line_naming_it(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as failed:
-        scheduler_options(env, mamba_cache_mode="align", prefix_caching=True, kv_events=False)
+        scheduler_options(env, mamba_cache_mode="align", prefix_caching=ON, events=OFF)
     assert needle in str(failed.value) and "\n" not in str(failed.value)
 
 
