@@ -62,10 +62,12 @@ def _stack(roles: list[LayerRole], *, attention: LayerSpec | None, state: LayerS
 
 def read_lfm2(ctx: SpecContext) -> FamilyLayers:
     """LFM2 / LFM2-MoE: `layer_types` of "full_attention" / "conv" (or `full_attn_idxs`); conv layers keep a
-    short-convolution state of `conv_dim` (default hidden_size) channels and `conv_L_cache` taps."""
+    short-convolution state of `conv_dim` (default hidden_size) channels and `conv_L_cache` taps. An empty
+    `layer_types` (LFM2-MoE configs saved with `[]`) is derived from `full_attn_idxs`, as transformers' LFM2
+    config derives a missing one."""
     cfg, n = ctx.cfg, ctx.num_layers
     names = cfg.str_list("layer_types")
-    if names is not None:
+    if names:
         if len(names) != n or set(names) - {"full_attention", "conv"}:
             raise cfg.error(f"field 'layer_types' must list {n} entries 'full_attention' or 'conv', got {names!r}")
         roles = [_FULL if name == "full_attention" else _STATE for name in names]

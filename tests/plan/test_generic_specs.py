@@ -138,6 +138,16 @@ def test_lfm2_full_attn_idxs_and_short_conv_state() -> None:
         model_spec_from_config(bad, name="lfm2")
 
 
+def test_lfm2_moe_with_empty_layer_types_reads_full_attn_idxs() -> None:
+    config = {"model_type": "lfm2_moe", "num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "max_position_embeddings": 128000, "layer_types": [],
+              "full_attn_idxs": [1, 3]}
+    spec = model_spec_from_config(config, name="lfm2_moe")
+    assert [type(layer).__name__ for layer in spec.layers] == ["MambaSpec", "AttentionSpec"] * 2
+    with pytest.raises(ConfigError, match="needs 'layer_types'"):
+        model_spec_from_config({**config, "full_attn_idxs": None}, name="lfm2_moe")
+
+
 def test_pure_mamba_families_default_length_and_checks() -> None:
     mamba = model_spec_from_config({"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 768,
                                     "intermediate_size": 1536, "state_size": 16, "conv_kernel": 4}, name="m")

@@ -6,9 +6,13 @@ A fresh process per engine: vLLM keeps process-global state (its KV transfer age
 `LLM` in the same process would inherit. JOB.json: {"model", "dtype", "max_model_len",
 "max_num_batched_tokens", "prompts": [[ids]], "max_tokens", "server": endpoint or null (no
 connector), "extra": {more kv_connector_extra_config}, "mamba_cache_mode": null or mode,
-"server_cmd": [argv] (to restart a server), "server_pid": pid, "phases": [...]}. Phases:
+"server_cmd": [argv] (to restart a server), "server_pid": pid, "scheduler_cls": null or a class path,
+"cache_env": {HYBRIDKV_CACHE_PRESET / HYBRIDKV_CACHE_OPTIONS}, "num_gpu_blocks_override": null or blocks,
+"sessions": {"system": [ids], "turns": [[ids per turn] per session]}, "phases": [...]}. Phases:
 
     generate             greedy tokens, each output's num_cached_tokens, retrieves failed so far
+    turns                the sessions' turns, one `generate` per round: turn k's prompt is the system
+                         prompt, every earlier turn and its output, then turn k (tokens, cached per round)
     reset                llm.reset_prefix_cache(): vLLM's own prefix cache only
     groups               vLLM's KV cache groups: spec class, block size, layers
     status               the server's /status at `http_url`
@@ -46,6 +50,11 @@ def make_llm(job: dict[str, Any]) -> Any:
                                         "kv_role": "kv_both", "kv_connector_extra_config": extra}
     if job.get("mamba_cache_mode"):
         kwargs["mamba_cache_mode"] = job["mamba_cache_mode"]
+    if job.get("scheduler_cls"):
+        kwargs["scheduler_cls"] = job["scheduler_cls"]
+    if job.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = job["num_gpu_blocks_override"]
+    os.environ.update(job.get("cache_env") or {})
     return LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
                max_num_batched_tokens=job["max_num_batched_tokens"], enforce_eager=True,
                enable_prefix_caching=True, **kwargs)
@@ -81,6 +90,21 @@ def fail_retrieves() -> list[int]:
     return failed
 
 
+def run_turns(llm: Any, params: Any, sessions: dict[str, Any]) -> dict[str, Any]:
+    """Each round sends every session's next turn (its whole history so far); per round, the outputs."""
+    histories = [list(sessions["system"]) for _ in sessions["turns"]]
+    rounds = []
+    for r in range(max(len(t) for t in sessions["turns"])):
+        active = [s for s, turns in enumerate(sessions["turns"]) if r < len(turns)]
+        prompts = [histories[s] + sessions["turns"][s][r] for s in active]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for s, prompt, out in zip(active, prompts, outputs, strict=True):
+            histories[s] = prompt + list(out.outputs[0].token_ids)
+        rounds.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                       "cached": [o.num_cached_tokens for o in outputs], "prompt_tokens": [len(p) for p in prompts]})
+    return {"rounds": rounds}
+
+
 def run(job: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
@@ -96,6 +120,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             results.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                             "cached": [o.num_cached_tokens for o in outputs], "load_errors": len(failures)})
+        elif phase == "turns":
+            results.append(run_turns(llm, params, job["sessions"]))
         elif phase == "reset":
             results.append({"reset": bool(llm.reset_prefix_cache())})
         elif phase == "groups":
