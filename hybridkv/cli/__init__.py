@@ -31,6 +31,7 @@ The entry point stays `hybridkv.cli:main`; `python -m hybridkv` runs the same `m
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -69,5 +70,11 @@ app.command("route")(route.route_command)
 
 
 def main() -> None:
-    """Console-script entry point (`hybridkv`, `python -m hybridkv`)."""
+    """Console-script entry point (`hybridkv`, `python -m hybridkv`). `hybridkv server` first re-executes
+    its process with glibc's copy tunable (`cache_server/copy_tuning.py`): a process-wide setting, so
+    only the entry point does it, never a command called in-process (a test's `CliRunner`)."""
+    if sys.argv[1:2] == ["server"]:
+        from hybridkv.cache_server.copy_tuning import reexec_tuned
+
+        reexec_tuned()
     app()

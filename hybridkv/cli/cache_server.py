@@ -63,7 +63,6 @@ def server_command(
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = _D.log_level,
 ) -> None:
     """Run the KV cache server: every group's pages, memory / disk / Valkey tiers, metrics."""
-    from hybridkv.cache_server.copy_tuning import reexec_tuned
     from hybridkv.cache_server.service import run_server
 
     if log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -79,7 +78,6 @@ def server_command(
             lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, auth_token_file=auth_token_file,
             max_registrations=max_registrations, log_level=log_level.lower(),
         )
-        reexec_tuned()  # glibc's non-temporal page copies: read at process start only
         run_server(config)
     except (HybridKVError, OSError) as e:
         raise usage_error(str(e)) from None
