@@ -127,7 +127,11 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
         elif phase == "groups":
             results.append({"groups": kv_cache_groups(llm)})
         elif phase == "status":
-            with urllib.request.urlopen(job["http_url"] + "/status", timeout=5) as r:
+            from hybridkv.local_secret import secret_for_endpoint  # (the server's generated secret)
+
+            request = urllib.request.Request(job["http_url"] + "/status", headers={
+                "Authorization": f"Bearer {secret_for_endpoint(job['server'])}"})
+            with urllib.request.urlopen(request, timeout=5) as r:
                 results.append({"status": json.loads(r.read())})
         elif phase == "fail_next_retrieves":
             failures = fail_retrieves()
