@@ -97,11 +97,11 @@ class CachePolicies:
         self.placing = options.checkpoint_placement is not CheckpointPlacement.JUNCTION
 
     def looked_up(self, request: KVRequest, longest_tokens: int) -> None:
-        """After a lookup whose full-attention groups matched `longest_tokens`: the request's checkpoint stops."""
+        """After a lookup whose full-attention groups matched `longest_tokens`: the request's checkpoint stops.
+        The manager calls it only when there is work (placement on, or the request has hints)."""
         if self.placing:
             self.placement.observe(longest_tokens)
-        if self.placing or request.cache_checkpoints:
-            request.checkpoint_stops = self.placement.stops(request)
+        request.checkpoint_stops = self.placement.stops(request)
 
     def waiting(self, ids: Sequence[int]) -> None:
         """A waiting request will hit `ids` (free cached blocks kept, and kept free at admission)."""
