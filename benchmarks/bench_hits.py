@@ -62,7 +62,7 @@ OVERLAY = Path.home() / ".cache/hybridkv-bench/xxhash-overlay"
 #: the job fields that are CacheOptions fields taken as given (the rest are mapped in `materialize`)
 CACHE_JOB_FIELDS = ("eviction", "checkpoint_placement", "checkpoint_interval_tokens", "decode_checkpoints",
                     "admission_headroom", "queue_order", "turn_checkpoints", "running_state",
-                    "cache_aware_admission_window", "cache_aware_admission_threshold")
+                    "cache_aware_admission_window", "cache_aware_admission_threshold", "online_choice")
 
 
 def _job_value(value: object) -> object:

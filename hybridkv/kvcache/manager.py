@@ -30,6 +30,7 @@ a checkpoint cached since then (`CacheHit.deferred`).
 
 from __future__ import annotations
 
+import functools
 import math
 from operator import add
 from typing import cast
@@ -41,14 +42,12 @@ from hybridkv.errors import (
     StaleHitError,
     UnknownRequestError,
 )
+from hybridkv.kvcache.assembly import make_coordinator, make_type_managers
 from hybridkv.kvcache.block_pool import BlockPool, KVEvent
 from hybridkv.kvcache.coordinator import (
     GroupBlocks,
-    HybridCoordinator,
-    KVCacheCoordinator,
-    NoPrefixCacheCoordinator,
-    UnitaryCoordinator,
 )
+from hybridkv.kvcache.events import KVEvents
 from hybridkv.kvcache.hashing import BlockHasher
 from hybridkv.kvcache.hit_checks import check_no_hit_start, resolve_hit, verify_hit
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
@@ -62,6 +61,7 @@ from hybridkv.kvcache.options import (
     CheckpointPlacement,
     DecodeCheckpoints,
     EvictionPolicyName,
+    OnlineChoice,
     PrefixCaching,
     ReleaseOrder,
     SlidingWindowCaching,
@@ -79,12 +79,11 @@ from hybridkv.kvcache.results import (
     StateStep,
 )
 from hybridkv.kvcache.retention import Retention
-from hybridkv.kvcache.running_state import FixedStateManager, fixed_state_managers, state_steps
-from hybridkv.kvcache.type_managers.attention import make_manager
-from hybridkv.kvcache.type_managers.base import SingleTypeManager, rule_of
+from hybridkv.kvcache.running_state import fixed_state_managers, state_steps
+from hybridkv.kvcache.type_managers.base import SingleTypeManager
 from hybridkv.plan.match_unit import MatchUnit
-from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec, RunningState
-from hybridkv.plan.specs import MambaCacheMode, SpecKind
+from hybridkv.plan.planner import KVCacheConfig, RunningState
+from hybridkv.plan.specs import MambaCacheMode
 
 __all__ = ["PRESETS", "AdmissionHeadroom", "AllocationError", "BlockCopy", "CacheHit", "CacheOptions", "CacheTiming",
            "CheckpointPlacement", "DecodeCheckpoints", "EvictionPolicyName", "HitLimit", "IntegrityError",
@@ -93,25 +92,11 @@ __all__ = ["PRESETS", "AdmissionHeadroom", "AllocationError", "BlockCopy", "Cach
            "StateStep", "UnknownRequestError"]
 
 
-def _make_managers(config: KVCacheConfig, pool: BlockPool, options: CacheOptions,
-                   retention: Retention) -> list[SingleTypeManager]:
-    """One type manager per hit rule (its groups), in first-group order."""
-    mode = options.mamba_cache_mode if options.caching else MambaCacheMode.NONE
-    by_rule: dict[tuple[object, ...], list[KVCacheGroupSpec]] = {}
-    for group in config.groups:
-        by_rule.setdefault(rule_of(group), []).append(group)
-    fixed = options.running_state.one_state and mode is MambaCacheMode.ALIGN
-    return [FixedStateManager(groups, pool, retention=retention) if fixed and groups[0].kind is SpecKind.MAMBA
-            else make_manager(groups, pool, mamba_mode=mode, retention=retention) for groups in by_rule.values()]
-
-
-def _make_coordinator(managers: list[SingleTypeManager], pool: BlockPool, options: CacheOptions,
-                      policies: CachePolicies) -> KVCacheCoordinator:
-    if not options.caching:
-        return NoPrefixCacheCoordinator(managers, pool, release_order=options.release_order)
-    kind = UnitaryCoordinator if len(managers) == 1 else HybridCoordinator
-    return kind(managers, pool, release_order=options.release_order, reserve=policies.reserve,
-                adoption=policies.adoption)
+def _ghost(config: KVCacheConfig, max_model_len: int, options: CacheOptions) -> tuple[KVCacheManager, CachePolicies]:
+    """A shadow of a manager with `options` (the online choice and events off), and its policies."""
+    ghost = KVCacheManager(config, max_model_len=max_model_len,
+                           options=options.replace(online_choice=OnlineChoice.OFF, events=KVEvents.OFF))
+    return ghost, ghost.policies
 
 
 class KVCacheManager:
@@ -148,16 +133,18 @@ class KVCacheManager:
                               interval_tokens=options.prefix_cache_retention_interval,
                               alignment_tokens=math.lcm(*(g.block_size for g in config.groups)),
                               spec_decode=options.spec_decode, decode_checkpoints=options.decode_checkpoints)
-        managers = _make_managers(config, self._pool, options, retention)
+        managers = make_type_managers(config, self._pool, options, retention)
         #: the cache policies `options` asks for (`policies/`); `policies.stats()` is their public view
         self.policies = build_policies(options, self._pool, managers,
                                        alignment_tokens=math.lcm(*(m.block_size for m in managers)))
-        self._coordinator = _make_coordinator(managers, self._pool, options, self.policies)
+        self._coordinator = make_coordinator(managers, self._pool, options, self.policies)
         self._fixed = fixed_state_managers(managers)
         self._partial = self.match_unit.partial_hits
         if self._partial:
             self._coordinator.enable_partial_hits(self.match_unit.hash_unit_tokens)
-        self._anchors = self.policies.anchors
+        if options.online_choice is OnlineChoice.GHOSTS and self._caching:  # (policies/ghosts.py)
+            self.policies.start_ghosts(functools.partial(_ghost, config, max_model_len, options))
+        self._observer = self.policies.observer
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
         self._hasher = BlockHasher(algo=options.hash_algo, seed=options.hash_seed)
@@ -184,6 +171,7 @@ class KVCacheManager:
         `new_step_starts`). Without it, hits on checkpoints cached since the last call wait.
         """
         self._coordinator.new_step()
+        self.policies.new_step()
 
     def lookup(self, request: KVRequest) -> CacheHit:
         """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last
@@ -252,6 +240,8 @@ class KVCacheManager:
         counting nothing: queue-aware retention keeps every queued request's prefix, not only the
         head's. With `AdmissionHeadroom.WAITING_HITS` its blocks are also kept free at admission."""
         policies = self.policies
+        if policies.duel is not None:
+            policies.duel.waiting(request)
         if policies.marks is None or not hit_tokens:
             return
         if self._eagle or self._coordinator.partial_hits:  # (blocks looked up whole: hits end elsewhere)
@@ -314,8 +304,8 @@ class KVCacheManager:
                 if self._decodes and caching is CacheTiming.IMMEDIATE:  # one new entry per group at most
                     entries = coordinator.decode(request, computed, end, self._hashes)
                     if entries is not None:
-                        if self._anchors is not None:
-                            self._anchors.allocated(request, end)
+                        if self._observer is not None:
+                            self._observer.allocated(request, end)
                         return NewBlocks.of_ints(entries)
         hit_blocks = self._check_start(request, hit)
         hit_tokens = hit.num_tokens if hit is not None else 0
@@ -331,10 +321,10 @@ class KVCacheManager:
         new = coordinator.allocate(request, hit_blocks, first_new, total, hit_tokens)
         if new is None:
             return None
-        if self._anchors is not None:
+        if self._observer is not None:
             if admitted:
-                self._anchors.admitted(request, hit_tokens)
-            self._anchors.allocated(request, end)
+                self._observer.admitted(request, hit_tokens)
+            self._observer.allocated(request, end)
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
         coordinator.update_quiet(request.request_id)
@@ -370,8 +360,8 @@ class KVCacheManager:
                 blocks it cached beyond that (a step allocated, then preempted before it ran)
                 are uncached, since their KV was never written.
         """
-        if self._anchors is not None:
-            self._anchors.finished(request)
+        if self._observer is not None:
+            self._observer.finished(request)
         self._coordinator.free(request)
 
     def block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:
@@ -428,13 +418,13 @@ class KVCacheManager:
 
     def stats(self) -> ManagerStats:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
+        policies = self.policies.stats()
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
                             group_hit_tokens=tuple(self._group_hit_tokens),
                             limited_by=self._limits.per_group(), block_copies=self._copies,
                             checkpoint_copies=sum(m.checkpoints_copied for m in self._fixed),
                             checkpoints_skipped=sum(m.checkpoints_skipped for m in self._fixed),
-                            state_adoptions=self.policies.stats().state_adoptions,
-                            anchor_reuse=self._anchors.rates.counts() if self._anchors is not None else {})
+                            state_adoptions=policies.state_adoptions, anchor_reuse=policies.anchor_reuse)
 
     def take_pending_copies(self) -> tuple[BlockCopy, ...]:
         """The block copies the engine must run before the next forward, in order (copy on write

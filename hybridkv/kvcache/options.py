@@ -33,7 +33,7 @@ from hybridkv.plan.specs import MambaCacheMode, SpecKind
 
 __all__ = [
     "PRESETS", "AdmissionHeadroom", "CacheOptions", "CheckpointPlacement", "DecodeCheckpoints",
-    "EvictionPolicyName", "HashAlgo", "KVEvents", "MambaCacheMode", "PrefixCaching", "QueueOrder",
+    "EvictionPolicyName", "HashAlgo", "KVEvents", "MambaCacheMode", "OnlineChoice", "PrefixCaching", "QueueOrder",
     "ReleaseOrder", "RunningState", "SlidingWindowCaching", "SpecDecode", "StateLayout", "describe", "options_from",
     "preset",
 ]
@@ -86,6 +86,18 @@ class EvictionPolicyName(Enum):
 
     LRU = "lru"
     VALUE = "value"  # policies/value.py: recency plus compute saved per byte, dead blocks first
+
+
+class OnlineChoice(Enum):
+    """Whether the manager picks its runtime-switchable knobs online (`policies/ghosts.py`).
+
+    OFF: the options as given. GHOSTS: metadata-only shadow managers, one per candidate setting of
+    the knobs that can change while requests run (value eviction's class bonuses on or off; state
+    checkpoints kept densely or only at the replay boundary and the junction), replay every request
+    the manager admits; the manager takes the setting whose shadow hit most, recently."""
+
+    OFF = "off"
+    GHOSTS = "ghosts"
 
 
 class PrefixCaching(Enum):
@@ -181,6 +193,9 @@ class CacheOptions:
         "deepest cached prefix first (0: off)"))
     cache_aware_admission_threshold: float = field(default=0.5, metadata=_help(
         "vLLM 0.34's: pool usage (blocks held by requests) from which that window reorders (default 0.5)"))
+    online_choice: OnlineChoice = field(default=OnlineChoice.OFF, metadata=_help(
+        "off, or ghosts: shadow managers replay the traffic under each candidate eviction weighting and "
+        "checkpoint retention, and the manager switches to the one that hits most (never below a static choice)"))
     release_order: ReleaseOrder = field(default=ReleaseOrder.INTERLEAVED, metadata=_help(
         "free order of a request's blocks: interleaved across groups, or by_group (vLLM's)"))
     turn_checkpoints: bool = field(default=False, metadata=_help(
@@ -274,6 +289,7 @@ ENUM_FIELDS: dict[str, type[Enum]] = {
     "running_state": RunningState, "sliding_window_caching": SlidingWindowCaching, "eviction": EvictionPolicyName,
     "checkpoint_placement": CheckpointPlacement, "decode_checkpoints": DecodeCheckpoints,
     "admission_headroom": AdmissionHeadroom, "queue_order": QueueOrder, "release_order": ReleaseOrder,
+    "online_choice": OnlineChoice,
     "spec_decode": SpecDecode, "hash_algo": HashAlgo, "events": KVEvents,
 }
 FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CacheOptions))

@@ -66,6 +66,11 @@ class ValueWeights:
             raise ConfigError(f"value weights must be >= 0 and ordered low <= full <= anchor <= hot <= protected, "
                               f"got {self}")
 
+    @classmethod
+    def recency_only(cls) -> ValueWeights:
+        """No class bonus: content-free blocks first, then release order (LRU with empty blocks first)."""
+        return cls(low=0.0, full=0.0, anchor=0.0, hot=0.0, protected=0.0)
+
     def bonuses(self, num_blocks: int) -> tuple[float, ...]:
         """Per class (EMPTY first): the clock ticks added to a block's release time."""
         return (-float("inf"), self.low * num_blocks, self.full * num_blocks, self.anchor * num_blocks,
@@ -82,7 +87,9 @@ class ValuePolicy:
 
     def __init__(self, num_blocks: int, has_content: NDArray[np.bool_], weights: ValueWeights | None = None) -> None:
         self._content = has_content
-        self._bonus = (weights or ValueWeights()).bonuses(num_blocks)
+        #: the class bonuses in use (`set_weights` changes them)
+        self.weights = weights or ValueWeights()
+        self._bonus = self.weights.bonuses(num_blocks)
         #: per class a FIFO of (block, clock, stamp); EMPTY's and ANCHOR's stay empty (`_empty`, `_anchors`)
         self._queues: list[deque[tuple[int, int, int]]] = [deque() for _ in BlockValue]
         self._stamp = [0] * num_blocks  # bumped when a block leaves the free set
@@ -100,6 +107,17 @@ class ValuePolicy:
         for b in range(1, num_blocks):
             self._where[b] = BlockValue.EMPTY
         self.num_free = num_blocks - 1
+
+    def set_weights(self, weights: ValueWeights) -> None:
+        """Take `weights` from now on: the queued blocks are scored with them at once (ANCHOR's heap
+        re-scored, O(n)); the online choice switches between weightings (`ghosts.py`)."""
+        self.weights = weights
+        self._bonus = weights.bonuses(len(self._stamp))
+        anchor = self._bonus[BlockValue.ANCHOR]
+        share = self._share
+        self._anchors = [(clock + anchor * share[block], clock, block, stamp)
+                         for _, clock, block, stamp in self._anchors]
+        heapq.heapify(self._anchors)
 
     def bind(self, group_of: NDArray[np.int64], kinds: Sequence[SpecKind]) -> None:
         """Read each block's group (the pool's array) and each group's kind, for its base class."""
