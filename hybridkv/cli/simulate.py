@@ -173,6 +173,9 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
         *([("anchors hit / made, per kind", ", ".join(f"{kind} {hit} / {made}"
                                                      for kind, (made, hit) in report.anchor_reuse.items()))]
           if report.anchor_reuse else []),
+        *([("online choice (ghost hits)", f"{report.online_choice}, {report.online_switches} switches ("
+            + ", ".join(f"{name} {hits}" for name, hits, _ in report.online_ghosts) + ")")]
+          if report.online_ghosts else []),
         ("running requests, mean / max", f"{report.mean_running:.1f} / {report.max_running}"),
         ("prompt tokens computed", f"{report.prefill_tokens} (recompute after preemption included)"),
         ("queue wait, mean / p95", f"{report.mean_wait_ms:.0f} / {report.p95_wait_ms:.0f} ms (simulated)"),

@@ -131,6 +131,11 @@ class SimReport:
     state_adoptions: int = 0
     #: value eviction: per anchor kind, (anchors made, anchors a later hit ended at) (`ManagerStats`)
     anchor_reuse: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: the online choice (`--online-choice ghosts`): the choice at the end, how often it switched, and per
+    #: candidate (its description, the hit tokens its ghost found, the requests its ghost dropped)
+    online_choice: str = ""
+    online_switches: int = 0
+    online_ghosts: tuple[tuple[str, int, int], ...] = ()
     #: simulated ms each request spent in the waiting queue (before its first step, and again after each
     #: preemption until it runs again): mean and 95th percentile over the requests (what a queue order
     #: costs in time to first token, and what preemption costs)
@@ -279,6 +284,8 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
             samples.append((run.clock_ms, running, len(run.scheduler.waiting)))
         run.clock_ms += options.step_ms + options.ms_per_token * run.step_tokens
     stats = manager.stats()
+    policies = getattr(manager, "policies", None)  # (a stand-in manager, e.g. vLLM's own, has no policies)
+    online = policies.stats().online if policies is not None else None
     requests = run.requests
     ordered = sorted(requests, key=lambda r: r.arrival_seq)
     return SimReport(
@@ -295,6 +302,8 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         block_copies=run.block_copies, checkpoint_copies=stats.checkpoint_copies,
         checkpoints_skipped=stats.checkpoints_skipped, state_adoptions=stats.state_adoptions,
         anchor_reuse=stats.anchor_reuse,
+        online_choice=online.current if online else "", online_switches=online.switches if online else 0,
+        online_ghosts=online.ghosts if online else (),
         prefill_tokens=sum(r.computed_prefill_tokens for r in requests),
         mean_held_fraction=held_sum / steps if steps else 0.0,
         **_waits(requests),

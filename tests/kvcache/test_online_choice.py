@@ -132,6 +132,7 @@ BASE = options_from(PRESETS["vllm"], {"eviction": EvictionPolicyName.VALUE})
 @pytest.mark.parametrize("seed", range(3))
 def test_each_ghost_hits_what_a_manager_run_at_its_choice_hits(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ghosts, "DECIDE_EVERY", 10**9)  # (the live manager keeps its choice)
+    monkeypatch.setattr(ghosts, "START_UNDER_PRESSURE", False)  # (ghosts from the first request)
     prompts = sessions(seed, 40)
     live = hybrid_manager(BASE.replace(online_choice=OnlineChoice.GHOSTS), num_blocks=40)
     ends: list[list[int]] = []
@@ -150,6 +151,7 @@ def test_each_ghost_hits_what_a_manager_run_at_its_choice_hits(seed: int, monkey
 
 def test_the_live_manager_ends_on_the_choice_that_hits_most(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ghosts, "HALF_LIFE_ADMISSIONS", 10**6)  # (scores: the hits so far)
+    monkeypatch.setattr(ghosts, "START_UNDER_PRESSURE", False)
     prompts = sessions(7, 160)
     static = {}
     for choice in candidates(DENSE_VALUE, has_value=True, has_states=True):
@@ -184,3 +186,16 @@ def test_requests_keep_their_own_state(monkeypatch: pytest.MonkeyPatch) -> None:
     assert live.allocate(request, 70, hit=hit) is not None
     assert request.num_computed_tokens == 0
     live.check_integrity()
+
+
+def test_ghosts_start_at_the_first_eviction() -> None:
+    """A pool that holds the whole working set never builds ghosts; once it evicts a cached block they run."""
+    prompts = sessions(3, 30)
+    roomy = hybrid_manager(BASE.replace(online_choice=OnlineChoice.GHOSTS), num_blocks=2000)
+    drive(roomy, [list(p) for p in prompts])
+    online = roomy.policies.stats().online
+    assert online is not None and not online.started and online.ghosts == ()
+    tight = hybrid_manager(BASE.replace(online_choice=OnlineChoice.GHOSTS), num_blocks=40)
+    drive(tight, [list(p) for p in prompts])
+    online = tight.policies.stats().online
+    assert online is not None and online.started and sum(hits for _, hits, _ in online.ghosts) > 0

@@ -167,7 +167,8 @@ class CachePolicies:
             policies.apply(choice)
             return manager
 
-        self.duel = GhostDuel(choices, ghost, self.apply)
+        pool = self._pool
+        self.duel = GhostDuel(choices, ghost, self.apply, pressure=lambda: pool.evictions > 0)
         self.observer = self.duel if self.anchors is None else _Both(self.anchors, self.duel)
 
     def new_step(self) -> None:

@@ -26,7 +26,9 @@ The candidates (`candidates`): the options' own setting first, then each combina
 switchable knobs the layout has -- value bonuses on / recency only (value-aware eviction only)
 and, with state groups in align mode, dense checkpoints / retention 0.
 
-Cost: one manager's work per ghost per step (no KV, no model), i.e. up to 4x the manager's own.
+Cost: one manager's work per ghost per step (no KV, no model), i.e. up to 4x the manager's own, and
+only from the live pool's first eviction of a cached block on: before it every choice hits alike
+(nothing was lost to a choice yet), so a pool that holds the whole working set never pays for ghosts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ HALF_LIFE_ADMISSIONS = 256
 DECIDE_EVERY = 8
 #: how much more a ghost must have hit than the current choice's for the live manager to switch
 SWITCH_MARGIN = 0.02
+#: the ghosts start when the live pool first evicts a cached block (`GhostDuel`'s `pressure`)
+START_UNDER_PRESSURE = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +122,8 @@ class GhostStats:
 
     current: str
     switches: int
+    #: whether the ghosts run (they start at the live pool's first eviction)
+    started: bool
     #: per candidate: (its description, hit tokens its ghost found, requests it dropped)
     ghosts: tuple[tuple[str, int, int], ...]
 
@@ -126,19 +132,35 @@ class GhostDuel:
     """The ghosts of one live manager and the decision (module docstring)."""
 
     def __init__(self, choices: Sequence[Choice], make_ghost: Callable[[Choice], GhostManager],
-                 apply: Callable[[Choice], None]) -> None:
-        self.ghosts = [Ghost(choice=c, manager=make_ghost(c)) for c in choices]
+                 apply: Callable[[Choice], None], *, pressure: Callable[[], bool] | None = None) -> None:
+        """Ghosts of `choices` (the live manager's own first) from `make_ghost`; `apply` switches the live
+        manager. With `pressure` (and `START_UNDER_PRESSURE`) the ghosts are built only once it says so
+        (the live pool evicted a cached block): until then every choice hits alike, and nothing is spent."""
+        self.choices = list(choices)
+        self.ghosts: list[Ghost] = []
         self.current = 0
         self.switches = 0
+        self._make_ghost = make_ghost
         self._apply = apply
+        self._pressure = pressure if START_UNDER_PRESSURE else None
         self._admissions = 0
         self._decay = 0.5 ** (1 / HALF_LIFE_ADMISSIONS)
+        if self._pressure is None:
+            self._start()
+
+    def _start(self) -> None:
+        self.ghosts = [Ghost(choice=c, manager=self._make_ghost(c)) for c in self.choices]
+        self._pressure = None
 
     # -- the live manager's events ----------------------------------------------------------------
 
     def admitted(self, request: KVRequest, hit_tokens: int) -> None:
         """The live manager admitted `request` (new or resumed after preemption): each ghost looks it up."""
         del hit_tokens
+        if self._pressure is not None:
+            if not self._pressure():
+                return
+            self._start()
         decay = self._decay
         for ghost in self.ghosts:
             if request.request_id in ghost.requests:
@@ -205,6 +227,8 @@ class GhostDuel:
     # -- the decision -------------------------------------------------------------------------------
 
     def _decide(self) -> None:
+        if not self.ghosts:
+            return
         now = self.ghosts[self.current]
         best = max(range(len(self.ghosts)), key=lambda i: self.ghosts[i].score)
         if best != self.current and self.ghosts[best].score > now.score * (1 + SWITCH_MARGIN):
@@ -219,7 +243,8 @@ class GhostDuel:
         ghost.dropped += 1
 
     def stats(self) -> GhostStats:
-        return GhostStats(current=self.ghosts[self.current].choice.describe(), switches=self.switches,
+        return GhostStats(current=self.choices[self.current].describe(), switches=self.switches,
+                          started=bool(self.ghosts),
                           ghosts=tuple((g.choice.describe(), g.hit_tokens, g.dropped) for g in self.ghosts))
 
 
