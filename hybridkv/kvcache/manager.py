@@ -426,6 +426,10 @@ class KVCacheManager:
         """Blocks held by requests, per group."""
         return self._pool.group_usage()
 
+    def num_evictable(self, blocks: tuple[int, ...]) -> int:
+        """How many of `blocks` (a hit's) no request holds: adopting them takes them off the free count."""
+        return sum(1 for b in blocks if b and not self._pool.ref_cnt.item(b))
+
     def stats(self) -> ManagerStats:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         return ManagerStats(lookups=self._lookups, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
