@@ -57,5 +57,6 @@ def test_pages_that_do_not_divide_keep_the_block_and_pad_the_smaller_page() -> N
                             max_position_embeddings=64),
                   PlannerOptions(memory_bytes=16 * 2 * 64 * 4 * 2 * 2 * 32, max_model_len=16, block_size=16))
     assert result.config.num_blocks == 42 and result.config.page_size_bytes == 24576
-    assert [(g.kind, g.block_size) for g in result.config.groups] == [(SpecKind.FULL, 16), (SpecKind.SLIDING_WINDOW, 16)]
+    groups = [(g.kind, g.block_size) for g in result.config.groups]
+    assert groups == [(SpecKind.FULL, 16), (SpecKind.SLIDING_WINDOW, 16)]
     assert result.config.groups[0].layer_page_bytes() == (16384,)  # (padded to the 24,576-byte stride)
