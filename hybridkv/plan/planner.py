@@ -110,6 +110,10 @@ def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerO
         if isinstance(spec, MambaSpec):
             sizes.append(base)  # the state page is padded up to `page`
             continue
+        own = spec.bytes_per_token * base
+        if page % own and isinstance(spec, AttentionSpec):  # vLLM keeps the block and pads the page
+            sizes.append(base)
+            continue
         if page % spec.bytes_per_token:
             what = "an MLA" if isinstance(spec, MLASpec | IndexerSpec) else f"a {spec.kind.value}"
             raise ConfigError(

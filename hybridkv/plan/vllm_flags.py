@@ -15,10 +15,34 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from hybridkv.plan.planner import Plan
 from hybridkv.plan.specs import SpecKind
+
+#: the smallest kernel block of vLLM's GPU attention backends (FlashAttention / FlashInfer: multiples of 16)
+VLLM_MIN_KERNEL_BLOCK = 16
+
+
+class VllmVersion(Enum):
+    """The vLLM release a plan follows (`plan --vllm-version`): its default attention block size."""
+
+    V0_32 = "0.32"
+    V0_34 = "0.34"
+
+    @property
+    def default_block_size(self) -> int:
+        """`CacheConfig.DEFAULT_BLOCK_SIZE` (vllm/config/cache.py): 16 in 0.32, 64 in 0.34."""
+        return 64 if self is VllmVersion.V0_34 else 16
+
+
+def vllm_mamba_alignment(block_size: int) -> int:
+    """The kernel block alignment A vLLM unifies a state hybrid's attention block with, in 0.32 and 0.34
+    alike (`Platform._align_hybrid_block_size`): the backend's smallest kernel block or the configured
+    block size, whichever is larger (0.34's align-mode checkpoint alignment, 64 with FlashInfer's GDN
+    prefill, divides its default 64)."""
+    return max(VLLM_MIN_KERNEL_BLOCK, block_size)
 
 # The module path vLLM loads (`kv_connector_module_path`), printed for the user, never imported here:
 # vLLM stays an optional extra, so nothing in the package outside `integrations` names that module.

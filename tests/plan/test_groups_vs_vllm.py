@@ -41,11 +41,13 @@ from hybridkv.plan.kv_cache_config import PlannerOptions  # noqa: E402
 from hybridkv.plan.model_specs import model_spec_from_config, supported_model_types  # noqa: E402
 from hybridkv.plan.planner import build_kv_cache_config, effective_request  # noqa: E402
 from hybridkv.plan.specs import AttentionSpec, LayerSpec, MambaSpec, MLASpec, ModelSpec, SpecKind  # noqa: E402
+from hybridkv.plan.vllm_flags import VllmVersion, vllm_mamba_alignment  # noqa: E402
 
 HERE = Path(__file__).parent
 FIXTURE = HERE / "vllm_fixtures" / "vllm_groups.json"
 GENERATOR = HERE / "vllm_fixtures" / "generate_vllm_groups.py"
 VENV = Path(os.environ.get("HYBRIDKV_VLLM_VENV", Path.home() / ".cache/hybridkv-bench/vllm-manager-venv"))
+VENV_034 = Path(os.environ.get("HYBRIDKV_VLLM034_VENV", Path.home() / ".cache/hybridkv-bench/vllm034-venv"))
 GIB = 1 << 30
 # Compared elsewhere (see the module docstring); kimi_k2 is deepseek_v3 to transformers.
 NOT_COMPARED = {"deepseek_v32", "glm_moe_dsa", "hy_v4", "minimax_m3_vl", "minimax_m3_vl_text", "deepseek_v4", "kimi_k2"}
@@ -79,10 +81,12 @@ def spec_json(spec: LayerSpec) -> dict[str, Any]:
     return {"type": "mamba", "shapes": [list(s) for s in spec.shapes], "dtypes": list(spec.dtypes)}
 
 
-def planned(model_type: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the case given to vLLM, our groups in the generator's output form)."""
+def planned(model_type: str, *, block_size: int = 16) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the case given to vLLM, our groups in the generator's output form), planned with vLLM's
+    `block_size` and its alignment (`plan --vllm-version`: 16 for 0.32, 64 for 0.34)."""
     model: ModelSpec = model_spec_from_config(default_config(model_type), name=model_type)
-    options = PlannerOptions(memory_bytes=16 * GIB, max_model_len=min(model.max_position_embeddings, 32768))
+    options = PlannerOptions(memory_bytes=16 * GIB, max_model_len=min(model.max_position_embeddings, 32768),
+                             block_size=block_size, mamba_alignment=vllm_mamba_alignment(block_size))
     model, options, _ = effective_request(model, options)
     config = build_kv_cache_config(model, options)
     case = {"block_size": options.block_size,
@@ -106,8 +110,8 @@ def assert_equal(model_type: str, ours: list[dict[str, Any]], vllm: list[dict[st
         f"{model_type}: ours {_comparable(ours)[:4]}... vLLM {_comparable(vllm)[:4]}...")
 
 
-def run_generator(cases: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    done = subprocess.run([str(VENV / "bin" / "python"), str(GENERATOR)], input=json.dumps(cases), text=True,
+def run_generator(cases: dict[str, Any], venv: Path = VENV) -> dict[str, list[dict[str, Any]]]:
+    done = subprocess.run([str(venv / "bin" / "python"), str(GENERATOR)], input=json.dumps(cases), text=True,
                           capture_output=True, timeout=600, check=False, cwd=HERE)
     assert done.returncode == 0, done.stderr[-3000:]
     result: dict[str, list[dict[str, Any]]] = json.loads(done.stdout)
@@ -137,6 +141,21 @@ def test_groups_equal_vllm_live() -> None:
     for model_type in compared_types():
         cases[model_type], ours[model_type] = planned(model_type)
     vllm = run_generator(cases)
+    for model_type in cases:
+        assert_equal(model_type, ours[model_type], vllm[model_type])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (VENV_034 / "bin" / "python").exists(),
+                    reason="the vLLM 0.34 venv is not built (bash benchmarks/vllm034_venv.sh)")
+def test_groups_equal_vllm_034_live_with_its_default_block_size() -> None:
+    """`plan --vllm-version 0.34`: vLLM 0.34's default block size (64) and its sizing code
+    (`kv_cache_planning.get_kv_cache_groups`, `_align_hybrid_block_size`) give the planner's groups."""
+    block_size = VllmVersion.V0_34.default_block_size
+    cases, ours = {}, {}
+    for model_type in compared_types():
+        cases[model_type], ours[model_type] = planned(model_type, block_size=block_size)
+    vllm = run_generator(cases, VENV_034)
     for model_type in cases:
         assert_equal(model_type, ours[model_type], vllm[model_type])
 

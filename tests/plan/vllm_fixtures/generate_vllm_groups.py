@@ -29,11 +29,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, VllmConfig
 from vllm.model_executor.models import ModelRegistry
 from vllm.platforms.interface import Platform
 from vllm.v1.attention.backend import MultipleOf
-from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+
+try:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+except ImportError:  # vLLM 0.34 moved the sizing code to kv_cache_planning
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # type: ignore[no-redef]
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -55,6 +59,17 @@ class FlashAttentionLike:
     @staticmethod
     def customize_spec(spec: Any) -> Any:
         return spec
+
+
+def new_vllm_config() -> VllmConfig:
+    """A default `VllmConfig` with the hybrid KV cache manager (vLLM 0.34 infers a device at construction:
+    none here, so CPU, where its defaults turn the hybrid manager off)."""
+    try:
+        return VllmConfig()
+    except RuntimeError:
+        config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        return config
 
 
 def aligned_cache_config(layers: dict[str, dict[str, Any]], block_size: int) -> CacheConfig:
@@ -83,7 +98,7 @@ def aligned_cache_config(layers: dict[str, dict[str, Any]], block_size: int) -> 
         def get_mamba_state_dtype_from_config(_config: Any) -> tuple[torch.dtype, ...]:
             return tuple(DTYPES[d] for d in state["dtypes"])
 
-    vllm_config = VllmConfig()
+    vllm_config = new_vllm_config()
     object.__setattr__(vllm_config, "cache_config", cache)
     object.__setattr__(vllm_config, "model_config", model_config)
     saved = ModelRegistry.resolve_model_cls, Platform._find_non_ssm_backends
@@ -116,7 +131,7 @@ def vllm_spec(spec: dict[str, Any], cache: CacheConfig) -> Any:
 
 def groups_of(case: dict[str, Any]) -> list[dict[str, Any]]:
     cache = aligned_cache_config(case["layers"], case["block_size"])
-    vllm_config = VllmConfig()
+    vllm_config = new_vllm_config()
     cache.kv_cache_layout = "LBHNC"  # the default, not block-outermost: no packed groups
     object.__setattr__(vllm_config, "cache_config", cache)
     specs = {name: vllm_spec(spec, cache) for name, spec in case["layers"].items()}
