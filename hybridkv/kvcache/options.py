@@ -364,7 +364,7 @@ PRESETS: dict[str, CacheOptions] = {
         release_order=ReleaseOrder.INTERLEAVED, state_layout=StateLayout.MULTI_PAGE,
         running_state=RunningState.ADOPT, decode_checkpoints=DecodeCheckpoints.LAST,
         admission_headroom=AdmissionHeadroom.WAITING_HITS, queue_order=QueueOrder.CACHE_AWARE,
-        turn_checkpoints=True),
+        turn_checkpoints=True, online_choice=OnlineChoice.GHOSTS),
 }
 #: The preset `run`, `serve`, `simulate` and `LLM` start from when none is named (docs/prefix_caching.md says why).
 DEFAULT_PRESET = "vllm"

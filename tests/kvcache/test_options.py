@@ -25,7 +25,7 @@ from tests.factories import make_config, make_group
 VLLM = {"release_order": "by_group"}
 HYBRIDKV = {"eviction": "value", "checkpoint_placement": "placed", "state_layout": "multi_page",
             "running_state": "adopt", "decode_checkpoints": "last", "admission_headroom": "waiting_hits",
-            "queue_order": "cache_aware", "turn_checkpoints": True}
+            "queue_order": "cache_aware", "turn_checkpoints": True, "online_choice": "ghosts"}
 
 
 def _differences(options: CacheOptions) -> dict[str, object]:
