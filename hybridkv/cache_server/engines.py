@@ -68,6 +68,7 @@ class Engine:
         return {"instance_id": self.instance_id, "model": layout.model, "rank": layout.rank,
                 "world_size": layout.world_size, "fingerprint": layout.fingerprint,
                 "access": "copy" if self.buffers is not None else "lookup_only",
+                "prefaulting": self.buffers is not None and self.buffers.prefaulting,
                 "groups": [{"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
                             "window_tokens": g.window_tokens, "page_bytes": g.page_bytes} for g in layout.groups],
                 "object_groups": [{"name": og.name, "groups": list(og.groups)} for og in self.groups]}
