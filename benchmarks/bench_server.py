@@ -12,9 +12,15 @@ after the buffer was zeroed, and checks the retrieved bytes against checksums ta
 starts once the server has prefaulted the registered buffer for writing (`/status`: `prefaulting`
 false), as it has long before traffic when an engine registers at start-up.
 memcpy = the best of three numpy copies of the same bytes between two already-touched buffers
-(store and retrieve are single passes). The last line:
+(store and retrieve are single passes).
 
-    store_gbps=X retrieve_gbps=Y lookup_ms=Z memcpy_gbps=M retrieve_vs_memcpy=R
+Then fairness: a second client (its own connection and registration) makes one-chunk lookups
+every few milliseconds while the first keeps the server busy with the largest requests it takes
+(lookups of MAX_CHUNKS_PER_REQUEST chunk hashes, and lookups + retrieves of whole requests);
+worst_wait_ms is the longest of those small lookups, busy_ms the median of the large requests.
+The last line:
+
+    store_gbps=X retrieve_gbps=Y lookup_ms=Z memcpy_gbps=M retrieve_vs_memcpy=R worst_wait_ms=W busy_ms=B
 
 (GB = 1e9 bytes; lookup_ms = median lookup round trip.)
 """
@@ -27,12 +33,14 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import xxhash
 
-from hybridkv.connector.client import GroupLayout, KVClient, SharedKVBuffers, chunk_hashes, make_layout
+from hybridkv.cache_server.limits import MAX_CHUNKS_PER_REQUEST
+from hybridkv.connector.client import GroupLayout, KVClient, Layout, SharedKVBuffers, chunk_hashes, make_layout
 from hybridkv.wire import GroupKind
 
 LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\)")
@@ -125,6 +133,7 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
         for lookup_id, (_, blocks, _) in zip(hits, requests, strict=True):
             client.retrieve(lookup_id, block_ids=[blocks])
         retrieve_s = time.perf_counter() - t0
+        worst_wait_s, busy_s = fairness(client, endpoint, layout, hashes, [b for _, b, _ in requests])
     for _, blocks, digest in requests:
         if xxhash.xxh3_64_hexdigest(kv[blocks[0] * page:(blocks[-1] + 1) * page].data) != digest:
             raise SystemExit("retrieved bytes differ from the stored ones")
@@ -141,7 +150,46 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
           f"{total / 1e9:.2f} GB; lookups {', '.join(f'{x:.2f}' for x in lookup_ms)} ms", file=sys.stderr)
     return (f"store_gbps={store_gbps:.2f} retrieve_gbps={retrieve_gbps:.2f} "
             f"lookup_ms={statistics.median(lookup_ms):.3f} memcpy_gbps={memcpy_gbps:.2f} "
-            f"retrieve_vs_memcpy={retrieve_gbps / memcpy_gbps:.2f}")
+            f"retrieve_vs_memcpy={retrieve_gbps / memcpy_gbps:.2f} worst_wait_ms={worst_wait_s * 1e3:.1f} "
+            f"busy_ms={busy_s * 1e3:.1f}")
+
+
+def fairness(client: KVClient, endpoint: str, layout: Layout, hashes: list[list[bytes]],
+             blocks: list[list[int]], rounds: int = 6) -> tuple[float, float]:
+    """(worst wait of another client's one-chunk lookup, median time of a large request) while
+    `client` sends `rounds` rounds of large requests: a lookup of MAX_CHUNKS_PER_REQUEST chunk hashes
+    (misses), and per request a lookup and retrieve of all of it."""
+    huge = [i.to_bytes(16, "little") for i in range(MAX_CHUNKS_PER_REQUEST)]
+    chunk = client.chunk_tokens
+    stop, waits = threading.Event(), []
+
+    def small_lookups() -> None:
+        with KVClient(endpoint, timeout_s=120) as other:
+            other.register(layout)
+            while not stop.is_set():
+                t = time.perf_counter()
+                hit = other.lookup(hashes[0][:1], num_tokens=chunk + 1)
+                waits.append(time.perf_counter() - t)
+                other.release(hit.lookup_id)
+                time.sleep(0.002)
+
+    thread = threading.Thread(target=small_lookups)
+    thread.start()
+    busy = []
+    try:
+        time.sleep(0.5)  # registered and looking up
+        for _ in range(rounds):
+            t = time.perf_counter()
+            client.lookup(huge, num_tokens=len(huge) * chunk + 1)
+            busy.append(time.perf_counter() - t)
+            for h, b in zip(hashes, blocks, strict=True):
+                t = time.perf_counter()
+                client.retrieve(client.lookup(h, num_tokens=len(h) * chunk + 1).lookup_id, block_ids=[b])
+                busy.append(time.perf_counter() - t)
+    finally:
+        stop.set()
+        thread.join(120)
+    return max(waits), statistics.median(busy)
 
 
 if __name__ == "__main__":
