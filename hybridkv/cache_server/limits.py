@@ -37,7 +37,7 @@ MAX_HELD_LOOKUPS = 16384  # ... and in the whole server
 CHUNK_INDEX_END = 1 << 32  # chunk indices are 4 bytes in an object key
 TOKENS_END = 1 << 62  # num_tokens / skip_tokens
 SLICE_CHUNKS = 256  # chunks of a lookup or store, or blocks of a retrieve, in one slice (~1-3 ms of Python)
-SLICE_BYTES = 64 << 20  # bytes copied in one slice (~6-10 ms at memcpy speed)
+SLICE_BYTES = 32 << 20  # bytes copied in one slice (~3-5 ms at memcpy speed)
 # a stored chunk at depth d costs the prefix index ~d steps per object group (a new resumable prefix
 # counts itself in each ancestor's users): a store's slice ends after this many (~2-5 ms)
 SLICE_INDEX_STEPS = 1 << 13

@@ -134,7 +134,7 @@ def test_a_small_lookup_waits_a_slice_not_a_huge_lookup(server) -> None:  # type
 
 def test_a_small_lookup_waits_a_slice_not_a_huge_store_and_retrieve(server) -> None:  # type: ignore[no-untyped-def]
     srv, eng, victim = server
-    chunks = 4000  # 4000 chunks of 8 KiB: 32 MiB copied each way, 16 slices of chunks
+    chunks = 4000  # 4000 chunks of 8 KiB: 32 MiB copied each way, in slices
     tokens = list(range(10**6, 10**6 + chunks * CHUNK + 1))
     hashes = chunk_hashes(tokens, CHUNK)
     blocks = list(range(100, 100 + 2 * chunks))
