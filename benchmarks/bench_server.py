@@ -18,7 +18,8 @@ Then fairness: a second client (its own connection and registration) makes one-c
 every few milliseconds while the first keeps the server busy with the largest requests it takes
 (lookups of MAX_CHUNKS_PER_REQUEST chunk hashes, and lookups + retrieves of whole requests);
 worst_wait_ms is the longest of those small lookups, busy_ms the median of the large requests.
-The last line:
+On stderr: the server process's CPU time in the store and retrieve phases (what the server itself
+spent, a figure a loaded machine does not move the way it moves wall time). The last line:
 
     store_gbps=X retrieve_gbps=Y lookup_ms=Z memcpy_gbps=M retrieve_vs_memcpy=R worst_wait_ms=W busy_ms=B
 
@@ -29,12 +30,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -80,7 +83,7 @@ def main() -> None:
     buffers = SharedKVBuffers.create(num_buffers=1, size_bytes=num_blocks * page)
     proc, endpoint = start_server(args.chunk_tokens, total / 2**30 * 1.05 + 0.05)
     try:
-        result = run(args, buffers, endpoint, page, num_blocks, blocks_per_request, total)
+        result = run(args, buffers, endpoint, page, num_blocks, blocks_per_request, total, proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -96,8 +99,15 @@ def wait_prefaulted(client: KVClient, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used: how much of a phase's wall time the server
+    itself worked, whatever else the machine ran."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page: int, num_blocks: int,
-        blocks_per_request: int, total: int) -> str:
+        blocks_per_request: int, total: int, server_pid: int) -> str:
     kv = buffers.arrays[0]
     rng = np.random.default_rng(args.seed)
     kv[:] = rng.integers(0, 256, kv.size, dtype=np.uint8)
@@ -114,12 +124,12 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
         client.register(layout)
         wait_prefaulted(client)
         hashes = [chunk_hashes(t, client.chunk_tokens) for t, _, _ in requests]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s(server_pid)
         for h, (_, blocks, _) in zip(hashes, requests, strict=True):
             reply = client.store(first_chunk=0, chunk_hashes=h, block_ids=[blocks])
             if not all(reply.stored):
                 raise SystemExit(f"store refused: {reply.refusals[:3]}")
-        store_s = time.perf_counter() - t0
+        store_s, store_cpu_s = time.perf_counter() - t0, cpu_s(server_pid) - c0
         kv[:] = 0
         lookup_ms, hits = [], []
         for h, (tokens, _, _) in zip(hashes, requests, strict=True):
@@ -129,10 +139,10 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
             if hit.hit_tokens != args.tokens_per_request:
                 raise SystemExit(f"lookup hit {hit.hit_tokens} tokens, expected {args.tokens_per_request}")
             hits.append(hit.lookup_id)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s(server_pid)
         for lookup_id, (_, blocks, _) in zip(hits, requests, strict=True):
             client.retrieve(lookup_id, block_ids=[blocks])
-        retrieve_s = time.perf_counter() - t0
+        retrieve_s, retrieve_cpu_s = time.perf_counter() - t0, cpu_s(server_pid) - c0
         worst_wait_s, busy_s = fairness(client, endpoint, layout, hashes, [b for _, b, _ in requests])
     for _, blocks, digest in requests:
         if xxhash.xxh3_64_hexdigest(kv[blocks[0] * page:(blocks[-1] + 1) * page].data) != digest:
@@ -147,7 +157,10 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
         memcpy_s = min(memcpy_s, time.perf_counter() - t0)
     store_gbps, retrieve_gbps, memcpy_gbps = total / store_s / 1e9, total / retrieve_s / 1e9, total / memcpy_s / 1e9
     print(f"{args.requests} requests x {args.tokens_per_request} tokens x {args.bytes_per_token} B = "
-          f"{total / 1e9:.2f} GB; lookups {', '.join(f'{x:.2f}' for x in lookup_ms)} ms", file=sys.stderr)
+          f"{total / 1e9:.2f} GB; lookups {', '.join(f'{x:.2f}' for x in lookup_ms)} ms; server CPU: store "
+          f"{store_cpu_s * 1e3:.0f} ms ({total / max(store_cpu_s, 1e-9) / 1e9:.2f} GB per CPU s), retrieve "
+          f"{retrieve_cpu_s * 1e3:.0f} ms ({total / max(retrieve_cpu_s, 1e-9) / 1e9:.2f} GB per CPU s)",
+          file=sys.stderr)
     return (f"store_gbps={store_gbps:.2f} retrieve_gbps={retrieve_gbps:.2f} "
             f"lookup_ms={statistics.median(lookup_ms):.3f} memcpy_gbps={memcpy_gbps:.2f} "
             f"retrieve_vs_memcpy={retrieve_gbps / memcpy_gbps:.2f} worst_wait_ms={worst_wait_s * 1e3:.1f} "
