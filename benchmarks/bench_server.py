@@ -8,11 +8,21 @@ This process is the client: it starts `hybridkv server` (127.0.0.1, free ports, 
 everything), registers one shared-memory KV buffer (one full-attention group: a page = block
 tokens * bytes per token), fills it with seeded random bytes, then times R store calls (one per
 request, every chunk of it), R lookups (each holds its hit) and R retrieves into the same blocks
-after the buffer was zeroed, and checks the retrieved bytes against checksums taken before.
+after the buffer was zeroed, and checks the retrieved bytes against checksums taken before. Timing
+starts once the server has prefaulted the registered buffer for writing (`/status`: `prefaulting`
+false), as it has long before traffic when an engine registers at start-up.
 memcpy = the best of three numpy copies of the same bytes between two already-touched buffers
-(store and retrieve are single passes). The last line:
+(store and retrieve are single passes).
 
-    store_gbps=X retrieve_gbps=Y lookup_ms=Z memcpy_gbps=M retrieve_vs_memcpy=R
+Then fairness: a second client (its own connection and registration) makes one-chunk lookups
+every few milliseconds while the first keeps the server busy with the largest requests it takes
+(lookups of MAX_CHUNKS_PER_REQUEST chunk hashes, and lookups + retrieves of whole requests);
+worst_wait_ms is the longest of those small lookups, busy_ms the median time of one of the large
+lookups (what a small lookup would wait behind one if the server did not slice large requests).
+On stderr: the server process's CPU time in the store and retrieve phases (what the server itself
+spent, a figure a loaded machine does not move the way it moves wall time). The last line:
+
+    store_gbps=X retrieve_gbps=Y lookup_ms=Z memcpy_gbps=M retrieve_vs_memcpy=R worst_wait_ms=W busy_ms=B
 
 (GB = 1e9 bytes; lookup_ms = median lookup round trip.)
 """
@@ -21,16 +31,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from hybridkv.connector.client import GroupLayout, KVClient, SharedKVBuffers, chunk_hashes, make_layout
+from hybridkv.cache_server.limits import MAX_CHUNKS_PER_REQUEST
+from hybridkv.connector.client import GroupLayout, KVClient, Layout, SharedKVBuffers, chunk_hashes, make_layout
 from hybridkv.wire import GroupKind
 
 LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\)")
@@ -70,7 +84,7 @@ def main() -> None:
     buffers = SharedKVBuffers.create(num_buffers=1, size_bytes=num_blocks * page)
     proc, endpoint = start_server(args.chunk_tokens, total / 2**30 * 1.05 + 0.05)
     try:
-        result = run(args, buffers, endpoint, page, num_blocks, blocks_per_request, total)
+        result = run(args, buffers, endpoint, page, num_blocks, blocks_per_request, total, proc.pid)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -78,8 +92,23 @@ def main() -> None:
     print(result)
 
 
+def wait_prefaulted(client: KVClient, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(e.get("prefaulting") for e in client.status()["engines"]):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the server was still prefaulting the registered buffer after {timeout_s:g} s")
+        time.sleep(0.02)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used: how much of a phase's wall time the server
+    itself worked, whatever else the machine ran."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page: int, num_blocks: int,
-        blocks_per_request: int, total: int) -> str:
+        blocks_per_request: int, total: int, server_pid: int) -> str:
     kv = buffers.arrays[0]
     rng = np.random.default_rng(args.seed)
     kv[:] = rng.integers(0, 256, kv.size, dtype=np.uint8)
@@ -94,13 +123,14 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
 
     with KVClient(endpoint, timeout_s=120) as client:
         client.register(layout)
+        wait_prefaulted(client)
         hashes = [chunk_hashes(t, client.chunk_tokens) for t, _, _ in requests]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s(server_pid)
         for h, (_, blocks, _) in zip(hashes, requests, strict=True):
             reply = client.store(first_chunk=0, chunk_hashes=h, block_ids=[blocks])
             if not all(reply.stored):
                 raise SystemExit(f"store refused: {reply.refusals[:3]}")
-        store_s = time.perf_counter() - t0
+        store_s, store_cpu_s = time.perf_counter() - t0, cpu_s(server_pid) - c0
         kv[:] = 0
         lookup_ms, hits = [], []
         for h, (tokens, _, _) in zip(hashes, requests, strict=True):
@@ -110,10 +140,11 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
             if hit.hit_tokens != args.tokens_per_request:
                 raise SystemExit(f"lookup hit {hit.hit_tokens} tokens, expected {args.tokens_per_request}")
             hits.append(hit.lookup_id)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_s(server_pid)
         for lookup_id, (_, blocks, _) in zip(hits, requests, strict=True):
             client.retrieve(lookup_id, block_ids=[blocks])
-        retrieve_s = time.perf_counter() - t0
+        retrieve_s, retrieve_cpu_s = time.perf_counter() - t0, cpu_s(server_pid) - c0
+        worst_wait_s, busy_s = fairness(client, endpoint, layout, hashes, [b for _, b, _ in requests])
     for _, blocks, digest in requests:
         if xxhash.xxh3_64_hexdigest(kv[blocks[0] * page:(blocks[-1] + 1) * page].data) != digest:
             raise SystemExit("retrieved bytes differ from the stored ones")
@@ -127,10 +158,51 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
         memcpy_s = min(memcpy_s, time.perf_counter() - t0)
     store_gbps, retrieve_gbps, memcpy_gbps = total / store_s / 1e9, total / retrieve_s / 1e9, total / memcpy_s / 1e9
     print(f"{args.requests} requests x {args.tokens_per_request} tokens x {args.bytes_per_token} B = "
-          f"{total / 1e9:.2f} GB; lookups {', '.join(f'{x:.2f}' for x in lookup_ms)} ms", file=sys.stderr)
+          f"{total / 1e9:.2f} GB; lookups {', '.join(f'{x:.2f}' for x in lookup_ms)} ms; server CPU: store "
+          f"{store_cpu_s * 1e3:.0f} ms ({total / max(store_cpu_s, 1e-9) / 1e9:.2f} GB per CPU s), retrieve "
+          f"{retrieve_cpu_s * 1e3:.0f} ms ({total / max(retrieve_cpu_s, 1e-9) / 1e9:.2f} GB per CPU s)",
+          file=sys.stderr)
     return (f"store_gbps={store_gbps:.2f} retrieve_gbps={retrieve_gbps:.2f} "
             f"lookup_ms={statistics.median(lookup_ms):.3f} memcpy_gbps={memcpy_gbps:.2f} "
-            f"retrieve_vs_memcpy={retrieve_gbps / memcpy_gbps:.2f}")
+            f"retrieve_vs_memcpy={retrieve_gbps / memcpy_gbps:.2f} worst_wait_ms={worst_wait_s * 1e3:.1f} "
+            f"busy_ms={busy_s * 1e3:.1f}")
+
+
+def fairness(client: KVClient, endpoint: str, layout: Layout, hashes: list[list[bytes]],
+             blocks: list[list[int]], rounds: int = 6) -> tuple[float, float]:
+    """(worst wait of another client's one-chunk lookup, median time of a large lookup) while `client`
+    sends `rounds` rounds of large requests: 4 lookups of MAX_CHUNKS_PER_REQUEST chunk hashes (misses),
+    then per request a lookup and retrieve of all of it."""
+    huge = [i.to_bytes(16, "little") for i in range(MAX_CHUNKS_PER_REQUEST)]
+    chunk = client.chunk_tokens
+    stop, waits = threading.Event(), []
+
+    def small_lookups() -> None:
+        with KVClient(endpoint, timeout_s=120) as other:
+            other.register(layout)
+            while not stop.is_set():
+                t = time.perf_counter()
+                hit = other.lookup(hashes[0][:1], num_tokens=chunk + 1)
+                waits.append(time.perf_counter() - t)
+                other.release(hit.lookup_id)
+                time.sleep(0.002)
+
+    thread = threading.Thread(target=small_lookups)
+    thread.start()
+    busy = []
+    try:
+        time.sleep(0.5)  # registered and looking up
+        for _ in range(rounds):
+            for _ in range(4):
+                t = time.perf_counter()
+                client.lookup(huge, num_tokens=len(huge) * chunk + 1)
+                busy.append(time.perf_counter() - t)
+            for h, b in zip(hashes, blocks, strict=True):
+                client.retrieve(client.lookup(h, num_tokens=len(h) * chunk + 1).lookup_id, block_ids=[b])
+    finally:
+        stop.set()
+        thread.join(120)
+    return max(waits), statistics.median(busy)
 
 
 if __name__ == "__main__":

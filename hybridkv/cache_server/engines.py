@@ -26,7 +26,7 @@ from hybridkv.cache_server.keys import namespace
 from hybridkv.cache_server.limits import MAX_MAPPED_SEGMENTS
 from hybridkv.cache_server.registered_layout import ChunkRules, ObjectGroup, RequestError, TreeRules
 from hybridkv.cache_server.shm import MappedBuffers
-from hybridkv.wire import ErrorCode, Layout, ObjectGroupInfo, RegistrationAccess
+from hybridkv.wire import ErrorCode, GroupKind, Layout, ObjectGroupInfo, RegistrationAccess
 
 MAX_NAMESPACES = 4096  # per engine: (object group, cache salt) -> namespace, cleared when full
 
@@ -68,9 +68,26 @@ class Engine:
         return {"instance_id": self.instance_id, "model": layout.model, "rank": layout.rank,
                 "world_size": layout.world_size, "fingerprint": layout.fingerprint,
                 "access": "copy" if self.buffers is not None else "lookup_only",
+                "prefaulting": self.buffers is not None and self.buffers.prefaulting,
                 "groups": [{"kind": g.kind.value, "num_layers": g.num_layers, "block_tokens": g.block_tokens,
                             "window_tokens": g.window_tokens, "page_bytes": g.page_bytes} for g in layout.groups],
                 "object_groups": [{"name": og.name, "groups": list(og.groups)} for og in self.groups]}
+
+    def check_block_ids(self, block_ids: list[list[int]], chunks: int, what: str) -> None:
+        """BAD_REQUEST unless `block_ids` gives each cached group its blocks of `chunks` chunks, all mapped."""
+        layout = self.layout
+        if len(block_ids) != len(layout.groups):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: block_ids has {len(block_ids)} groups, the layout "
+                               f"has {len(layout.groups)}")
+        for gid, (g, ids) in enumerate(zip(layout.groups, block_ids, strict=True)):
+            if g.kind is GroupKind.CROSS:
+                continue
+            expected = chunks * self.rules.blocks_per_chunk[gid]
+            if len(ids) != expected:
+                raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: group {gid} has {len(ids)} block ids, expected "
+                                   f"{expected} ({chunks} chunks of {self.rules.chunk_tokens} tokens / block size "
+                                   f"{g.block_tokens})")
+            self.mapped(what).check_block_ids(f"{what}, group {gid}", ids)
 
     def mapped(self, what: str) -> MappedBuffers:
         if self.buffers is None:

@@ -66,12 +66,16 @@ class Leases:
                                f"{instance_id}'s layout (retrieved, released, expired, or never made)")
         return lease
 
-    def release(self, lookup_id: int) -> None:
+    def take(self, lookup_id: int) -> Lease:
+        """Stop holding `lookup_id` and hand its locked objects to the caller (who unlocks them)."""
         lease = self._leases.pop(lookup_id)
         self._held_by[lease.instance_id] -= 1
         if not self._held_by[lease.instance_id]:
             del self._held_by[lease.instance_id]
-        for key in lease.locked:
+        return lease
+
+    def release(self, lookup_id: int) -> None:
+        for key in self.take(lookup_id).locked:
             self._unlock(key)
 
     def release_instance(self, instance_id: int) -> None:

@@ -11,9 +11,14 @@ anything changes (BAD_REQUEST for a request no server would take, LIMIT for a fu
     whole server    registrations <= --max-registrations; mapped segments <= MAX_MAPPED_SEGMENTS;
                     held lookups <= MAX_HELD_LOOKUPS
 
-The request cap is what bounds one request's work (and so every other client's wait behind it):
-a lookup of MAX_CHUNKS_PER_REQUEST chunks is answered in tens of milliseconds
-(tests/cache_server/test_client_bounds.py measures the worst wait of a small lookup behind them).
+    scheduling      a lookup, store or retrieve runs in slices of at most SLICE_CHUNKS chunks (or blocks),
+                    SLICE_BYTES copied and SLICE_INDEX_STEPS prefix-index steps; the control loop serves
+                    its connections in turn, one slice each (service.py), at most
+                    MAX_QUEUED_PER_CONNECTION requests queued per connection
+
+A client's wait behind another's large request is about one slice per other busy connection
+(a few milliseconds each), not the large request's whole time (tests/cache_server/test_fair_slicing.py
+states and checks the bound; benchmarks/bench_server.py prints the worst wait it measured).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ MAX_HELD_LOOKUPS_PER_REGISTRATION = 1024  # lookups holding locks, per registrat
 MAX_HELD_LOOKUPS = 16384  # ... and in the whole server
 CHUNK_INDEX_END = 1 << 32  # chunk indices are 4 bytes in an object key
 TOKENS_END = 1 << 62  # num_tokens / skip_tokens
+SLICE_CHUNKS = 256  # chunks of a lookup or store, or blocks of a retrieve, in one slice (~1-3 ms of Python)
+SLICE_BYTES = 32 << 20  # bytes copied in one slice (~3-5 ms at memcpy speed)
+# a stored chunk at depth d costs the prefix index ~d steps per object group (a new resumable prefix
+# counts itself in each ancestor's users): a store's slice ends after this many (~2-5 ms)
+SLICE_INDEX_STEPS = 1 << 13
+MAX_QUEUED_PER_CONNECTION = 16  # requests a connection may have waiting (KVClient sends one at a time)
 
 
 def _bad(message: str) -> RequestError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -13,6 +13,7 @@ from hybridkv.cache_server.l2_sizing import SizerStats
 from hybridkv.cache_server.tiers.base import TierStats
 
 P = "hybridkv_server_"
+_SLICE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 class ServerMetrics:
@@ -44,6 +45,9 @@ class ServerMetrics:
         self.l2_write_dropped = Counter(P + "l2_write_dropped", "Objects not queued for L2 (queue full)",
                                         ["tier"], registry=r)
         self.lock_expired = Counter(P + "lock_expired", "Lookups whose locks expired unretrieved", registry=r)
+        self.slice_seconds = Histogram(P + "slice_seconds", "One slice of a control request's work (others wait "
+                                       "at most one slice per busy connection)", buckets=_SLICE_BUCKETS, registry=r)
+        self.longest_slice = Gauge(P + "longest_slice_seconds", "The longest slice since start", registry=r)
         self.l1_bytes = Gauge(P + "l1_bytes_used", "Bytes in L1", registry=r)
         self.l1_objects = Gauge(P + "l1_objects", "Objects in L1", registry=r)
         self.l1_resumable_prefixes = Gauge(P + "l1_resumable_prefixes", "Chunk prefixes L1 can serve as a hit "

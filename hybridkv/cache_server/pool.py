@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from hybridkv.cache_server.arena import Arena, aligned
 from hybridkv.cache_server.l1_eviction import L1EvictionPolicy
@@ -49,6 +49,15 @@ class PoolStats:
     locked_objects: int
     evictions: int
     prefixes: IndexStats  # resumable prefixes and dead objects (prefix_index.py)
+
+    def describe(self) -> dict[str, Any]:
+        """L1 as `/status` lists it among the tiers."""
+        p = self.prefixes
+        return {"name": "l1", "objects": self.objects, "bytes_used": self.bytes_used,
+                "capacity_bytes": self.capacity_bytes, "evictions": self.evictions,
+                "locked_objects": self.locked_objects, "resumable_prefixes": p.resumable_prefixes,
+                "dead_objects": p.dead_objects, "dead_bytes": p.dead_bytes, "state_bytes": p.state_bytes,
+                "attention_bytes": p.attention_bytes}
 
 
 class L1Pool:

@@ -9,6 +9,10 @@ Engines register on the registration socket (registration.py: a Unix socket, des
 passed over it, the connection as the lease), polled by the same loop; the control channel
 answers `hello` with its address. With a shared secret (auth.py) every request must carry it.
 
+Requests are served fairly between connections (scheduler.py): a lookup, store or retrieve runs in
+bounded slices, and the loop takes one slice of each busy connection's first request in turn, so a
+client's small lookup is answered after at most one slice of another client's huge one.
+
 Every request gets exactly one reply (its result or an `ErrorReply`): a malformed, truncated,
 unknown or oversized message included, so no client is left waiting. Each message is handled
 under one guard: whatever a bug raises becomes one INTERNAL reply, one log record and one count
@@ -33,12 +37,14 @@ from types import FrameType
 
 import zmq
 
+from hybridkv.cache_server import limits
 from hybridkv.cache_server.auth import Authenticator, server_secret
 from hybridkv.cache_server.config import GIB, ServerConfig
 from hybridkv.cache_server.http import HTTPServer
 from hybridkv.cache_server.registered_layout import RequestError
 from hybridkv.cache_server.registration import RegistrationSocket
-from hybridkv.cache_server.store import KVStore
+from hybridkv.cache_server.scheduler import FairScheduler, Steps, Task
+from hybridkv.cache_server.store import KVStore, run_steps
 from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.cache_server.tiers.disk import DiskTier
 from hybridkv.cache_server.tiers.valkey import ValkeyTier
@@ -75,18 +81,30 @@ from hybridkv.wire import (
 log = logging.getLogger("hybridkv.cache_server")
 
 POLL_MS = 100
+MAX_RECEIVED_PER_ROUND = 256  # messages taken off the socket between two slices
 
 
 def handle(store: KVStore, req: AnyRequest, *, detail: bool = True) -> AnyReply:
     """The reply to one decoded request (errors become an ErrorReply); `detail`: whether a status
     reply may show the registered engines' models and fingerprints."""
+    return run_steps(handle_steps(store, req, detail=detail))
+
+
+def handle_steps(store: KVStore, req: AnyRequest, *, detail: bool = True) -> Steps:
+    """`handle` as steps: a slice of a lookup, store or retrieve per step (store.py)."""
     try:
-        return _dispatch(store, req, detail)
+        return (yield from _dispatch(store, req, detail))
     except RequestError as e:
         store.metrics.errors.labels(e.code.value).inc()
         return ErrorReply(req_id=req.req_id, code=e.code, message=str(e))
     except Exception as e:  # a bug must not kill the loop or leave the client waiting
         return internal_error(store, req.req_id, type(req).__name__, e)
+
+
+def done_steps(reply: AnyReply) -> Steps:
+    """Steps that finish at the first with `reply`."""
+    yield from ()
+    return reply
 
 
 def internal_error(store: KVStore, req_id: int, what: str, e: Exception) -> ErrorReply:
@@ -97,7 +115,7 @@ def internal_error(store: KVStore, req_id: int, what: str, e: Exception) -> Erro
     return ErrorReply(req_id=req_id, code=ErrorCode.INTERNAL, message=f"internal error: {type(e).__name__}: {e}"[:500])
 
 
-def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> AnyReply:
+def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> Steps:
     rid = req.req_id
     match req:
         case RegisterRequest():  # in-process only (tests); the control loop sends these to the registration socket
@@ -105,15 +123,15 @@ def _dispatch(store: KVStore, req: AnyRequest, detail: bool) -> AnyReply:
             return RegisterReply(req_id=rid, instance_id=reg.instance_id, token=reg.token,
                                  chunk_tokens=store.config.chunk_tokens, object_groups=reg.object_groups)
         case LookupRequest():
-            r = store.lookup(req)
+            r = yield from store.lookup_steps(req)
             return LookupReply(req_id=rid, lookup_id=r.lookup_id, hit_tokens=r.hit_tokens,
                                object_group_hit_tokens=r.object_group_hit_tokens, lock_ttl_s=store.config.lock_ttl_s)
         case StoreRequest():
-            s = store.store(req)
+            s = yield from store.store_steps(req)
             return StoreReply(req_id=rid, stored=s.stored, refusals=s.refusals, refusals_left_out=s.refusals_left_out,
                               object_group_bytes=s.object_group_bytes)
         case RetrieveRequest():
-            got = store.retrieve(req)
+            got = yield from store.retrieve_steps(req)
             return RetrieveReply(req_id=rid, retrieved_tokens=got.tokens, bytes_copied=got.bytes_copied,
                                  object_group_bytes=got.object_group_bytes)
         case ReleaseRequest():
@@ -157,6 +175,8 @@ class ControlServer:
         endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         self.port = int(endpoint.decode().rsplit(":", 1)[1]) if isinstance(endpoint, bytes) else port
         self._stop = threading.Event()
+        self.scheduler = FairScheduler(limits.MAX_QUEUED_PER_CONNECTION, store.metrics,
+                                       lambda _task, e: internal_error(store, 0, "a request", e))
 
     def stop(self) -> None:
         self._stop.set()
@@ -167,50 +187,81 @@ class ControlServer:
             poller.register(self._sock, zmq.POLLIN)
             for fd in self.registration.fds():
                 poller.register(fd, zmq.POLLIN)
-            for what, _ in poller.poll(POLL_MS):
+            for what, _ in poller.poll(0 if self.scheduler.busy else POLL_MS):
                 if what is self._sock:
-                    self._handle_one()
+                    self._receive()
                 elif isinstance(what, int):
                     self.registration.ready(what)
+            self._run_slice()
         self._drain()
 
-    def _handle_one(self) -> None:
-        frames = self._sock.recv_multipart(copy=True)
-        identity, payload = frames[0], frames[-1]
-        try:
-            reply = self.reply_to(payload, n_frames=len(frames))
-        except Exception as e:  # the guard: a bug in decoding or dispatch answers `internal`, never kills the loop
-            reply = internal_error(self.store, 0, "a message", e)
+    def _receive(self) -> None:
+        """Queue every request waiting on the socket (at most MAX_RECEIVED_PER_ROUND) as a task."""
+        for _ in range(MAX_RECEIVED_PER_ROUND):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            identity, payload = frames[0], frames[-1]
+            try:
+                steps = self.steps_for(payload, n_frames=len(frames))
+            except Exception as e:  # the guard: a bug in decoding answers `internal`, never kills the loop
+                steps = done_steps(internal_error(self.store, 0, "a message", e))
+            if not self.scheduler.add(Task(identity=identity, steps=steps)):
+                steps.close()
+                self._send(identity, self._error(0, ErrorCode.LIMIT, f"this connection has {self.scheduler.max_queued} "
+                                                 "requests waiting, the most one may; wait for their replies"))
+
+    def _run_slice(self) -> None:
+        finished = self.scheduler.run_slice()
+        if finished is not None:
+            self._send(finished[0].identity, finished[1])
+
+    def _send(self, identity: bytes, reply: AnyReply) -> None:
         self._sock.send_multipart([identity, encode(reply)])
 
     def reply_to(self, payload: bytes, *, n_frames: int = 2) -> AnyReply:
+        """The reply to one message, all its slices run now."""
+        return run_steps(self.steps_for(payload, n_frames=n_frames))
+
+    def steps_for(self, payload: bytes, *, n_frames: int = 2) -> Steps:
+        """The steps that answer one message (checked and decoded now; the work in its slices)."""
         if n_frames != 2:
-            return self._error(0, ErrorCode.BAD_MESSAGE, f"expected one frame per request, got {n_frames - 1}")
+            return done_steps(self._error(0, ErrorCode.BAD_MESSAGE, f"expected one frame per request, got "
+                                          f"{n_frames - 1}"))
         if len(payload) > self.max_message_bytes:
-            return self._error(0, ErrorCode.TOO_LARGE, f"message of {len(payload)} bytes exceeds the limit of "
-                               f"{self.max_message_bytes} bytes (--max-message-mib)")
+            return done_steps(self._error(0, ErrorCode.TOO_LARGE, f"message of {len(payload)} bytes exceeds the "
+                                          f"limit of {self.max_message_bytes} bytes (--max-message-mib)"))
         try:
             req = decode_request(payload)
         except ProtocolError as e:
-            return self._error(e.req_id, e.code, str(e))
+            return done_steps(self._error(e.req_id, e.code, str(e)))
         self.store.metrics.requests.labels(type(req).__name__.removesuffix("Request").lower()).inc()
         if not self.auth.ok(req.auth):
-            return self._error(req.req_id, ErrorCode.UNAUTHORIZED, "this server needs its auth secret in every "
-                               "request (set $HYBRIDKV_AUTH_TOKEN or $HYBRIDKV_AUTH_TOKEN_FILE for the client)")
+            return done_steps(self._error(req.req_id, ErrorCode.UNAUTHORIZED, "this server needs its auth secret in "
+                                          "every request (set $HYBRIDKV_AUTH_TOKEN or $HYBRIDKV_AUTH_TOKEN_FILE for "
+                                          "the client)"))
         if isinstance(req, HelloRequest):
-            return HelloReply(req_id=req.req_id, registration_socket=self.registration.address,
-                              auth_required=self.auth.required)
+            return done_steps(HelloReply(req_id=req.req_id, registration_socket=self.registration.address,
+                                         auth_required=self.auth.required))
         if isinstance(req, RegisterRequest):
-            return self._error(req.req_id, ErrorCode.BAD_MESSAGE, "register on the registration socket (the "
-                               f"`hello` reply's {self.registration.address!r}), passing the segments' descriptors")
-        return handle(self.store, req)  # it authenticated (or the server has no secret): full status
+            return done_steps(self._error(req.req_id, ErrorCode.BAD_MESSAGE, "register on the registration socket "
+                                          f"(the `hello` reply's {self.registration.address!r}), passing the "
+                                          "segments' descriptors"))
+        return handle_steps(self.store, req)  # it authenticated (or the server has no secret): full status
 
     def _error(self, req_id: int, code: ErrorCode, message: str) -> ErrorReply:
         self.store.metrics.errors.labels(code.value).inc()
         return ErrorReply(req_id=req_id, code=code, message=message)
 
     def _drain(self) -> None:
-        """Answer every request already queued with SHUTTING_DOWN, then close the socket."""
+        """Finish the requests already started, answer every other one queued with SHUTTING_DOWN,
+        then close the socket."""
+        for task in self.scheduler.take_unstarted():
+            task.steps.close()
+            self._send(task.identity, self._error(0, ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+        while self.scheduler.busy:
+            self._run_slice()
         while self._sock.poll(0):
             frames = self._sock.recv_multipart()
             try:

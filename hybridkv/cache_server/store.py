@@ -5,20 +5,26 @@ group serves, never the last token; retrieve only what each object group needs).
 One lock serialises every operation (the control loop and the HTTP thread both call in); page
 copies run under it at memcpy speed. Every public method raises `RequestError` on bad input
 before it changes anything.
+
+Lookup, store and retrieve also come as steps (`*_steps`: generators that yield between bounded
+slices of work, limits.SLICE_CHUNKS chunks or limits.SLICE_BYTES copied), so the control loop can
+serve other clients between the slices of a large request (service.py). The lock is held per slice,
+never across a yield, and each slice checks again that the registration still exists; a retrieve
+takes its lookup's locks over at its first slice, so nothing it reads can be evicted in between.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from hybridkv.cache_server import limits
 from hybridkv.cache_server.engines import Engine, EngineRegistry, Registered, access_buffers
+from hybridkv.cache_server.hits import BlockCopy, first_needed, longest_hit_steps, plan_retrieve, retrieved_tokens
 from hybridkv.cache_server.keys import object_key
 from hybridkv.cache_server.l1_eviction import make_policy
 from hybridkv.cache_server.l2 import TierSet
@@ -30,7 +36,6 @@ from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex
 from hybridkv.cache_server.registered_layout import (
     ChunkRules,
     ObjectGroup,
-    RequestError,
     object_group_infos,
     object_groups,
     validate_layout,
@@ -40,8 +45,6 @@ from hybridkv.cache_server.shm import Bytes
 from hybridkv.cache_server.store_config import ObjectGroupMode, StoreConfig
 from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.wire import (
-    ErrorCode,
-    GroupKind,
     Layout,
     LookupRequest,
     Refusal,
@@ -54,6 +57,18 @@ __all__ = ["KVStore", "ObjectGroupMode", "StoreConfig"]  # the last two live in 
 
 L2_FLUSH_TIMEOUT_S = 10.0
 _NULL = "\0null"  # _store_object: only null blocks sent (not a refusal by itself)
+
+T = TypeVar("T")
+Steps = Generator[None, None, T]  # one slice of work per next(); the result when it stops
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run every slice of `steps` now; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 class KVStore:
@@ -123,41 +138,53 @@ class KVStore:
     # ---- store ------------------------------------------------------------------------------
 
     def store(self, req: StoreRequest) -> StoreResult:
+        return run_steps(self.store_steps(req))
+
+    def store_steps(self, req: StoreRequest) -> Steps[StoreResult]:
         with self._lock:
             self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
             limits.check_store(req)
-            self._check_block_ids(engine, req.block_ids, len(req.chunk_hashes), "store")
+            engine.check_block_ids(req.block_ids, len(req.chunk_hashes), "store")
             self.metrics.store_requests.inc()
             self.tiers.begin_store()
             parent = req.parent_hash if req.first_chunk and req.parent_hash else None
             self._link_chain(engine, req.cache_salt, req.first_chunk, parent, req.chunk_hashes)
-            stored: list[bool] = []
-            refusals: list[Refusal] = []
-            pinned: list[bytes] = []
-            copied = [0] * len(engine.groups)
-            try:
-                for i, chunk_hash in enumerate(req.chunk_hashes):
-                    chunk = req.first_chunk + i
-                    outcomes = [(og, self._store_object(engine, og, req, i, chunk_hash, copied, pinned))
-                                for og in engine.groups]
-                    failed = [Refusal(chunk=chunk, object_group=og.name, reason=r) for og, r in outcomes
-                              if r and r is not _NULL]
-                    if not failed and all(r is _NULL for _, r in outcomes):
-                        failed = [Refusal(chunk=chunk, object_group=og.name, reason=self._refuse(
-                            og, "null_blocks", "every block id of this chunk is the null block 0: nothing to store"))
-                            for og in engine.groups[:1]]
-                    refusals.extend(failed)
-                    stored.append(not failed)
-                    if not failed:
-                        self.metrics.chunks_stored.inc()
-            finally:
+        stored, refusals, pinned = list[bool](), list[Refusal](), list[bytes]()
+        copied = [0] * len(engine.groups)
+        try:
+            while len(stored) < len(req.chunk_hashes):
+                if stored:
+                    yield
+                with self._lock:
+                    engine = self._engine(req.instance_id, req.token, req.fingerprint)  # still registered
+                    end, before, steps = min(len(req.chunk_hashes), len(stored) + limits.SLICE_CHUNKS), sum(copied), 0
+                    while len(stored) < end and sum(copied) - before < limits.SLICE_BYTES and \
+                            steps < limits.SLICE_INDEX_STEPS:
+                        steps += (req.first_chunk + len(stored) + 1) * len(engine.groups)  # the index walks up
+                        self._store_chunk(engine, req, len(stored), copied, pinned, stored, refusals)
+        finally:
+            with self._lock:
                 for key in pinned:  # the request's own objects could not evict each other (see _store_object)
                     self._pool.unlock(key)
-            self._update_gauges()
-            replied = refusals[:limits.MAX_REFUSALS_REPLIED]
-            return StoreResult(stored=stored, refusals=replied, refusals_left_out=len(refusals) - len(replied),
-                               object_group_bytes=copied)
+                self._update_gauges()
+        replied = refusals[:limits.MAX_REFUSALS_REPLIED]
+        return StoreResult(stored=stored, refusals=replied, refusals_left_out=len(refusals) - len(replied),
+                           object_group_bytes=copied)
+
+    def _store_chunk(self, engine: Engine, req: StoreRequest, i: int, copied: list[int], pinned: list[bytes],
+                     stored: list[bool], refusals: list[Refusal]) -> None:
+        chunk, chunk_hash = req.first_chunk + i, req.chunk_hashes[i]
+        outcomes = [(og, self._store_object(engine, og, req, i, chunk_hash, copied, pinned)) for og in engine.groups]
+        failed = [Refusal(chunk=chunk, object_group=og.name, reason=r) for og, r in outcomes if r and r is not _NULL]
+        if not failed and all(r is _NULL for _, r in outcomes):
+            failed = [Refusal(chunk=chunk, object_group=og.name, reason=self._refuse(
+                og, "null_blocks", "every block id of this chunk is the null block 0: nothing to store"))
+                for og in engine.groups[:1]]
+        refusals.extend(failed)
+        stored.append(not failed)
+        if not failed:
+            self.metrics.chunks_stored.inc()
 
     def _store_object(self, engine: Engine, og: ObjectGroup, req: StoreRequest, i: int, chunk_hash: bytes,
                       copied: list[int], pinned: list[bytes]) -> str:
@@ -235,63 +262,69 @@ class KVStore:
         self.metrics.refused.labels(og.name, reason).inc()
         return message
 
-    def _check_block_ids(self, engine: Engine, block_ids: list[list[int]], chunks: int, what: str) -> None:
-        layout = engine.layout
-        if len(block_ids) != len(layout.groups):
-            raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: block_ids has {len(block_ids)} groups, the layout "
-                               f"has {len(layout.groups)}")
-        for gid, (g, ids) in enumerate(zip(layout.groups, block_ids, strict=True)):
-            if g.kind is GroupKind.CROSS:
-                continue
-            expected = chunks * engine.rules.blocks_per_chunk[gid]
-            if len(ids) != expected:
-                raise RequestError(ErrorCode.BAD_REQUEST, f"{what}: group {gid} has {len(ids)} block ids, expected "
-                                   f"{expected} ({chunks} chunks of {self.config.chunk_tokens} tokens / block size "
-                                   f"{g.block_tokens})")
-            engine.mapped(what).check_block_ids(f"{what}, group {gid}", ids)
-
     # ---- lookup -----------------------------------------------------------------------------
 
     def lookup(self, req: LookupRequest) -> LookupResult:
+        return run_steps(self.lookup_steps(req))
+
+    def lookup_steps(self, req: LookupRequest) -> Steps[LookupResult]:
         with self._lock:
             self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
             self.metrics.lookups.inc()
             limits.check_lookup(req)
-            max_chunks = min(len(req.chunk_hashes), max(0, req.num_tokens - 1) // self.config.chunk_tokens)
-            hashes = req.chunk_hashes[:max_chunks]
-            keys = [[self._key(engine, og, req.cache_salt, j, h) for j, h in enumerate(hashes)] for og in engine.groups]
-            self._link_chain(engine, req.cache_salt, 0, None, hashes)
-            where = self._where(engine, keys)
-            while True:
-                hit, per_group = self._hit(engine, [[w is not None for w in ws] for ws in where], max_chunks)
-                locked = self._lock_hit(engine, keys, where, hit, req.cache_salt, hashes)
-                if locked is not None:
-                    break
-            lookup_id = 0
-            if hit:
-                try:
-                    self._leases.check_room(req.instance_id)
-                except RequestError:
-                    for key in locked:
-                        self._pool.unlock(key)
-                    raise
-                lookup_id = self._leases.add(Lease(
-                    instance_id=req.instance_id, fingerprint=engine.layout.fingerprint, cache_salt=req.cache_salt,
-                    hashes=hashes[:hit], locked=locked, expires_at=time.monotonic() + self.config.lock_ttl_s))
-            chunk = self.config.chunk_tokens
-            self.metrics.lookup_hit_tokens.inc(hit * chunk)
-            for og in engine.groups:
-                self.metrics.hit_chunks.labels(og.name).inc(hit - self._first_needed(engine, og, hit))
-            self._update_gauges()
-            return LookupResult(lookup_id=lookup_id, hit_tokens=hit * chunk,
-                                object_group_hit_tokens=[c * chunk for c in per_group])
+        max_chunks = min(len(req.chunk_hashes), max(0, req.num_tokens - 1) // self.config.chunk_tokens)
+        hashes = req.chunk_hashes[:max_chunks]
+        keys: list[list[bytes]] = [[] for _ in engine.groups]
+        where: list[list[int | None]] = [[] for _ in engine.groups]
+        for start in range(0, max_chunks, limits.SLICE_CHUNKS):  # keys and places, a slice of chunks at a time
+            if start:
+                yield
+            with self._lock:
+                engine = self._engine(req.instance_id, req.token, req.fingerprint)
+                part = hashes[start:start + limits.SLICE_CHUNKS]
+                part_keys = [[self._key(engine, og, req.cache_salt, start + j, h) for j, h in enumerate(part)]
+                             for og in engine.groups]
+                self._link_chain(engine, req.cache_salt, start, hashes[start - 1] if start else None, part)
+                for o, found in enumerate(self._where(engine, part_keys, start)):
+                    keys[o] += part_keys[o]
+                    where[o] += found
+        while True:  # the longest hit, locked (looking again while an object it counted is gone)
+            present = [[w is not None for w in ws] for ws in where]
+            hit, per_group = yield from longest_hit_steps(engine, present, len(hashes))
+            locked = yield from self._lock_hit_steps(engine, keys, where, hit, req.cache_salt, hashes)
+            if locked is not None:
+                break
+        with self._lock:
+            try:
+                self._engine(req.instance_id, req.token, req.fingerprint)  # still registered
+                return self._hold(engine, req, hit, per_group, locked, hashes)
+            except BaseException:
+                for key in locked:
+                    self._pool.unlock(key)
+                raise
 
-    def _where(self, engine: Engine, keys: list[list[bytes]]) -> list[list[int | None]]:
-        """Per object group and chunk: -1 in L1 (or an empty object), a tier index, or None."""
+    def _hold(self, engine: Engine, req: LookupRequest, hit: int, per_group: list[int], locked: list[bytes],
+              hashes: list[bytes]) -> LookupResult:
+        lookup_id = 0
+        if hit:
+            self._leases.check_room(req.instance_id)
+            lookup_id = self._leases.add(Lease(
+                instance_id=req.instance_id, fingerprint=engine.layout.fingerprint, cache_salt=req.cache_salt,
+                hashes=hashes[:hit], locked=locked, expires_at=time.monotonic() + self.config.lock_ttl_s))
+        chunk = self.config.chunk_tokens
+        self.metrics.lookup_hit_tokens.inc(hit * chunk)
+        for og in engine.groups:
+            self.metrics.hit_chunks.labels(og.name).inc(hit - first_needed(engine, og, hit))
+        self._update_gauges()
+        return LookupResult(lookup_id=lookup_id, hit_tokens=hit * chunk,
+                            object_group_hit_tokens=[c * chunk for c in per_group])
+
+    def _where(self, engine: Engine, keys: list[list[bytes]], first_chunk: int) -> list[list[int | None]]:
+        """Per object group and chunk first_chunk + j: -1 in L1 (or an empty object), a tier index, or None."""
         where: list[list[int | None]] = []
         for og, og_keys in zip(engine.groups, keys, strict=True):
-            where.append([-1 if k in self._pool or engine.rules.object_bytes(og, j) == 0 else None
+            where.append([-1 if k in self._pool or engine.rules.object_bytes(og, first_chunk + j) == 0 else None
                           for j, k in enumerate(og_keys)])
         if len(self.tiers):
             missing = [(o, j) for o, ws in enumerate(where) for j, w in enumerate(ws) if w is None]
@@ -300,45 +333,31 @@ class KVStore:
                 where[o][j] = tier
         return where
 
-    def _first_needed(self, engine: Engine, og: ObjectGroup, hit_chunks: int) -> int:
-        return min(engine.rules.first_needed_chunk(gid, hit_chunks) for gid in og.groups)
-
-    def _hit(self, engine: Engine, present: list[list[bool]], max_chunks: int) -> tuple[int, list[int]]:
-        """(longest prefix in chunks every object group serves, each object group's own longest)."""
-        prefix = [list(itertools.accumulate(p, initial=0)) for p in present]
-
-        def serves(o: int, c: int) -> bool:
-            lo = self._first_needed(engine, engine.groups[o], c)
-            return prefix[o][c] - prefix[o][lo] == c - lo
-
-        per_group = [next(c for c in range(max_chunks, -1, -1) if serves(o, c)) for o in range(len(present))]
-        hit = next(c for c in range(min(per_group, default=max_chunks), -1, -1)
-                   if all(serves(o, c) for o in range(len(present))))
-        return hit, per_group
-
-    def _lock_hit(self, engine: Engine, keys: list[list[bytes]], where: list[list[int | None]],
-                  hit: int, salt: str, hashes: list[bytes]) -> list[bytes] | None:
-        """Lock every object the hit needs, reading L2 objects into L1 first; None (with `where`
-        updated and nothing left locked) when an object could not be had: look again."""
-        needed = [(o, j) for o, og in enumerate(engine.groups) for j in range(self._first_needed(engine, og, hit), hit)
+    def _lock_hit_steps(self, engine: Engine, keys: list[list[bytes]], where: list[list[int | None]],
+                        hit: int, salt: str, hashes: list[bytes]) -> Steps[list[bytes] | None]:
+        """Lock every object the hit needs, a slice at a time, reading L2 objects into L1 first; None
+        (with `where` updated and nothing left locked) when an object could not be had: look again."""
+        needed = [(o, j) for o, og in enumerate(engine.groups) for j in range(first_needed(engine, og, hit), hit)
                   if engine.rules.object_bytes(og, j)]
-        locked: list[bytes] = []
         # L1 first (promotion must not evict them); tail first, so a chain's shared head is the most recently used
-        for o, j in sorted(needed, key=lambda n: (where[n[0]][n[1]] != -1, -n[1])):
-            key = keys[o][j]
-            place = ObjectPlace(rules=engine.tree(salt), chunk=j, chunk_hash=hashes[j],
-                                parent_hash=hashes[j - 1] if j else None, object_group=o)
-            if where[o][j] != -1 and not self._promote(engine, place, key, where[o][j]):
-                where[o][j] = None
-                for k in locked:
-                    self._pool.unlock(k)
-                return None
-            if not self._pool.lock(key):  # cannot happen: L1 objects leave only under this lock
-                where[o][j] = None
-                for k in locked:
-                    self._pool.unlock(k)
-                return None
-            locked.append(key)
+        order = sorted(needed, key=lambda n: (where[n[0]][n[1]] != -1, -n[1]))
+        locked: list[bytes] = []
+        for start in range(0, len(order), limits.SLICE_CHUNKS):
+            if start:
+                yield
+            with self._lock:
+                for o, j in order[start:start + limits.SLICE_CHUNKS]:
+                    key = keys[o][j]
+                    place = ObjectPlace(rules=engine.tree(salt), chunk=j, chunk_hash=hashes[j],
+                                        parent_hash=hashes[j - 1] if j else None, object_group=o)
+                    # an L1 object may have been evicted between slices: then look again
+                    if (where[o][j] != -1 and not self._promote(engine, place, key, where[o][j])) or \
+                            not self._pool.lock(key):
+                        where[o][j] = None
+                        for k in locked:
+                            self._pool.unlock(k)
+                        return None
+                    locked.append(key)
         return locked
 
     def _promote(self, engine: Engine, place: ObjectPlace, key: bytes, tier: int | None) -> bool:
@@ -357,73 +376,66 @@ class KVStore:
     # ---- retrieve, release ------------------------------------------------------------------
 
     def retrieve(self, req: RetrieveRequest) -> RetrieveResult:
+        return run_steps(self.retrieve_steps(req))
+
+    def retrieve_steps(self, req: RetrieveRequest) -> Steps[RetrieveResult]:
         """Copy the lookup's hit (or its first num_tokens) into the engine's blocks.
         The lookup is consumed (its locks released) whether or not the copy succeeds."""
         with self._lock:
             self._leases.expire()
             engine = self._engine(req.instance_id, req.token, req.fingerprint)
             limits.check_retrieve(req)
-            lease = self._held(engine, req.lookup_id)
-            try:
-                buffers = engine.mapped("retrieve")
-                tokens, copies = self._plan_retrieve(engine, lease, req)
-                per_group = [0] * len(engine.groups)
-                for og_index, value, offset, buffer, dst, nbytes in copies:
-                    buffers.page(buffer, dst, nbytes)[:] = value[offset:offset + nbytes]
-                    per_group[og_index] += nbytes
-            finally:
-                self._leases.release(req.lookup_id)
-            copied = sum(per_group)
-            self.metrics.retrieves.inc()
-            self.metrics.bytes_out.inc(copied)
-            return RetrieveResult(tokens=tokens, bytes_copied=copied, object_group_bytes=per_group)
+            self._held(engine, req.lookup_id)
+            lease = self._leases.take(req.lookup_id)  # its locks are this retrieve's now
+        per_group = [0] * len(engine.groups)
+        try:
+            with self._lock:
+                tokens, plan = self._plan_retrieve(engine, lease, req)
+            copies: list[BlockCopy] = []
+            more = True
+            while more:  # the plan, checked whole before any copy, a slice of chunks at a time
+                with self._lock:
+                    for _ in range(limits.SLICE_CHUNKS):
+                        part = next(plan, None)
+                        if part is None:
+                            more = False
+                            break
+                        copies += part
+                if more:
+                    yield
+            done = 0
+            while done < len(copies):
+                if done:
+                    yield
+                with self._lock:
+                    buffers = self._engine(req.instance_id, req.token, req.fingerprint).mapped("retrieve")
+                    end, before = min(len(copies), done + limits.SLICE_CHUNKS), sum(per_group)
+                    while done < end and sum(per_group) - before < limits.SLICE_BYTES:
+                        c, done = copies[done], done + 1
+                        offset = c.offset
+                        for buffer, page in engine.rules.layer_copies(c.group):
+                            buffers.page(buffer, c.block, page)[:] = c.value[offset:offset + page]
+                            offset += page
+                        per_group[c.object_group] += offset - c.offset
+        finally:
+            with self._lock:
+                for key in lease.locked:
+                    self._pool.unlock(key)
+        self.metrics.retrieves.inc()
+        self.metrics.bytes_out.inc(sum(per_group))
+        return RetrieveResult(tokens=tokens, bytes_copied=sum(per_group), object_group_bytes=per_group)
 
     def _plan_retrieve(self, engine: Engine, lease: Lease,
-                       req: RetrieveRequest) -> tuple[int, list[tuple[int, Bytes, int, int, int, int]]]:
-        chunk_tokens, rules = self.config.chunk_tokens, engine.rules
-        tokens = len(lease.hashes) * chunk_tokens if req.num_tokens == -1 else req.num_tokens
-        if tokens % chunk_tokens or not 0 <= tokens <= len(lease.hashes) * chunk_tokens:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve num_tokens {req.num_tokens} must be a multiple of "
-                               f"{chunk_tokens} and at most the hit ({len(lease.hashes) * chunk_tokens})")
-        hit = tokens // chunk_tokens
-        if not 0 <= req.skip_tokens <= tokens:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve skip_tokens {req.skip_tokens} must be in "
-                               f"[0, {tokens}] (the tokens retrieved)")
-        self._check_block_ids(engine, req.block_ids, hit, "retrieve")
-        copies: list[tuple[int, Bytes, int, int, int, int]] = []
-        for og in engine.groups:
-            for j in range(self._first_needed(engine, og, hit), hit):
-                if not rules.object_bytes(og, j) or not self._wanted(engine, og, j, hit, req.skip_tokens):
-                    continue
-                value = self._pool.get(self._key(engine, og, lease.cache_salt, j, lease.hashes[j]))
-                if value is None:
-                    raise RequestError(ErrorCode.BAD_REQUEST, f"chunk {j} of object group {og.name} is no longer "
-                                       "cached; retrieve the whole hit or look up again")
-                self.metrics.retrieved_chunks.labels(og.name).inc()
-                for gid in og.groups:
-                    g, bpc = engine.layout.groups[gid], rules.blocks_per_chunk[gid]
-                    for b in rules.needed(gid, j, hit):
-                        if j * chunk_tokens + (b + 1) * g.block_tokens <= req.skip_tokens:
-                            continue  # the engine holds this block already (its own prefix hit)
-                        dst = req.block_ids[gid][j * bpc + b]
-                        if dst == 0:
-                            raise RequestError(ErrorCode.BAD_REQUEST, f"retrieve: group {gid} needs block {b} of "
-                                               f"chunk {j} but its block id is the null block 0")
-                        offset = rules.block_offset(og, j, gid, b)
-                        for buffer, page in rules.layer_copies(gid):
-                            copies.append((og.index, value, offset, buffer, dst, page))
-                            offset += page
-        return tokens, copies
+                       req: RetrieveRequest) -> tuple[int, Iterator[list[BlockCopy]]]:
+        tokens = retrieved_tokens(req, len(lease.hashes), self.config.chunk_tokens)
+        hit = tokens // self.config.chunk_tokens
+        engine.check_block_ids(req.block_ids, hit, "retrieve")
 
-    def _wanted(self, engine: Engine, og: ObjectGroup, chunk: int, hit: int, skip_tokens: int) -> bool:
-        """Whether chunk `chunk` of `og` has a needed block that ends after `skip_tokens`."""
-        start = chunk * self.config.chunk_tokens
-        for gid in og.groups:
-            size = engine.layout.groups[gid].block_tokens
-            needed = engine.rules.needed(gid, chunk, hit)
-            if needed and start + needed.stop * size > skip_tokens:
-                return True
-        return False
+        def value_of(og: ObjectGroup, j: int) -> Bytes | None:
+            self.metrics.retrieved_chunks.labels(og.name).inc()
+            return self._pool.get(self._key(engine, og, lease.cache_salt, j, lease.hashes[j]))
+
+        return tokens, plan_retrieve(engine, hit, req, value_of)
 
     def release(self, instance_id: int, token: str, lookup_id: int) -> None:
         with self._lock:
@@ -475,11 +487,7 @@ class KVStore:
             registered = len(self._engines)
             held = len(self._leases)
             sized = self.tiers.sizer_stats()
-        tiers = [{"name": "l1", "objects": pool.objects, "bytes_used": pool.bytes_used,
-                  "capacity_bytes": pool.capacity_bytes, "evictions": pool.evictions,
-                  "locked_objects": pool.locked_objects, "resumable_prefixes": pool.prefixes.resumable_prefixes,
-                  "dead_objects": pool.prefixes.dead_objects, "dead_bytes": pool.prefixes.dead_bytes,
-                  "state_bytes": pool.prefixes.state_bytes, "attention_bytes": pool.prefixes.attention_bytes}]
+        tiers = [pool.describe()]
         return {"chunk_tokens": self.config.chunk_tokens, "object_groups": self.config.object_groups.value,
                 "eviction_policy": self.config.eviction_policy.value, "l2_sizing": self.config.l2_sizing.value,
                 "held_lookups": held,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAST = re.compile(r"store_gbps=\d+\.\d+ retrieve_gbps=\d+\.\d+ lookup_ms=\d+\.\d+ memcpy_gbps=\d+\.\d+ "
-                  r"retrieve_vs_memcpy=\d+\.\d+")
+                  r"retrieve_vs_memcpy=\d+\.\d+ worst_wait_ms=\d+\.\d+ busy_ms=\d+\.\d+")
 
 
 def test_bench_server_quick_prints_its_line_last() -> None:

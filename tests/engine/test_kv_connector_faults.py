@@ -97,7 +97,7 @@ def test_error_replies_mean_recompute(model_dir: Callable[[str], Path], monkeypa
         def broken(*_: object) -> None:
             raise RequestError(ErrorCode.INTERNAL, "disk on fire")
 
-        monkeypatch.setattr(server.store, "retrieve", broken)
+        monkeypatch.setattr(server.store, "retrieve_steps", broken)
         llm.reset_prefix_cache()
         second = llm.generate(batch, GREEDY)  # lookups hit, every retrieve fails: recomputed
         stats = llm.transfer.connector.stats
