@@ -32,7 +32,6 @@ from hybridkv.index.table import (
     RegKey,
     full_slot_mask,
     held_bits,
-    mask_array,
 )
 
 __all__ = ["IndexFullError", "IndexService", "Query"]
@@ -151,7 +150,7 @@ class IndexService:
                 chunks = (q.seq_hashes,)
             else:
                 continue
-            out[size] = mask_array(self.table.held(cid, chunks, full_slot_mask(regs, size)))
+            out[size] = self.table.held(cid, chunks, full_slot_mask(regs, size))
         return out
 
     def _instance_hit(self, reg: Registration, q: Query, masks_by_size: dict[int, Masks]) -> tuple[int, int]:

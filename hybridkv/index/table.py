@@ -292,20 +292,24 @@ class PrefixTable:
 
     # -- queries ----------------------------------------------------------------------------------
 
-    def held(self, cid: int, chunks: Iterable[Sequence[int]], stop_mask: int) -> list[int]:
+    def held(self, cid: int, chunks: Iterable[Sequence[int]], stop_mask: int) -> Masks:
         """The masks of the blocks whose hashes `chunks` list, in context `cid`, up to the first block
         whose mask has no bit of `stop_mask` (0: never stop early)."""
         get = self._contexts[cid].masks.get
-        out: list[int] = []
+        out: list[Masks] = []
         for chunk in chunks:
-            masks = list(map(get, chunk, repeat(0)))
+            masks = mask_array(list(map(get, chunk, repeat(0))))  # (dict probes in one C-level map)
             if stop_mask:
-                for i, mask in enumerate(masks):
-                    if not mask & stop_mask:
-                        out += masks[:i]
-                        return out
-            out += masks
-        return out
+                stop = _first_without(masks, stop_mask)
+                if stop < len(masks):
+                    out.append(masks[:stop])
+                    break
+            out.append(masks)
+        if len(out) == 1:
+            return out[0]
+        if all(isinstance(m, np.ndarray) for m in out):
+            return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
+        return [int(m) for part in out for m in part]
 
 
 Masks = np.ndarray[Any, np.dtype[np.uint64]] | list[int]
@@ -317,6 +321,14 @@ def mask_array(masks: list[int]) -> Masks:
         return np.fromiter(masks, dtype=np.uint64, count=len(masks))
     except OverflowError:
         return masks
+
+
+def _first_without(masks: Masks, stop_mask: int) -> int:
+    """The index of the first mask with no bit of `stop_mask` (len(masks) when there is none)."""
+    if isinstance(masks, np.ndarray) and stop_mask < 1 << 64:
+        misses = np.flatnonzero((masks & np.uint64(stop_mask)) == 0)
+        return int(misses[0]) if misses.size else masks.size
+    return next((i for i, m in enumerate(masks) if not int(m) & stop_mask), len(masks))
 
 
 def held_bits(masks: Masks, slot: int) -> np.ndarray[Any, np.dtype[np.bool_]]:

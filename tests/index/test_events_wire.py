@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -68,6 +70,40 @@ def test_seq_hashes_follow_the_conductor_standard() -> None:
     assert seq_hashes(tokens, 4) == expected
     with pytest.raises(ValueError, match="outside"):
         seq_hashes([-1, 0, 0, 0], 4)
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_native_and_python_chains_match_a_recomputation(kernels: str, monkeypatch: pytest.MonkeyPatch,
+                                                        tmp_path: Path) -> None:
+    """The C loop (native.py) and the Python loop both give the standard's chain, from the root and
+    from a parent, for block sizes whose byte lengths cross XXH3's length classes (4 .. 2304 bytes)."""
+    import random
+    import struct
+
+    import xxhash
+
+    from hybridkv.index import native
+    from hybridkv.index.seq_hash import iter_seq_hashes, token_bytes
+
+    monkeypatch.setenv("HYBRIDKV_KERNELS", kernels)
+    monkeypatch.setenv("HYBRIDKV_KERNEL_CACHE", str(tmp_path))
+    native._loaded.cache_clear()
+    try:
+        if kernels == "1":
+            assert native.native_seq_hashes(token_bytes([1] * 8), 4, None, SEED) is not None, "kernel not built"
+        rng = random.Random(5)
+        for block_size in (1, 3, 16, 61, 576):
+            tokens = [rng.randrange(1 << 32) for _ in range(block_size * 5 + min(2, block_size - 1))]
+            for parent in (None, rng.randrange(1 << 64)):
+                prev, expected = parent, []
+                for i in range(5):
+                    block = tokens[i * block_size : (i + 1) * block_size]
+                    local = xxhash.xxh3_64_intdigest(struct.pack(f"<{block_size}I", *block), SEED)
+                    prev = local if prev is None else xxhash.xxh3_64_intdigest(struct.pack("<QQ", prev, local), SEED)
+                    expected.append(prev)
+                assert list(iter_seq_hashes(token_bytes(tokens), block_size, parent)) == expected
+    finally:
+        native._loaded.cache_clear()
 
 
 def test_kv_events_config_is_vllms_json() -> None:
