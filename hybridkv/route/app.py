@@ -31,7 +31,7 @@ from starlette.routing import Route
 from hybridkv.route.picker import Engine, Policy, rank
 from hybridkv.route.upstream import UpstreamError, call, call_with_headers, open_stream
 
-__all__ = ["RouteConfig", "make_app"]
+__all__ = ["RouteConfig", "index_behind", "make_app"]
 
 log = logging.getLogger("hybridkv.route")
 EVENTS_SEQ_HEADER = "x-hybridkv-kv-events-seq"  # (hybridkv serve's: openai_api/events_seq.py)
@@ -54,7 +54,7 @@ class RouteConfig:
     timeout_s: float = 300.0
     sync_wait_s: float = 0.05  # how long to ask the index again while it is behind an engine's events
     index_errors: int = 0
-    index_behind: int = 0  # queries answered from an index still behind after sync_wait_s
+    stale_answers: int = 0  # queries answered from an index still behind after sync_wait_s
     no_engine: int = 0
     _polling: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -120,16 +120,16 @@ def _hits(cfg: RouteConfig, body: dict[str, Any], tokens: list[int] | None) -> d
             cfg.index_errors += 1
             return {}
         entries = {inst: v for tenant in answer.values() for inst, v in tenant.items()}
-        if not _behind(cfg, entries):
+        if not index_behind(cfg, entries):
             break
         if time.monotonic() >= deadline:
-            cfg.index_behind += 1
+            cfg.stale_answers += 1
             break
         time.sleep(0.002)
     return {inst: (int(v.get("longest_matched", 0)), int(v.get("attention_matched", 0))) for inst, v in entries.items()}
 
 
-def _behind(cfg: RouteConfig, entries: dict[str, Any]) -> bool:
+def index_behind(cfg: RouteConfig, entries: dict[str, Any]) -> bool:
     """Whether the index has not yet applied an event batch some engine's answers already counted
     (`x-hybridkv-kv-events-seq` of its responses vs the index's `events_seq` for it)."""
     for engine in cfg.engines:
@@ -227,7 +227,7 @@ async def _poll(cfg: RouteConfig) -> None:
 
 
 def _stats(cfg: RouteConfig) -> dict[str, Any]:
-    return {"policy": cfg.policy.value, "index_errors": cfg.index_errors, "index_behind": cfg.index_behind,
+    return {"policy": cfg.policy.value, "index_errors": cfg.index_errors, "stale_answers": cfg.stale_answers,
             "no_engine": cfg.no_engine,
             "engines": [{"instance_id": e.instance_id, "url": e.url, "routed": e.routed, "failures": e.failures,
                          "in_flight": e.in_flight, "load": e.load, "predicted_tokens": e.predicted_tokens,
