@@ -23,8 +23,9 @@ from hybridkv.index.seq_hash import SEED, seq_hashes
 
 
 def test_a_batch_encodes_as_vllms_tagged_maps() -> None:
-    """vLLM's structs: maps (not arrays), tag field "type" = the class name, defaults omitted, the
-    required-but-None fields (lora_id, medium, lora_name) kept."""
+    """vLLM's structs: the batch an array [ts, events, rank] (vLLM 0.32's EventBatch is array_like),
+    each event a map, tag field "type" = the class name, defaults omitted, the required-but-None
+    fields (lora_id, medium, lora_name) kept. (tests/vllm decodes vLLM's own encoder's bytes.)"""
     batch = EventBatch(ts=1.5, events=[
         BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 2], block_size=2, lora_id=None,
                     medium="GPU", lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window",
@@ -32,27 +33,28 @@ def test_a_batch_encodes_as_vllms_tagged_maps() -> None:
         BlockRemoved(block_hashes=[7], medium="GPU", group_idx=1),
         AllBlocksCleared(),
     ], data_parallel_rank=0)
-    expected = {"ts": 1.5, "events": [
+    expected = [1.5, [
         {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2,
          "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
          "kv_cache_spec_sliding_window": 8},
         {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 1},
         {"type": "AllBlocksCleared"},
-    ], "data_parallel_rank": 0}
+    ], 0]
     assert encode_batch(batch) == msgspec.msgpack.encode(expected)
     assert decode_batch(encode_batch(batch)) == batch
 
 
 def test_older_and_newer_publishers_decode() -> None:
     """No group fields (older vLLM) and unknown fields (newer vLLM) both decode."""
-    raw = msgspec.msgpack.encode({"ts": 0.0, "events": [
+    raw = msgspec.msgpack.encode([0.0, [
         {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None, "token_ids": [1],
-         "block_size": 1, "lora_id": None, "medium": None, "lora_name": None, "snapshot_version": 3}]})
+         "block_size": 1, "lora_id": None, "medium": None, "lora_name": None, "snapshot_version": 3}], None, "later"])
     (event,) = decode_batch(raw).events
     assert isinstance(event, BlockStored) and event.group_idx is None and event.block_hashes == [b"\x01" * 32]
 
 
-@pytest.mark.parametrize("payload", [b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode({"ts": "x", "events": []})])
+@pytest.mark.parametrize("payload", [b"", b"\x93\x01\x02\x03", msgspec.msgpack.encode(["x", []]),
+                                     msgspec.msgpack.encode({"ts": 0.0, "events": []})])
 def test_garbage_is_a_wire_error(payload: bytes) -> None:
     with pytest.raises(WireError, match="not a KV event batch"):
         decode_batch(payload)
