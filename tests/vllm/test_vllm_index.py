@@ -13,7 +13,6 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from hybridkv.index.http import AppServer, make_app
 from hybridkv.index.service import IndexService
