@@ -13,6 +13,8 @@ KV cache of each engine holds only a few of the system prompts, so where a reque
 its hit.
 
     accuracy   share of routed requests whose `cached_tokens` equals the index's `longest_matched`
+               (the router asks again while the index is behind the KV events an engine's responses
+               already counted: `x-hybridkv-kv-events-seq`, docs/routing.md)
     hit        realized prefix-hit tokens (sum of `cached_tokens`) per policy
     balance    max / min requests per engine
 
