@@ -4,7 +4,7 @@ With `--kv-events-config`, every response of `/v1/...` carries the number of eve
 engine has queued for publishing so far, which is the sequence number its next batch will carry.
 For a non-streamed completion that count includes the batch of the request's own last step (the
 engine publishes a step's events before it hands out the step's outputs). A router that remembers
-the largest number per engine can tell when the index's answer (`events_seq` per instance) is
+the latest number per engine can tell when the index's answer (`events_seq` per instance) is
 older than what it has already seen: `hybridkv route` then asks again (docs/routing.md).
 """
 

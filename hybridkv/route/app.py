@@ -194,9 +194,11 @@ async def _forward(cfg: RouteConfig, path: str, raw: bytes, body: dict[str, Any]
 
 
 def _note_events_seq(engine: Engine, headers: dict[str, str]) -> None:
-    """Remember the largest KV event count an engine's responses reported (hybridkv serve's header)."""
+    """Remember the KV event count of an engine's latest response (hybridkv serve's header). The
+    latest, not the largest: a restarted engine counts from 0 again (a response overtaken by an older
+    one only makes the next wait shorter)."""
     with contextlib.suppress(ValueError):
-        engine.events_seq = max(engine.events_seq, int(headers.get(EVENTS_SEQ_HEADER, "0")))
+        engine.events_seq = int(headers.get(EVENTS_SEQ_HEADER, "0"))
 
 
 async def _relay(engine: Engine, chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
