@@ -13,6 +13,8 @@ KV cache of each engine holds only a few of the system prompts, so where a reque
 its hit.
 
     accuracy   share of routed requests whose `cached_tokens` equals the index's `longest_matched`
+               (the router asks again while the index is behind the KV events an engine's responses
+               already counted: `x-hybridkv-kv-events-seq`, docs/routing.md)
     hit        realized prefix-hit tokens (sum of `cached_tokens`) per policy
     balance    max / min requests per engine
 
@@ -162,7 +164,7 @@ def build_gdn(target: Path) -> None:
     bench_run_policies.build_model(target)
 
 
-def routing(quick: bool, drive: Clients) -> dict[str, dict[str, dict[str, Any]]]:
+def routing(quick: bool, drive: Clients, extra_args: str = "") -> dict[str, dict[str, dict[str, Any]]]:
     """Per model, per policy: the run_policy results."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     from hybridkv.engine.tokenizer import BYTE_VOCAB
@@ -179,7 +181,7 @@ def routing(quick: bool, drive: Clients) -> dict[str, dict[str, dict[str, Any]]]
         for name, (model, shape) in models.items():
             sessions = workload(shape, seed=0, drive=drive)
             args = (f"--kv-cache-memory-gib {shape.kv_gib} --threads 1 --max-num-seqs 4 --max-model-len 4096 "
-                    "--max-num-batched-tokens 2048")
+                    f"--max-num-batched-tokens 2048 {extra_args}")
             cluster = LocalCluster(ENGINES, model=model, engine_args=args, served_model_name=name)
             try:
                 out[name] = {}
@@ -292,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-s", type=float, default=default.think_s, help="a client's pause between requests")
     parser.add_argument("--max-turns", type=int, default=default.max_turns, help="most requests per session")
     parser.add_argument("--branch-p", type=float, default=default.branch_p, help="share of branch requests")
+    parser.add_argument("--engine-args", default="", help="more `hybridkv serve` flags for every engine (e.g. "
+                        "'--prefix-cache-retention-interval 0': tails and checkpoints kept at prompt ends only)")
     args = parser.parse_args(argv)
     drive = Clients(clients=args.clients, think_s=args.think_s, max_turns=args.max_turns, branch_p=args.branch_p)
     parts: list[str] = []
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
                   f"ingest_blocks_per_s={s['ingest_blocks_per_s']:.0f}", f"bytes_per_block={s['bytes_per_block']:.0f}"]
     if args.part in ("routing", "all"):
-        r = routing(args.quick, drive)
+        r = routing(args.quick, drive, args.engine_args)
         accuracy = min(r[m]["joint"]["accuracy"] for m in r)
         ratios = []
         for m in ("gdn", "swa"):

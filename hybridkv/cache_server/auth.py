@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from hybridkv.errors import ConfigError
+from hybridkv.http_serving import bearer_ok
 from hybridkv.wire import AUTH_TOKEN_ENV, AUTH_TOKEN_FILE_ENV
 
 MIN_TOKEN_CHARS = 16
@@ -58,7 +59,4 @@ class Authenticator:
 
     def ok_bearer(self, header: str | None) -> bool:
         """Whether an HTTP `Authorization` header authenticates."""
-        if not self._secret:
-            return True
-        scheme, _, value = (header or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._secret)
+        return bearer_ok(self._secret, header)

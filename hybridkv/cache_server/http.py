@@ -9,10 +9,6 @@ is not a loopback name (DNS rebinding)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -22,7 +18,7 @@ from starlette.routing import Route
 
 from hybridkv.cache_server.auth import Authenticator
 from hybridkv.cache_server.store import KVStore
-from hybridkv.errors import ConfigError
+from hybridkv.http_serving import BoundServer, bind_socket
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
 
@@ -86,35 +82,15 @@ def make_app(store: KVStore, auth: Authenticator | None = None, *, allow_remote:
     ])
 
 
-class HTTPServer:
+class HTTPServer(BoundServer):
     """uvicorn serving `make_app(store)` on an already bound socket (so port 0 works)."""
 
     def __init__(self, store: KVStore, host: str, port: int, *, auth: Authenticator | None = None,
                  allow_remote: bool = False) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as e:
-            self._sock.close()
-            raise ConfigError(f"cannot bind the HTTP port {host}:{port} (--http-port): {e.strerror}; expected a "
-                              "free port (0: any free port)") from None
-        self._sock.listen(128)  # connections wait in the backlog until uvicorn accepts them
-        self.port: int = self._sock.getsockname()[1]
+        sock = bind_socket(host, port, what="--http-port", backlog=128)
         config = uvicorn.Config(make_app(store, auth, allow_remote=allow_remote), log_level="warning", lifespan="off",
                                 access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="hybridkv-http", daemon=True)
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        super().__init__(uvicorn.Server(config), sock, name="hybridkv-http")
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout_s)
-        self._sock.close()
+        super().stop(timeout_s)

@@ -31,6 +31,8 @@ def route_command(
     port: Annotated[int, typer.Option("--port", help="HTTP port (0: any free port)")] = 8100,
     max_skew: Annotated[int, typer.Option("--max-skew", help="requests an engine may run beyond the least loaded "
                                           "one and still be chosen for its hit")] = 2,
+    sync_wait_s: Annotated[float, typer.Option("--sync-wait-s", help="how long to ask the index again while it "
+                                               "has not applied events an engine already reported")] = 0.05,
 ) -> None:
     """Route OpenAI requests over engines by the index's joint hybrid hit, balanced by load."""
     from hybridkv.index.auth import check_bind, index_token
@@ -45,8 +47,8 @@ def route_command(
         raise usage_error(f"--policy must be one of {[p.value for p in Policy]}, got {policy!r}") from None
     if bool(engine) == bool(engines):
         raise usage_error("pass --engine URL (repeated) or --engines N, not both and not neither")
-    if max_skew < 0:
-        raise usage_error(f"--max-skew must be >= 0, got {max_skew}")
+    if max_skew < 0 or not 0 <= sync_wait_s <= 10:
+        raise usage_error(f"--max-skew must be >= 0 and --sync-wait-s in 0..10, got {max_skew} and {sync_wait_s}")
     cluster: LocalCluster | None = None
     cfg: RouteConfig | None = None
     index_url: str | None = index
@@ -59,7 +61,7 @@ def route_command(
         else:
             pool = [Engine(url=u.rstrip("/"), instance_id=u.rstrip("/")) for u in engine or []]
         cfg = RouteConfig(engines=pool, index_url=index_url, model=model, policy=chosen, max_skew=max_skew,
-                          index_token=index_token(None))
+                          sync_wait_s=sync_wait_s, index_token=index_token(None))
         server = AppServer(make_app(cfg), host=host, port=port, name="hybridkv-route", lifespan="on")
         typer.echo(f"hybridkv route on {server.url} over {len(pool)} engines (index {index_url or 'none'}, "
                    f"policy {chosen.value}); Ctrl-C to stop", err=True)

@@ -8,8 +8,9 @@ and answers replay requests on a ROUTER socket: a client sends `[b"", start seq 
 (a DEALER adds the empty delimiter itself) and gets `[b"", seq, payload]` for every buffered batch
 from `start` on, then `[b"", -1 (8 bytes, signed), b""]`.
 
-A batch is a msgpack map `{"ts": float, "events": [...], "data_parallel_rank": int}`; each event
-is a map tagged by `"type"`: `BlockStored`, `BlockRemoved` or `AllBlocksCleared`. Block hashes are
+A batch is a msgpack array `[ts, [events...], data_parallel_rank]` (vLLM's `EventBatch` is
+`array_like`; the rank is left out when None); each event is a map tagged by `"type"`:
+`BlockStored`, `BlockRemoved` or `AllBlocksCleared`. Block hashes are
 the engine's (ints by default in vLLM: the last 8 bytes of the digest; bytes otherwise): the index
 never interprets them, it keys blocks by the tokens in `BlockStored.token_ids` (seq_hash.py).
 """
@@ -73,7 +74,7 @@ class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=Tru
 WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One published message: the events of one engine step."""
 
     ts: float

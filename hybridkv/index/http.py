@@ -14,10 +14,6 @@ With a token (`--auth-token-file` or $HYBRIDKV_INDEX_TOKEN) every POST needs
 
 from __future__ import annotations
 
-import hmac
-import socket
-import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -28,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from hybridkv.http_serving import BoundServer, bearer_ok, bind_socket
 from hybridkv.index.service import IndexFullError, IndexService, Query
 from hybridkv.index.table import Registration, group_rule
 
@@ -198,11 +195,8 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
     def guarded(handler: Callable[[bytes], Response], path: str) -> Handler:
         async def endpoint(request: Request) -> Response:
             try:
-                if secret:
-                    header = request.headers.get("authorization", "")
-                    presented = header[7:].encode() if header.startswith("Bearer ") else b""
-                    if not hmac.compare_digest(presented, secret):
-                        raise HttpError(401, f"{path} needs Authorization: Bearer <the index's token>")
+                if not bearer_ok(secret, request.headers.get("authorization")):
+                    raise HttpError(401, f"{path} needs Authorization: Bearer <the index's token>")
                 return handler(await _body(request, max_body_bytes))
             except HttpError as e:
                 return _error(e.status, e.message)
@@ -253,51 +247,13 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
     ], exception_handlers={404: not_found, 405: not_found, 500: server_error})
 
 
-class AppServer:
-    """uvicorn serving an ASGI app on a socket bound at construction (port 0 works)."""
+class AppServer(BoundServer):
+    """uvicorn serving an ASGI app on a socket bound at construction (port 0 works; an address in use:
+    ConfigError)."""
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "hybridkv-http",
                  lifespan: Literal["on", "off"] = "off") -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as exc:
-            self._sock.close()
-            raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
-        self._sock.listen(256)
-        self.host = host
-        self.port: int = self._sock.getsockname()[1]
+        sock = bind_socket(host, port)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan, loop="asyncio",
                                 http="h11", timeout_keep_alive=30, limit_concurrency=1024)
-        self._server = uvicorn.Server(config)
-        self._name = name
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    def run(self) -> None:
-        try:
-            self._server.run(sockets=[self._sock])
-        finally:
-            self._sock.close()
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        self._thread = threading.Thread(target=self.run, name=self._name, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self._server.started:
-            raise RuntimeError(f"the server did not start within {timeout_s} s")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-
+        super().__init__(uvicorn.Server(config), sock, name=name)

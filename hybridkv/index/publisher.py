@@ -123,8 +123,10 @@ class ZmqPublisher:
         self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
+        self.queued_batches = 0  # batches accepted for publishing: each gets the next sequence number
         if self._announce:
             self._queue.put_nowait(EventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank))
+            self.queued_batches = 1
         self.dropped_batches = 0
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
@@ -146,6 +148,7 @@ class ZmqPublisher:
             return
         try:
             self._queue.put_nowait(EventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank))
+            self.queued_batches += 1
         except queue.Full:
             self.dropped_batches += 1
 

@@ -19,6 +19,8 @@ from itertools import chain, repeat
 
 import xxhash
 
+from hybridkv.index.native import native_seq_hashes
+
 #: the standard's seed (Dynamo's KV router uses the same value)
 SEED = 1337
 
@@ -37,14 +39,18 @@ def token_bytes(token_ids: Sequence[int]) -> memoryview:
         raise ValueError(f"token id {bad!r} is outside 0..4294967295") from None
     if _SWAP:
         arr.byteswap()
-    return memoryview(arr.tobytes())
+    return memoryview(arr).cast("B")
 
 
 def seq_hash_chunks(data: memoryview, block_size: int, parent: int | None = None,
                     seed: int = SEED, chunk_blocks: int = 64) -> Iterator[list[int]]:
-    """The sequence hashes of the full blocks of `data` (u32 tokens), chained onto `parent`, in lists
-    of `chunk_blocks` (local hashes in one C-level map per list), so a caller that stops early saves
-    the rest."""
+    """The sequence hashes of the full blocks of `data` (u32 tokens), chained onto `parent`: all in
+    one list from the native loop (native.py), else in lists of `chunk_blocks` (local hashes in one
+    C-level map per list), so a caller that stops early saves the rest."""
+    hashes = native_seq_hashes(data, block_size, parent, seed)
+    if hashes is not None:
+        yield hashes
+        return
     stride = 4 * block_size
     prev = parent
     end = len(data) - stride + 1

@@ -8,6 +8,9 @@ Answer shape (Mooncake Conductor Indexer API, RFC #1403), per tenant, per instan
 `longest_matched` is the JOINT hybrid hit (rules.py): what the engine's own lookup will find, so a
 router compares instances by the prefix they can really skip. `attention_matched` is what an
 attention-only index reports for the same instance (its full-attention blocks alone).
+`events_seq` (with a subscriber) is the next sequence number the index expects from the instance's
+publisher (the least over its DP ranks): everything the engine published before it is in the
+answer, so a router that saw a larger number from the engine knows the answer is behind.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from hybridkv.index.table import (
     RegKey,
     full_slot_mask,
     held_bits,
-    mask_array,
 )
 
 __all__ = ["IndexFullError", "IndexService", "Query"]
@@ -122,8 +124,11 @@ class IndexService:
                 and (q.instance_id is None or r.key[1] == q.instance_id)]
         answer: dict[str, dict[str, Any]] = {}
         for reg in regs:
-            answer.setdefault(reg.key[1], {"longest_matched": 0, **dict.fromkeys(MEDIA, 0), "DP": {},
-                                           "attention_matched": 0})
+            entry = answer.setdefault(reg.key[1], {"longest_matched": 0, **dict.fromkeys(MEDIA, 0), "DP": {},
+                                                   "attention_matched": 0})
+            if self.subscriber is not None:
+                seq = self.subscriber.next_seq(reg.key)
+                entry["events_seq"] = min(entry.get("events_seq", seq), seq)
         cid = table.context_id(q.model, q.lora_name, table.namespaces.of(q.cache_salt))
         if cid is None or not regs:
             return answer
@@ -151,7 +156,7 @@ class IndexService:
                 chunks = (q.seq_hashes,)
             else:
                 continue
-            out[size] = mask_array(self.table.held(cid, chunks, full_slot_mask(regs, size)))
+            out[size] = self.table.held(cid, chunks, full_slot_mask(regs, size))
         return out
 
     def _instance_hit(self, reg: Registration, q: Query, masks_by_size: dict[int, Masks]) -> tuple[int, int]:

@@ -97,6 +97,11 @@ class Subscriber:
         with self._pending_lock:
             self._pending.append(("remove", key, "", None))
 
+    def next_seq(self, key: RegKey) -> int:
+        """The sequence number of the next batch expected from `key`'s publisher (0: none heard yet)."""
+        stream = self._streams.get(key)
+        return (stream.expected or 0) if stream is not None else 0
+
     def alive(self, key: RegKey) -> bool:
         stream = self._streams.get(key)
         return stream is not None and not stream.dead
@@ -180,8 +185,8 @@ class Subscriber:
                 self._drop(stream)
         with self._lock:
             self._apply(stream.key, batch)
+            stream.expected = seq + 1  # (under the lock: a query sees the batch and its number together)
         self.counts.batches += 1
-        stream.expected = seq + 1
 
     def _disconnected(self, stream: _Stream) -> None:
         """The publisher went away (module docstring): its blocks go, its numbers start over."""

@@ -204,7 +204,14 @@ class PrefixTable:
         return self._context(reg.model, event.lora_name or reg.lora_name, self.namespaces.of(salt))
 
     def _store(self, reg: Registration, event: BlockStored, *, final: bool) -> bool:
-        """Index the event's blocks; False (nothing done) when its parent is unknown and not `final`."""
+        """Index the event's blocks; False (nothing done) when its parent is unknown and not `final`.
+
+        vLLM skips null blocks: a sliding-window group's blocks out of the window, a state group's
+        blocks between checkpoints. Such a sparse event lists fewer hashes than its tokens make
+        blocks; each hash is placed where another group's event put the same engine hash (vLLM
+        hashes a position alike in every group), so a sparse event waits for the rest of its batch;
+        what is still unknown then is taken as the range's last blocks (where a window's tail and
+        the checkpoint at a computed chunk's end are)."""
         num = len(event.block_hashes)
         group_idx = event.group_idx or 0
         if group_idx not in reg.groups:
@@ -214,6 +221,13 @@ class PrefixTable:
             reg.medium = event.medium
         if not num:  # (a layout announcement: the group alone)
             return True
+        span, rest = divmod(len(event.token_ids), event.block_size)
+        if span > num and not rest:
+            known = [(h, p) for h in event.block_hashes if (p := reg.engine.get(h)) is not None]
+            if len(known) == num:
+                return self._mark(reg, group_idx, known)
+            if not final:
+                return False
         parent = event.parent_block_hash
         if parent is None:
             cid = self._root_context(reg, event)
@@ -225,20 +239,26 @@ class PrefixTable:
             cid = None if packed is None else packed >> _SEQ_BITS
             seq = None if packed is None else packed & _SEQ_MASK
         extra = event.extra_keys
-        if (cid is None or len(event.token_ids) != num * event.block_size
-                or (extra and any(extra[1:]))):
+        if cid is None or rest or span < num or (extra and any(extra[1:])):
             self.counts.unplaced_blocks += num
             return True
+        high = cid << _SEQ_BITS
+        seqs = list(iter_seq_hashes(token_bytes(event.token_ids), event.block_size, seq))[span - num:]
+        return self._mark(reg, group_idx, [(h, high | s) for h, s in zip(event.block_hashes, seqs, strict=True)])
+
+    def _mark(self, reg: Registration, group_idx: int, placed: list[tuple[Any, int]]) -> bool:
+        """Set the group's bit on each (engine hash, packed context and block key)."""
+        num = len(placed)
         if self.num_blocks + num > self.max_blocks:
             self.counts.skipped_blocks += num
             return True
         bit = 1 << self._slot(reg, group_idx)
-        masks = self._contexts[cid].masks
+        contexts = self._contexts
         engine = reg.engine
-        high = cid << _SEQ_BITS
         added = 0
-        for engine_hash, h in zip(event.block_hashes, iter_seq_hashes(token_bytes(event.token_ids),
-                                                                       event.block_size, seq), strict=True):
+        for engine_hash, packed in placed:
+            masks = contexts[packed >> _SEQ_BITS].masks
+            h = packed & _SEQ_MASK
             mask = masks.get(h, 0)
             if not mask & bit:
                 masks[h] = mask | bit
@@ -246,7 +266,7 @@ class PrefixTable:
             else:  # a second block of the same content (engines may cache a copy): one more removal to come
                 copy = (group_idx, engine_hash)
                 reg.copies[copy] = reg.copies.get(copy, 0) + 1
-            engine[engine_hash] = high | h
+            engine[engine_hash] = packed
         reg.blocks += added
         self.num_blocks += added
         self.counts.stored_blocks += num
@@ -292,20 +312,24 @@ class PrefixTable:
 
     # -- queries ----------------------------------------------------------------------------------
 
-    def held(self, cid: int, chunks: Iterable[Sequence[int]], stop_mask: int) -> list[int]:
+    def held(self, cid: int, chunks: Iterable[Sequence[int]], stop_mask: int) -> Masks:
         """The masks of the blocks whose hashes `chunks` list, in context `cid`, up to the first block
         whose mask has no bit of `stop_mask` (0: never stop early)."""
         get = self._contexts[cid].masks.get
-        out: list[int] = []
+        out: list[Masks] = []
         for chunk in chunks:
-            masks = list(map(get, chunk, repeat(0)))
+            masks = mask_array(list(map(get, chunk, repeat(0))))  # (dict probes in one C-level map)
             if stop_mask:
-                for i, mask in enumerate(masks):
-                    if not mask & stop_mask:
-                        out += masks[:i]
-                        return out
-            out += masks
-        return out
+                stop = _first_without(masks, stop_mask)
+                if stop < len(masks):
+                    out.append(masks[:stop])
+                    break
+            out.append(masks)
+        if len(out) == 1:
+            return out[0]
+        if all(isinstance(m, np.ndarray) for m in out):
+            return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
+        return [int(m) for part in out for m in part]
 
 
 Masks = np.ndarray[Any, np.dtype[np.uint64]] | list[int]
@@ -317,6 +341,14 @@ def mask_array(masks: list[int]) -> Masks:
         return np.fromiter(masks, dtype=np.uint64, count=len(masks))
     except OverflowError:
         return masks
+
+
+def _first_without(masks: Masks, stop_mask: int) -> int:
+    """The index of the first mask with no bit of `stop_mask` (len(masks) when there is none)."""
+    if isinstance(masks, np.ndarray) and stop_mask < 1 << 64:
+        misses = np.flatnonzero((masks & np.uint64(stop_mask)) == 0)
+        return int(misses[0]) if misses.size else masks.size
+    return next((i for i, m in enumerate(masks) if not int(m) & stop_mask), len(masks))
 
 
 def held_bits(masks: Masks, slot: int) -> np.ndarray[Any, np.dtype[np.bool_]]:

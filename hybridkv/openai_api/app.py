@@ -40,6 +40,7 @@ from hybridkv.engine.llm import LLM
 from hybridkv.errors import HybridKVError
 from hybridkv.openai_api.chat import ChatTemplate
 from hybridkv.openai_api.engine_loop import EngineLoop
+from hybridkv.openai_api.events_seq import EventsSeqHeader
 from hybridkv.openai_api.generation import Generation
 from hybridkv.openai_api.limits import ApiKeyGuard, ServeLimits, read_body
 from hybridkv.openai_api.metrics import EngineSnapshot, ServeMetrics
@@ -131,6 +132,9 @@ def make_app(llm: LLM, *, model_name: str, limits: ServeLimits | None = None) ->
         except BadRequest as exc:
             return _refuse(state, exc)
 
+    middleware = [Middleware(ApiKeyGuard, api_key=limits.api_key)] if limits.api_key else []
+    if llm.kv_events is not None:
+        middleware.append(Middleware(EventsSeqHeader, publisher=llm.kv_events.publisher))
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -138,8 +142,7 @@ def make_app(llm: LLM, *, model_name: str, limits: ServeLimits | None = None) ->
         Route("/health", health), Route("/metrics", metrics),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
-    ], lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-        middleware=[Middleware(ApiKeyGuard, api_key=limits.api_key)] if limits.api_key else [])
+    ], lifespan=lifespan, exception_handlers={HTTPException: _http_error}, middleware=middleware)
     app.state.serve = state
     return app
 

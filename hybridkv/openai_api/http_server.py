@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import ipaddress
 import signal
-import socket
-import threading
-import time
 from types import FrameType
 
 import uvicorn
 
 from hybridkv.engine.llm import LLM
 from hybridkv.errors import ConfigError
+from hybridkv.http_serving import BoundServer, bind_socket
 from hybridkv.openai_api.app import make_app
 from hybridkv.openai_api.limits import ServeLimits, with_header_timeout
 
@@ -51,7 +49,7 @@ class _Server(uvicorn.Server):
             self._captured_signals.remove(sig)
 
 
-class ServeServer:
+class ServeServer(BoundServer):
     """uvicorn serving `make_app(llm)` on an already bound socket."""
 
     def __init__(self, llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
@@ -59,17 +57,7 @@ class ServeServer:
                  log_level: str = "warning", limits: ServeLimits | None = None) -> None:
         limits = limits or ServeLimits()
         self.loopback = check_host(host, allow_remote=allow_remote)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as exc:
-            self._sock.close()
-            raise ConfigError(f"cannot bind {host}:{port}: {exc.strerror}") from None
-        self._sock.listen(256)
-        self.host = host
-        self.port: int = self._sock.getsockname()[1]
+        sock = bind_socket(host, port)
         self.app = make_app(llm, model_name=model_name or str(llm.model_spec.name), limits=limits)
         # asyncio + h11 explicitly: with uvloop or httptools installed (uvicorn[standard]) streamed
         # requests stalled here (bench_serve: 2x the wall time at the same CPU time).
@@ -77,36 +65,4 @@ class ServeServer:
                                 http=with_header_timeout(limits.header_timeout_s),
                                 timeout_keep_alive=limits.idle_timeout_s, limit_concurrency=limits.max_connections,
                                 timeout_graceful_shutdown=int(graceful_s))
-        self._server = _Server(config)
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    def run(self) -> None:
-        """Serve in this thread until a signal (graceful, then forced on the second)."""
-        try:
-            self._server.run(sockets=[self._sock])
-        finally:
-            self._sock.close()
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        """Serve on a background thread; returns once it accepts requests."""
-        self._thread = threading.Thread(target=self.run, name="hybridkv-serve", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self._server.started:
-            raise RuntimeError(f"the server did not start within {timeout_s} s")
-
-    def request_stop(self) -> None:
-        """Ask the server to stop gracefully (safe before `run` starts: it then stops at once)."""
-        self._server.should_exit = True
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self.request_stop()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        super().__init__(_Server(config), sock, name="hybridkv-serve")

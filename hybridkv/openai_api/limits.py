@@ -17,7 +17,6 @@ requests are open).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from starlette.requests import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from hybridkv.errors import ConfigError
+from hybridkv.http_serving import bearer_ok
 from hybridkv.openai_api.schemas import BadRequest
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -79,9 +79,7 @@ class ApiKeyGuard:
 
     def _authorized(self, scope: Scope) -> bool:
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, key = given.partition(b" ")
-        # the scheme is case-insensitive (RFC 9110 11.1): `bearer` and `BEARER` are `Bearer`
-        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._expected)
+        return bearer_ok(self._expected, given.decode("latin-1"))  # (the scheme in any case: RFC 9110 11.1)
 
 
 def _guarded(scope: Scope) -> bool:

@@ -29,11 +29,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hybridkv.route.picker import Engine, Policy, rank
-from hybridkv.route.upstream import UpstreamError, call, open_stream
+from hybridkv.route.upstream import UpstreamError, call, call_with_headers, open_stream
 
-__all__ = ["RouteConfig", "make_app"]
+__all__ = ["RouteConfig", "index_behind", "make_app"]
 
 log = logging.getLogger("hybridkv.route")
+EVENTS_SEQ_HEADER = "x-hybridkv-kv-events-seq"  # (hybridkv serve's: openai_api/events_seq.py)
 MAX_BODY_BYTES = 16 << 20
 
 
@@ -51,7 +52,9 @@ class RouteConfig:
     down_for_s: float = 5.0
     poll_every_s: float = 1.0
     timeout_s: float = 300.0
+    sync_wait_s: float = 0.05  # how long to ask the index again while it is behind an engine's events
     index_errors: int = 0
+    stale_answers: int = 0  # queries answered from an index still behind after sync_wait_s
     no_engine: int = 0
     _polling: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -106,16 +109,34 @@ def _hits(cfg: RouteConfig, body: dict[str, Any], tokens: list[int] | None) -> d
     if isinstance(body.get("cache_salt"), str):
         query["cache_salt"] = body["cache_salt"]
     headers = {"Authorization": f"Bearer {cfg.index_token}"} if cfg.index_token else None
-    try:
-        status, raw = call(cfg.index_url, "/query", query, timeout_s=2.0, headers=headers)
-        answer = json.loads(raw) if status == 200 else {}
-    except (UpstreamError, ValueError):
-        answer = {}
-    if not answer:
-        cfg.index_errors += 1
-        return {}
-    return {inst: (int(v.get("longest_matched", 0)), int(v.get("attention_matched", 0)))
-            for tenant in answer.values() for inst, v in tenant.items()}
+    deadline = time.monotonic() + cfg.sync_wait_s
+    while True:
+        try:
+            status, raw = call(cfg.index_url, "/query", query, timeout_s=2.0, headers=headers)
+            answer = json.loads(raw) if status == 200 else {}
+        except (UpstreamError, ValueError):
+            answer = {}
+        if not answer:
+            cfg.index_errors += 1
+            return {}
+        entries = {inst: v for tenant in answer.values() for inst, v in tenant.items()}
+        if not index_behind(cfg, entries):
+            break
+        if time.monotonic() >= deadline:
+            cfg.stale_answers += 1
+            break
+        time.sleep(0.002)
+    return {inst: (int(v.get("longest_matched", 0)), int(v.get("attention_matched", 0))) for inst, v in entries.items()}
+
+
+def index_behind(cfg: RouteConfig, entries: dict[str, Any]) -> bool:
+    """Whether the index has not yet applied an event batch some engine's answers already counted
+    (`x-hybridkv-kv-events-seq` of its responses vs the index's `events_seq` for it)."""
+    for engine in cfg.engines:
+        seq = entries.get(engine.instance_id, {}).get("events_seq")
+        if isinstance(seq, int) and seq < engine.events_seq:
+            return True
+    return False
 
 
 def _record_usage(engine: Engine, raw: bytes, predicted: int | None) -> None:
@@ -147,7 +168,9 @@ async def _forward(cfg: RouteConfig, path: str, raw: bytes, body: dict[str, Any]
                 status, kind, chunks = await asyncio.to_thread(open_stream, engine.url, path, raw,
                                                                timeout_s=cfg.timeout_s)
             else:
-                status, answer = await asyncio.to_thread(call, engine.url, path, raw, timeout_s=cfg.timeout_s)
+                status, answer, answer_headers = await asyncio.to_thread(call_with_headers, engine.url, path, raw,
+                                                                         timeout_s=cfg.timeout_s)
+                _note_events_seq(engine, answer_headers)
         except UpstreamError as e:
             engine.in_flight -= 1
             engine.failures += 1
@@ -168,6 +191,14 @@ async def _forward(cfg: RouteConfig, path: str, raw: bytes, body: dict[str, Any]
         return Response(answer, status_code=status, media_type="application/json", headers=headers)
     cfg.no_engine += 1
     return _error(503, f"no engine answered ({len(cfg.engines)} tried)")
+
+
+def _note_events_seq(engine: Engine, headers: dict[str, str]) -> None:
+    """Remember the KV event count of an engine's latest response (hybridkv serve's header). The
+    latest, not the largest: a restarted engine counts from 0 again (a response overtaken by an older
+    one only makes the next wait shorter)."""
+    with contextlib.suppress(ValueError):
+        engine.events_seq = int(headers.get(EVENTS_SEQ_HEADER, "0"))
 
 
 async def _relay(engine: Engine, chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
@@ -198,7 +229,8 @@ async def _poll(cfg: RouteConfig) -> None:
 
 
 def _stats(cfg: RouteConfig) -> dict[str, Any]:
-    return {"policy": cfg.policy.value, "index_errors": cfg.index_errors, "no_engine": cfg.no_engine,
+    return {"policy": cfg.policy.value, "index_errors": cfg.index_errors, "stale_answers": cfg.stale_answers,
+            "no_engine": cfg.no_engine,
             "engines": [{"instance_id": e.instance_id, "url": e.url, "routed": e.routed, "failures": e.failures,
                          "in_flight": e.in_flight, "load": e.load, "predicted_tokens": e.predicted_tokens,
                          "cached_tokens": e.cached_tokens, "prompt_tokens": e.prompt_tokens,

@@ -48,6 +48,7 @@ class Engine:
     over: int = 0  # ... predicted more than the engine found (evicted meanwhile)
     under: int = 0  # ... predicted less (cached meanwhile, e.g. by a request ahead in the engine's queue)
     down_until: float = 0.0
+    events_seq: int = 0  # the KV event batches its latest response said it had published
 
     @property
     def load(self) -> int:

@@ -9,7 +9,7 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["UpstreamError", "call", "open_stream"]
+__all__ = ["UpstreamError", "call", "call_with_headers", "open_stream"]
 
 MAX_RESPONSE_BYTES = 64 << 20
 
@@ -28,6 +28,13 @@ def _connection(url: str, timeout_s: float) -> tuple[http.client.HTTPConnection,
 def call(url: str, path: str, body: Any = None, *, timeout_s: float = 30.0,
          headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """(status, body) of GET (body None) or POST JSON."""
+    status, raw, _ = call_with_headers(url, path, body, timeout_s=timeout_s, headers=headers)
+    return status, raw
+
+
+def call_with_headers(url: str, path: str, body: Any = None, *, timeout_s: float = 30.0,
+                      headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, response headers with lower-case names) of GET (body None) or POST JSON."""
     conn, prefix = _connection(url, timeout_s)
     try:
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
@@ -37,7 +44,7 @@ def call(url: str, path: str, body: Any = None, *, timeout_s: float = 30.0,
         raw = resp.read(MAX_RESPONSE_BYTES + 1)
         if len(raw) > MAX_RESPONSE_BYTES:
             raise UpstreamError(f"{url}{path} answered over {MAX_RESPONSE_BYTES} bytes")
-        return resp.status, raw
+        return resp.status, raw, {k.lower(): v for k, v in resp.getheaders()}
     except (OSError, http.client.HTTPException) as e:
         raise UpstreamError(f"{url}{path}: {e!r}") from None
     finally:

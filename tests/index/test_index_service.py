@@ -96,8 +96,10 @@ def test_events_over_zmq_answer_the_conductor_shape(index: tuple[str, IndexServi
     pub.publish([stored(PROMPT[:16])])
     wait_for(lambda: matched(url, PROMPT) == 16)
     status, body = post(url + "/query", {"model": "m", "token_ids": PROMPT, "block_size": BS})
+    # (events_seq: one batch published, sequence number 0, so the next one the index expects is 1)
     assert body == {"default": {"e0": {"longest_matched": 16, "GPU": 16, "CPU": 0, "DISK": 0, "DP": {"0": 16},
-                                       "attention_matched": 16}}}
+                                       "attention_matched": 16, "events_seq": 1}}}
+    assert pub.queued_batches == 1
     hashes = seq_hashes(PROMPT, BS)
     status, body = post(url + "/query_by_hash", {"model": "m", "seq_hashes": hashes[:3], "block_size": BS})
     assert body["default"]["e0"]["longest_matched"] == 12

@@ -80,3 +80,24 @@ def test_the_index_predicts_cached_tokens(setup: tuple[ServeServer, AppServer]) 
         assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
         checks += expected > 0
     assert checks >= 3
+
+
+def test_a_response_counts_its_own_events_and_the_index_catches_up_to_it(setup: tuple[ServeServer, AppServer]) -> None:
+    """x-hybridkv-kv-events-seq counts the batch of the request's own last step: once the index's
+    events_seq reaches it, the answer already holds the request's blocks (read-your-writes)."""
+    serve, index = setup
+    prompt = "A prompt nobody sent before, long enough for several blocks of sixteen tokens. " * 2
+    req = urllib.request.Request(serve.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        seq = int(r.headers["x-hybridkv-kv-events-seq"])
+    tokens = call(serve.url + "/tokenize", {"model": MODEL, "prompt": prompt})[1]["tokens"]
+
+    def answer() -> dict[str, Any]:
+        reply = call(index.url + "/query", {"model": MODEL, "token_ids": tokens, "block_size": 16})[1]
+        entry: dict[str, Any] = reply["default"]["e0"]
+        return entry
+
+    wait_for(lambda: answer()["events_seq"] >= seq)
+    assert answer()["longest_matched"] >= 16 * (len(tokens) // 16 - 1) > 0
+    assert seq >= 1

@@ -111,3 +111,32 @@ def test_a_short_token_is_refused(tmp_path: Path) -> None:
     (tmp_path / "t").write_text("short")
     result = CliRunner().invoke(app, ["index", "--auth-token-file", str(tmp_path / "t")])
     assert result.exit_code == 2 and "at least 16" in result.output
+
+
+def sparse(hashes: list[int], tokens: list[int], *, parent: int | None = None) -> BlockStored:
+    """vLLM's event for a sliding-window group (window 5 over 4-token blocks: ceil(4 / 4) = 1 block
+    needed before a hit point) whose earlier blocks of the range were null: fewer hashes than blocks."""
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=4, lora_id=None,
+                       medium="GPU", lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window",
+                       kv_cache_spec_sliding_window=5)
+
+
+def test_sparse_events_are_placed_by_engine_hash() -> None:
+    """As vLLM 0.32 sends them: the window group's event (only block 3 of 4 stored, all 16 tokens)
+    before the full group's in the same batch. Block 3 is where the full group put hash 4, so the
+    joint hit is 16 tokens (full blocks 0-3, window block 3 just before p = 16); placed at block 0
+    instead it would be 4."""
+    s = service()
+    apply(s, sparse([4], TOKENS), stored(TOKENS, group=0))
+    assert hit(s, TOKENS) == 16
+    apply(s, BlockRemoved(block_hashes=[4], medium="GPU", group_idx=1))
+    assert hit(s, TOKENS) == 0  # (no window block anywhere: only p = 0 is served)
+
+
+def test_a_sparse_event_with_unknown_hashes_takes_the_ranges_last_blocks() -> None:
+    """No other group named its hash: the stored blocks are the range's last (a window's tail)."""
+    s = service()
+    apply(s, stored(TOKENS, group=0))
+    apply(s, sparse([99], TOKENS[:8]))  # (hash 99 unknown: block 1 of the first 8 tokens)
+    assert hit(s, TOKENS[:8]) == 8
+    assert hit(s, TOKENS) == 8  # (the window holds block 1 only: p = 8 is the longest it serves)

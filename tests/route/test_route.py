@@ -16,7 +16,7 @@ from hybridkv.engine.llm import LLM
 from hybridkv.index.http import AppServer, make_app
 from hybridkv.index.service import IndexService
 from hybridkv.openai_api.http_server import ServeServer
-from hybridkv.route.app import RouteConfig
+from hybridkv.route.app import RouteConfig, index_behind
 from hybridkv.route.app import make_app as make_route_app
 from hybridkv.route.local import free_port
 from hybridkv.route.picker import Engine, Policy, rank
@@ -151,3 +151,14 @@ def test_rank_prefers_the_hit_within_the_load_skew() -> None:
     assert next(e.url for e in rank([a, b, c], {"b": (32, 32)}, Policy.JOINT, now=0.0)) != "b"
     c.down_until = 10.0
     assert "c" not in [e.url for e in rank([a, b, c], {}, Policy.JOINT, now=1.0)]
+
+
+def test_an_index_answer_older_than_an_engines_reply_is_behind() -> None:
+    """events_seq below the count an engine's responses reported: asked again; equal, above or not
+    reported (a vLLM engine, an index without subscriptions): used as it is."""
+    cfg = RouteConfig(engines=[Engine(url="http://a", instance_id="a", events_seq=5),
+                               Engine(url="http://b", instance_id="b")], index_url=None, model=MODEL)
+    assert index_behind(cfg, {"a": {"events_seq": 4}, "b": {"events_seq": 0}})
+    assert not index_behind(cfg, {"a": {"events_seq": 5}, "b": {"events_seq": 0}})
+    assert not index_behind(cfg, {"a": {"events_seq": 9}})
+    assert not index_behind(cfg, {"a": {"longest_matched": 0}})

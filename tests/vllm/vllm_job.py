@@ -8,11 +8,14 @@ A fresh process per engine: vLLM keeps process-global state (its KV transfer age
 connector), "extra": {more kv_connector_extra_config}, "mamba_cache_mode": null or mode,
 "server_cmd": [argv] (to restart a server), "server_pid": pid, "scheduler_cls": null or a class path,
 "cache_env": {HYBRIDKV_CACHE_PRESET / HYBRIDKV_CACHE_OPTIONS}, "num_gpu_blocks_override": null or blocks,
-"sessions": {"system": [ids], "turns": [[ids per turn] per session]}, "phases": [...]}. Phases:
+"sessions": {"system": [ids], "turns": [[ids per turn] per session]}, "kv_events": {"endpoint",
+"replay_endpoint"} (vLLM's KV events on), "index_url", "instance_id", "served_name", "phases": [...]}. Phases:
 
     generate             greedy tokens, each output's num_cached_tokens, retrieves failed so far
     turns                the sessions' turns, one `generate` per round: turn k's prompt is the system
                          prompt, every earlier turn and its output, then turn k (tokens, cached per round)
+    indexed              registered with the index at `index_url`, the prompts one by one: the index's
+                         prediction (once it has every batch vLLM sent), then vLLM's num_cached_tokens
     reset                llm.reset_prefix_cache(): vLLM's own prefix cache only
     groups               vLLM's KV cache groups: spec class, block size, layers
     status               the server's /status at `http_url`
@@ -54,6 +57,12 @@ def make_llm(job: dict[str, Any]) -> Any:
         kwargs["scheduler_cls"] = job["scheduler_cls"]
     if job.get("num_gpu_blocks_override"):
         kwargs["num_gpu_blocks_override"] = job["num_gpu_blocks_override"]
+    if job.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=job["kv_events"]["endpoint"],
+                                                    replay_endpoint=job["kv_events"]["replay_endpoint"])
     os.environ.update(job.get("cache_env") or {})
     return LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
                max_num_batched_tokens=job["max_num_batched_tokens"], enforce_eager=True,
@@ -105,6 +114,40 @@ def run_turns(llm: Any, params: Any, sessions: dict[str, Any]) -> dict[str, Any]
     return {"rounds": rounds}
 
 
+def _post(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def run_indexed(llm: Any, params: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Registers this engine's KV event stream with the index at `index_url` (type vLLM), then per
+    prompt, one at a time: wait until the index has applied every batch vLLM published, ask it,
+    generate. Rows: [the index's longest_matched, vLLM's num_cached_tokens, attention_matched]."""
+    index, instance, events = job["index_url"], job["instance_id"], job["kv_events"]
+    publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
+    _post(index + "/register", {"endpoint": events["endpoint"], "replay_endpoint": events["replay_endpoint"],
+                                "type": "vLLM", "modelname": job["served_name"], "instance_id": instance,
+                                "block_size": llm.llm_engine.vllm_config.cache_config.block_size})
+    rows = []
+    for prompt in job["prompts"]:
+        query = {"model": job["served_name"], "token_ids": prompt, "instance_id": instance}
+        deadline = time.monotonic() + 10
+        while True:  # (vLLM's publisher thread sends a step's batch after the step: wait for it to drain)
+            buffer = publisher._buffer  # ((seq, payload) of the batches sent, for replay)
+            sent = (buffer[-1][0] + 1 if buffer else 0) if publisher._event_queue.unfinished_tasks == 0 else -1
+            entry = _post(index + "/query", query)["default"].get(instance, {})
+            if sent >= 0 and entry.get("events_seq", 0) >= sent:
+                break
+            if time.monotonic() > deadline:
+                print(f"index behind: events_seq {entry.get('events_seq')} < {sent} sent", file=sys.stderr, flush=True)
+                break
+            time.sleep(0.01)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        rows.append([entry.get("longest_matched", 0), out.num_cached_tokens, entry.get("attention_matched", 0)])
+    return {"rows": rows}
+
+
 def run(job: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
@@ -120,6 +163,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             results.append({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                             "cached": [o.num_cached_tokens for o in outputs], "load_errors": len(failures)})
+        elif phase == "indexed":
+            results.append(run_indexed(llm, params, job))
         elif phase == "turns":
             results.append(run_turns(llm, params, job["sessions"]))
         elif phase == "reset":

@@ -1,0 +1,102 @@
+"""What every hybridkv HTTP service shares: uvicorn on a socket bound first, and the bearer check.
+
+    sock = bind_socket(host, port, what="--http-port")     an address in use fails here, at once
+    server = BoundServer(uvicorn.Server(config), sock, name="hybridkv-index")
+    server.run()                       serve in this thread (uvicorn's signals: graceful, then forced)
+    server.start() / server.stop()     the same on a background thread (tests, benchmarks)
+
+Binding before uvicorn starts is what makes port 0 work (the port is known before serving) and
+turns "address in use" into a ConfigError the CLI prints in one line. `bearer_ok` is the one
+constant-time comparison of an `Authorization: Bearer <secret>` header (`hybridkv serve`'s API
+key, the KV cache server's secret and the index's token all go through it).
+
+Users: `hybridkv serve` (openai_api.http_server), `hybridkv server`'s HTTP face (cache_server.http),
+`hybridkv index` and `hybridkv route` (index.http).
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+import time
+
+import uvicorn
+
+from hybridkv.errors import ConfigError
+
+__all__ = ["BoundServer", "bearer_ok", "bind_socket"]
+
+
+def bind_socket(host: str, port: int, *, what: str = "--port", backlog: int = 256) -> socket.socket:
+    """A listening TCP socket on host:port (IPv6 when `host` has a colon); ConfigError naming `what`
+    (the flag that set the port) when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind {host}:{port} ({what}): {exc.strerror}; expected a free port "
+                          "(0: any free port)") from None
+    sock.listen(backlog)  # (connections wait in the backlog until uvicorn accepts them)
+    return sock
+
+
+def bearer_ok(secret: bytes, header: str | None) -> bool:
+    """Whether an `Authorization` header carries `secret` as a bearer token (always, when `secret` is
+    empty: authentication off). The scheme is matched in any case; the comparison is constant-time."""
+    if not secret:
+        return True
+    scheme, _, value = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), secret)
+
+
+class BoundServer:
+    """A uvicorn server on an already bound socket, run here or on a background thread."""
+
+    def __init__(self, server: uvicorn.Server, sock: socket.socket, *, name: str = "hybridkv-http") -> None:
+        self._server = server
+        self._sock = sock
+        self._name = name
+        self._thread: threading.Thread | None = None
+        address = sock.getsockname()
+        self.host: str = address[0]
+        self.port: int = address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def started(self) -> bool:
+        return bool(self._server.started)
+
+    def run(self) -> None:
+        """Serve in this thread until uvicorn exits (a signal, or `request_stop`); closes the socket."""
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self._sock.close()
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Serve on a background thread; returns once it accepts requests (RuntimeError otherwise)."""
+        self._thread = threading.Thread(target=self.run, name=self._name, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError(f"{self._name} did not start within {timeout_s} s")
+
+    def request_stop(self) -> None:
+        """Ask the server to stop gracefully (safe before `run` starts: it then stops at once)."""
+        self._server.should_exit = True
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop and wait for the background thread (at most `timeout_s`)."""
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

@@ -1,0 +1,33 @@
+"""The shared HTTP helpers: the bearer check and binding before serving."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from hybridkv.errors import ConfigError
+from hybridkv.http_serving import bearer_ok, bind_socket
+
+
+@pytest.mark.parametrize(("header", "ok"), [
+    ("Bearer s3cret-token", True), ("bearer s3cret-token", True), ("BEARER  s3cret-token ", True),
+    ("Bearer s3cret-toke", False), ("Basic s3cret-token", False), ("s3cret-token", False), ("", False), (None, False),
+])
+def test_bearer_ok(header: str | None, ok: bool) -> None:
+    assert bearer_ok(b"s3cret-token", header) is ok
+    assert bearer_ok(b"", header)  # (no secret: authentication is off)
+
+
+def test_an_address_in_use_is_a_one_line_config_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"cannot bind 127.0.0.1:{port} \(--http-port\): .*expected a free"):
+            bind_socket("127.0.0.1", port, what="--http-port")
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[1] > 0
+    finally:
+        sock.close()
