@@ -157,17 +157,25 @@ class BlockPool:
         total = sum(counts)
         if total <= FEW:
             return self._allocate_few(counts, total)
-        ids = self.eviction.pop(total)
-        if np.count_nonzero(self.has_hash[ids]):
-            self._evict(ids)
-        self.ref_cnt[ids] = 1
-        self.group_of[ids] = np.repeat(self._group_ids, counts)
+        ids = self.allocate_flat(counts)
         out: list[Ids] = []
         start = 0
         for count in counts:
             out.append(ids[start : start + count])
             start += count
         return out
+
+    def allocate_flat(self, counts: Sequence[int]) -> Ids:
+        """`allocate`'s blocks as one array, group after group (hundreds of page groups: no list per group)."""
+        total = sum(counts)
+        if total <= FEW:
+            return np.array([b for blocks in self._allocate_few(counts, total) for b in blocks], np.int64)
+        ids = self.eviction.pop(total)
+        if np.count_nonzero(self.has_hash[ids]):
+            self._evict(ids)
+        self.ref_cnt[ids] = 1
+        self.group_of[ids] = np.repeat(self._group_ids, counts)
+        return ids
 
     def _allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
         """`allocate` for a handful of blocks (`total` = sum of `counts`), as lists."""
@@ -372,6 +380,9 @@ class BlockPool:
         `group_ids[i]`, one block size) under `hashes[position]`, with one dict operation for all."""
         key = hashes[position]
         pmap = self._place[group_ids[0]][0]
+        if len(group_ids) > FEW and not self._events_on:  # a multi-page state's checkpoint: its pages at once
+            self._cache_column(pmap, group_ids, np.array(blocks, np.int64), key)
+            return
         has_hash, slot_of, place = self.has_hash, self.slot_of, self._place
         slot = 0
         for group_id, block in zip(group_ids, blocks, strict=True):
@@ -391,6 +402,17 @@ class BlockPool:
         if self._events_on:
             for group_id, block in zip(group_ids, blocks, strict=True):
                 self._log.stored(group_id, [block], hashes, position, position + 1, token_ids)
+
+    def _cache_column(self, pmap: PrefixMap, group_ids: Sequence[int], blocks: Ids, key: BlockHash) -> None:
+        """`_cache_position` of many groups in array operations (`blocks[i]`: group `group_ids[i]`'s)."""
+        chosen = (blocks != NULL) & ~self.has_hash[blocks]
+        if not np.count_nonzero(chosen):
+            return
+        slot = pmap.slot_for(key)
+        blocks = blocks[chosen]
+        self.has_hash[blocks] = True
+        self.slot_of[blocks] = slot
+        pmap.cache_column(self._col_of[list(group_ids)][chosen], slot, key, blocks)
 
     def _cache_fresh(self, group_ids: Sequence[int], chosen: Ids, keys: Sequence[BlockHash]) -> bool:
         """The common case in bulk: real blocks without a hash, each key new to every group and
@@ -438,13 +460,18 @@ class BlockPool:
         """Drop `block_hash` from free `blocks` that still carry it (a cached entry no lookup will
         want): they become content-free and are reused first. False, and nothing changes, when
         any of them is held or carries another hash (reused or hit since)."""
-        if any(self.ref_cnt.item(b) or self.hash_of(b) != block_hash for b in blocks):
+        ids = np.array(blocks, np.int64)
+        slots = self.slot_of[ids]
+        if np.count_nonzero(self.ref_cnt[ids]) or np.count_nonzero(slots) != len(ids):
             return False
-        ids = list(blocks)
-        self.eviction.remove_few(ids)
-        for block in ids:
-            self._drop_hash(block)
-        self.eviction.release_few(ids)
+        pmaps = {id(self._place[g][0]): self._place[g][0] for g in set(self.group_of[ids].tolist())}
+        if any(key != block_hash for key in (  # (a state's pages: one map, one slot)
+                next(iter(pmaps.values())).key[list(set(slots.tolist()))].tolist() if len(pmaps) == 1
+                else map(self.hash_of, ids.tolist()))):
+            return False
+        self.eviction.remove(ids)
+        self._evict(ids)  # (every one carries the hash: dropped in array operations)
+        self.eviction.release(ids)
         return True
 
     # -- slow path ----------------------------------------------------------------------------

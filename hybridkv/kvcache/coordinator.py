@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,14 +53,14 @@ from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import ReleaseOrder
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.seams import Adoption, Reserve
-from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
+from hybridkv.kvcache.type_managers.base import SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
 
 
 #: `decode`'s plan per manager: (index of its bounds, manager, table, keep from, grows by one entry, that entry is real)
 _DecodeStep = tuple[int, SingleTypeManager, Table, int, bool, bool]
-NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
+NewEntries = list[tuple[int, ...]]  # new table entries per group, 0 = null
 
 
 class KVCacheCoordinator:
@@ -200,13 +201,11 @@ class KVCacheCoordinator:
             self._release_skipped(rid, first_new)
             for m, bound in zip(managers, bounds, strict=True):
                 if bound:
-                    for g in m.group_ids:
-                        counts[g] = bound // m.num_groups
+                    _put(counts, m.group_ids, [bound // m.num_groups] * m.num_groups)
         else:
             touched: list[Sequence[int]] = [[]] * self.num_groups
             for m, h in zip(managers, manager_hits, strict=True):
-                for g, kept in zip(m.group_ids, m.save_hits(request, h, first_new), strict=True):
-                    touched[g] = kept
+                _put(touched, m.group_ids, m.save_hits(request, h, first_new))
             if any(touched):
                 pool.touch(touched)
             if adopted:  # the request's running state now: no lookup may find it
@@ -214,26 +213,42 @@ class KVCacheCoordinator:
                 assert self.adoption is not None
                 self.adoption.adoptions += 1
             for m in managers:
-                count = m.num_new_blocks(request, first_new, total_tokens)
-                for g in m.group_ids:
-                    counts[g] = count
+                _put(counts, m.group_ids, [m.num_new_blocks(request, first_new, total_tokens)] * m.num_groups)
         if extra:
             for m, cow in zip(managers, cows, strict=True):
                 if cow is not None:
-                    for g in m.group_ids:
-                        counts[g] += 1
-        fresh: list[Sequence[int] | Ids] | None = list(pool.allocate(counts)) if any(counts) else None
+                    _put(counts, m.group_ids, [counts[g] + 1 for g in m.group_ids])
+        flat = pool.allocate_flat(counts) if any(counts) else None
+        starts = np.cumsum([0, *counts]).tolist() if flat is not None else []
+        fresh: list[Sequence[int] | Ids] | None = None
         copied: list[Sequence[int]] = [()] * self.num_groups
-        if extra and fresh is not None:
+        if extra and flat is not None:
+            fresh = [flat[starts[g] : starts[g + 1]] for g in range(self.num_groups)]
             copied = self.cow.apply(rid, rid in self.allocated, cows, fresh)
-        new: NewEntries = [EMPTY] * self.num_groups
+        new: NewEntries = [()] * self.num_groups
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
-            blocks = [fresh[g] for g in m.group_ids] if fresh is not None else [[]] * m.num_groups
-            for g, row in zip(m.group_ids, m.allocate_new_blocks(request, first_new, total_tokens, blocks),
-                              strict=True):
-                new[g] = np.concatenate([np.array(copied[g], np.int64), row]) if len(copied[g]) else row
+            blocks = self._blocks_of(m, flat, starts, fresh)
+            rows = m.allocate_new_blocks(request, first_new, total_tokens, blocks)
+            if rows.size or extra:  # (one list per manager: hundreds of page groups share one)
+                _put(new, m.group_ids, [(*copied[g], *row) if len(copied[g]) else tuple(row)
+                                        for g, row in zip(m.group_ids, rows.tolist(), strict=True)])
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
+
+    @staticmethod
+    def _blocks_of(m: SingleTypeManager, flat: Ids | None, starts: list[int],
+                   fresh: list[Sequence[int] | Ids] | None) -> Sequence[Sequence[int] | Ids] | Ids:
+        """The new blocks of `m`'s groups: one (groups, n) slice of the pop where its groups are
+        consecutive and equal (a multi-page state's pages), else per group."""
+        if fresh is not None:
+            return [fresh[g] for g in m.group_ids]
+        if flat is None:
+            return [[]] * m.num_groups
+        first, last = m.group_ids[0], m.group_ids[-1]
+        count = starts[first + 1] - starts[first]
+        if last - first + 1 == m.num_groups and starts[last + 1] - starts[first] == count * m.num_groups:
+            return flat[starts[first] : starts[last + 1]].reshape(m.num_groups, count)
+        return [flat[starts[g] : starts[g + 1]] for g in m.group_ids]
 
     def _release_skipped(self, rid: RequestId, first_new: int) -> None:
         """Release the blocks a running request no longer needs once `first_new` tokens precede its step."""
@@ -399,6 +414,15 @@ class KVCacheCoordinator:
         rows = sorted((g, blocks[i]) for group_ids, blocks in tables for i, g in enumerate(group_ids))
         if rows:
             self.pool.free(np.concatenate([row for _, row in rows]))
+
+
+def _put(values: list[Any], group_ids: Sequence[int], items: Sequence[Any]) -> None:
+    """`values[g] = items[i]` for the i-th of `group_ids` (consecutive ids: one slice assignment)."""
+    if group_ids[-1] - group_ids[0] + 1 == len(group_ids):
+        values[group_ids[0] : group_ids[-1] + 1] = items
+    else:
+        for g, item in zip(group_ids, items, strict=True):
+            values[g] = item
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

@@ -122,7 +122,7 @@ class FixedStateManager(MambaManager):
         ids[:, new_len - 1] = blocks[:, 0]
 
     def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int,
-                            blocks: Sequence[Sequence[int] | Ids] | None = None) -> Ids:
+                            blocks: Sequence[Sequence[int] | Ids] | Ids | None = None) -> Ids:
         """As the base class; a table that grows moves its running block to the new last entry."""
         table = self._tables[request.request_id]
         old_len = table.length
@@ -196,7 +196,8 @@ class FixedStateManager(MambaManager):
                 self._replace_decode_checkpoint(item.request, item.key, item.blocks)
             copies += zip(self.group_ids, item.running, item.blocks, strict=True)
         self.checkpoints_copied += len(copies)
-        self._pool.free([b for item in pending for b in item.blocks])
+        if pending:  # (distinct blocks: released in array operations)
+            self._pool.free(np.array([b for item in pending for b in item.blocks], np.int64))
         return copies
 
     def apply_cow(self, request_id: RequestId, index: int, blocks: Sequence[int]) -> None:
