@@ -48,10 +48,10 @@ from numpy.typing import NDArray
 
 from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent, KVEvents
-from hybridkv.kvcache.eviction import Ids, PolicyFactory, interleave
+from hybridkv.kvcache.eviction import Ids, PolicyFactory, interleave, interleave_rows
 from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash
 from hybridkv.kvcache.partial_hits import PartialIndex
-from hybridkv.kvcache.pool_checks import check_pool
+from hybridkv.kvcache.pool_checks import check_pool, free_and_carrying
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap, maps_for
 from hybridkv.plan.planner import KVCacheGroupSpec
 
@@ -157,13 +157,7 @@ class BlockPool:
         total = sum(counts)
         if total <= FEW:
             return self._allocate_few(counts, total)
-        ids = self.allocate_flat(counts)
-        out: list[Ids] = []
-        start = 0
-        for count in counts:
-            out.append(ids[start : start + count])
-            start += count
-        return out
+        return np.split(self.allocate_flat(counts), np.cumsum(counts)[:-1])
 
     def allocate_flat(self, counts: Sequence[int]) -> Ids:
         """`allocate`'s blocks as one array, group after group (hundreds of page groups: no list per group)."""
@@ -322,18 +316,7 @@ class BlockPool:
                     lists[group_id] = row
             self.free(interleave(lists))
             return
-        filled = [(group_ids, blocks) for group_ids, blocks in parts if blocks.size]
-        if len(filled) == 1 and list(filled[0][0]) == sorted(filled[0][0]):  # the grid without the other groups
-            ids = filled[0][1].T.ravel()
-        else:
-            grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), len(self._groups)), np.int64)
-            for group_ids, blocks in filled:
-                first = group_ids[0]
-                if group_ids[-1] - first == len(group_ids) - 1:  # consecutive groups: a slice, not a gather
-                    grid[: blocks.shape[1], first : first + len(group_ids)] = blocks.T
-                else:
-                    grid[: blocks.shape[1], list(group_ids)] = blocks.T
-            ids = grid.ravel()
+        ids = interleave_rows(parts, len(self._groups))
         self._release(ids[ids != NULL])
 
     def _release(self, ids: Ids) -> None:
@@ -461,13 +444,7 @@ class BlockPool:
         want): they become content-free and are reused first. False, and nothing changes, when
         any of them is held or carries another hash (reused or hit since)."""
         ids = np.array(blocks, np.int64)
-        slots = self.slot_of[ids]
-        if np.count_nonzero(self.ref_cnt[ids]) or np.count_nonzero(slots) != len(ids):
-            return False
-        pmaps = {id(self._place[g][0]): self._place[g][0] for g in set(self.group_of[ids].tolist())}
-        if any(key != block_hash for key in (  # (a state's pages: one map, one slot)
-                next(iter(pmaps.values())).key[list(set(slots.tolist()))].tolist() if len(pmaps) == 1
-                else map(self.hash_of, ids.tolist()))):
+        if not free_and_carrying(self, ids, block_hash):
             return False
         self.eviction.remove(ids)
         self._evict(ids)  # (every one carries the hash: dropped in array operations)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -49,6 +48,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.copy_on_write import CopyOnWrite
 from hybridkv.kvcache.eviction import Ids
+from hybridkv.kvcache.group_spans import new_block_rows, put_groups
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import ReleaseOrder
 from hybridkv.kvcache.request import KVRequest
@@ -201,11 +201,11 @@ class KVCacheCoordinator:
             self._release_skipped(rid, first_new)
             for m, bound in zip(managers, bounds, strict=True):
                 if bound:
-                    _put(counts, m.group_ids, [bound // m.num_groups] * m.num_groups)
+                    put_groups(counts, m.group_ids, [bound // m.num_groups] * m.num_groups)
         else:
             touched: list[Sequence[int]] = [[]] * self.num_groups
             for m, h in zip(managers, manager_hits, strict=True):
-                _put(touched, m.group_ids, m.save_hits(request, h, first_new))
+                put_groups(touched, m.group_ids, m.save_hits(request, h, first_new))
             if any(touched):
                 pool.touch(touched)
             if adopted:  # the request's running state now: no lookup may find it
@@ -213,11 +213,11 @@ class KVCacheCoordinator:
                 assert self.adoption is not None
                 self.adoption.adoptions += 1
             for m in managers:
-                _put(counts, m.group_ids, [m.num_new_blocks(request, first_new, total_tokens)] * m.num_groups)
+                put_groups(counts, m.group_ids, [m.num_new_blocks(request, first_new, total_tokens)] * m.num_groups)
         if extra:
             for m, cow in zip(managers, cows, strict=True):
                 if cow is not None:
-                    _put(counts, m.group_ids, [counts[g] + 1 for g in m.group_ids])
+                    put_groups(counts, m.group_ids, [counts[g] + 1 for g in m.group_ids])
         flat = pool.allocate_flat(counts) if any(counts) else None
         starts = np.cumsum([0, *counts]).tolist() if flat is not None else []
         fresh: list[Sequence[int] | Ids] | None = None
@@ -227,28 +227,13 @@ class KVCacheCoordinator:
             copied = self.cow.apply(rid, rid in self.allocated, cows, fresh)
         new: NewEntries = [()] * self.num_groups
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
-            blocks = self._blocks_of(m, flat, starts, fresh)
+            blocks = new_block_rows(m.group_ids, flat, starts, fresh)
             rows = m.allocate_new_blocks(request, first_new, total_tokens, blocks)
             if rows.size or extra:  # (one list per manager: hundreds of page groups share one)
-                _put(new, m.group_ids, [(*copied[g], *row) if len(copied[g]) else tuple(row)
+                put_groups(new, m.group_ids, [(*copied[g], *row) if len(copied[g]) else tuple(row)
                                         for g, row in zip(m.group_ids, rows.tolist(), strict=True)])
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
-
-    @staticmethod
-    def _blocks_of(m: SingleTypeManager, flat: Ids | None, starts: list[int],
-                   fresh: list[Sequence[int] | Ids] | None) -> Sequence[Sequence[int] | Ids] | Ids:
-        """The new blocks of `m`'s groups: one (groups, n) slice of the pop where its groups are
-        consecutive and equal (a multi-page state's pages), else per group."""
-        if fresh is not None:
-            return [fresh[g] for g in m.group_ids]
-        if flat is None:
-            return [[]] * m.num_groups
-        first, last = m.group_ids[0], m.group_ids[-1]
-        count = starts[first + 1] - starts[first]
-        if last - first + 1 == m.num_groups and starts[last + 1] - starts[first] == count * m.num_groups:
-            return flat[starts[first] : starts[last + 1]].reshape(m.num_groups, count)
-        return [flat[starts[g] : starts[g + 1]] for g in m.group_ids]
 
     def _release_skipped(self, rid: RequestId, first_new: int) -> None:
         """Release the blocks a running request no longer needs once `first_new` tokens precede its step."""
@@ -414,15 +399,6 @@ class KVCacheCoordinator:
         rows = sorted((g, blocks[i]) for group_ids, blocks in tables for i, g in enumerate(group_ids))
         if rows:
             self.pool.free(np.concatenate([row for _, row in rows]))
-
-
-def _put(values: list[Any], group_ids: Sequence[int], items: Sequence[Any]) -> None:
-    """`values[g] = items[i]` for the i-th of `group_ids` (consecutive ids: one slice assignment)."""
-    if group_ids[-1] - group_ids[0] + 1 == len(group_ids):
-        values[group_ids[0] : group_ids[-1] + 1] = items
-    else:
-        for g, item in zip(group_ids, items, strict=True):
-            values[g] = item
 
 
 class NoPrefixCacheCoordinator(KVCacheCoordinator):

@@ -168,8 +168,10 @@ class FixedStateManager(MambaManager):
         counts = [0] * pool.num_groups
         for g in self.group_ids:
             counts[g] = 1
-        fresh = pool.allocate(counts)
-        blocks = [int(fresh[g][0]) for g in self.group_ids]
+        blocks: list[int] = pool.allocate_flat(counts).tolist()  # (one per group, in group id order)
+        if list(self.group_ids) != sorted(self.group_ids):
+            by_group = dict(zip(sorted(self.group_ids), blocks, strict=True))
+            blocks = [by_group[g] for g in self.group_ids]
         rows = np.zeros((self.num_groups, num_full), np.int64)
         rows[:, index] = blocks
         pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
