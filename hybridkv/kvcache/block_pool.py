@@ -345,7 +345,7 @@ class BlockPool:
         hash are skipped, and a hash a group already holds makes the block a waiting copy.
         `token_ids` are the request's tokens (for `BlockStored` events)."""
         if end == start + 1 and rows.shape[1] > start:
-            self._cache_position(group_ids, rows[:, start].tolist(), hashes, start, token_ids)
+            self.cache_position(group_ids, rows[:, start].tolist(), hashes, start, token_ids)
             return
         chosen = rows[:, start:end]
         keys = hashes[start:end]
@@ -357,7 +357,7 @@ class BlockPool:
             for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
                 self._log.stored(group_id, row, hashes, start, end, token_ids)
 
-    def _cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
+    def cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
                         position: int, token_ids: Sequence[int]) -> None:
         """`cache` of one position: `blocks[i]` (table entry `position` of group
         `group_ids[i]`, one block size) under `hashes[position]`, with one dict operation for all."""
@@ -387,7 +387,7 @@ class BlockPool:
                 self._log.stored(group_id, [block], hashes, position, position + 1, token_ids)
 
     def _cache_column(self, pmap: PrefixMap, group_ids: Sequence[int], blocks: Ids, key: BlockHash) -> None:
-        """`_cache_position` of many groups in array operations (`blocks[i]`: group `group_ids[i]`'s)."""
+        """`cache_position` of many groups in array operations (`blocks[i]`: group `group_ids[i]`'s)."""
         chosen = (blocks != NULL) & ~self.has_hash[blocks]
         if not np.count_nonzero(chosen):
             return

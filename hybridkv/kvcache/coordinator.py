@@ -229,9 +229,11 @@ class KVCacheCoordinator:
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
             blocks = new_block_rows(m.group_ids, flat, starts, fresh)
             rows = m.allocate_new_blocks(request, first_new, total_tokens, blocks)
-            if rows.size or extra:  # (one list per manager: hundreds of page groups share one)
+            if extra:
                 put_groups(new, m.group_ids, [(*copied[g], *row) if len(copied[g]) else tuple(row)
-                                        for g, row in zip(m.group_ids, rows.tolist(), strict=True)])
+                                              for g, row in zip(m.group_ids, rows.tolist(), strict=True)])
+            elif rows.size:  # (one list per manager: hundreds of page groups share one)
+                put_groups(new, m.group_ids, list(map(tuple, rows.tolist())))
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
 

@@ -172,9 +172,7 @@ class FixedStateManager(MambaManager):
         if list(self.group_ids) != sorted(self.group_ids):
             by_group = dict(zip(sorted(self.group_ids), blocks, strict=True))
             blocks = [by_group[g] for g in self.group_ids]
-        rows = np.zeros((self.num_groups, num_full), np.int64)
-        rows[:, index] = blocks
-        pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
+        pool.cache_position(self.group_ids, blocks, block_hashes, index, request.token_ids)
         self._cached_this_step.add(key)
         share = self._anchored.get(request.request_id, {}).get(index)
         if share is not None:
