@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"layout={layout} preset={preset} budget={budget} {result} wall_s={row['wall_s']:.1f} "
                           f"cpu_s={row['cpu_s']:.1f} rss_gib={row['rss_gib']:.2f}", flush=True)
     failed = sum("error" in row for row in rows)
-    print(f"max_wall_s={max(float(r['wall_s']) for r in rows):.1f} "  # type: ignore[arg-type]
-          f"max_rss_gib={max(float(r['rss_gib']) for r in rows):.2f} runs={len(rows)} failed={failed}")  # type: ignore[arg-type]
+    walls = [float(str(row["wall_s"])) for row in rows]
+    rss = [float(str(row["rss_gib"])) for row in rows]
+    print(f"max_wall_s={max(walls):.1f} max_rss_gib={max(rss):.2f} runs={len(rows)} failed={failed}")
     return 0
 
 
