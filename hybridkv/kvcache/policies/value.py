@@ -157,10 +157,15 @@ class ValuePolicy:
 
     def _drop_stale(self) -> None:
         """Drop the entries of blocks taken back or moved since they were queued, once the queues hold
-        more than `STALE_ENTRIES_PER_BLOCK` per block: eviction drops them only as it reaches them, so a
-        pool that never fills would otherwise keep one entry per release for ever."""
-        if self._runs.entries > self._max_entries:
-            self._runs.drop_stale()
+        more than `STALE_ENTRIES_PER_BLOCK` per block or twice the free cached blocks: eviction drops
+        them only as it reaches them, so a pool that never fills would otherwise keep one entry per
+        release for ever (and a pool of 10M blocks up to 40M of them)."""
+        if self._runs.entries > self._max_entries or self._runs.entries > 2 * self._cached_free() + 64:
+            self._runs.drop_stale()  # (then at least half of them were stale: O(1) per entry dropped)
+
+    def _cached_free(self) -> int:
+        """Free blocks that are not empty: the live entries there can be at most."""
+        return self.num_free - len(self._empty) - (self._num_blocks - self._fresh - len(self._taken_fresh))
 
     def num_entries(self) -> int:
         """Queue entries, stale ones included (bounded by `_drop_stale`)."""
