@@ -48,10 +48,10 @@ from numpy.typing import NDArray
 
 from hybridkv.errors import ConfigError, IntegrityError
 from hybridkv.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent, KVEvents
-from hybridkv.kvcache.eviction import Ids, PolicyFactory, interleave
+from hybridkv.kvcache.eviction import Ids, PolicyFactory, interleave, interleave_rows
 from hybridkv.kvcache.ids import NULL, NULL_REF_CNT, BlockHash
 from hybridkv.kvcache.partial_hits import PartialIndex
-from hybridkv.kvcache.pool_checks import check_pool
+from hybridkv.kvcache.pool_checks import check_pool, free_and_carrying
 from hybridkv.kvcache.prefix_map import GroupsView, PrefixMap, maps_for
 from hybridkv.plan.planner import KVCacheGroupSpec
 
@@ -157,17 +157,19 @@ class BlockPool:
         total = sum(counts)
         if total <= FEW:
             return self._allocate_few(counts, total)
+        return np.split(self.allocate_flat(counts), np.cumsum(counts)[:-1])
+
+    def allocate_flat(self, counts: Sequence[int]) -> Ids:
+        """`allocate`'s blocks as one array, group after group (hundreds of page groups: no list per group)."""
+        total = sum(counts)
+        if total <= FEW:
+            return np.array([b for blocks in self._allocate_few(counts, total) for b in blocks], np.int64)
         ids = self.eviction.pop(total)
         if np.count_nonzero(self.has_hash[ids]):
             self._evict(ids)
         self.ref_cnt[ids] = 1
         self.group_of[ids] = np.repeat(self._group_ids, counts)
-        out: list[Ids] = []
-        start = 0
-        for count in counts:
-            out.append(ids[start : start + count])
-            start += count
-        return out
+        return ids
 
     def _allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
         """`allocate` for a handful of blocks (`total` = sum of `counts`), as lists."""
@@ -314,18 +316,7 @@ class BlockPool:
                     lists[group_id] = row
             self.free(interleave(lists))
             return
-        filled = [(group_ids, blocks) for group_ids, blocks in parts if blocks.size]
-        if len(filled) == 1 and list(filled[0][0]) == sorted(filled[0][0]):  # the grid without the other groups
-            ids = filled[0][1].T.ravel()
-        else:
-            grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), len(self._groups)), np.int64)
-            for group_ids, blocks in filled:
-                first = group_ids[0]
-                if group_ids[-1] - first == len(group_ids) - 1:  # consecutive groups: a slice, not a gather
-                    grid[: blocks.shape[1], first : first + len(group_ids)] = blocks.T
-                else:
-                    grid[: blocks.shape[1], list(group_ids)] = blocks.T
-            ids = grid.ravel()
+        ids = interleave_rows(parts, len(self._groups))
         self._release(ids[ids != NULL])
 
     def _release(self, ids: Ids) -> None:
@@ -354,7 +345,7 @@ class BlockPool:
         hash are skipped, and a hash a group already holds makes the block a waiting copy.
         `token_ids` are the request's tokens (for `BlockStored` events)."""
         if end == start + 1 and rows.shape[1] > start:
-            self._cache_position(group_ids, rows[:, start].tolist(), hashes, start, token_ids)
+            self.cache_position(group_ids, rows[:, start].tolist(), hashes, start, token_ids)
             return
         chosen = rows[:, start:end]
         keys = hashes[start:end]
@@ -366,12 +357,15 @@ class BlockPool:
             for group_id, row in zip(group_ids, chosen.tolist(), strict=True):
                 self._log.stored(group_id, row, hashes, start, end, token_ids)
 
-    def _cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
+    def cache_position(self, group_ids: Sequence[int], blocks: Sequence[int], hashes: Sequence[BlockHash],
                         position: int, token_ids: Sequence[int]) -> None:
         """`cache` of one position: `blocks[i]` (table entry `position` of group
         `group_ids[i]`, one block size) under `hashes[position]`, with one dict operation for all."""
         key = hashes[position]
         pmap = self._place[group_ids[0]][0]
+        if len(group_ids) > FEW and not self._events_on:  # a multi-page state's checkpoint: its pages at once
+            self._cache_column(pmap, group_ids, np.array(blocks, np.int64), key)
+            return
         has_hash, slot_of, place = self.has_hash, self.slot_of, self._place
         slot = 0
         for group_id, block in zip(group_ids, blocks, strict=True):
@@ -391,6 +385,17 @@ class BlockPool:
         if self._events_on:
             for group_id, block in zip(group_ids, blocks, strict=True):
                 self._log.stored(group_id, [block], hashes, position, position + 1, token_ids)
+
+    def _cache_column(self, pmap: PrefixMap, group_ids: Sequence[int], blocks: Ids, key: BlockHash) -> None:
+        """`cache_position` of many groups in array operations (`blocks[i]`: group `group_ids[i]`'s)."""
+        chosen = (blocks != NULL) & ~self.has_hash[blocks]
+        if not np.count_nonzero(chosen):
+            return
+        slot = pmap.slot_for(key)
+        blocks = blocks[chosen]
+        self.has_hash[blocks] = True
+        self.slot_of[blocks] = slot
+        pmap.cache_column(self._col_of[list(group_ids)][chosen], slot, key, blocks)
 
     def _cache_fresh(self, group_ids: Sequence[int], chosen: Ids, keys: Sequence[BlockHash]) -> bool:
         """The common case in bulk: real blocks without a hash, each key new to every group and
@@ -438,13 +443,12 @@ class BlockPool:
         """Drop `block_hash` from free `blocks` that still carry it (a cached entry no lookup will
         want): they become content-free and are reused first. False, and nothing changes, when
         any of them is held or carries another hash (reused or hit since)."""
-        if any(self.ref_cnt.item(b) or self.hash_of(b) != block_hash for b in blocks):
+        ids = np.array(blocks, np.int64)
+        if not free_and_carrying(self, ids, block_hash):
             return False
-        ids = list(blocks)
-        self.eviction.remove_few(ids)
-        for block in ids:
-            self._drop_hash(block)
-        self.eviction.release_few(ids)
+        self.eviction.remove(ids)
+        self._evict(ids)  # (every one carries the hash: dropped in array operations)
+        self.eviction.release(ids)
         return True
 
     # -- slow path ----------------------------------------------------------------------------

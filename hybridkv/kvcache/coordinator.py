@@ -48,18 +48,19 @@ from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.copy_on_write import CopyOnWrite
 from hybridkv.kvcache.eviction import Ids
+from hybridkv.kvcache.group_spans import new_block_rows, put_groups
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import ReleaseOrder
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.seams import Adoption, Reserve
-from hybridkv.kvcache.type_managers.base import EMPTY, SingleTypeManager, Table
+from hybridkv.kvcache.type_managers.base import SingleTypeManager, Table
 
 GroupBlocks = list[list[int]]  # block ids per group, 0 = null
 
 
 #: `decode`'s plan per manager: (index of its bounds, manager, table, keep from, grows by one entry, that entry is real)
 _DecodeStep = tuple[int, SingleTypeManager, Table, int, bool, bool]
-NewEntries = list[Ids]  # new table entries per group (array views), 0 = null
+NewEntries = list[tuple[int, ...]]  # new table entries per group, 0 = null
 
 
 class KVCacheCoordinator:
@@ -200,13 +201,11 @@ class KVCacheCoordinator:
             self._release_skipped(rid, first_new)
             for m, bound in zip(managers, bounds, strict=True):
                 if bound:
-                    for g in m.group_ids:
-                        counts[g] = bound // m.num_groups
+                    put_groups(counts, m.group_ids, [bound // m.num_groups] * m.num_groups)
         else:
             touched: list[Sequence[int]] = [[]] * self.num_groups
             for m, h in zip(managers, manager_hits, strict=True):
-                for g, kept in zip(m.group_ids, m.save_hits(request, h, first_new), strict=True):
-                    touched[g] = kept
+                put_groups(touched, m.group_ids, m.save_hits(request, h, first_new))
             if any(touched):
                 pool.touch(touched)
             if adopted:  # the request's running state now: no lookup may find it
@@ -214,24 +213,27 @@ class KVCacheCoordinator:
                 assert self.adoption is not None
                 self.adoption.adoptions += 1
             for m in managers:
-                count = m.num_new_blocks(request, first_new, total_tokens)
-                for g in m.group_ids:
-                    counts[g] = count
+                put_groups(counts, m.group_ids, [m.num_new_blocks(request, first_new, total_tokens)] * m.num_groups)
         if extra:
             for m, cow in zip(managers, cows, strict=True):
                 if cow is not None:
-                    for g in m.group_ids:
-                        counts[g] += 1
-        fresh: list[Sequence[int] | Ids] | None = list(pool.allocate(counts)) if any(counts) else None
+                    put_groups(counts, m.group_ids, [counts[g] + 1 for g in m.group_ids])
+        flat = pool.allocate_flat(counts) if any(counts) else None
+        starts = np.cumsum([0, *counts]).tolist() if flat is not None else []
+        fresh: list[Sequence[int] | Ids] | None = None
         copied: list[Sequence[int]] = [()] * self.num_groups
-        if extra and fresh is not None:
+        if extra and flat is not None:
+            fresh = [flat[starts[g] : starts[g + 1]] for g in range(self.num_groups)]
             copied = self.cow.apply(rid, rid in self.allocated, cows, fresh)
-        new: NewEntries = [EMPTY] * self.num_groups
+        new: NewEntries = [()] * self.num_groups
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
-            blocks = [fresh[g] for g in m.group_ids] if fresh is not None else [[]] * m.num_groups
-            for g, row in zip(m.group_ids, m.allocate_new_blocks(request, first_new, total_tokens, blocks),
-                              strict=True):
-                new[g] = np.concatenate([np.array(copied[g], np.int64), row]) if len(copied[g]) else row
+            blocks = new_block_rows(m.group_ids, flat, starts, fresh)
+            rows = m.allocate_new_blocks(request, first_new, total_tokens, blocks)
+            if extra:
+                put_groups(new, m.group_ids, [(*copied[g], *row) if len(copied[g]) else tuple(row)
+                                              for g, row in zip(m.group_ids, rows.tolist(), strict=True)])
+            elif rows.size:  # (one list per manager: hundreds of page groups share one)
+                put_groups(new, m.group_ids, list(map(tuple, rows.tolist())))
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
 

@@ -293,3 +293,21 @@ def interleave(lists: Sequence[Sequence[int]]) -> list[int]:
         rest = [blocks for blocks in rest if len(blocks) > stop]
         start = stop
     return out
+
+
+def interleave_rows(parts: Sequence[tuple[Sequence[int], Ids]], num_groups: int) -> Ids:
+    """`interleave` of the rows of `parts` (per part: its group ids and a (groups, n) array, row i
+    for group `group_ids[i]`), groups in id order, as one array (nulls included): row k of a
+    (longest, groups) grid holds the k-th entry of each group, read row by row."""
+    filled = [(group_ids, blocks) for group_ids, blocks in parts if blocks.size]
+    if len(filled) == 1 and list(filled[0][0]) == sorted(filled[0][0]):  # the grid without the other groups
+        out: Ids = filled[0][1].T.ravel()
+        return out
+    grid = np.zeros((max(blocks.shape[1] for _, blocks in parts), num_groups), np.int64)
+    for group_ids, blocks in filled:
+        first = group_ids[0]
+        if group_ids[-1] - first == len(group_ids) - 1:  # consecutive groups: a slice, not a gather
+            grid[: blocks.shape[1], first : first + len(group_ids)] = blocks.T
+        else:
+            grid[: blocks.shape[1], list(group_ids)] = blocks.T
+    return grid.ravel()

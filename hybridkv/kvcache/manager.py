@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from itertools import chain, repeat
 from operator import add
 from typing import cast
 
@@ -51,7 +52,7 @@ from hybridkv.kvcache.events import KVEvents
 from hybridkv.kvcache.hashing import BlockHasher
 from hybridkv.kvcache.hit_checks import check_no_hit_start, resolve_hit, verify_hit
 from hybridkv.kvcache.hit_limits import HitLimit, HitLimitCounter
-from hybridkv.kvcache.ids import BlockHash, BlockId, GroupId, RequestId
+from hybridkv.kvcache.ids import BlockHash, BlockId, RequestId
 from hybridkv.kvcache.integrity import check_manager_integrity
 from hybridkv.kvcache.options import (
     MECHANISM_DEFAULTS,
@@ -328,7 +329,7 @@ class KVCacheManager:
         if self._caching and caching is CacheTiming.IMMEDIATE:
             coordinator.cache_blocks(request, self._hashes(request), min(end, request.num_tokens))
         coordinator.update_quiet(request.request_id)
-        return NewBlocks.of_ints(tuple(entries.tolist()) for entries in new)
+        return NewBlocks.of_ints(new)
 
     def cache(self, request: KVRequest, num_tokens: int) -> None:
         """Cache the full blocks among the first `num_tokens` tokens (after a DELAYED allocate,
@@ -437,15 +438,14 @@ class KVCacheManager:
         copies read stay allocated until this call. Empty unless partial hits are on."""
         copies = self._coordinator.cow.take()
         self._copies += len(copies)
-        return tuple(BlockCopy(group_id=GroupId(g), src_block_id=BlockId(src), dst_block_id=BlockId(dst))
-                     for g, src, dst in copies)
+        return tuple(map(BlockCopy._make, copies))  # ((group, src, dst) of ints: the ids' NewTypes)
 
     def take_checkpoint_copies(self) -> tuple[BlockCopy, ...]:
         """The copies the engine must run AFTER the next forward (`RunningState.FIXED`): each copies
         a request's running state out into a checkpoint block, cached and free (running_state.py).
         Call once per step, after `take_pending_copies`. Empty unless running_state is FIXED."""
-        return tuple(BlockCopy(group_id=GroupId(g), src_block_id=BlockId(src), dst_block_id=BlockId(dst))
-                     for m in self._fixed for g, src, dst in m.take_checkpoints())
+        copies = chain.from_iterable(m.take_checkpoints() for m in self._fixed)  # (group, src, dst) ints
+        return tuple(map(tuple.__new__, repeat(BlockCopy), copies))  # (a named tuple each, built in C)
 
     def take_events(self) -> list[KVEvent]:
         """KV events (stored / removed / cleared) since the last call; empty unless events ON."""

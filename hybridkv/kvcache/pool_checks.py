@@ -74,3 +74,24 @@ def _check_maps(pool: PoolView) -> None:
     wrong = np.flatnonzero((mirror != pool.has_hash) | (mirror != (pool.slot_of != 0)))
     if len(wrong):
         raise IntegrityError(f"has_hash or slot_of disagrees with block_hash for blocks {wrong[:10].tolist()}")
+
+
+class _Carrying(Protocol):
+    ref_cnt: NDArray[np.int64]
+    group_of: NDArray[np.int64]
+    slot_of: NDArray[np.int64]
+    _place: list[tuple[PrefixMap, int]]
+
+    def hash_of(self, block: int) -> object: ...
+
+
+def free_and_carrying(pool: _Carrying, ids: NDArray[np.int64], block_hash: object) -> bool:
+    """Whether every one of `ids` is free and carries `block_hash` (`BlockPool.discard`'s test; a state's
+    pages, one map and one slot, in a few array operations)."""
+    slots = pool.slot_of[ids]
+    if np.count_nonzero(pool.ref_cnt[ids]) or np.count_nonzero(slots) != len(ids):
+        return False
+    pmaps = {id(pool._place[g][0]): pool._place[g][0] for g in set(pool.group_of[ids].tolist())}
+    keys = (next(iter(pmaps.values())).key[list(set(slots.tolist()))].tolist() if len(pmaps) == 1
+            else [pool.hash_of(b) for b in ids.tolist()])
+    return all(key == block_hash for key in keys)

@@ -137,6 +137,14 @@ class PrefixMap:
         self.dups[col].setdefault(key, []).append(block)
         self.waiting[col, slot] = True
 
+    def cache_column(self, cols: Ids, slot: int, key: BlockHash, blocks: Ids) -> None:
+        """`blocks[i]` becomes column `cols[i]`'s block of `slot` (a waiting copy where it holds one)."""
+        first = self.blocks[cols, slot] == 0
+        self.blocks[cols[first], slot] = blocks[first]
+        self.count[slot] += int(np.count_nonzero(first))
+        for col, block in zip(cols[~first].tolist(), blocks[~first].tolist(), strict=True):
+            self.add_dup(col, slot, key, block)
+
     def take_dup(self, col: int, slot: int, key: BlockHash, block: int | None) -> int:
         """Remove `block` (None: the first) from the copies waiting for `key`; return it."""
         waiting = self.dups[col][key]
@@ -278,8 +286,11 @@ class GroupsView:
     def held(self, keys: Sequence[BlockHash]) -> tuple[bytes, Ids]:
         """(row, slots): byte i of row is 1 where every group holds keys[i], else 0."""
         slots = self.slots(keys)
-        held = (self._lead[slots] != 0 if len(self.cols) == 1
-                else self._map.blocks.take(slots, axis=1)[self._rows].all(axis=0))
+        held = self._lead[slots] != 0
+        if len(self.cols) > 1:  # the other groups at the slots the first holds (a state's pages: at checkpoints)
+            found = np.flatnonzero(held)
+            if len(found):
+                held[found] = self._map.blocks[self._rows][:, slots[found]].all(axis=0)
         return held.view(np.uint8).tobytes(), slots
 
     def blocks_if_held(self, keys: Sequence[BlockHash]) -> list[list[int]] | None:
@@ -331,6 +342,12 @@ class GroupsView:
         if any(key in m.index for m in peers):
             return Fate.ELSEWHERE
         return Fate.EVICTED if any(key in m.evicted for m in peers) else Fate.NEVER
+
+    def real_blocks_at(self, slot: int) -> list[int]:
+        """Every group's block in `slot`, the groups that hold none left out (one array read)."""
+        column = self._map.blocks[self._rows, slot]
+        out: list[int] = column[column != 0].tolist()
+        return out
 
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""

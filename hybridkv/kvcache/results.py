@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import cast
+from typing import NamedTuple, cast
 
 from hybridkv.errors import AllocationError
 from hybridkv.kvcache.hit_limits import HitLimit
@@ -66,12 +66,14 @@ class NewBlocks(tuple[tuple[BlockId, ...], ...]):
         return sum(1 for entries in self for block in entries if block != NULL_BLOCK_ID)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BlockCopy:
+class BlockCopy(NamedTuple):
     """A copy the engine runs before the step's forward (`take_pending_copies`): every page of
     `src_block_id` to `dst_block_id`, both blocks of group `group_id` (the K/V pages of an
     attention group, the state of a state group). A partial hit's private block, or a state's
-    partial checkpoint kept before its own request overwrites it."""
+    partial checkpoint kept before its own request overwrites it.
+
+    A named tuple (immutable, built without a Python `__init__`): a multi-page state's checkpoint
+    is one copy per page group, hundreds per checkpoint, and a long trace makes millions."""
 
     group_id: GroupId
     src_block_id: BlockId

@@ -122,7 +122,7 @@ class FixedStateManager(MambaManager):
         ids[:, new_len - 1] = blocks[:, 0]
 
     def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int,
-                            blocks: Sequence[Sequence[int] | Ids] | None = None) -> Ids:
+                            blocks: Sequence[Sequence[int] | Ids] | Ids | None = None) -> Ids:
         """As the base class; a table that grows moves its running block to the new last entry."""
         table = self._tables[request.request_id]
         old_len = table.length
@@ -168,11 +168,11 @@ class FixedStateManager(MambaManager):
         counts = [0] * pool.num_groups
         for g in self.group_ids:
             counts[g] = 1
-        fresh = pool.allocate(counts)
-        blocks = [int(fresh[g][0]) for g in self.group_ids]
-        rows = np.zeros((self.num_groups, num_full), np.int64)
-        rows[:, index] = blocks
-        pool.cache(self.group_ids, rows, block_hashes, index, num_full, request.token_ids)
+        blocks: list[int] = pool.allocate_flat(counts).tolist()  # (one per group, in group id order)
+        if list(self.group_ids) != sorted(self.group_ids):
+            by_group = dict(zip(sorted(self.group_ids), blocks, strict=True))
+            blocks = [by_group[g] for g in self.group_ids]
+        pool.cache_position(self.group_ids, blocks, block_hashes, index, request.token_ids)
         self._cached_this_step.add(key)
         share = self._anchored.get(request.request_id, {}).get(index)
         if share is not None:
@@ -196,7 +196,8 @@ class FixedStateManager(MambaManager):
                 self._replace_decode_checkpoint(item.request, item.key, item.blocks)
             copies += zip(self.group_ids, item.running, item.blocks, strict=True)
         self.checkpoints_copied += len(copies)
-        self._pool.free([b for item in pending for b in item.blocks])
+        if pending:  # (distinct blocks: released in array operations)
+            self._pool.free(np.array([b for item in pending for b in item.blocks], np.int64))
         return copies
 
     def apply_cow(self, request_id: RequestId, index: int, blocks: Sequence[int]) -> None:

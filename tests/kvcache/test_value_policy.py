@@ -193,3 +193,65 @@ def test_a_pool_that_never_fills_keeps_a_bounded_queue() -> None:
 def test_weights_must_be_ordered() -> None:
     with pytest.raises(ConfigError, match="ordered"):
         ValueWeights(full=2.0, anchor=1.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_value_policy_in_runs_matches_a_brute_force_scorer(seed: int) -> None:
+    """As the test above with what a multi-page state layout does: releases, protections and pops of
+    dozens of blocks at once (the policy queues and evicts runs of blocks), classes and shares mixed
+    within a release, so one pop interleaves several runs of several classes."""
+    rng = random.Random(100 + seed)
+    num_blocks = 160
+    kinds = [SpecKind.FULL, SpecKind.MAMBA]
+    content = np.zeros(num_blocks, np.bool_)
+    group_of = np.zeros(num_blocks, np.int64)
+    weights = ValueWeights(low=0.0, full=0.05, anchor=0.1, hot=0.2, protected=0.4)  # scores interleave
+    policy = ValuePolicy(num_blocks, content, weights)
+    policy.bind(group_of, kinds)
+    model = BruteForce(num_blocks, weights.bonuses(num_blocks))
+    held: list[int] = []
+    marks: dict[int, int] = {}
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.35 and policy.num_free:
+            got = policy.pop(rng.randint(1, min(40, policy.num_free))).tolist()
+            assert got == model.pop(len(got))
+            for block in got:
+                held.append(block)
+                marks.pop(block, None)
+                model.share.pop(block, None)
+                content[block] = rng.random() < 0.9
+                group_of[block] = rng.randrange(len(kinds))
+        elif op < 0.5 and held:
+            chosen = rng.sample(held, rng.randint(1, min(30, len(held))))
+            value = rng.choice([BlockValue.HOT, BlockValue.ANCHOR, BlockValue.LOW])
+            share = rng.choice([None, 0.0, 0.3, 1.0]) if value == BlockValue.ANCHOR else None
+            policy.mark(chosen, value, share)
+            for block in chosen:
+                marks[block] = max(marks.get(block, 0), int(value))
+                if share is not None:
+                    model.share[block] = max(model.share.get(block, 0.0), share) if block in model.share else share
+        elif op < 0.8 and held:
+            out = rng.sample(held, rng.randint(1, min(50, len(held))))
+            for block in out:
+                held.remove(block)
+                base = int(BlockValue.FULL) if kinds[group_of[block]] is SpecKind.FULL else int(BlockValue.LOW)
+                model.release(block, max(base, marks.get(block, 0)) if content[block] else 0)
+            policy.release(np.array(out, np.int64))
+        elif op < 0.9:
+            cached = sorted(b for b in model.queued if content[b])
+            if cached:
+                taken = rng.sample(cached, rng.randint(1, min(20, len(cached))))
+                policy.remove(np.array(taken, np.int64))
+                for block in taken:
+                    model.remove(block)
+                    held.append(block)
+        else:
+            cached = sorted(model.queued)
+            if cached:
+                chosen = rng.sample(cached, rng.randint(1, min(25, len(cached))))
+                policy.protect(chosen + chosen[:3])  # (a block named twice is protected once)
+                for block in chosen:
+                    model.protect(block)
+        assert policy.ordered() == [*model.empty[::-1], *sorted(model.queued, key=lambda b: (
+            model.score(b), model.queued[b][1], model.queued[b][0]))]

@@ -94,6 +94,22 @@ def test_cli_budget_that_cannot_be_simulated_is_one_line(tmp_path: Path, monkeyp
     assert "Traceback" not in result.output
 
 
+def test_cli_budget_no_machine_holds_is_one_line(tmp_path: Path) -> None:
+    """Not mocked: 10^9 GiB is 4 * 10^12 blocks of the Mamba hybrid's multi-page layout; the pool's arrays
+    cannot be allocated, and the CLI says so in one line."""
+    from typer.testing import CliRunner
+
+    from hybridkv.cli import app
+
+    path = write(tmp_path, [{"timestamp": 0, "input_length": 32, "output_length": 1, "hash_ids": [1, 2]}])
+    result = CliRunner().invoke(app, ["simulate", "nemotron-nano-9b-v2", "--trace", str(path), "--trace-block-tokens",
+                                      "16", "--memory-gib", "1e9", "--preset", "hybridkv"])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "4096000000000 blocks x 575 KV cache groups cannot be simulated" in lines[0], lines
+    assert "Traceback" not in result.output
+
+
 def test_mooncake_records_number_blocks_by_their_prefix_content() -> None:
     """Hand-computed, 4-token blocks: r0 = 1..6 (then 2 generated tokens g0 g1); r1 extends r0 by 9."""
     from hybridkv.simulate.trace import TraceRequest, mooncake_records

@@ -353,7 +353,7 @@ class SingleTypeManager(ABC):
                               self.first_needed_block(first_new), first_new)
 
     def allocate_new_blocks(self, request: KVRequest, first_new: int, total_tokens: int,
-                            blocks: Sequence[Sequence[int] | Ids] | None = None) -> Ids:
+                            blocks: Sequence[Sequence[int] | Ids] | Ids | None = None) -> Ids:
         """Extend the tables to `total_tokens` slots with `blocks` (per group, `num_new_blocks`
         each, freshly allocated to that group; popped from the pool when None); return the new
         entries, (groups, n) (null included; a view, valid until the tables change)."""

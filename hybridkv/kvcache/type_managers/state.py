@@ -119,8 +119,7 @@ class MambaManager(SingleTypeManager):
         index = num_tokens // self.block_size - 1
         if self.mode is MambaCacheMode.ALL or self.partial_unit or index < 0:
             return super().hit_block_ids(view, hashes, num_tokens)
-        return [b for blocks in view.blocks_at(view.slots(hashes[self.block_size][index : index + 1])) for b in blocks
-                if b]
+        return view.real_blocks_at(int(view.slots(hashes[self.block_size][index : index + 1])[0]))
 
     def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
         if self.partial_unit or self.mode is MambaCacheMode.NONE:

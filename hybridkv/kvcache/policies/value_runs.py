@@ -1,0 +1,220 @@
+"""The queues of value-aware eviction (`value.py`): free blocks in runs, one run per release.
+
+A release (or a protect) of many blocks at once -- a state's k pages, a request's tables -- is one
+*run*: arrays of (block, release clock, stamp, score), so queueing and evicting cost a few array
+operations per run, not a Python step per block. An entry is live while its block's stamp equals
+the entry's (a block taken back or moved bumps its stamp; its old entries are skipped lazily):
+
+    FIFO classes (LOW, FULL, HOT, PROTECTED)   per class a deque of runs in clock order;
+                                               score = clock + the class's bonus (increasing)
+    ANCHOR                                     a heap of runs keyed by their first live entry's
+                                               (score, clock); each run sorted by (score, clock),
+                                               score = clock + bonus x the block's share
+
+Eviction takes the entry of least (score, class, clock) over all classes (a tie in score goes to
+the lower class, as a scan of the classes in order with a strict `<` would pick), and takes as many
+entries at once from one run as come before every other source's first live entry.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from hybridkv.errors import IntegrityError
+from hybridkv.kvcache.eviction import BlockValue, Ids
+
+FIFO_CLASSES = (int(BlockValue.LOW), int(BlockValue.FULL), int(BlockValue.HOT), int(BlockValue.PROTECTED))
+ANCHOR = int(BlockValue.ANCHOR)
+Key = tuple[float, int, int]  # (score, class, clock): the eviction order, least first
+
+
+@dataclass(slots=True)
+class Run:
+    """Entries queued together, sorted by (score, clock); `head`: the first not taken or skipped."""
+
+    blocks: Ids
+    clocks: Ids
+    stamps: Ids
+    scores: NDArray[np.float64]
+    head: int = 0
+
+
+class RunQueues:
+    """Every queued entry of the cached free blocks (module docstring); `stamp` is the policy's array."""
+
+    def __init__(self, stamp: Ids) -> None:
+        self._stamp = stamp
+        self._fifo: list[deque[Run]] = [deque() for _ in BlockValue]  # (only FIFO_CLASSES are used)
+        self._anchors: list[tuple[float, int, int, Run]] = []  # heap: (score, clock, sequence, run)
+        self._sequence = 0  # (unique heap tie-breaker: runs never compare)
+        #: entries from each run's head on, stale ones included (`drop_stale`)
+        self.entries = 0
+
+    def push(self, value: int, blocks: Ids, clocks: Ids, scores: NDArray[np.float64]) -> None:
+        """Queue `blocks` in class `value` with their clocks and scores (a FIFO class: clock order)."""
+        run = Run(blocks=blocks, clocks=clocks, stamps=self._stamp[blocks], scores=scores)
+        self.entries += len(blocks)
+        if value != ANCHOR:
+            self._fifo[value].append(run)
+            return
+        if len(blocks) > 1:
+            order = np.lexsort((clocks, scores))
+            run = Run(blocks=blocks[order], clocks=clocks[order], stamps=run.stamps[order], scores=scores[order])
+        self._push_anchor(run)
+
+    def _push_anchor(self, run: Run) -> None:
+        self._sequence += 1
+        heapq.heappush(self._anchors, (run.scores.item(run.head), run.clocks.item(run.head), self._sequence, run))
+
+    def _live_head(self, run: Run) -> bool:
+        """Move `run.head` to its first live entry; False when it has none left."""
+        head, end = run.head, len(run.blocks)
+        if head >= end:
+            return False
+        if self._stamp.item(run.blocks.item(head)) == run.stamps.item(head):
+            return True
+        live = np.flatnonzero(self._stamp[run.blocks[head:]] == run.stamps[head:])
+        skip = int(live[0]) if len(live) else end - head
+        self.entries -= skip
+        run.head = head + skip
+        return bool(len(live))
+
+    def _fifo_head(self, value: int) -> Run | None:
+        queue = self._fifo[value]
+        while queue:
+            if self._live_head(queue[0]):
+                return queue[0]
+            queue.popleft()
+        return None
+
+    def _anchor_head(self) -> Run | None:
+        heap = self._anchors
+        while heap:
+            score, clock, _, run = heap[0]
+            if not self._live_head(run):
+                heapq.heappop(heap)
+                continue
+            if run.scores.item(run.head) == score and run.clocks.item(run.head) == clock:
+                return run
+            self._sequence += 1  # its head moved on: re-keyed
+            heapq.heapreplace(heap, (run.scores.item(run.head), run.clocks.item(run.head), self._sequence, run))
+        return None
+
+    def take(self, count: int) -> Ids:
+        """Remove and return the `count` least live entries (module docstring), in order; the caller
+        checked that at least `count` are queued. Candidates: each FIFO class's first `count` live
+        entries, and those of the anchor runs whose head comes before the `count`-th candidate so far;
+        one sort of the candidates picks the `count` least, each source gives up a prefix of its own."""
+        gathered: list[list[tuple[Run, Ids]]] = []
+        for value in FIFO_CLASSES:
+            if self._fifo_head(value) is not None:
+                gathered.append(self._gather(self._fifo[value], count))
+        classes = [value for value in FIFO_CLASSES if self._fifo[value]]
+        popped: list[Run] = []
+        while (run := self._anchor_head()) is not None:
+            limit = self._kth_key(gathered, classes, count)
+            if limit is not None and (run.scores.item(run.head), ANCHOR, run.clocks.item(run.head)) > limit:
+                break
+            heapq.heappop(self._anchors)
+            popped.append(run)
+            gathered.append(self._gather([run], count))
+            classes.append(ANCHOR)
+        scores, values, clocks, blocks, source = self._candidates(gathered, classes)
+        if len(blocks) < count:
+            raise IntegrityError(f"the value policy's queues hold {len(blocks)} live entries; {count} asked for")
+        order = np.lexsort((clocks, values, scores))[:count]
+        for parts, taken in zip(gathered, np.bincount(source[order], minlength=len(gathered)).tolist(), strict=True):
+            self._consume(parts, taken)
+        for run in popped:
+            if run.head < len(run.blocks):
+                self._push_anchor(run)
+        return blocks[order]
+
+    def _gather(self, runs: Iterable[Run], count: int) -> list[tuple[Run, Ids]]:
+        """Up to `count` live entries of `runs`, in order: per run, the positions taken."""
+        out: list[tuple[Run, Ids]] = []
+        for run in runs:
+            head, end = run.head, len(run.blocks)
+            window = max(2 * count, 64)
+            while count and head < end:  # (a window at a time: a long run is not scanned whole)
+                stop = min(end, head + window)
+                live = np.flatnonzero(self._stamp[run.blocks[head:stop]] == run.stamps[head:stop])[:count] + head
+                if len(live):
+                    out.append((run, live))
+                    count -= len(live)
+                head, window = stop, 2 * window
+            if not count:
+                break
+        return out
+
+    @staticmethod
+    def _candidates(gathered: list[list[tuple[Run, Ids]]],
+                    classes: list[int]) -> tuple[NDArray[np.float64], Ids, Ids, Ids, Ids]:
+        """Every candidate as arrays (score, class, clock, block, index of its source)."""
+        parts = [(run, positions, value, i) for i, (source, value) in enumerate(zip(gathered, classes, strict=True))
+                 for run, positions in source]
+        if not parts:
+            empty = np.zeros(0, np.int64)
+            return np.zeros(0), empty, empty, empty, empty
+        return (np.concatenate([run.scores[p] for run, p, _, _ in parts]),
+                np.concatenate([np.full(len(p), value, np.int64) for _, p, value, _ in parts]),
+                np.concatenate([run.clocks[p] for run, p, _, _ in parts]),
+                np.concatenate([run.blocks[p] for run, p, _, _ in parts]),
+                np.concatenate([np.full(len(p), i, np.int64) for _, p, _, i in parts]))
+
+    def _kth_key(self, gathered: list[list[tuple[Run, Ids]]], classes: list[int], count: int) -> Key | None:
+        """The `count`-th least key among the candidates gathered so far; None with fewer."""
+        if sum(len(p) for source in gathered for _, p in source) < count:
+            return None
+        scores, values, clocks, _, _ = self._candidates(gathered, classes)
+        k = np.lexsort((clocks, values, scores))[count - 1]
+        return float(scores[k]), int(values[k]), int(clocks[k])
+
+    def _consume(self, parts: list[tuple[Run, Ids]], taken: int) -> None:
+        """Advance each run past the first `taken` of its gathered positions (and the stale ones before)."""
+        for run, positions in parts:
+            if not taken:
+                return
+            used = min(taken, len(positions))
+            stop = int(positions[used - 1]) + 1
+            self.entries -= stop - run.head
+            run.head = stop
+            taken -= used
+
+    def drop_stale(self) -> None:
+        """Keep only the live entries of every run (and the runs that have some)."""
+        stamp = self._stamp
+        self.entries = 0
+        for value in FIFO_CLASSES:
+            runs = [self._live(run, stamp) for run in self._fifo[value]]
+            self._fifo[value] = deque(run for run in runs if len(run.blocks))
+            self.entries += sum(len(run.blocks) for run in self._fifo[value])
+        anchors = [self._live(run, stamp) for _, _, _, run in self._anchors]
+        self._anchors = []
+        for run in anchors:
+            if len(run.blocks):
+                self.entries += len(run.blocks)
+                self._push_anchor(run)
+
+    @staticmethod
+    def _live(run: Run, stamp: Ids) -> Run:
+        keep = np.flatnonzero(stamp[run.blocks[run.head:]] == run.stamps[run.head:]) + run.head
+        return Run(blocks=run.blocks[keep], clocks=run.clocks[keep], stamps=run.stamps[keep], scores=run.scores[keep])
+
+    def live_entries(self) -> tuple[NDArray[np.float64], Ids, Ids, Ids]:
+        """Every live entry as arrays (score, class, clock, block), unordered (for `ordered`)."""
+        runs = [(value, run) for value in FIFO_CLASSES for run in self._fifo[value]]
+        runs += [(ANCHOR, run) for _, _, _, run in self._anchors]
+        parts = [(value, self._live(run, self._stamp)) for value, run in runs]
+        if not parts:
+            empty = np.zeros(0, np.int64)
+            return np.zeros(0), empty, empty, empty
+        return (np.concatenate([run.scores for _, run in parts]),
+                np.concatenate([np.full(len(run.blocks), value, np.int64) for value, run in parts]),
+                np.concatenate([run.clocks for _, run in parts]), np.concatenate([run.blocks for _, run in parts]))
