@@ -5,8 +5,7 @@ A 32k-token prompt is 2048 blocks of 16 tokens: two XXH3 calls per block, ~4,000
 The C loop calls the XXH3 of the `xxhash` package the index already loads (its exported
 `XXH3_64bits_withSeed`), so both paths hash with the same library and give the same numbers.
 
-The shared object is compiled with `$CC` (default `cc`) into `$HYBRIDKV_KERNEL_CACHE` (default
-`~/.cache/hybridkv/kernels`), named by a hash of the source and the flags. `HYBRIDKV_KERNELS=0`,
+The shared object is built on first use (`native_build.py`: `$CC`, cached by a hash). `HYBRIDKV_KERNELS=0`,
 no compiler, a big-endian host, or an `xxhash` build that does not export the function: the
 Python loop (seq_hash.py), silently (the results are the same, only slower).
 """
@@ -15,15 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import xxhash._xxhash
+
+from hybridkv.native_build import kernels_enabled, shared_object
 
 __all__ = ["native_seq_hashes"]
 
@@ -32,32 +29,15 @@ _FLAGS = ("-O2", "-shared", "-fPIC", "-Wl,-z,defs")
 _XXH3 = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64)
 
 
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # (built aside, then renamed: atomic)
-        partial = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial)], capture_output=True,
-                                text=True, check=False)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed (exit {result.returncode}): {result.stderr.strip()[:500]}")
-        os.replace(partial, target)
-
-
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL, int] | None:
     """The kernel and the address of XXH3_64bits_withSeed, or None (the Python loop then)."""
-    if os.environ.get("HYBRIDKV_KERNELS", "1") == "0" or sys.byteorder != "little":
+    if not kernels_enabled() or sys.byteorder != "little":
         return None
-    compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode()]))
-    cache = Path(os.environ.get("HYBRIDKV_KERNEL_CACHE", Path.home() / ".cache" / "hybridkv" / "kernels"))
-    target = cache / f"hybridkv_index-{key.hexdigest()[:16]}.so"
     try:
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(shared_object("hybridkv_index", [_SOURCE], flags=_FLAGS)))
         xxh3 = ctypes.cast(ctypes.CDLL(xxhash._xxhash.__file__).XXH3_64bits_withSeed, ctypes.c_void_p).value
-    except (OSError, AttributeError, subprocess.SubprocessError):
+    except (OSError, AttributeError):
         return None
     if not xxh3:
         return None

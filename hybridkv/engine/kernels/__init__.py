@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
 from hybridkv.engine.threads import kernel_threads
+from hybridkv.native_build import kernels_enabled, shared_object
 
 _SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 _HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
@@ -43,11 +40,6 @@ _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
 _LIBS = ("-lm",)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-
-
-def kernels_enabled() -> bool:
-    """False when `HYBRIDKV_KERNELS=0` asks for the plain-torch paths."""
-    return os.environ.get("HYBRIDKV_KERNELS", "1") != "0"
 
 
 def _cpu_features() -> str:
@@ -58,32 +50,14 @@ def _cpu_features() -> str:
         return ""
 
 
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: atomic for
-        partial = Path(tmp) / target.name  # concurrent first uses (pytest-xdist, several engines)
-        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(partial), *_LIBS],
-                                capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed (exit {result.returncode}): {result.stderr.strip()[:2000]}")
-        os.replace(partial, target)
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (disabled, or no working compiler: warned once)."""
     if not kernels_enabled():
         return None
-    compiler = os.environ.get("CC", "cc")
-    parts = [*(source.read_bytes() for source in _SOURCES + _HEADERS), " ".join(_FLAGS + _LIBS).encode(),
-             compiler.encode(), _cpu_features().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    cache = Path(os.environ.get("HYBRIDKV_KERNEL_CACHE", Path.home() / ".cache" / "hybridkv" / "kernels"))
-    target = cache / f"hybridkv_kernels-{key}.so"
     try:
-        if not target.exists():
-            _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(shared_object("hybridkv_kernels", _SOURCES, flags=_FLAGS, libs=_LIBS,
+                                            key_files=_HEADERS, extra_key=_cpu_features())))
     except OSError as error:
         warnings.warn(f"hybridkv: native kernels unavailable, using the plain-torch attention path ({error})",
                       RuntimeWarning, stacklevel=3)
