@@ -179,6 +179,7 @@ def test_off_by_default_and_nothing_to_choose_without_switchable_knobs() -> None
 
 def test_requests_keep_their_own_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ghost works on its own copy: the live request's computed tokens and stops are the live manager's."""
+    monkeypatch.setattr(ghosts, "START_UNDER_PRESSURE", False)  # (this pool never evicts: ghosts from the start)
     live = hybrid_manager(BASE.replace(online_choice=OnlineChoice.GHOSTS), num_blocks=40)
     request: KVRequest = make_request(request_id="a", token_ids=list(range(70)))
     live.begin_step()

@@ -213,9 +213,11 @@ class GhostDuel:
 
     def waiting(self, request: KVRequest) -> None:
         """`request` waits this step: each ghost keeps its own hit for it, as the live manager does."""
+        if not self.ghosts:
+            return
+        copy = _copy(request)  # (one for every ghost: peek and protect_waiting leave a request as it is)
         for ghost in self.ghosts:
             if request.request_id not in ghost.requests:
-                copy = _copy(request)
                 ghost.manager.protect_waiting(copy, ghost.manager.peek(copy))
 
     def new_step(self) -> None:
