@@ -95,7 +95,8 @@ def simulate_command(
         out["length_cuts"] = dataclasses.asdict(cuts)
         if curve:
             out["memory_curve"] = [{"memory_gib": m, "hit_rate": r and r.hit_rate,
-                                    "hits_vs_ideal": r and r.hits_vs_ideal} for m, r in curve]
+                                    "hits_vs_ideal": r and r.hits_vs_ideal, "prefill_tokens": r and r.prefill_tokens}
+                                   for m, r in curve]
         print(json.dumps(out, indent=2))
     else:
         render(report, spec.name, memory_gib)
@@ -199,8 +200,7 @@ def render(report: SimReport, model: str, memory_gib: float) -> None:
 
 
 def write_memory_plot(curves: dict[str, list[tuple[float, SimReport | None]]], path: Path, *, model: str) -> None:
-    """Hit rate of each policy (and the ideal's) against the memory budget (budgets where a request
-    alone does not fit are left out), the legend below the axes (it never covers a curve)."""
+    """`memory_figure` saved to `path` (PNG, SVG or PDF)."""
     import matplotlib.pyplot as plt
 
     fig = memory_figure(curves, model=model)
@@ -209,25 +209,35 @@ def write_memory_plot(curves: dict[str, list[tuple[float, SimReport | None]]], p
 
 
 def memory_figure(curves: dict[str, list[tuple[float, SimReport | None]]], *, model: str) -> Any:
-    """The figure `write_memory_plot` saves (a matplotlib Figure)."""
+    """Against the memory budget, per policy: the hit rate (each request's first admission; the
+    infinite cache's dashed) and the prompt tokens computed per prompt token (recompute after a
+    preemption included: what the memory buys; budgets where a request alone does not fit are left
+    out). The first can fall where more memory admits more requests at once (a long queue lets the
+    cache-aware order batch requests by cached prefix); the second is the cost. One legend below
+    both panels, outside the axes, so it never covers a curve. A matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (hits, computed) = plt.subplots(1, 2, figsize=(10, 4))
     points: list[tuple[float, SimReport]] = []
     for label, curve in curves.items():
         points = [(m, r) for m, r in curve if r is not None]
-        ax.plot([m for m, _ in points], [r.hit_rate for _, r in points], marker="o", label=label)
+        memory = [m for m, _ in points]
+        hits.plot(memory, [r.hit_rate for _, r in points], marker="o", label=label)
+        computed.plot(memory, [r.prefill_tokens / max(1, r.prompt_tokens) for _, r in points], marker="o")
     memory = [m for m, _ in points]
-    ax.plot(memory, [r.ideal_tokens / r.prompt_tokens if r.prompt_tokens else 0 for _, r in points], linestyle="--",
-            label="infinite cache")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("KV cache memory (GiB)")
-    ax.set_ylabel("prefix-cache hit rate")
-    ax.set_title(model)
-    # below the axes, outside them: inside, "best" placement still lands on a curve when the curves fill the plot
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small", frameon=False)
+    hits.plot(memory, [r.ideal_tokens / r.prompt_tokens if r.prompt_tokens else 0 for _, r in points], linestyle="--",
+              label="infinite cache")
+    computed.plot(memory, [1 - r.ideal_tokens / r.prompt_tokens if r.prompt_tokens else 0 for _, r in points],
+                  linestyle="--")
+    for ax, label in ((hits, "prefix-cache hit rate"), (computed, "prompt tokens computed / prompt tokens")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV cache memory (GiB)")
+        ax.set_ylabel(label)
+    fig.suptitle(model)
     fig.tight_layout()
+    # below the axes, outside them: inside, "best" placement still lands on a curve when the curves fill the plot
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize="small", frameon=False)
     return fig

@@ -1,4 +1,5 @@
-"""`hybridkv simulate --plot`: the legend sits outside the axes, so it covers no curve."""
+"""`hybridkv simulate --plot`: hit rate and prompt tokens computed against memory; the legend sits
+outside both axes, so it covers no curve."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from hybridkv.cli.simulate import memory_figure, write_memory_plot
 from hybridkv.simulate.simulator import SimReport
 
 
-def report(hits: int) -> SimReport:
+def report(hits: int, recomputed: int = 0) -> SimReport:
     return SimReport(requests=1, prompt_tokens=100, hit_tokens=hits, ideal_tokens=100, generated_tokens=1, steps=1,
-                     preemptions=0, lookups=1, max_running=1, mean_running=1.0, num_blocks=8, wall_s=0.0, groups=())
+                     preemptions=0, lookups=1, max_running=1, mean_running=1.0, num_blocks=8, wall_s=0.0, groups=(),
+                     prefill_tokens=100 - hits + recomputed)
 
 
 def curves() -> dict[str, list[tuple[float, SimReport | None]]]:
@@ -23,10 +25,21 @@ def curves() -> dict[str, list[tuple[float, SimReport | None]]]:
 def test_legend_is_outside_the_axes() -> None:
     fig = memory_figure(curves(), model="m")
     fig.canvas.draw()
-    (ax,) = fig.axes
-    legend = ax.get_legend()
+    (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == [*curves(), "infinite cache"]
-    assert not legend.get_window_extent().overlaps(ax.get_window_extent())
+    assert len(fig.axes) == 2
+    for ax in fig.axes:
+        assert not legend.get_window_extent().overlaps(ax.get_window_extent())
+
+
+def test_second_panel_is_prompt_tokens_computed_per_prompt_token() -> None:
+    # a budget whose first-admission hits are high but whose preemptions recompute: 90 hits + 150 recomputed
+    curve = {"p": [(1.0, report(90, recomputed=150)), (2.0, report(50))]}
+    fig = memory_figure(curve, model="m")
+    hits, computed = fig.axes
+    assert list(hits.lines[0].get_ydata()) == [0.9, 0.5]
+    assert list(computed.lines[0].get_ydata()) == [(10 + 150) / 100, 50 / 100]  # by hand: prefill / prompt
+    assert list(computed.lines[1].get_ydata()) == [0.0, 0.0]  # the infinite cache computes 100 - 100
 
 
 def test_written_plot_keeps_the_legend_in_the_image(tmp_path: Path) -> None:
@@ -36,5 +49,5 @@ def test_written_plot_keeps_the_legend_in_the_image(tmp_path: Path) -> None:
     fig = memory_figure(curves(), model="m")
     fig.canvas.draw()
     saved = fig.get_tightbbox().transformed(fig.dpi_scale_trans)  # what bbox_inches="tight" keeps, in pixels
-    legend = fig.axes[0].get_legend().get_window_extent()
+    legend = fig.legends[0].get_window_extent()
     assert saved.y0 <= legend.y0 and legend.y1 <= saved.y1 and saved.x0 <= legend.x0 and legend.x1 <= saved.x1
