@@ -187,13 +187,13 @@ def test_an_engine_that_leaves_between_slices_ends_its_store_cleanly() -> None:
     chunks = 3 * limits.SLICE_CHUNKS
     eng, reg, _, req = _store_steps_engine(store, chunks)
     steps = store.store_steps(req)
-    next(steps)  # the first slice: 128 chunks (1 + 2 + ... + 128 >= SLICE_INDEX_STEPS = 8192 index steps)
-    assert store.status()["tiers"][0]["objects"] == 128
+    next(steps)  # the first slice: SLICE_CHUNKS chunks (a few index steps each, far from SLICE_INDEX_STEPS)
+    assert store.status()["tiers"][0]["objects"] == limits.SLICE_CHUNKS
     store.unregister(reg.instance_id, reg.token)  # its buffers are unmapped
     with pytest.raises(RequestError) as info:
         next(steps)
     assert info.value.code is ErrorCode.UNKNOWN_INSTANCE
-    assert store.status()["tiers"][0]["objects"] == 128
+    assert store.status()["tiers"][0]["objects"] == limits.SLICE_CHUNKS
     assert store.status()["tiers"][0]["locked_objects"] == 0  # its pins were let go
     store.check_integrity()
     eng.close()
