@@ -14,7 +14,7 @@ false), as it has long before traffic when an engine registers at start-up.
 memcpy = the best of three numpy copies of the same bytes between two already-touched buffers
 (store and retrieve are single passes).
 
-Then fairness: a second client (its own connection and registration) makes one-chunk lookups
+Then fairness: a second client (its own process, connection and registration) makes one-chunk lookups
 every few milliseconds while the first keeps the server busy with the largest requests it takes
 (lookups of MAX_CHUNKS_PER_REQUEST chunk hashes, and lookups + retrieves of whole requests);
 worst_wait_ms is the longest of those small lookups, busy_ms the median time of one of the large
@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -47,6 +48,8 @@ from hybridkv.cache_server.limits import MAX_CHUNKS_PER_REQUEST
 from hybridkv.connector.client import GroupLayout, KVClient, Layout, SharedKVBuffers, chunk_hashes, make_layout
 from hybridkv.wire import GroupKind
 
+EventLike = Any  # multiprocessing's Event and Queue (their types live in a private module)
+QueueLike = Any
 LISTENING = re.compile(r"listening on tcp://[^:]+:(\d+) \(control\)")
 
 
@@ -168,30 +171,44 @@ def run(args: argparse.Namespace, buffers: SharedKVBuffers, endpoint: str, page:
             f"busy_ms={busy_s * 1e3:.1f}")
 
 
+def small_lookups(endpoint: str, layout: Layout, hashes: list[bytes], chunk: int, stop: EventLike,
+                  ready: EventLike, out: QueueLike) -> None:
+    """The other client, in its own process (its own GIL: in the bench's process the large requests'
+    encoding, not the server, would set its wait): one-chunk lookups every 2 ms until `stop`; puts
+    ("ok", worst wait in s) or ("error", what went wrong) on `out`."""
+    try:
+        waits = []
+        with KVClient(endpoint, timeout_s=120) as other:
+            other.register(layout)
+            ready.set()
+            while not stop.is_set():
+                t = time.perf_counter()
+                hit = other.lookup(hashes, num_tokens=chunk + 1)
+                waits.append(time.perf_counter() - t)
+                other.release(hit.lookup_id)
+                time.sleep(0.002)
+        out.put(("ok", max(waits)))
+    except Exception as e:  # reported by the parent
+        out.put(("error", f"{type(e).__name__}: {e}"))
+
+
 def fairness(client: KVClient, endpoint: str, layout: Layout, hashes: list[list[bytes]],
              blocks: list[list[int]], rounds: int = 6) -> tuple[float, float]:
     """(worst wait of another client's one-chunk lookup, median time of a large lookup) while `client`
     sends `rounds` rounds of large requests: 4 lookups of MAX_CHUNKS_PER_REQUEST chunk hashes (misses),
-    then per request a lookup and retrieve of all of it."""
+    then per request a lookup and retrieve of all of it. The other client is a forked process (it
+    registers this process's segments, inherited)."""
     huge = [i.to_bytes(16, "little") for i in range(MAX_CHUNKS_PER_REQUEST)]
     chunk = client.chunk_tokens
-    stop, waits = threading.Event(), []
-
-    def small_lookups() -> None:
-        with KVClient(endpoint, timeout_s=120) as other:
-            other.register(layout)
-            while not stop.is_set():
-                t = time.perf_counter()
-                hit = other.lookup(hashes[0][:1], num_tokens=chunk + 1)
-                waits.append(time.perf_counter() - t)
-                other.release(hit.lookup_id)
-                time.sleep(0.002)
-
-    thread = threading.Thread(target=small_lookups)
-    thread.start()
+    ctx = multiprocessing.get_context("fork")
+    stop, ready, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    other = ctx.Process(target=small_lookups, args=(endpoint, layout, hashes[0][:1], chunk, stop, ready, out))
+    other.start()
     busy = []
     try:
-        time.sleep(0.5)  # registered and looking up
+        if not ready.wait(60):
+            raise SystemExit("the small-lookup client did not register within 60 s")
+        time.sleep(0.5)  # looking up
         for _ in range(rounds):
             for _ in range(4):
                 t = time.perf_counter()
@@ -201,8 +218,11 @@ def fairness(client: KVClient, endpoint: str, layout: Layout, hashes: list[list[
                 client.retrieve(client.lookup(h, num_tokens=len(h) * chunk + 1).lookup_id, block_ids=[b])
     finally:
         stop.set()
-        thread.join(120)
-    return max(waits), statistics.median(busy)
+        status, value = out.get(timeout=120)
+        other.join(60)
+    if status != "ok":
+        raise SystemExit(f"the small-lookup client failed: {value}")
+    return float(value), statistics.median(busy)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ CHUNK_INDEX_END = 1 << 32  # chunk indices are 4 bytes in an object key
 TOKENS_END = 1 << 62  # num_tokens / skip_tokens
 SLICE_CHUNKS = 256  # chunks of a lookup or store, or blocks of a retrieve, in one slice (~1-3 ms of Python)
 SLICE_BYTES = 32 << 20  # bytes copied in one slice (~3-5 ms at memcpy speed)
-# a stored chunk at depth d costs the prefix index ~d steps per object group (a new resumable prefix
-# counts itself in each ancestor's users): a store's slice ends after this many (~2-5 ms)
+# prefix-index steps (nodes visited, prefix_index.work_steps) in one slice of a store (~2-5 ms): a chain
+# costs a few per chunk, but one chunk can cost its depth (a state that makes a long chain live at once)
 SLICE_INDEX_STEPS = 1 << 13
 MAX_QUEUED_PER_CONNECTION = 16  # requests a connection may have waiting (KVClient sends one at a time)
 

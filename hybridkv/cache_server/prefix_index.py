@@ -3,7 +3,8 @@
 Per (layout, cache salt) a tree of chunk nodes linked by their chained hashes: a store names the
 parent of its first chunk (`StoreRequest.parent_hash`), later chunks of a store follow each other,
 and a lookup links what it names. Per node and object group the index knows whether the object is
-in L1 (or needs no bytes there), the run of present objects ending at the node, and `users`: how
+in L1 (or needs no bytes there), the run of present objects ending at the node (counted up to
+what a hit ending there needs), and `users`: how
 many resumable prefixes need the object.
 
     chunk:        0      1      2      3
@@ -14,6 +15,14 @@ many resumable prefixes need the object.
 
 An object that no resumable prefix needs is *dead*: no lookup can hit through it until another
 object is stored (above: full and window of chunks 1-2 are live only through chunk 3's prefix).
+
+Cost. A window or state object group's `users` are counts, kept by walking the window up from
+each prefix that becomes (or stops being) resumable. A full object group's object is needed by
+every resumable prefix below it, so counting those would walk to the root (a chain of n new chunks:
+O(n^2)); instead a node knows how many of its children lead to a resumable prefix (`live_children`),
+its full objects are needed when it is *live* (resumable, or a live child), and a change of
+liveness walks up only while it changes an ancestor's liveness: storing a chain costs O(1) index
+steps per chunk, amortized (`work_steps` counts them; the store slices by them).
 
 Links and this index decide eviction order and what `/status` reports, never what a lookup
 answers: a lookup checks the objects themselves. A client can only link nodes of its own layout
@@ -44,8 +53,14 @@ class PrefixRules(Protocol):
         """The object groups holding a state: every resumable prefix owns its state object."""
         ...
 
+    @property
+    def full_object_groups(self) -> frozenset[int]:
+        """The object groups whose every hit needs all its chunks (`first_needed` is always 0)."""
+        ...
+
     def first_needed(self, object_group: int, hit_chunks: int) -> int:
-        """The first chunk the object group needs for a hit of `hit_chunks` chunks."""
+        """The first chunk the object group needs for a hit of `hit_chunks` chunks (never less than for
+        a shorter hit: a window only moves forward)."""
         ...
 
     def empty(self, object_group: int, chunk: int) -> bool:
@@ -81,11 +96,16 @@ class _Node:
     chunk_hash: bytes
     parent: _Node | None
     keys: list[bytes | None]
-    run: list[int]  # per object group: present objects ending here, going up
-    users: list[int]  # per object group: resumable prefixes that need this node's object
+    run: list[int]  # per object group: present objects ending here, going up, up to the need (see _run)
+    users: list[int]  # per window or state object group: resumable prefixes that need this node's object
     children: dict[bytes, _Node] = field(default_factory=dict)
-    below: int = 0  # resumable prefixes in this node's subtree (itself included)
+    live_children: int = 0  # children with a resumable prefix in their subtree
     resumable: bool = False
+
+    @property
+    def live(self) -> bool:
+        """A resumable prefix in this subtree (itself included): its full objects are needed."""
+        return self.resumable or self.live_children > 0
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +125,7 @@ class PrefixIndex:
         self._state_bytes = 0
         self._attention_bytes = 0
         self._endpoints: OrderedDict[_Node, None] = OrderedDict()  # resumable prefixes, least recently used first
+        self.work_steps = 0  # nodes visited so far (runs recomputed, users counted, liveness passed up)
 
     # ---- what the pool tells it ---------------------------------------------------------------
 
@@ -126,7 +147,7 @@ class PrefixIndex:
         node.keys[o] = key
         self._objects[key] = (node, o, nbytes)
         self._count_kind(node, o, nbytes)
-        if not node.users[o]:
+        if not self._needed(node, o):
             self._dead[key] = None
             self._dead_bytes += nbytes
         self._refresh(node, o)
@@ -188,15 +209,18 @@ class PrefixIndex:
         rules, hit = node.tree.rules, node.chunk + 1
         lows = [rules.first_needed(o, hit) for o in range(rules.num_object_groups)]
         shared = [False] * len(lows)  # a full-rule object group met an object other prefixes need: so do its parents
+        sole = True  # `node` is the only resumable prefix in m's subtree (a full object group's users == 1)
         m: _Node | None = node
         while m is not None and m.chunk >= min(lows) and not all(shared):
+            sole = sole and (m.live_children == 0 if m is node else not m.resumable and m.live_children == 1)
             for o, lo in enumerate(lows):
                 if m.chunk < lo or shared[o]:
                     continue
+                users = (1 if sole else 2) if o in rules.full_object_groups else m.users[o]
                 key = m.keys[o]
-                if key is not None and m.users[o] == 1:
+                if key is not None and users == 1:
                     yield key
-                elif m.users[o] > 1 and lo == 0:
+                elif users > 1 and lo == 0:
                     shared[o] = True
             m = m.parent
 
@@ -231,10 +255,8 @@ class PrefixIndex:
     def _link(self, node: _Node, parent: _Node) -> None:
         node.parent = parent
         parent.children[node.chunk_hash] = node
-        m: _Node | None = parent
-        while m is not None:
-            m.below += node.below
-            m = m.parent
+        if node.live:
+            self._pass_up(node, 1)
         for o in range(node.tree.rules.num_object_groups):
             self._refresh(node, o)
 
@@ -261,7 +283,8 @@ class PrefixIndex:
         stack = [start]
         while stack:
             n = stack.pop()
-            run = (n.parent.run[o] if n.parent is not None else 0) + 1 if self._present(n, o) else 0
+            self.work_steps += 1
+            run = self._run(n, o, n.parent.run[o] if n.parent is not None else 0)
             if run == n.run[o] and n is not start:
                 continue
             n.run[o] = run
@@ -269,6 +292,20 @@ class PrefixIndex:
             stack.extend(n.children.values())
         for n in changed:
             self._evaluate(n)
+
+    def _run(self, n: _Node, o: int, up: int) -> int:
+        """Object group o's present objects ending at n, going up (`up`: its parent's run), counted up
+        to what a hit ending at n needs; a full group's is all of them or 0. Capped so, a change far
+        up stops changing runs below where no hit needs it (evicting a chain oldest first: O(1) per
+        object), and exact for the test that matters: a run >= the need. Each run only needs its
+        parent's, as a hit one chunk longer needs at most one chunk more (`first_needed` never
+        decreases as the hit grows)."""
+        if not self._present(n, o):
+            return 0
+        rules, hit = n.tree.rules, n.chunk + 1
+        if o in rules.full_object_groups:
+            return hit if up == n.chunk else 0  # the parent's run was all of its chunks
+        return min(up + 1, hit - rules.first_needed(o, hit))
 
     def _evaluate(self, n: _Node) -> None:
         rules, hit = n.tree.rules, n.chunk + 1
@@ -278,22 +315,55 @@ class PrefixIndex:
 
     def _set_resumable(self, n: _Node, flag: bool) -> None:
         delta = 1 if flag else -1
+        was_live = n.live
         n.resumable = flag
         rules, hit = n.tree.rules, n.chunk + 1
         for o in range(rules.num_object_groups):
-            lo = rules.first_needed(o, hit)
+            if o in rules.full_object_groups:
+                continue
+            lo = rules.first_needed(o, hit)  # a window of the prefix's last chunks: a bounded walk
             m: _Node | None = n
             while m is not None and m.chunk >= lo:
+                self.work_steps += 1
                 self._add_user(m, o, delta)
                 m = m.parent
-        m = n
-        while m is not None:
-            m.below += delta
-            m = m.parent
+        if n.live != was_live:
+            self._live_changed(n)
+            self._pass_up(n, delta)
         if flag:
             self._endpoints[n] = None
         else:
             del self._endpoints[n]
+
+    def _pass_up(self, child: _Node, delta: int) -> None:
+        """`child` became live (+1) or stopped being live (-1) under its parent, or was linked there
+        live: count it in the parent's live children, and go on up while that changes liveness."""
+        m = child.parent
+        while m is not None:
+            self.work_steps += 1
+            was_live = m.live
+            m.live_children += delta
+            if m.live == was_live:
+                return
+            self._live_changed(m)
+            m = m.parent
+
+    def _live_changed(self, m: _Node) -> None:
+        """m's full objects are needed now when m is live, dead otherwise."""
+        for o in m.tree.rules.full_object_groups:
+            key = m.keys[o]
+            if key is None:
+                continue
+            nbytes = self._objects[key][2]
+            if m.live:
+                del self._dead[key]
+                self._dead_bytes -= nbytes
+            else:
+                self._dead[key] = None
+                self._dead_bytes += nbytes
+
+    def _needed(self, m: _Node, o: int) -> bool:
+        return m.live if o in m.tree.rules.full_object_groups else m.users[o] > 0
 
     def _add_user(self, m: _Node, o: int, delta: int) -> None:
         before = m.users[o]
@@ -316,10 +386,9 @@ class PrefixIndex:
         runs: dict[_Node, list[int]] = {}
         for tree in self._trees.values():
             for node in sorted(tree.nodes.values(), key=lambda n: n.chunk):
-                runs[node] = [(runs[node.parent][o] if node.parent is not None else 0) + 1
-                              if self._present(node, o) else 0 for o in range(tree.rules.num_object_groups)]
-        users = {n: [0] * len(r) for n, r in runs.items()}
-        below = dict.fromkeys(runs, 0)
+                runs[node] = [self._run(node, o, runs[node.parent][o] if node.parent is not None else 0)
+                              for o in range(tree.rules.num_object_groups)]
+        users = {n: [0] * len(r) for n, r in runs.items()}  # every object group's, full ones too
         endpoints = set()
         for n, r in runs.items():
             rules, hit = n.tree.rules, n.chunk + 1
@@ -330,13 +399,11 @@ class PrefixIndex:
                     while m is not None and m.chunk >= rules.first_needed(o, hit):
                         users[m][o] += 1
                         m = m.parent
-                m = n
-                while m is not None:
-                    below[m] += 1
-                    m = m.parent
         dead = {k for n in runs for o, k in enumerate(n.keys) if k is not None and not users[n][o]}
-        wrong = [n.chunk for n in runs if n.run != runs[n] or n.users != users[n] or n.below != below[n]
-                 or n.resumable != (n in endpoints)]
+        live = {m for e in endpoints for m in _path(e)}
+        wrong = [n.chunk for n in runs if n.run != runs[n] or n.resumable != (n in endpoints)
+                 or n.live_children != sum(c in live for c in n.children.values())
+                 or any(n.users[o] != u for o, u in enumerate(users[n]) if o not in n.tree.rules.full_object_groups)]
         dead_bytes = sum(self._objects[k][2] for k in dead)
         if wrong or dead != set(self._dead) or dead_bytes != self._dead_bytes or set(self._endpoints) != endpoints:
             raise IntegrityError(f"prefix index: nodes at chunks {wrong[:5]} disagree with a recount; "
@@ -351,3 +418,10 @@ class PrefixIndex:
         if (state, attention) != (self._state_bytes, self._attention_bytes):
             raise IntegrityError(f"prefix index: {self._state_bytes} state and {self._attention_bytes} attention "
                                  f"bytes counted, recounted {state} and {attention}")
+
+
+def _path(n: _Node | None) -> Iterator[_Node]:
+    """n and its ancestors."""
+    while n is not None:
+        yield n
+        n = n.parent

@@ -293,6 +293,8 @@ class TreeRules:
         kinds = [{rules.layout.groups[gid].kind for gid in og.groups} for og in groups]
         self.state_object_groups = frozenset(og.index for og, k in zip(groups, kinds, strict=True)
                                              if GroupKind.STATE in k)
+        self.full_object_groups = frozenset(og.index for og, k in zip(groups, kinds, strict=True)
+                                            if GroupKind.FULL in k)
         self._rules = rules
         self._groups = groups
 

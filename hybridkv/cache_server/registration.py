@@ -51,6 +51,7 @@ MAX_REGISTER_BYTES = 1 << 20  # one register message (a layout of hundreds of bu
 BACKLOG = 1024  # connections waiting to be accepted
 ACCEPT_BATCH = 256  # accepted per poll round
 REFUSED_EXTRA = 64  # connections past the limit that are still answered (with LIMIT) before closing
+MAX_DRAINED = 1024  # messages read and dropped from a connection being closed (a peer's queue is kernel-bounded)
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -106,7 +107,7 @@ class RegistrationSocket:
                              f"its own user (uid {os.geteuid()}) only")
             return
         if len(self._conns) >= self.max_connections + REFUSED_EXTRA:
-            conn.close()  # far over the limit: not even answered
+            close_quietly(conn)  # far over the limit: not even answered
             return
         # a refused connection is answered at its first message (closing it now, with that message unread,
         # would reset it and lose the reply)
@@ -116,10 +117,10 @@ class RegistrationSocket:
         self._conns[conn.fileno()] = (conn, next(self._owners), refusal)
 
     def _refuse_now(self, conn: socket.socket, code: ErrorCode, message: str) -> None:
-        """Answer a connection before it sent anything, and close it (nothing unread: no reset)."""
+        """Answer a connection before it read anything, and close it (see `close_quietly`)."""
         with contextlib.suppress(OSError):
             conn.send(encode(self._error(0, code, message)))
-        conn.close()
+        close_quietly(conn)
 
     def _receive(self, fd: int) -> None:
         conn, owner, refusal = self._conns[fd]
@@ -179,15 +180,33 @@ class RegistrationSocket:
         if entry is None:
             return
         conn, owner, _ = entry
-        conn.close()
+        close_quietly(conn)
         released = self.store.release_owner(owner)
         if released:
             log.info("registration connection closed: released %d registration(s)", released)
 
     def close(self) -> None:
         for fd in list(self._conns):
-            self._conns.pop(fd)[0].close()
+            close_quietly(self._conns.pop(fd)[0])
         self._listener.close()
 
     def status(self) -> dict[str, Any]:
         return {"registration_socket": self.address, "registration_connections": len(self._conns)}
+
+
+def close_quietly(conn: socket.socket) -> None:
+    """Close a connection so that the peer still reads what was sent to it (a refusal), then EOF.
+
+    Closing a Unix socket with messages unread in its queue (a register request sent just after a
+    refusal at accept) resets the peer: its next recv fails with ECONNRESET before the reply queued
+    for it. So shut both directions first (the peer's later sends fail with EPIPE, its reads get the
+    queued reply and then EOF), read and drop what is queued (recv without a control buffer: the
+    kernel closes any passed descriptors), then close. Never blocks: the socket is non-blocking and
+    after the shutdown nothing more can arrive."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.shutdown(socket.SHUT_RDWR)
+        for _ in range(MAX_DRAINED):
+            if not conn.recv(1):
+                break
+    conn.close()

@@ -158,10 +158,10 @@ class KVStore:
                     yield
                 with self._lock:
                     engine = self._engine(req.instance_id, req.token, req.fingerprint)  # still registered
-                    end, before, steps = min(len(req.chunk_hashes), len(stored) + limits.SLICE_CHUNKS), sum(copied), 0
+                    end, before = min(len(req.chunk_hashes), len(stored) + limits.SLICE_CHUNKS), sum(copied)
+                    work = self._pool.index.work_steps
                     while len(stored) < end and sum(copied) - before < limits.SLICE_BYTES and \
-                            steps < limits.SLICE_INDEX_STEPS:
-                        steps += (req.first_chunk + len(stored) + 1) * len(engine.groups)  # the index walks up
+                            self._pool.index.work_steps - work < limits.SLICE_INDEX_STEPS:
                         self._store_chunk(engine, req, len(stored), copied, pinned, stored, refusals)
         finally:
             with self._lock:

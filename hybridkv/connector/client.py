@@ -27,6 +27,7 @@ ids do not survive a restart: a retrieve of an old lookup fails with UNKNOWN_LOO
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -153,6 +154,21 @@ class Registration:
     object_groups: list[ObjectGroupInfo]
 
 
+def _register_roundtrip(lease: socket.socket, payload: bytes, fds: list[int]) -> AnyReply:
+    """Send a register request and read its reply. A server that refuses a connection as soon as it
+    accepts it (another user's, one too many) has queued its refusal and closed: the send may then
+    fail (EPIPE) and the first read report a reset, and the refusal is still there to read."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        socket.send_fds(lease, [payload], fds)
+    try:
+        data = lease.recv(1 << 20)
+    except ConnectionResetError:  # reported once, ahead of the messages still queued
+        data = lease.recv(1 << 20)
+    if not data:
+        raise ConnectionError("the server closed the connection without a reply")
+    return decode_reply(data)
+
+
 class KVClient:
     """One engine's connection to the server (a ZeroMQ DEALER; one request in flight at a time,
     not thread-safe: use one client per thread). `auth_token`: the server's shared secret (None:
@@ -203,9 +219,8 @@ class KVClient:
         lease.settimeout(self.timeout_s)
         try:
             self._connect_lease(lease, "\0" + address[1:] if address.startswith("@") else address)
-            socket.send_fds(lease, [encode(RegisterRequest(req_id=next(self._ids), auth=self._auth, layout=layout,
-                                                           access=access))], fds)
-            reply = decode_reply(lease.recv(1 << 20))
+            reply = _register_roundtrip(lease, encode(RegisterRequest(req_id=next(self._ids), auth=self._auth,
+                                                                      layout=layout, access=access)), fds)
         except (OSError, ValueError) as e:
             lease.close()
             raise ServerUnreachable(f"cannot register at {address!r} (the server's registration socket, on this "

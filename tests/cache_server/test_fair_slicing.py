@@ -1,18 +1,26 @@
 """Fair slicing (issue 46): a large lookup, store or retrieve runs in bounded slices and the control
 loop serves its connections in turn, so one client's huge request does not hold another's small one.
 
-The bound stated and checked against a live server: of 30 lookups of 3 chunks made while another
-connection keeps sending huge requests, 9 in 10 wait less than a fifth of one huge request's time
-and the worst less than half (one slice per busy connection, ~1-10 ms of work, plus what a loaded
-machine adds; before slicing a lookup waited the rest of the huge request, up to all of it: 173 ms
-behind a 16,384-chunk lookup), and the server's longest slice stays under 1 s."""
+The bound stated and checked against a live server, the hog engine (fair_hog.py) and the server
+each in its own process (in one process their GIL, not the server, set the wait): of 30 lookups of
+3 chunks made while the hog keeps sending huge requests, 9 in 10 wait less than a fifth of one huge
+request's time and the worst less than half, and the server's longest slice stays under 1 s. A
+small lookup waits about one slice (~1-10 ms of work) where a huge request is 16-64 of them, so
+both scale with the machine. Measured on the shared 2-core machine (wait / huge request): idle-like
+(this test at nice 0, the rest at nice 15) p90 0.05-0.10, worst 0.05-0.16; loaded (nice 15 beside
+two busy loops, load ~7) p90 0.02-0.10, worst 0.04-0.15; the bounds leave 2x and 3x (the worst can
+meet the server preempted). Before slicing a lookup waited the rest of the huge request, up to all
+of it: 173 ms behind a 16,384-chunk lookup."""
 
 from __future__ import annotations
 
+import json
 import statistics
-import threading
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,11 +31,15 @@ from hybridkv.cache_server.registered_layout import RequestError
 from hybridkv.cache_server.scheduler import FairScheduler, Task
 from hybridkv.cache_server.store import KVStore, StoreConfig
 from hybridkv.connector.client import KVClient, chunk_hashes
+from hybridkv.connector.server_process import ServerProcess
 from hybridkv.wire import AnyReply, ErrorCode, LookupRequest, OkReply, RetrieveRequest, StoreRequest
-from tests.cache_server.helpers import fake_engine, make_engine, make_group, running_server
+from tests.cache_server import fair_hog
+from tests.cache_server.helpers import fake_engine, make_engine, server_process
 
-CHUNK = 8
-GROUPS = [make_group(block=4, page=4096)]  # 8 KiB per chunk
+REPO = Path(__file__).resolve().parents[2]
+
+CHUNK = fair_hog.CHUNK
+GROUPS = fair_hog.GROUPS  # 8 KiB per chunk
 SMALL = list(range(3 * CHUNK + 1))
 
 
@@ -64,25 +76,17 @@ def test_a_connection_may_queue_at_most_max_queued() -> None:
     assert sched.add(Task(identity=b"B", steps=_steps("b", 1, log)))
 
 
-def _waits(endpoint: str, hog: Callable[[KVClient], float], victim: KVClient) -> tuple[list[float], float]:
-    """(waits of the victim's 3-chunk lookups, sorted; median time of the hog's request) while `hog` runs."""
-    stop, hog_times = threading.Event(), []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            with KVClient(endpoint, timeout_s=120, connect_timeout_s=5) as other:
-                while not stop.is_set():
-                    hog_times.append(hog(other))
-        except BaseException as e:  # reported by the test
-            failed.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+def _waits(server: ServerProcess, victim: KVClient, mode: str) -> tuple[list[float], float, float]:
+    """(waits of the victim's 3-chunk lookups, sorted; median time of the hog's request; the server's
+    longest slice) while a hog process (fair_hog.py, `mode`) keeps the server busy."""
+    hog = subprocess.Popen([sys.executable, "-m", "tests.cache_server.fair_hog", server.endpoint, mode],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert hog.stdin is not None and hog.stdout is not None  # PIPEs
     waits = []
     try:
-        while len(hog_times) < 2 and not failed:
-            time.sleep(0.01)
+        for expected in ("ready", "busy"):
+            line = hog.stdout.readline().strip()
+            assert line == expected, f"the hog said {line!r}, expected {expected!r}"
         for _ in range(30):
             t0 = time.perf_counter()
             hit = victim.lookup(chunk_hashes(SMALL, CHUNK), num_tokens=len(SMALL))
@@ -91,85 +95,51 @@ def _waits(endpoint: str, hog: Callable[[KVClient], float], victim: KVClient) ->
             victim.release(hit.lookup_id)
             time.sleep(0.003)
     finally:
-        stop.set()
-        thread.join(120)
-    assert not failed, failed
-    return sorted(waits), statistics.median(hog_times)
+        out, _ = hog.communicate(timeout=120)  # closes its stdin: it stops
+    report = json.loads(out.strip().splitlines()[-1])
+    assert not report["error"], report["error"]
+    return sorted(waits), statistics.median(report["seconds"]), _metric(server, "hybridkv_server_longest_slice_seconds")
 
 
-#: the hog's client, the victim's and the server share this process's GIL: on an idle machine a huge
-#: request's client-side encoding, not the server's slicing, sets the victim's wait (bench_server.py's
-#: worst_wait_ms measures the bound across processes); non-strict until the hog runs in its own process
-GIL_BOUND = pytest.mark.xfail(strict=False, reason="timing bound measured in one process (GIL); see GIL_BOUND")
+def _metric(server: ServerProcess, name: str) -> float:
+    for line in server.http("/metrics").splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in the server's /metrics")
 
 
-def _check_bound(waits: list[float], hog_s: float) -> None:
+def _check_bound(waits: list[float], hog_s: float, longest_slice_s: float) -> None:
     assert waits[int(0.9 * len(waits)) - 1] < hog_s / 5, (waits, hog_s)
     assert waits[-1] < hog_s / 2, (waits, hog_s)
+    assert longest_slice_s < 1.0
 
 
 @pytest.fixture
 def server():  # type: ignore[no-untyped-def]
-    config = StoreConfig(chunk_tokens=CHUNK, l1_bytes=256 << 20)
-    with running_server(config, max_message_bytes=64 << 20) as srv, fake_engine(GROUPS, num_blocks=8200) as eng, \
-            KVClient(srv.endpoint, timeout_s=120, connect_timeout_s=5) as victim:
+    """A server process (its own GIL, as in production) and the victim engine of this process, with
+    3 chunks stored; each test's hog is a third process."""
+    with server_process("--chunk-size", str(CHUNK), "--l1-size-gib", "0.25") as srv, \
+            fake_engine(GROUPS, num_blocks=64) as eng, srv.client(timeout_s=120) as victim:
         eng.fill_random(1)
         victim.register(eng.layout)
         assert all(victim.store(first_chunk=0, chunk_hashes=chunk_hashes(SMALL, CHUNK),
                                 block_ids=[list(range(1, 7))]).stored)
-        yield srv, eng, victim
+        yield srv, victim
 
 
-@GIL_BOUND
 def test_a_small_lookup_waits_a_slice_not_a_huge_lookup(server) -> None:  # type: ignore[no-untyped-def]
-    srv, eng, victim = server
-    huge = [i.to_bytes(16, "little") for i in range(limits.MAX_CHUNKS_PER_REQUEST)]
-
-    def hog(client: KVClient) -> float:
-        if client.registration is None:
-            client.register(eng.layout)
-        t0 = time.perf_counter()
-        client.lookup(huge, num_tokens=len(huge) * CHUNK + 1)
-        return time.perf_counter() - t0
-
-    waits, hog_s = _waits(srv.endpoint, hog, victim)
-    print(f"worst wait of a 3-chunk lookup behind {len(huge)}-chunk lookups ({hog_s * 1e3:.0f} ms each): "
-          f"{waits[-1] * 1e3:.1f} ms; longest slice {srv.metric('hybridkv_server_longest_slice_seconds') * 1e3:.1f} ms")
-    _check_bound(waits, hog_s)
-    assert srv.metric("hybridkv_server_longest_slice_seconds") < 1.0
+    waits, hog_s, longest = _waits(*server, "lookup")
+    print(f"waits of a 3-chunk lookup behind {limits.MAX_CHUNKS_PER_REQUEST}-chunk lookups ({hog_s * 1e3:.0f} ms "
+          f"each): p90 {waits[26] * 1e3:.1f} ms, worst {waits[-1] * 1e3:.1f} ms; longest slice {longest * 1e3:.1f} ms")
+    _check_bound(waits, hog_s, longest)
 
 
-@GIL_BOUND
 def test_a_small_lookup_waits_a_slice_not_a_huge_store_and_retrieve(server) -> None:  # type: ignore[no-untyped-def]
-    srv, eng, victim = server
-    chunks = 4000  # 4000 chunks of 8 KiB: 32 MiB copied each way, in slices
-    tokens = list(range(10**6, 10**6 + chunks * CHUNK + 1))
-    hashes = chunk_hashes(tokens, CHUNK)
-    blocks = list(range(100, 100 + 2 * chunks))
-    rounds = [0]
-
-    def hog(client: KVClient) -> float:
-        if client.registration is None:
-            client.register(eng.layout)
-        t0 = time.perf_counter()
-        if rounds[0] % 2 == 0:
-            assert all(client.store(first_chunk=0, chunk_hashes=hashes, block_ids=[blocks]).stored)
-        else:
-            hit = client.lookup(hashes, num_tokens=len(tokens))
-            assert hit.hit_tokens == chunks * CHUNK
-            client.retrieve(hit.lookup_id, block_ids=[blocks])
-        rounds[0] += 1
-        return time.perf_counter() - t0
-
-    before = eng.buffers.arrays[0][100 * 4096:(100 + 2 * chunks) * 4096].copy()
-    waits, hog_s = _waits(srv.endpoint, hog, victim)
-    longest = srv.metric("hybridkv_server_longest_slice_seconds")
-    print(f"worst wait of a 3-chunk lookup behind stores and retrieves of {chunks} chunks ({hog_s * 1e3:.0f} ms "
-          f"each): {waits[-1] * 1e3:.1f} ms; longest slice {longest * 1e3:.1f} ms")
-    assert rounds[0] >= 2
-    assert np.array_equal(eng.buffers.arrays[0][100 * 4096:(100 + 2 * chunks) * 4096], before)
-    _check_bound(waits, hog_s)
-    assert srv.metric("hybridkv_server_longest_slice_seconds") < 1.0
+    waits, hog_s, longest = _waits(*server, "store_retrieve")
+    print(f"waits of a 3-chunk lookup behind stores and retrieves of {fair_hog.STORED_CHUNKS} chunks "
+          f"({hog_s * 1e3:.0f} ms each): p90 {waits[26] * 1e3:.1f} ms, worst {waits[-1] * 1e3:.1f} ms; "
+          f"longest slice {longest * 1e3:.1f} ms")
+    _check_bound(waits, hog_s, longest)
 
 
 def _store_steps_engine(store: KVStore, chunks: int):  # type: ignore[no-untyped-def]
@@ -187,13 +157,13 @@ def test_an_engine_that_leaves_between_slices_ends_its_store_cleanly() -> None:
     chunks = 3 * limits.SLICE_CHUNKS
     eng, reg, _, req = _store_steps_engine(store, chunks)
     steps = store.store_steps(req)
-    next(steps)  # the first slice: 128 chunks (1 + 2 + ... + 128 >= SLICE_INDEX_STEPS = 8192 index steps)
-    assert store.status()["tiers"][0]["objects"] == 128
+    next(steps)  # the first slice: SLICE_CHUNKS chunks (a few index steps each, far from SLICE_INDEX_STEPS)
+    assert store.status()["tiers"][0]["objects"] == limits.SLICE_CHUNKS
     store.unregister(reg.instance_id, reg.token)  # its buffers are unmapped
     with pytest.raises(RequestError) as info:
         next(steps)
     assert info.value.code is ErrorCode.UNKNOWN_INSTANCE
-    assert store.status()["tiers"][0]["objects"] == 128
+    assert store.status()["tiers"][0]["objects"] == limits.SLICE_CHUNKS
     assert store.status()["tiers"][0]["locked_objects"] == 0  # its pins were let go
     store.check_integrity()
     eng.close()

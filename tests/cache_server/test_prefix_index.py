@@ -7,8 +7,10 @@ and an object is dead when no resumable prefix needs it."""
 from __future__ import annotations
 
 import contextlib
+import random
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +25,8 @@ Path = tuple[int, ...]
 
 @dataclass
 class Rules:
-    """Object groups by rule: "full" (all chunks), "w2" (a window of the last 2 chunks), "state" (the last)."""
+    """Object groups by rule: "full" (all chunks), "w2" (a window of the last 2 chunks), "state" (the last),
+    "c2" (chunked attention, windows of 2 chunks: the chunks since the last window start, none at one)."""
 
     kinds: tuple[str, ...]
     tree_id: bytes = b"tree"
@@ -36,8 +39,13 @@ class Rules:
     def state_object_groups(self) -> frozenset[int]:
         return frozenset(o for o, kind in enumerate(self.kinds) if kind == "state")
 
+    @property
+    def full_object_groups(self) -> frozenset[int]:
+        return frozenset(o for o, kind in enumerate(self.kinds) if kind == "full")
+
     def first_needed(self, object_group: int, hit_chunks: int) -> int:
-        return {"full": 0, "w2": max(0, hit_chunks - 2), "state": hit_chunks - 1}[self.kinds[object_group]]
+        return {"full": 0, "w2": max(0, hit_chunks - 2), "state": hit_chunks - 1,
+                "c2": hit_chunks // 2 * 2}[self.kinds[object_group]]
 
     def empty(self, object_group: int, chunk: int) -> bool:
         return False
@@ -188,3 +196,149 @@ def test_a_wrong_parent_hash_changes_eviction_order_not_answers() -> None:
         assert (l1["resumable_prefixes"], l1["dead_objects"], l1["dead_bytes"]) == (1, 1, 64)
         assert c.lookup(hashes, num_tokens=len(tokens)).hit_tokens == 2 * chunk
         server.store.check_integrity()
+
+
+# ---- long chains, orphans and links against a reference that walks paths ---------------------------
+
+
+class LinkedReference:
+    """The index's contract restated over paths, with what it knows of parents: a node knows its
+    parent once a store named it (or a chain linked it), forgets it when the node goes (no object,
+    no child), and a prefix's objects count only through the parents its node knows."""
+
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self.present: dict[tuple[Path, int], int] = {}  # (path, object group) -> bytes
+        self.linked: set[Path] = set()
+
+    def nodes(self) -> set[Path]:
+        nodes = {p for p, _ in self.present}
+        todo = list(nodes)
+        while todo:
+            p = todo.pop()
+            if p in self.linked and p[:-1] not in nodes:
+                nodes.add(p[:-1])
+                todo.append(p[:-1])
+        self.linked &= nodes
+        return nodes
+
+    def put(self, path: Path, og: int, nbytes: int, *, parent_known: bool) -> None:
+        self.present[(path, og)] = nbytes
+        if parent_known and len(path) > 1:
+            self.linked.add(path)
+
+    def link(self, path: Path) -> None:
+        nodes = self.nodes()
+        for i in range(2, len(path) + 1):  # ascending, as a chain is read: a parent made here stays unlinked
+            if path[:i] in nodes and path[:i] not in self.linked:
+                self.linked.add(path[:i])
+                nodes.add(path[:i - 1])
+
+    def ancestry(self, p: Path) -> list[Path]:
+        """p and the ancestors its node knows, nearest first."""
+        out = [p]
+        while out[-1] in self.linked:
+            out.append(out[-1][:-1])
+        return out
+
+    def needs(self, p: Path) -> set[tuple[Path, int]]:
+        """What a hit of p's length needs, among the nodes p knows."""
+        known = {len(q) - 1: q for q in self.ancestry(p)}
+        return {(known.get(c, ()), o) for o in range(self.rules.num_object_groups)
+                for c in range(self.rules.first_needed(o, len(p)), len(p))}
+
+    def resumable(self) -> set[Path]:
+        return {p for p in self.nodes() if all(n in self.present for n in self.needs(p))}
+
+    def owned(self, p: Path, resumable: set[Path]) -> list[tuple[Path, int]]:
+        """The objects only p needs, walking up from p; a full-rule group stops at its first shared one."""
+        need = {q: self.needs(q) for q in resumable}
+        lows = [self.rules.first_needed(o, len(p)) for o in range(self.rules.num_object_groups)]
+        shared = [False] * len(lows)
+        out = []
+        for m in self.ancestry(p):
+            if len(m) - 1 < min(lows) or all(shared):
+                break
+            for o, lo in enumerate(lows):
+                if len(m) - 1 < lo or shared[o]:
+                    continue
+                users = sum((m, o) in n for n in need.values())
+                if (m, o) in self.present and users == 1:
+                    out.append((m, o))
+                elif users > 1 and lo == 0:
+                    shared[o] = True
+        return out
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_long_chains_orphans_and_links_match_a_path_reference(seed: int) -> None:
+    """Random stores (with and without the parent's hash), evictions, touches and lookups' chain links
+    on chains up to 40 chunks deep; every answer of the index compared after every step."""
+    rng = random.Random(seed)
+    kinds = [("full",), ("full", "state"), ("full", "w2"), ("full", "w2", "state"), ("w2",), ("full", "c2"),
+             ("c2", "state"), ("w2", "state")][seed % 8]
+    rules = Rules(kinds)
+    index, ref = PrefixIndex(), LinkedReference(rules)
+    paths: list[Path] = [()]
+    for _ in range(400):
+        op = rng.choice(["put", "put", "put", "put", "drop", "touch", "link"])
+        if op == "put":  # mostly the next chunk of a recent chain, or its next object
+            base = rng.choice(paths[-8:]) if rng.random() < 0.8 else rng.choice(paths)
+            path = (*base, rng.randrange(2)) if not base or (len(base) < 40 and rng.random() < 0.6) else base
+            missing = [o for o in range(len(kinds)) if (path, o) not in ref.present]
+            if not missing:
+                continue
+            og = missing[0] if rng.random() < 0.7 else rng.choice(missing)
+            paths.append(path)
+            known = rng.random() < 0.85
+            nbytes = rng.randrange(1, 100)
+            index.insert(key(path, og), nbytes, ObjectPlace(
+                rules=rules, chunk=len(path) - 1, chunk_hash=h(path),
+                parent_hash=h(path[:-1]) if known and len(path) > 1 else None, object_group=og))
+            ref.put(path, og, nbytes, parent_known=known)
+        elif op in ("drop", "touch") and ref.present:
+            path, og = rng.choice(sorted(ref.present))
+            if op == "drop":
+                index.remove(key(path, og))
+                del ref.present[(path, og)]
+            else:
+                index.touch(key(path, og))
+        elif op == "link":
+            path = rng.choice(paths)
+            index.link_chain(rules, 0, None, [h(path[:i]) for i in range(1, len(path) + 1)])
+            ref.link(path)
+        resumable = ref.resumable()
+        needed = set().union(*(ref.needs(p) for p in resumable)) if resumable else set()
+        dead = {po for po in ref.present if po not in needed}
+        stats = index.stats()
+        assert stats.resumable_prefixes == len(resumable)
+        assert set(index.dead_keys()) == {key(*po) for po in dead}
+        assert stats.dead_bytes == sum(ref.present[po] for po in dead)
+        units = sorted(index.unit_keys())
+        expected = [key(*po) for p in resumable for po in ref.owned(p, resumable)] if rules.state_object_groups else []
+        assert units == sorted(expected)
+    index.check_integrity()
+
+
+@pytest.mark.parametrize("kinds", [("full",), ("full", "w2", "state")])
+def test_a_chain_costs_linear_index_work(kinds: tuple[str, ...]) -> None:
+    """n chunks stored one after another, each naming its parent, then evicted oldest first (LRU) or
+    newest first: O(1) index steps per object, not O(depth) (which counted each new prefix in every
+    ancestor, and recounted every run below an evicted chunk: 2,000 chunks, millions of steps)."""
+    rules = Rules(kinds)
+    for n, oldest_first in ((500, True), (2000, True), (2000, False)):
+        index = PrefixIndex()
+        path: Path = ()
+        keys = []
+        for c in range(n):
+            path = (*path, c)
+            for og, kind in enumerate(kinds):
+                if kind != "state" or c == n - 1:  # a prefill saves its state at its end
+                    keys.append(key(path, og))
+                    index.insert(keys[-1], 1, place(rules, path, og))
+        assert index.stats().resumable_prefixes == (n if kinds == ("full",) else 1)
+        assert index.work_steps <= 8 * n * len(kinds), (n, index.work_steps)
+        for k in keys if oldest_first else keys[::-1]:
+            index.remove(k)
+        assert index.stats().trees == 0
+        assert index.work_steps <= 16 * n * len(kinds), (n, oldest_first, index.work_steps)
