@@ -35,7 +35,9 @@ import argparse
 import json
 import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -267,12 +269,8 @@ def scale(quick: bool) -> dict[str, float]:
     assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
     server = AppServer(make_app(service))
     server.start()
-    body = json.dumps({"model": "m", "token_ids": prompt, "block_size": block}).encode()
-    http_times = []
-    for _ in range(30 if quick else 200):
-        t = time.perf_counter()
-        call(server.url, "/query", body)
-        http_times.append(time.perf_counter() - t)
+    http_times = http_latencies(server.url, json.dumps({"model": "m", "token_ids": prompt, "block_size": block}),
+                                30 if quick else 300)
     server.stop()
     q = statistics.quantiles
     result = {"blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s, "bytes_per_block": held,
@@ -283,6 +281,45 @@ def scale(quick: bool) -> dict[str, float]:
     print("scale " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
           flush=True)
     return result
+
+
+def http_latencies(url: str, body: str, n: int) -> list[float]:
+    """`/query` latencies seen by a client in another process (its own interpreter and GIL), over one
+    kept-alive connection as a router holds it; the body is encoded before the clock starts."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(body)
+    try:
+        out = subprocess.run([sys.executable, __file__, "--query-client", url, f.name, str(n)], check=True,
+                             capture_output=True, text=True, timeout=600).stdout
+    finally:
+        os.unlink(f.name)
+    times: list[float] = json.loads(out.strip().splitlines()[-1])
+    return times
+
+
+def query_client(url: str, body_path: str, n: int) -> None:
+    """The client side of `http_latencies`: POST the body n times (after 20 unmeasured), print the times."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    body = Path(body_path).read_bytes()
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
+    conn.connect()
+    # (no Nagle, as routers' HTTP clients set it, Go's and Rust's hyper included: otherwise a body's
+    # last partial segment waits for the server's delayed ACK, 40 ms)
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for i in range(n + 20):
+        t = time.perf_counter()
+        conn.request("POST", "/query", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if i >= 20:
+            times.append(time.perf_counter() - t)
+        if resp.status != 200:
+            raise RuntimeError(f"/query answered {resp.status}: {raw[:200]!r}")
+    print(json.dumps(times))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--branch-p", type=float, default=default.branch_p, help="share of branch requests")
     parser.add_argument("--engine-args", default="", help="more `hybridkv serve` flags for every engine (e.g. "
                         "'--prefix-cache-retention-interval 0': tails and checkpoints kept at prompt ends only)")
+    parser.add_argument("--query-client", nargs=3, metavar=("URL", "BODY", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.query_client:
+        query_client(args.query_client[0], args.query_client[1], int(args.query_client[2]))
+        return 0
     drive = Clients(clients=args.clients, think_s=args.think_s, max_turns=args.max_turns, branch_p=args.branch_p)
     parts: list[str] = []
     if args.part in ("scale", "all"):

@@ -31,3 +31,42 @@ void hkv_seq_hashes(xxh3_fn xxh3, const uint32_t *tokens, int64_t num_blocks, in
         out[i] = prev;
     }
 }
+
+/* A JSON array of unsigned integers (`[1, 2, 3]`, whitespace allowed) into u32s: the count, or -1
+ * for anything else (a sign, a fraction, an exponent, a leading zero, a value over 2^32 - 1, more
+ * than `cap` numbers, text after the array): the caller then decodes it the slow way, which names
+ * the fault. */
+static int is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
+int64_t hkv_parse_u32_array(const char *s, int64_t len, uint32_t *out, int64_t cap) {
+    int64_t i = 0, n = 0;
+    while (i < len && is_space(s[i])) i++;
+    if (i >= len || s[i++] != '[') return -1;
+    while (i < len && is_space(s[i])) i++;
+    if (i < len && s[i] == ']') {
+        i++;
+    } else {
+        for (;;) {
+            if (i >= len || s[i] < '0' || s[i] > '9' || n >= cap) return -1;
+            if (s[i] == '0' && i + 1 < len && s[i + 1] >= '0' && s[i + 1] <= '9') return -1;
+            uint64_t v = 0;
+            int64_t start = i;
+            while (i < len && s[i] >= '0' && s[i] <= '9' && i - start < 11) v = v * 10 + (uint64_t)(s[i++] - '0');
+            if (v > 0xFFFFFFFFu || (i < len && s[i] >= '0' && s[i] <= '9')) return -1;
+            out[n++] = (uint32_t)v;
+            while (i < len && is_space(s[i])) i++;
+            if (i < len && s[i] == ',') {
+                i++;
+                while (i < len && is_space(s[i])) i++;
+                continue;
+            }
+            if (i < len && s[i] == ']') {
+                i++;
+                break;
+            }
+            return -1;
+        }
+    }
+    while (i < len && is_space(s[i])) i++;
+    return i == len ? n : -1;
+}
