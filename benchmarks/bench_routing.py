@@ -61,7 +61,7 @@ from hybridkv.route.app import RouteConfig  # noqa: E402
 from hybridkv.route.app import make_app as make_route_app  # noqa: E402
 from hybridkv.route.local import LocalCluster  # noqa: E402
 from hybridkv.route.picker import Policy  # noqa: E402
-from hybridkv.route.upstream import call  # noqa: E402
+from hybridkv.route.upstream import call, call_with_headers  # noqa: E402
 
 ENGINES = 4
 
@@ -114,6 +114,36 @@ def workload(shape: Shape, seed: int, drive: Clients) -> list[list[list[int]]]:
     return sessions
 
 
+def documents(shape: Shape, seed: int, drive: Clients) -> list[list[list[int]]]:
+    """Sessions over long documents read to different depths (`--workload documents`): K documents
+    (popularity skewed), each of 4-6 sections of random length after a shared instruction prompt; a
+    session asks 2-5 questions about one document, each with the document up to the section it is
+    about (a reader asking about section 2 after section 4, a retrieval step that sends the sections
+    up to the one that matched). A request's prefix is a document cut at a section end that earlier
+    requests passed without stopping, so an instance may hold its attention blocks without a usable
+    point (a state checkpoint, a window tail) there."""
+    rng = random.Random(seed)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(3, shape.vocab) for _ in range(n)]
+
+    instruction = words(shape.question_tokens)
+    docs = []
+    for _ in range(shape.system_prompts):
+        cuts = sorted(rng.sample(range(shape.question_tokens, shape.system_tokens), rng.randrange(3, 6)))
+        docs.append((instruction + words(shape.system_tokens), [*cuts, shape.system_tokens]))
+    weights = [1 / (k + 1) ** 0.6 for k in range(shape.system_prompts)]
+    sessions: list[list[list[int]]] = []
+    total = 0
+    while total < shape.requests:
+        doc, ends = docs[rng.choices(range(shape.system_prompts), weights)[0]]
+        turns = [doc[: len(instruction) + rng.choice(ends)] + words(shape.question_tokens)
+                 for _ in range(rng.randrange(2, drive.max_turns + 1))]
+        sessions.append(turns)
+        total += len(turns)
+    return sessions
+
+
 def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[int]]],
                drive: Clients) -> dict[str, Any]:
     for p in cluster.procs:  # (a cold cache for every policy)
@@ -124,6 +154,7 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
     router = AppServer(make_route_app(cfg), lifespan="on", name="bench-route")
     router.start()
     results: list[tuple[int, int]] = []
+    calls: list[tuple[float, float, str, int, int]] = []  # (start, end, engine, predicted, cached)
     lock = threading.Lock()
     queue = list(sessions)
 
@@ -135,13 +166,17 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
                 session = queue.pop(0)
             for prompt in session:
                 time.sleep(drive.think_s)
-                status, raw = call(router.url, "/v1/completions", {"model": cluster.model, "prompt": prompt,
-                                                                    "max_tokens": 1, "temperature": 0}, timeout_s=600)
+                sent = time.perf_counter()
+                status, raw, headers = call_with_headers(
+                    router.url, "/v1/completions", {"model": cluster.model, "prompt": prompt, "max_tokens": 1,
+                                                    "temperature": 0}, timeout_s=600)
                 if status != 200:
                     raise RuntimeError(f"request failed: {status} {raw[:200]!r}")
                 cached = int(json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"])
                 with lock:
                     results.append((cached, len(prompt)))
+                    calls.append((sent, time.perf_counter(), headers["x-hybridkv-instance"],
+                                  int(headers["x-hybridkv-predicted-tokens"]), cached))
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(drive.clients)]
@@ -152,12 +187,15 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
     wall = time.perf_counter() - start
     router.stop()
     routed = [e.routed for e in cfg.engines]
+    missed = [c for c in calls if c[3] != c[4]]
+    concurrent = sum(any(o is not c and o[2] == c[2] and o[0] < c[1] and c[0] < o[1] for o in calls) for c in missed)
     checked = sum(e.checked for e in cfg.engines)
     return {"policy": policy.value, "hit_tokens": sum(r[0] for r in results),
             "prompt_tokens": sum(r[1] for r in results), "routed": routed,
             "balance": max(routed) / max(1, min(routed)), "wall_s": wall,
             "accuracy": sum(e.exact for e in cfg.engines) / checked if checked else float("nan"),
-            "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines)}
+            "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines),
+            "missed_concurrent": concurrent, "stale": cfg.stale_answers}
 
 
 def build_gdn(target: Path) -> None:
@@ -166,7 +204,8 @@ def build_gdn(target: Path) -> None:
     bench_run_policies.build_model(target)
 
 
-def routing(quick: bool, drive: Clients, extra_args: str = "") -> dict[str, dict[str, dict[str, Any]]]:
+def routing(quick: bool, drive: Clients, extra_args: str = "",
+            kind: str = "sessions") -> dict[str, dict[str, dict[str, Any]]]:
     """Per model, per policy: the run_policy results."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     from hybridkv.engine.tokenizer import BYTE_VOCAB
@@ -181,7 +220,7 @@ def routing(quick: bool, drive: Clients, extra_args: str = "") -> dict[str, dict
                                     requests=60 if quick else 240, kv_gib=0.003, vocab=32000)),
         }
         for name, (model, shape) in models.items():
-            sessions = workload(shape, seed=0, drive=drive)
+            sessions = (documents if kind == "documents" else workload)(shape, seed=0, drive=drive)
             args = (f"--kv-cache-memory-gib {shape.kv_gib} --threads 1 --max-num-seqs 4 --max-model-len 4096 "
                     f"--max-num-batched-tokens 2048 {extra_args}")
             cluster = LocalCluster(ENGINES, model=model, engine_args=args, served_model_name=name)
@@ -192,7 +231,8 @@ def routing(quick: bool, drive: Clients, extra_args: str = "") -> dict[str, dict
                     out[name][policy.value] = r
                     print(f"model={name} policy={policy.value} hit_tokens={r['hit_tokens']} "
                           f"prompt_tokens={r['prompt_tokens']} routed={r['routed']} balance={r['balance']:.2f} "
-                          f"accuracy={r['accuracy']:.4f} over={r['over']} under={r['under']} wall_s={r['wall_s']:.1f}",
+                          f"accuracy={r['accuracy']:.4f} over={r['over']} under={r['under']} "
+                          f"missed_concurrent={r['missed_concurrent']} stale={r['stale']} wall_s={r['wall_s']:.1f}",
                           flush=True)
             finally:
                 cluster.close()
@@ -331,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-s", type=float, default=default.think_s, help="a client's pause between requests")
     parser.add_argument("--max-turns", type=int, default=default.max_turns, help="most requests per session")
     parser.add_argument("--branch-p", type=float, default=default.branch_p, help="share of branch requests")
+    parser.add_argument("--workload", choices=["sessions", "documents"], default="sessions",
+                        help="sessions: turns extending one another (the documented run); documents: questions "
+                        "about long documents cut at different sections (docs/routing.md)")
     parser.add_argument("--engine-args", default="", help="more `hybridkv serve` flags for every engine (e.g. "
                         "'--prefix-cache-retention-interval 0': tails and checkpoints kept at prompt ends only)")
     parser.add_argument("--query-client", nargs=3, metavar=("URL", "BODY", "N"), help=argparse.SUPPRESS)
@@ -346,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
                   f"ingest_blocks_per_s={s['ingest_blocks_per_s']:.0f}", f"bytes_per_block={s['bytes_per_block']:.0f}"]
     if args.part in ("routing", "all"):
-        r = routing(args.quick, drive, args.engine_args)
+        r = routing(args.quick, drive, args.engine_args, args.workload)
         accuracy = min(r[m]["joint"]["accuracy"] for m in r)
         ratios = []
         for m in ("gdn", "swa"):

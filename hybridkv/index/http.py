@@ -14,6 +14,7 @@ With a token (`--auth-token-file` or $HYBRIDKV_INDEX_TOKEN) every POST needs
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -25,7 +26,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from hybridkv.http_serving import BoundServer, bearer_ok, bind_socket
-from hybridkv.index.native import native_u32_array
+from hybridkv.index.native import native_split_array, native_u32_array
 from hybridkv.index.seq_hash import token_bytes
 from hybridkv.index.service import IndexFullError, IndexService, Query
 from hybridkv.index.table import Registration, group_rule
@@ -147,11 +148,11 @@ def _registration(body: RegisterBody) -> Registration:
     return reg
 
 
-def _token_data(raw: msgspec.Raw) -> memoryview:
+def _token_data(raw: msgspec.Raw, parsed: memoryview | None) -> memoryview:
     """`token_ids` (the JSON array's text) as little-endian u32 bytes: the native parse, or, when it
     refuses (or is unavailable), msgspec's decode and a check that names the fault."""
     text = bytes(raw)
-    data = native_u32_array(text) if text else None
+    data = parsed if parsed is not None else native_u32_array(text) if text else None
     if data is None:
         ids = None if text in (b"", b"null") else _decode(text, list[int], "/query token_ids")
         if ids is None:
@@ -164,7 +165,17 @@ def _token_data(raw: msgspec.Raw) -> memoryview:
     return data
 
 
-def _query(body: QueryBody, *, by_hash: bool) -> Query:
+def _query_body(raw: bytes) -> tuple[QueryBody, memoryview | None]:
+    """A `/query` body, and its token ids as u32s when the native pass took them (native.py: one pass
+    over the array, the small rest decoded by msgspec); else the body as msgspec decodes it whole."""
+    split = native_split_array(raw, b"token_ids")
+    if split is not None:
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            return msgspec.json.decode(split[0], type=QueryBody), split[1]
+    return _decode(raw, QueryBody, "/query"), None
+
+
+def _query(body: QueryBody, *, by_hash: bool, token_data: memoryview | None = None) -> Query:
     hashes = body.seq_hashes if body.seq_hashes is not None else body.block_hash
     if by_hash:
         if hashes is None or body.block_size is None or body.block_size <= 0:
@@ -174,7 +185,7 @@ def _query(body: QueryBody, *, by_hash: bool) -> Query:
         if any(h < 0 or h >= 1 << 64 for h in hashes):
             raise HttpError(400, "seq_hashes must be unsigned 64-bit integers")
     return Query(model=body.model, tenant_id=body.tenant_id, lora_name=body.lora_name, instance_id=body.instance_id,
-                 cache_salt=body.cache_salt, token_data=None if by_hash else _token_data(body.token_ids),
+                 cache_salt=body.cache_salt, token_data=None if by_hash else _token_data(body.token_ids, token_data),
                  seq_hashes=hashes if by_hash else None, block_size=body.block_size, num_tokens=body.num_tokens)
 
 
@@ -231,7 +242,8 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
         return _json({"status": "unregistered successfully", "removed_instances": removed})
 
     def query(raw: bytes) -> Response:
-        return _json(service.query(_query(_decode(raw, QueryBody, "/query"), by_hash=False)))
+        body, data = _query_body(raw)
+        return _json(service.query(_query(body, by_hash=False, token_data=data)))
 
     def query_by_hash(raw: bytes) -> Response:
         return _json(service.query(_query(_decode(raw, QueryBody, "/query_by_hash"), by_hash=True)))

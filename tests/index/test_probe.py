@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hybridkv.index.native import native_u32_array
+from hybridkv.index.native import native_split_array, native_u32_array
 from hybridkv.index.probe import PromptBlocks, instance_hit
 from hybridkv.index.rules import GroupRule, RuleKind, attention_tokens, joint_hit_tokens
 
@@ -91,3 +91,27 @@ def test_native_parse_equals_json() -> None:
                                   '["1"]', "[99999999999999999999]", "{}", ""])
 def test_native_parse_refuses_what_json_u32_would_not_give(text: str) -> None:
     assert native_u32_array(text.encode()) is None
+
+
+@pytest.mark.parametrize("text", [
+    '{"model": "m", "token_ids": [1, 2, 3]}',
+    ' {"token_ids":[7],"model":"a]}\\"[{","x":{"token_ids":[9],"y":["]",{"z":"}"}]},"n":null} ',
+    '{"model": "m", "cache_salt": "s\\\\", "token_ids": [], "block_size": 16}',
+])
+def test_the_native_split_finds_the_top_level_array(text: str) -> None:
+    split = native_split_array(text.encode(), b"token_ids")
+    if split is None:
+        pytest.skip("no C compiler: the index decodes token ids with msgspec")
+    rest, data = split
+    want = json.loads(text)
+    assert np.frombuffer(data, dtype="<u4").tolist() == want.pop("token_ids")
+    got = json.loads(rest)
+    assert got.pop("token_ids") == [] and got == want
+
+
+@pytest.mark.parametrize("text", [
+    '{"model": "m"}', '{"token_ids": [1], "token_ids": [2]}', '{"token\\u005fids": [1]}', '{"token_ids": [1]',
+    '{"token_ids": [1]} x', '[1, 2]', '{"token_ids": "abc"}', '{"token_ids": [-1]}', '{"a": "unterminated}',
+])
+def test_the_native_split_leaves_anything_unusual_to_the_decoder(text: str) -> None:
+    assert native_split_array(text.encode(), b"token_ids") is None
