@@ -313,7 +313,7 @@ def scale(quick: bool) -> dict[str, float]:
                                 30 if quick else 300)
     server.stop()
     q = statistics.quantiles
-    result = {"blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s, "bytes_per_block": held,
+    result = {"load_1m": os.getloadavg()[0], "blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s, "bytes_per_block": held,
               "query_p50_ms": q(times, n=100)[49] * 1e3, "query_p99_ms": q(times, n=100)[98] * 1e3,
               "query_by_hash_p50_ms": q(hash_times, n=100)[49] * 1e3,
               "query_by_hash_p99_ms": q(hash_times, n=100)[98] * 1e3,
