@@ -10,21 +10,27 @@ prompts (popularity skewed), 2-5 requests each, run closed loop by 4 clients at 
 response and the client's next request); a request is the next turn or, one time in three, a branch
 from an earlier turn; 1 new token per request, prompts as token ids. The
 KV cache of each engine holds only a few of the system prompts, so where a request goes decides
-its hit.
+its hit. `--workload documents`: questions about long documents cut at different sections
+(`documents`).
 
     accuracy   share of routed requests whose `cached_tokens` equals the index's `longest_matched`
                (the router asks again while the index is behind the KV events an engine's responses
                already counted: `x-hybridkv-kv-events-seq`, docs/routing.md)
     hit        realized prefix-hit tokens (sum of `cached_tokens`) per policy
     balance    max / min requests per engine
+    missed_concurrent  mispredicted requests that overlapped another request on the same engine
+    ideal      the hit tokens of one engine with an unbounded cache and a usable point at every step
+               of the engines' hit granularity (`ideal_hits`): a ceiling for any router
 
 Part 2 (in-process): 1M indexed blocks over 4 instances; ingest rate (msgpack decode + apply);
 memory per indexed block (tracemalloc); a 32k-token prompt held to its end by one instance: `/query`
-p50/p99 in process and over HTTP, and `/query_by_hash` in process (the router hashed the prompt).
+p50/p99 in process (token ids as a Python list) and over HTTP from a client in another process over
+one kept-alive connection, and `/query_by_hash` in process (the router hashed the prompt); the
+1-minute load average beside them.
 
-Last line: accuracy=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... joint_vs_attention_swa=...
-joint_vs_rr_swa=... balance_max=... query_p99_ms=... query_by_hash_p99_ms=... http_query_p99_ms=...
-ingest_blocks_per_s=... bytes_per_block=...
+Last line: accuracy=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... ideal_vs_rr_gdn=...
+joint_vs_attention_swa=... joint_vs_rr_swa=... ideal_vs_rr_swa=... balance_max=... query_p99_ms=...
+query_by_hash_p99_ms=... http_query_p50_ms=... http_query_p99_ms=... ingest_blocks_per_s=... bytes_per_block=...
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--part routing|scale|all]
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import socket
@@ -193,6 +200,7 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
     return {"policy": policy.value, "hit_tokens": sum(r[0] for r in results),
             "prompt_tokens": sum(r[1] for r in results), "routed": routed,
             "balance": max(routed) / max(1, min(routed)), "wall_s": wall,
+            "step": math.gcd(*(c[4] for c in calls)),
             "accuracy": sum(e.exact for e in cfg.engines) / checked if checked else float("nan"),
             "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines),
             "missed_concurrent": concurrent, "stale": cfg.stale_answers}
@@ -234,9 +242,39 @@ def routing(quick: bool, drive: Clients, extra_args: str = "",
                           f"accuracy={r['accuracy']:.4f} over={r['over']} under={r['under']} "
                           f"missed_concurrent={r['missed_concurrent']} stale={r['stale']} wall_s={r['wall_s']:.1f}",
                           flush=True)
+                step = out[name]["joint"]["step"] or 1
+                ideal = ideal_hits(sessions, step)
+                out[name]["ideal"] = {"hit_tokens": ideal}
+                print(f"model={name} ideal_hit_tokens={ideal} (one engine, unbounded cache, a usable point at every "
+                      f"{step} tokens) joint_vs_ideal={out[name]['joint']['hit_tokens'] / max(1, ideal):.3f} "
+                      f"ideal_vs_rr={ideal / max(1, out[name]['round_robin']['hit_tokens']):.3f}", flush=True)
             finally:
                 cluster.close()
     return out
+
+
+def ideal_hits(sessions: list[list[list[int]]], step: int) -> int:
+    """The hit tokens of one engine with an unbounded cache and a usable point every `step` tokens (the
+    hit granularity the engines showed: the gcd of their hits), serving the sessions one after the
+    other: each prompt's longest prefix shared with any earlier prompt, in whole steps, at most the
+    prompt's length - 1. No router over engines with bounded caches gets more (up to the order the
+    clients interleave sessions in)."""
+    seen: set[int] = set()
+    total = 0
+    for session in sessions:
+        for prompt in session:
+            keys, key = [], 0
+            for start in range(0, len(prompt) - step + 1, step):
+                key = hash((key, tuple(prompt[start : start + step])))
+                keys.append(key)
+            hit = 0
+            for k, key in enumerate(keys):
+                if key not in seen:
+                    break
+                hit = k + 1
+            total += min(hit * step, (len(prompt) - 1) // step * step)
+            seen.update(keys)
+    return total
 
 
 def _batches(instance: int, num_blocks: int, block_size: int, rng: random.Random) -> list[bytes]:
@@ -313,7 +351,8 @@ def scale(quick: bool) -> dict[str, float]:
                                 30 if quick else 300)
     server.stop()
     q = statistics.quantiles
-    result = {"load_1m": os.getloadavg()[0], "blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s, "bytes_per_block": held,
+    result = {"load_1m": os.getloadavg()[0], "blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s,
+              "bytes_per_block": held,
               "query_p50_ms": q(times, n=100)[49] * 1e3, "query_p99_ms": q(times, n=100)[98] * 1e3,
               "query_by_hash_p50_ms": q(hash_times, n=100)[49] * 1e3,
               "query_by_hash_p99_ms": q(hash_times, n=100)[98] * 1e3,
@@ -386,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("scale", "all"):
         s = scale(args.quick)
         parts += [f"query_p99_ms={s['query_p99_ms']:.3f}", f"query_by_hash_p99_ms={s['query_by_hash_p99_ms']:.3f}",
-                  f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
+                  f"http_query_p50_ms={s['http_query_p50_ms']:.3f}", f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
                   f"ingest_blocks_per_s={s['ingest_blocks_per_s']:.0f}", f"bytes_per_block={s['bytes_per_block']:.0f}"]
     if args.part in ("routing", "all"):
         r = routing(args.quick, drive, args.engine_args, args.workload)
@@ -394,9 +433,10 @@ def main(argv: list[str] | None = None) -> int:
         ratios = []
         for m in ("gdn", "swa"):
             joint = r[m]["joint"]["hit_tokens"]
+            rr = max(1, r[m]["round_robin"]["hit_tokens"])
             ratios += [f"joint_vs_attention_{m}={joint / max(1, r[m]['attention']['hit_tokens']):.3f}",
-                       f"joint_vs_rr_{m}={joint / max(1, r[m]['round_robin']['hit_tokens']):.3f}"]
-        balance = max(r[m][p]["balance"] for m in r for p in r[m])
+                       f"joint_vs_rr_{m}={joint / rr:.3f}", f"ideal_vs_rr_{m}={r[m]['ideal']['hit_tokens'] / rr:.3f}"]
+        balance = max(r[m][p]["balance"] for m in r for p in r[m] if p != "ideal")
         parts = [f"accuracy={accuracy:.4f}", *ratios, f"balance_max={balance:.2f}", *parts]
     print(" ".join(parts))
     return 0
