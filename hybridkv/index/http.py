@@ -205,7 +205,8 @@ def _metrics(service: IndexService) -> str:
         s = service.subscriber.counts
         lines += [f"hybridkv_index_batches_total {s.batches}", f"hybridkv_index_sequence_gaps_total {s.gaps}",
                   f"hybridkv_index_replayed_batches_total {s.replayed}", f"hybridkv_index_resets_total {s.resets}",
-                  f"hybridkv_index_bad_messages_total {s.bad_messages}"]
+                  f"hybridkv_index_bad_messages_total {s.bad_messages}",
+                  f"hybridkv_index_duplicate_batches_total {s.duplicates}"]
     return "\n".join(lines) + "\n"
 
 
