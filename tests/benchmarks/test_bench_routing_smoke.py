@@ -13,7 +13,8 @@ from benchmarks.bench_routing import Clients, Shape, documents, ideal_hits, main
 def test_scale_part_prints_its_figures_last(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--quick", "--part", "scale"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.fullmatch(r"query_p99_ms=[\d.]+ query_by_hash_p99_ms=[\d.]+ http_query_p50_ms=[\d.]+ http_query_p99_ms=[\d.]+ "
+    assert re.fullmatch(r"query_p99_ms=[\d.]+ query_by_hash_p99_ms=[\d.]+ http_query_cpu_ms=[\d.]+ "
+                        r"http_query_p50_ms=[\d.]+ http_query_p99_ms=[\d.]+ "
                         r"ingest_blocks_per_s=\d+ bytes_per_block=\d+", last), last
 
 
