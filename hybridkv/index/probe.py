@@ -10,15 +10,16 @@ prompt) before any rule runs. A query asks far less:
     sliding window   the `need` blocks before a candidate point; a miss at block i rules out
                      every point up to i + need at once (the walk jumps below i)
 
-    blocks:   0 ......................................... 2047
-    full      x x x x x x x x x x x x x x x x . . . . . . .     probes: 11 (binary search)
-    state     . . . x . . . x . . . x . . . x . . . . . . .     probes: from 16 down: 16?, 15? -> hit at 16 blocks
+    block:    0 1 2 3 4 5 6 7 8 9 ...    15 16 ...     2047
+    full      x x x x x x x x x x  x x x x  x  .  . . .  .      binary search: ~11 probes -> 16 blocks held
+    state     . . . x . . . x . . .  x . . .  x  .  . . .  .      a hit of 16 blocks needs block 15: one probe
 
 The binary search relies on a chain's full-attention blocks being held as a prefix: an engine
 evicts a chain tail first (vLLM's free queue gets a request's blocks in reverse order, and a block
 is touched whenever any later block of its chain is; hybridkv's LRU and value policies keep that
-order within a class), so a held block's predecessors are held. Probes are memoized per query, so
-instances (and groups of one block size) share them.
+order within a class, and their classes of full-attention blocks are marked on whole prefixes), so a
+held block's predecessors are held. Probes are memoized per query: instances (and groups of one
+block size) share them.
 """
 
 from __future__ import annotations
