@@ -10,20 +10,28 @@ prompts (popularity skewed), 2-5 requests each, run closed loop by 4 clients at 
 response and the client's next request); a request is the next turn or, one time in three, a branch
 from an earlier turn; 1 new token per request, prompts as token ids. The
 KV cache of each engine holds only a few of the system prompts, so where a request goes decides
-its hit.
+its hit. `--workload documents`: questions about long documents cut at different sections
+(`documents`).
 
     accuracy   share of routed requests whose `cached_tokens` equals the index's `longest_matched`
                (the router asks again while the index is behind the KV events an engine's responses
                already counted: `x-hybridkv-kv-events-seq`, docs/routing.md)
     hit        realized prefix-hit tokens (sum of `cached_tokens`) per policy
     balance    max / min requests per engine
+    missed_concurrent  mispredicted requests that overlapped another request on the same engine
+    ideal      the hit tokens of one engine with an unbounded cache and a usable point at every step
+               of the engines' hit granularity (`ideal_hits`): a ceiling for any router
 
 Part 2 (in-process): 1M indexed blocks over 4 instances; ingest rate (msgpack decode + apply);
 memory per indexed block (tracemalloc); a 32k-token prompt held to its end by one instance: `/query`
-p50/p99 in process and over HTTP, and `/query_by_hash` in process (the router hashed the prompt).
+p50/p99 in process (token ids as a Python list) and over HTTP from a client in another process over
+one kept-alive connection, with the server's CPU time per request (what the latency would be on an
+idle core), and `/query_by_hash` in process (the router hashed the prompt); the 1-minute load average
+beside them.
 
-Last line: accuracy=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... joint_vs_attention_swa=...
-joint_vs_rr_swa=... balance_max=... query_p99_ms=... query_by_hash_p99_ms=... http_query_p99_ms=...
+Last line: accuracy=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... ideal_vs_rr_gdn=...
+joint_vs_attention_swa=... joint_vs_rr_swa=... ideal_vs_rr_swa=... balance_max=... query_p99_ms=...
+query_by_hash_p99_ms=... http_query_cpu_ms=... http_query_p50_ms=... http_query_p99_ms=...
 ingest_blocks_per_s=... bytes_per_block=...
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--part routing|scale|all]
@@ -33,9 +41,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -59,7 +70,7 @@ from hybridkv.route.app import RouteConfig  # noqa: E402
 from hybridkv.route.app import make_app as make_route_app  # noqa: E402
 from hybridkv.route.local import LocalCluster  # noqa: E402
 from hybridkv.route.picker import Policy  # noqa: E402
-from hybridkv.route.upstream import call  # noqa: E402
+from hybridkv.route.upstream import call, call_with_headers  # noqa: E402
 
 ENGINES = 4
 
@@ -112,6 +123,36 @@ def workload(shape: Shape, seed: int, drive: Clients) -> list[list[list[int]]]:
     return sessions
 
 
+def documents(shape: Shape, seed: int, drive: Clients) -> list[list[list[int]]]:
+    """Sessions over long documents read to different depths (`--workload documents`): K documents
+    (popularity skewed), each of 4-6 sections of random length after a shared instruction prompt; a
+    session asks 2-5 questions about one document, each with the document up to the section it is
+    about (a reader asking about section 2 after section 4, a retrieval step that sends the sections
+    up to the one that matched). A request's prefix is a document cut at a section end that earlier
+    requests passed without stopping, so an instance may hold its attention blocks without a usable
+    point (a state checkpoint, a window tail) there."""
+    rng = random.Random(seed)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(3, shape.vocab) for _ in range(n)]
+
+    instruction = words(shape.question_tokens)
+    docs = []
+    for _ in range(shape.system_prompts):
+        cuts = sorted(rng.sample(range(shape.question_tokens, shape.system_tokens), rng.randrange(3, 6)))
+        docs.append((instruction + words(shape.system_tokens), [*cuts, shape.system_tokens]))
+    weights = [1 / (k + 1) ** 0.6 for k in range(shape.system_prompts)]
+    sessions: list[list[list[int]]] = []
+    total = 0
+    while total < shape.requests:
+        doc, ends = docs[rng.choices(range(shape.system_prompts), weights)[0]]
+        turns = [doc[: len(instruction) + rng.choice(ends)] + words(shape.question_tokens)
+                 for _ in range(rng.randrange(2, drive.max_turns + 1))]
+        sessions.append(turns)
+        total += len(turns)
+    return sessions
+
+
 def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[int]]],
                drive: Clients) -> dict[str, Any]:
     for p in cluster.procs:  # (a cold cache for every policy)
@@ -122,6 +163,7 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
     router = AppServer(make_route_app(cfg), lifespan="on", name="bench-route")
     router.start()
     results: list[tuple[int, int]] = []
+    calls: list[tuple[float, float, str, int, int]] = []  # (start, end, engine, predicted, cached)
     lock = threading.Lock()
     queue = list(sessions)
 
@@ -133,13 +175,17 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
                 session = queue.pop(0)
             for prompt in session:
                 time.sleep(drive.think_s)
-                status, raw = call(router.url, "/v1/completions", {"model": cluster.model, "prompt": prompt,
-                                                                    "max_tokens": 1, "temperature": 0}, timeout_s=600)
+                sent = time.perf_counter()
+                status, raw, headers = call_with_headers(
+                    router.url, "/v1/completions", {"model": cluster.model, "prompt": prompt, "max_tokens": 1,
+                                                    "temperature": 0}, timeout_s=600)
                 if status != 200:
                     raise RuntimeError(f"request failed: {status} {raw[:200]!r}")
                 cached = int(json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"])
                 with lock:
                     results.append((cached, len(prompt)))
+                    calls.append((sent, time.perf_counter(), headers["x-hybridkv-instance"],
+                                  int(headers["x-hybridkv-predicted-tokens"]), cached))
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(drive.clients)]
@@ -150,12 +196,16 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
     wall = time.perf_counter() - start
     router.stop()
     routed = [e.routed for e in cfg.engines]
+    missed = [c for c in calls if c[3] != c[4]]
+    concurrent = sum(any(o is not c and o[2] == c[2] and o[0] < c[1] and c[0] < o[1] for o in calls) for c in missed)
     checked = sum(e.checked for e in cfg.engines)
     return {"policy": policy.value, "hit_tokens": sum(r[0] for r in results),
             "prompt_tokens": sum(r[1] for r in results), "routed": routed,
             "balance": max(routed) / max(1, min(routed)), "wall_s": wall,
+            "step": math.gcd(*(c[4] for c in calls)),
             "accuracy": sum(e.exact for e in cfg.engines) / checked if checked else float("nan"),
-            "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines)}
+            "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines),
+            "missed_concurrent": concurrent, "stale": cfg.stale_answers}
 
 
 def build_gdn(target: Path) -> None:
@@ -164,7 +214,8 @@ def build_gdn(target: Path) -> None:
     bench_run_policies.build_model(target)
 
 
-def routing(quick: bool, drive: Clients, extra_args: str = "") -> dict[str, dict[str, dict[str, Any]]]:
+def routing(quick: bool, drive: Clients, extra_args: str = "",
+            kind: str = "sessions") -> dict[str, dict[str, dict[str, Any]]]:
     """Per model, per policy: the run_policy results."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     from hybridkv.engine.tokenizer import BYTE_VOCAB
@@ -179,7 +230,7 @@ def routing(quick: bool, drive: Clients, extra_args: str = "") -> dict[str, dict
                                     requests=60 if quick else 240, kv_gib=0.003, vocab=32000)),
         }
         for name, (model, shape) in models.items():
-            sessions = workload(shape, seed=0, drive=drive)
+            sessions = (documents if kind == "documents" else workload)(shape, seed=0, drive=drive)
             args = (f"--kv-cache-memory-gib {shape.kv_gib} --threads 1 --max-num-seqs 4 --max-model-len 4096 "
                     f"--max-num-batched-tokens 2048 {extra_args}")
             cluster = LocalCluster(ENGINES, model=model, engine_args=args, served_model_name=name)
@@ -190,11 +241,42 @@ def routing(quick: bool, drive: Clients, extra_args: str = "") -> dict[str, dict
                     out[name][policy.value] = r
                     print(f"model={name} policy={policy.value} hit_tokens={r['hit_tokens']} "
                           f"prompt_tokens={r['prompt_tokens']} routed={r['routed']} balance={r['balance']:.2f} "
-                          f"accuracy={r['accuracy']:.4f} over={r['over']} under={r['under']} wall_s={r['wall_s']:.1f}",
+                          f"accuracy={r['accuracy']:.4f} over={r['over']} under={r['under']} "
+                          f"missed_concurrent={r['missed_concurrent']} stale={r['stale']} wall_s={r['wall_s']:.1f}",
                           flush=True)
+                step = out[name]["joint"]["step"] or 1
+                ideal = ideal_hits(sessions, step)
+                out[name]["ideal"] = {"hit_tokens": ideal}
+                print(f"model={name} ideal_hit_tokens={ideal} (one engine, unbounded cache, a usable point at every "
+                      f"{step} tokens) joint_vs_ideal={out[name]['joint']['hit_tokens'] / max(1, ideal):.3f} "
+                      f"ideal_vs_rr={ideal / max(1, out[name]['round_robin']['hit_tokens']):.3f}", flush=True)
             finally:
                 cluster.close()
     return out
+
+
+def ideal_hits(sessions: list[list[list[int]]], step: int) -> int:
+    """The hit tokens of one engine with an unbounded cache and a usable point every `step` tokens (the
+    hit granularity the engines showed: the gcd of their hits), serving the sessions one after the
+    other: each prompt's longest prefix shared with any earlier prompt, in whole steps, at most the
+    prompt's length - 1. No router over engines with bounded caches gets more (up to the order the
+    clients interleave sessions in)."""
+    seen: set[int] = set()
+    total = 0
+    for session in sessions:
+        for prompt in session:
+            keys, key = [], 0
+            for start in range(0, len(prompt) - step + 1, step):
+                key = hash((key, tuple(prompt[start : start + step])))
+                keys.append(key)
+            hit = 0
+            for k, key in enumerate(keys):
+                if key not in seen:
+                    break
+                hit = k + 1
+            total += min(hit * step, (len(prompt) - 1) // step * step)
+            seen.update(keys)
+    return total
 
 
 def _batches(instance: int, num_blocks: int, block_size: int, rng: random.Random) -> list[bytes]:
@@ -267,22 +349,62 @@ def scale(quick: bool) -> dict[str, float]:
     assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
     server = AppServer(make_app(service))
     server.start()
-    body = json.dumps({"model": "m", "token_ids": prompt, "block_size": block}).encode()
-    http_times = []
-    for _ in range(30 if quick else 200):
-        t = time.perf_counter()
-        call(server.url, "/query", body)
-        http_times.append(time.perf_counter() - t)
+    n_http = 30 if quick else 300
+    cpu = time.process_time()  # (this process's CPU: the server thread's alone while the client process runs)
+    http_times = http_latencies(server.url, json.dumps({"model": "m", "token_ids": prompt, "block_size": block}),
+                                n_http)
+    http_cpu_ms = (time.process_time() - cpu) / (n_http + 20) * 1e3  # (+ the client's 20 warm-up requests)
     server.stop()
     q = statistics.quantiles
-    result = {"blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s, "bytes_per_block": held,
+    result = {"load_1m": os.getloadavg()[0], "blocks": blocks, "ingest_blocks_per_s": blocks / ingest_s,
+              "bytes_per_block": held,
               "query_p50_ms": q(times, n=100)[49] * 1e3, "query_p99_ms": q(times, n=100)[98] * 1e3,
               "query_by_hash_p50_ms": q(hash_times, n=100)[49] * 1e3,
               "query_by_hash_p99_ms": q(hash_times, n=100)[98] * 1e3,
-              "http_query_p50_ms": q(http_times, n=100)[49] * 1e3, "http_query_p99_ms": q(http_times, n=100)[98] * 1e3}
+              "http_query_cpu_ms": http_cpu_ms, "http_query_p50_ms": q(http_times, n=100)[49] * 1e3,
+              "http_query_p99_ms": q(http_times, n=100)[98] * 1e3}
     print("scale " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items()),
           flush=True)
     return result
+
+
+def http_latencies(url: str, body: str, n: int) -> list[float]:
+    """`/query` latencies seen by a client in another process (its own interpreter and GIL), over one
+    kept-alive connection as a router holds it; the body is encoded before the clock starts."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(body)
+    try:
+        out = subprocess.run([sys.executable, __file__, "--query-client", url, f.name, str(n)], check=True,
+                             capture_output=True, text=True, timeout=600).stdout
+    finally:
+        os.unlink(f.name)
+    times: list[float] = json.loads(out.strip().splitlines()[-1])
+    return times
+
+
+def query_client(url: str, body_path: str, n: int) -> None:
+    """The client side of `http_latencies`: POST the body n times (after 20 unmeasured), print the times."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    body = Path(body_path).read_bytes()
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
+    conn.connect()
+    # (no Nagle, as routers' HTTP clients set it, Go's and Rust's hyper included: otherwise a body's
+    # last partial segment waits for the server's delayed ACK, 40 ms)
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for i in range(n + 20):
+        t = time.perf_counter()
+        conn.request("POST", "/query", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if i >= 20:
+            times.append(time.perf_counter() - t)
+        if resp.status != 200:
+            raise RuntimeError(f"/query answered {resp.status}: {raw[:200]!r}")
+    print(json.dumps(times))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,25 +416,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-s", type=float, default=default.think_s, help="a client's pause between requests")
     parser.add_argument("--max-turns", type=int, default=default.max_turns, help="most requests per session")
     parser.add_argument("--branch-p", type=float, default=default.branch_p, help="share of branch requests")
+    parser.add_argument("--workload", choices=["sessions", "documents"], default="sessions",
+                        help="sessions: turns extending one another (the documented run); documents: questions "
+                        "about long documents cut at different sections (docs/routing.md)")
     parser.add_argument("--engine-args", default="", help="more `hybridkv serve` flags for every engine (e.g. "
                         "'--prefix-cache-retention-interval 0': tails and checkpoints kept at prompt ends only)")
+    parser.add_argument("--query-client", nargs=3, metavar=("URL", "BODY", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.query_client:
+        query_client(args.query_client[0], args.query_client[1], int(args.query_client[2]))
+        return 0
     drive = Clients(clients=args.clients, think_s=args.think_s, max_turns=args.max_turns, branch_p=args.branch_p)
     parts: list[str] = []
     if args.part in ("scale", "all"):
         s = scale(args.quick)
         parts += [f"query_p99_ms={s['query_p99_ms']:.3f}", f"query_by_hash_p99_ms={s['query_by_hash_p99_ms']:.3f}",
+                  f"http_query_cpu_ms={s['http_query_cpu_ms']:.3f}", f"http_query_p50_ms={s['http_query_p50_ms']:.3f}",
                   f"http_query_p99_ms={s['http_query_p99_ms']:.3f}",
                   f"ingest_blocks_per_s={s['ingest_blocks_per_s']:.0f}", f"bytes_per_block={s['bytes_per_block']:.0f}"]
     if args.part in ("routing", "all"):
-        r = routing(args.quick, drive, args.engine_args)
+        r = routing(args.quick, drive, args.engine_args, args.workload)
         accuracy = min(r[m]["joint"]["accuracy"] for m in r)
         ratios = []
         for m in ("gdn", "swa"):
             joint = r[m]["joint"]["hit_tokens"]
+            rr = max(1, r[m]["round_robin"]["hit_tokens"])
             ratios += [f"joint_vs_attention_{m}={joint / max(1, r[m]['attention']['hit_tokens']):.3f}",
-                       f"joint_vs_rr_{m}={joint / max(1, r[m]['round_robin']['hit_tokens']):.3f}"]
-        balance = max(r[m][p]["balance"] for m in r for p in r[m])
+                       f"joint_vs_rr_{m}={joint / rr:.3f}", f"ideal_vs_rr_{m}={r[m]['ideal']['hit_tokens'] / rr:.3f}"]
+        balance = max(r[m][p]["balance"] for m in r for p in r[m] if p != "ideal")
         parts = [f"accuracy={accuracy:.4f}", *ratios, f"balance_max={balance:.2f}", *parts]
     print(" ".join(parts))
     return 0

@@ -32,7 +32,9 @@ def bind_socket(host: str, port: int, *, what: str = "--port", backlog: int = 25
     """A listening TCP socket on host:port (IPv6 when `host` has a colon); ConfigError naming `what`
     (the flag that set the port) when the address cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # (proto IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets that say they are TCP; with
+    # Nagle on, a response's body waits behind its headers for the client's delayed ACK, 40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -31,3 +31,31 @@ def test_an_address_in_use_is_a_one_line_config_error() -> None:
         assert sock.getsockname()[1] > 0
     finally:
         sock.close()
+
+
+def test_kept_alive_responses_do_not_wait_for_a_delayed_ack() -> None:
+    """With Nagle on (a socket that asyncio does not know is TCP), every response's body waited
+    behind its headers for the client's delayed ACK: 40 ms on Linux, ~0.3 ms without it."""
+    import http.client
+    import statistics
+    import time
+
+    from hybridkv.index.http import AppServer, make_app
+    from hybridkv.index.service import IndexService
+
+    server = AppServer(make_app(IndexService(subscribe=False)))
+    server.start()
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            conn.request("POST", "/query", body=b'{"model": "m", "token_ids": [1, 2, 3]}')
+            response = conn.getresponse()
+            assert response.status == 200, response.read()
+            response.read()
+            times.append(time.perf_counter() - start)
+        conn.close()
+    finally:
+        server.stop()
+    assert statistics.median(times) < 0.025, times

@@ -5,7 +5,9 @@ it vLLM's ZMQ KV event batches (vLLM itself, `hybridkv serve` / `run` with `--kv
 
     events.py       vLLM 0.32's KV event wire format (msgpack batches) and its `--kv-events-config`
     seq_hash.py     the Conductor's rolling XXH3-64 sequence hashes of token blocks
-    rules.py        the joint hit of one instance from the blocks each of its groups holds
+    native.py       the hash loop and the parse of a query's token ids in C (seq_chain.c)
+    rules.py        the joint hit of one instance from the blocks each of its groups holds (the reference)
+    probe.py        the same hit from a few table probes (a query's path)
     table.py        the index: contexts (model, cache-salt namespace) -> per block, which groups hold it
     publisher.py    a ZMQ publisher byte-compatible with vLLM's (PUB + replay ROUTER)
     subscriber.py   one ZMQ subscription per registered publisher: sequence numbers, replay, gaps

@@ -14,6 +14,7 @@ With a token (`--auth-token-file` or $HYBRIDKV_INDEX_TOKEN) every POST needs
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -25,6 +26,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from hybridkv.http_serving import BoundServer, bearer_ok, bind_socket
+from hybridkv.index.native import native_split_array, native_u32_array
+from hybridkv.index.seq_hash import token_bytes
 from hybridkv.index.service import IndexFullError, IndexService, Query
 from hybridkv.index.table import Registration, group_rule
 
@@ -71,7 +74,7 @@ class UnregisterBody(msgspec.Struct):
 
 class QueryBody(msgspec.Struct):
     model: str
-    token_ids: list[int] | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()  # (the array's text: parsed natively, `_token_data`)
     seq_hashes: list[int] | None = None
     block_hash: list[int] | None = None  # (an earlier draft's name for seq_hashes)
     tenant_id: str = "default"
@@ -145,7 +148,34 @@ def _registration(body: RegisterBody) -> Registration:
     return reg
 
 
-def _query(body: QueryBody, *, by_hash: bool) -> Query:
+def _token_data(raw: msgspec.Raw, parsed: memoryview | None) -> memoryview:
+    """`token_ids` (the JSON array's text) as little-endian u32 bytes: the native parse, or, when it
+    refuses (or is unavailable), msgspec's decode and a check that names the fault."""
+    text = bytes(raw)
+    data = parsed if parsed is not None else native_u32_array(text) if text else None
+    if data is None:
+        ids = None if text in (b"", b"null") else _decode(text, list[int], "/query token_ids")
+        if ids is None:
+            raise HttpError(400, "/query needs token_ids (a list of token ids)")
+        if ids and (min(ids) < 0 or max(ids) > 0xFFFFFFFF):
+            raise HttpError(400, "token_ids must be integers in 0..4294967295")
+        data = token_bytes(ids)
+    if len(data) > 4 * MAX_TOKENS:
+        raise HttpError(400, f"{len(data) // 4} token ids is over the limit of {MAX_TOKENS}")
+    return data
+
+
+def _query_body(raw: bytes) -> tuple[QueryBody, memoryview | None]:
+    """A `/query` body, and its token ids as u32s when the native pass took them (native.py: one pass
+    over the array, the small rest decoded by msgspec); else the body as msgspec decodes it whole."""
+    split = native_split_array(raw, b"token_ids")
+    if split is not None:
+        with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+            return msgspec.json.decode(split[0], type=QueryBody), split[1]
+    return _decode(raw, QueryBody, "/query"), None
+
+
+def _query(body: QueryBody, *, by_hash: bool, token_data: memoryview | None = None) -> Query:
     hashes = body.seq_hashes if body.seq_hashes is not None else body.block_hash
     if by_hash:
         if hashes is None or body.block_size is None or body.block_size <= 0:
@@ -154,14 +184,8 @@ def _query(body: QueryBody, *, by_hash: bool) -> Query:
             raise HttpError(400, f"{len(hashes)} seq_hashes is over the limit of {MAX_TOKENS}")
         if any(h < 0 or h >= 1 << 64 for h in hashes):
             raise HttpError(400, "seq_hashes must be unsigned 64-bit integers")
-    elif body.token_ids is None:
-        raise HttpError(400, "/query needs token_ids (a list of token ids)")
-    elif len(body.token_ids) > MAX_TOKENS:
-        raise HttpError(400, f"{len(body.token_ids)} token ids is over the limit of {MAX_TOKENS}")
-    elif body.token_ids and (min(body.token_ids) < 0 or max(body.token_ids) > 0xFFFFFFFF):
-        raise HttpError(400, "token_ids must be integers in 0..4294967295")
     return Query(model=body.model, tenant_id=body.tenant_id, lora_name=body.lora_name, instance_id=body.instance_id,
-                 cache_salt=body.cache_salt, token_ids=None if by_hash else body.token_ids,
+                 cache_salt=body.cache_salt, token_data=None if by_hash else _token_data(body.token_ids, token_data),
                  seq_hashes=hashes if by_hash else None, block_size=body.block_size, num_tokens=body.num_tokens)
 
 
@@ -181,7 +205,8 @@ def _metrics(service: IndexService) -> str:
         s = service.subscriber.counts
         lines += [f"hybridkv_index_batches_total {s.batches}", f"hybridkv_index_sequence_gaps_total {s.gaps}",
                   f"hybridkv_index_replayed_batches_total {s.replayed}", f"hybridkv_index_resets_total {s.resets}",
-                  f"hybridkv_index_bad_messages_total {s.bad_messages}"]
+                  f"hybridkv_index_bad_messages_total {s.bad_messages}",
+                  f"hybridkv_index_duplicate_batches_total {s.duplicates}"]
     return "\n".join(lines) + "\n"
 
 
@@ -218,7 +243,8 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
         return _json({"status": "unregistered successfully", "removed_instances": removed})
 
     def query(raw: bytes) -> Response:
-        return _json(service.query(_query(_decode(raw, QueryBody, "/query"), by_hash=False)))
+        body, data = _query_body(raw)
+        return _json(service.query(_query(body, by_hash=False, token_data=data)))
 
     def query_by_hash(raw: bytes) -> Response:
         return _json(service.query(_query(_decode(raw, QueryBody, "/query_by_hash"), by_hash=True)))

@@ -16,26 +16,16 @@ answer, so a router that saw a larger number from the engine knows the answer is
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from hybridkv.errors import HybridKVError
 from hybridkv.index.events import EventBatch
-from hybridkv.index.rules import GroupRule, attention_tokens, joint_hit_tokens
+from hybridkv.index.probe import PromptBlocks, instance_hit
 from hybridkv.index.seq_hash import seq_hash_chunks, token_bytes
 from hybridkv.index.subscriber import Subscriber
-from hybridkv.index.table import (
-    Masks,
-    Namespaces,
-    PrefixTable,
-    Registration,
-    RegKey,
-    full_slot_mask,
-    held_bits,
-)
+from hybridkv.index.table import Namespaces, PrefixTable, Registration, RegKey
 
 __all__ = ["IndexFullError", "IndexService", "Query"]
 
@@ -56,6 +46,7 @@ class Query:
     instance_id: str | None = None
     cache_salt: str | None = None
     token_ids: Sequence[int] | None = None
+    token_data: memoryview | None = None  # (token ids as little-endian u32 bytes: the HTTP fast path)
     seq_hashes: Sequence[int] | None = None
     block_size: int | None = None
     num_tokens: int | None = None  # query_by_hash: the prompt's length (the hit stops one short of it)
@@ -132,9 +123,11 @@ class IndexService:
         cid = table.context_id(q.model, q.lora_name, table.namespaces.of(q.cache_salt))
         if cid is None or not regs:
             return answer
-        masks_by_size = self._masks(cid, q, regs)
+        blocks = self._blocks(cid, q, regs)
+        max_tokens = self._max_tokens(q)
         for reg in regs:
-            joint, attention = self._instance_hit(reg, q, masks_by_size)
+            groups = [(rule, 1 << reg.slots[g] if g in reg.slots else 0) for g, rule in sorted(reg.groups.items())]
+            joint, attention = instance_hit(groups, blocks, max_tokens)
             entry = answer[reg.key[1]]
             entry["DP"][str(reg.key[2])] = max(joint, entry["DP"].get(str(reg.key[2]), 0))
             medium = reg.medium.upper()
@@ -143,36 +136,26 @@ class IndexService:
             entry["attention_matched"] = max(entry["attention_matched"], attention)
         return answer
 
-    def _masks(self, cid: int, q: Query, regs: Sequence[Registration]) -> dict[int, Masks]:
-        """Per block size the registrations' groups use: the masks of the prompt's blocks."""
+    def _blocks(self, cid: int, q: Query, regs: Sequence[Registration]) -> dict[int, PromptBlocks]:
+        """Per block size the registrations' groups use: the prompt's blocks, probed on demand."""
         sizes = {r.block_size for reg in regs for r in reg.groups.values()}
-        out: dict[int, Masks] = {}
-        data = token_bytes(q.token_ids) if q.token_ids is not None else None
+        get = self.table.masks_get(cid)
+        out: dict[int, PromptBlocks] = {}
+        data = q.token_data if q.token_data is not None else (
+            token_bytes(q.token_ids) if q.token_ids is not None else None)
         for size in sorted(sizes):
-            chunks: Iterable[Sequence[int]]
             if data is not None:
-                chunks = seq_hash_chunks(data, size)
+                chunks = list(seq_hash_chunks(data, size))  # (one list from the native loop)
+                out[size] = PromptBlocks(chunks[0] if len(chunks) == 1 else [h for c in chunks for h in c], get)
             elif size == q.block_size and q.seq_hashes is not None:
-                chunks = (q.seq_hashes,)
-            else:
-                continue
-            out[size] = self.table.held(cid, chunks, full_slot_mask(regs, size))
+                out[size] = PromptBlocks(q.seq_hashes, get)
         return out
 
-    def _instance_hit(self, reg: Registration, q: Query, masks_by_size: dict[int, Masks]) -> tuple[int, int]:
-        rules: list[GroupRule] = []
-        held = []
-        for group_idx in sorted(reg.groups):
-            rule = reg.groups[group_idx]
-            masks = masks_by_size.get(rule.block_size)
-            slot = reg.slots.get(group_idx)
-            if masks is None:
-                return 0, 0  # (a block size the query cannot see: no hit can be promised)
-            rules.append(rule)
-            held.append(held_bits(masks, slot) if slot is not None else np.zeros(len(masks), np.bool_))
+    def _max_tokens(self, q: Query) -> int:
+        """The longest hit the engine may report: one token short of the prompt."""
+        if q.token_data is not None:
+            return len(q.token_data) // 4 - 1
         if q.token_ids is not None:
-            max_tokens = len(q.token_ids) - 1
-        else:
-            count = len(q.seq_hashes or ()) * (q.block_size or 0)
-            max_tokens = min(count, q.num_tokens - 1) if q.num_tokens else count
-        return joint_hit_tokens(rules, held, max_tokens), attention_tokens(rules, held)
+            return len(q.token_ids) - 1
+        count = len(q.seq_hashes or ()) * (q.block_size or 0)
+        return min(count, q.num_tokens - 1) if q.num_tokens else count

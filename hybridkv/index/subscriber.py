@@ -6,8 +6,11 @@ Per stream the next expected sequence number decides what a batch means:
     seq >  expected        a gap (dropped messages, a late subscription): ask the replay endpoint for
                            [expected, seq); applied when it returns every missing batch, else the
                            registration's blocks are dropped (never a stale hit) and the stream resumes
-    seq <  expected        the publisher restarted (its cache is new; PUB/SUB never repeats a message):
-                           drop its blocks, then as a new stream (replay from 0 when seq > 0)
+    seq <  expected        a batch the new subscription's replay already applied, arriving over SUB
+                           too (published between the SUB's connection and the replay): the same
+                           payload, skipped; else the publisher restarted (its cache is new; PUB/SUB
+                           never repeats a message): drop its blocks, then as a new stream (replay
+                           from 0 when seq > 0)
 
 A disconnection from the publisher (a ZMQ socket monitor) drops its blocks too and starts the
 stream over: a restarted publisher's first batch that reaches us may carry exactly the number the
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
 import zmq
 
 from hybridkv.index.events import END_SEQ, EventBatch, WireError, decode_batch
@@ -49,6 +53,7 @@ class StreamCounts:
     replayed: int = 0
     resets: int = 0  # blocks dropped: unrecoverable gap, restart or ageing
     bad_messages: int = 0
+    duplicates: int = 0  # batches the catch-up replay applied that arrived over SUB too (skipped)
 
 
 @dataclass(slots=True)
@@ -62,6 +67,7 @@ class _Stream:
     dead: bool = False
     monitor: zmq.Socket[Any] | None = None
     caught_up: bool = False
+    replayed: dict[int, int] = field(default_factory=dict)  # catch-up: seq -> digest of its payload
 
 
 Apply = Callable[[RegKey, EventBatch], None]
@@ -176,6 +182,10 @@ class Subscriber:
             self.counts.bad_messages += 1
             return
         expected = stream.expected
+        if expected is not None and seq < expected and stream.replayed.get(seq) == xxhash.xxh3_64_intdigest(payload):
+            self.counts.duplicates += 1
+            return
+        stream.replayed.clear()  # (SUB delivers in order: no replayed batch comes after a newer one)
         if expected is not None and seq < expected:  # (PUB/SUB never repeats a message: a restart)
             self._drop(stream)
             expected = None
@@ -208,20 +218,21 @@ class Subscriber:
     def _recover(self, stream: _Stream, start: int, until: int) -> bool:
         """Apply batches [start, until) from the replay endpoint; False when any is missing."""
         got = self._replay(stream, start, until)
-        if got is None or [s for s, _ in got] != list(range(start, until)):
+        if got is None or [s for s, _, _ in got] != list(range(start, until)):
             return False
         with self._lock:
-            for _, batch in got:
+            for _, batch, _ in got:
                 self._apply(stream.key, batch)
         self.counts.replayed += len(got)
         return True
 
-    def _replay(self, stream: _Stream, start: int, until: int | None) -> list[tuple[int, EventBatch]] | None:
+    def _replay(self, stream: _Stream, start: int, until: int | None) -> list[tuple[int, EventBatch, int]] | None:
+        """Batches [start, until) from the replay endpoint: (seq, batch, digest of its payload)."""
         if stream.replay_endpoint is None:
             return None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        got: list[tuple[int, EventBatch]] = []
+        got: list[tuple[int, EventBatch, int]] = []
         try:
             dealer.connect(stream.replay_endpoint)
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
@@ -237,7 +248,7 @@ class Subscriber:
                     return got
                 seq = int.from_bytes(frames[1], "big")
                 if until is None or start <= seq < until:
-                    got.append((seq, decode_batch(frames[2])))
+                    got.append((seq, decode_batch(frames[2]), xxhash.xxh3_64_intdigest(frames[2])))
             return None
         except (zmq.ZMQError, WireError):
             return None
@@ -251,10 +262,11 @@ class Subscriber:
         if not got or stream.expected is not None:
             return
         with self._lock:
-            for _, batch in got:
+            for _, batch, _ in got:
                 self._apply(stream.key, batch)
+            stream.expected = got[-1][0] + 1
         self.counts.replayed += len(got)
-        stream.expected = got[-1][0] + 1
+        stream.replayed = {seq: digest for seq, _, digest in got}
 
     def _check_liveness(self) -> None:
         now = time.monotonic()

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
-
-import numpy as np
 
 from hybridkv.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from hybridkv.index.rules import GroupRule, RuleKind, rule_kind
@@ -312,64 +309,6 @@ class PrefixTable:
 
     # -- queries ----------------------------------------------------------------------------------
 
-    def held(self, cid: int, chunks: Iterable[Sequence[int]], stop_mask: int) -> Masks:
-        """The masks of the blocks whose hashes `chunks` list, in context `cid`, up to the first block
-        whose mask has no bit of `stop_mask` (0: never stop early)."""
-        get = self._contexts[cid].masks.get
-        out: list[Masks] = []
-        for chunk in chunks:
-            masks = mask_array(list(map(get, chunk, repeat(0))))  # (dict probes in one C-level map)
-            if stop_mask:
-                stop = _first_without(masks, stop_mask)
-                if stop < len(masks):
-                    out.append(masks[:stop])
-                    break
-            out.append(masks)
-        if len(out) == 1:
-            return out[0]
-        if all(isinstance(m, np.ndarray) for m in out):
-            return np.concatenate(out) if out else np.zeros(0, dtype=np.uint64)
-        return [int(m) for part in out for m in part]
-
-
-Masks = np.ndarray[Any, np.dtype[np.uint64]] | list[int]
-
-
-def mask_array(masks: list[int]) -> Masks:
-    """The masks as one uint64 array (a list still when a slot past 63 is in use)."""
-    try:
-        return np.fromiter(masks, dtype=np.uint64, count=len(masks))
-    except OverflowError:
-        return masks
-
-
-def _first_without(masks: Masks, stop_mask: int) -> int:
-    """The index of the first mask with no bit of `stop_mask` (len(masks) when there is none)."""
-    if isinstance(masks, np.ndarray) and stop_mask < 1 << 64:
-        misses = np.flatnonzero((masks & np.uint64(stop_mask)) == 0)
-        return int(misses[0]) if misses.size else masks.size
-    return next((i for i, m in enumerate(masks) if not int(m) & stop_mask), len(masks))
-
-
-def held_bits(masks: Masks, slot: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    """held[i] = bit `slot` is set in masks[i]."""
-    if isinstance(masks, np.ndarray):
-        if slot < 64:
-            held: np.ndarray[Any, np.dtype[np.bool_]] = (masks & np.uint64(1 << slot)) != 0
-            return held
-        return np.zeros(masks.size, dtype=np.bool_)
-    bit = 1 << slot
-    return np.fromiter((bool(m & bit) for m in masks), dtype=np.bool_, count=len(masks))
-
-
-def full_slot_mask(regs: Sequence[Registration], block_size: int) -> int:
-    """Bits of the full-attention slots of `block_size` when every registration has one (else 0)."""
-    mask = 0
-    for reg in regs:
-        slots = [reg.slots[g] for g, r in reg.groups.items()
-                 if r.kind is RuleKind.FULL and r.block_size == block_size and g in reg.slots]
-        if not slots:
-            return 0
-        for s in slots:
-            mask |= 1 << s
-    return mask
+    def masks_get(self, cid: int) -> Callable[[int, int], int]:
+        """Context `cid`'s probe: (block key, default) -> the slot bits that hold the block."""
+        return self._contexts[cid].masks.get

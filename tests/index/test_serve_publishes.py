@@ -101,3 +101,54 @@ def test_a_response_counts_its_own_events_and_the_index_catches_up_to_it(setup: 
     wait_for(lambda: answer()["events_seq"] >= seq)
     assert answer()["longest_matched"] >= 16 * (len(tokens) // 16 - 1) > 0
     assert seq >= 1
+
+
+def test_read_your_writes_covers_evictions() -> None:
+    """A request that evicts an earlier prompt's blocks: its x-hybridkv-kv-events-seq counts the
+    batch with the removals, so once the index's events_seq reaches it the answer for the earlier
+    prompt is what the engine then finds (less than before the eviction)."""
+    llm = LLM(MODEL, kv_cache_memory_gib=0.002, num_threads=1, max_num_batched_tokens=512, kv_events_config=EVENTS)
+    serve = ServeServer(llm, port=0, model_name=MODEL)
+    serve.start()
+    service = IndexService()
+    index = AppServer(make_app(service))
+    index.start()
+    try:
+        assert llm.kv_events is not None
+        pub = llm.kv_events.publisher
+        assert call(index.url + "/register", {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                                              "type": "hybridkv", "modelname": MODEL, "instance_id": "e0",
+                                              "block_size": 16})[0] == 200
+        first = [5 + i % 200 for i in range(300)]
+
+        def complete(tokens: list[int]) -> tuple[int, int]:
+            req = urllib.request.Request(serve.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": MODEL, "prompt": tokens, "max_tokens": 1}).encode())
+            with urllib.request.urlopen(req, timeout=60) as r:
+                body = json.loads(r.read())
+                return int(body["usage"]["prompt_tokens_details"]["cached_tokens"]), int(
+                    r.headers["x-hybridkv-kv-events-seq"])
+
+        def answer(seq: int) -> int:
+            wait_for(lambda: call(index.url + "/query", {"model": MODEL, "token_ids": first})[1]["default"]["e0"]
+                     ["events_seq"] >= seq)
+            reply = call(index.url + "/query", {"model": MODEL, "token_ids": first})[1]
+            return int(reply["default"]["e0"]["longest_matched"])
+
+        _, seq = complete(first)
+        before = answer(seq)
+        assert before > 0, (seq, call(index.url + "/query", {"model": MODEL, "token_ids": first})[1], complete(first))
+        evicted = False
+        for k in range(8):  # (other prompts until some of the first one's blocks are evicted)
+            _, seq = complete([7 + (i * (k + 3)) % 250 for i in range(400)])
+            predicted = answer(seq)
+            if predicted < before:
+                evicted = True
+                break
+        assert evicted, "the first prompt's blocks were never evicted: the cache is too large for this test"
+        assert complete(first)[0] == predicted
+        assert service.table.counts.removed_blocks > 0
+    finally:
+        index.stop()
+        service.close()
+        serve.stop()
