@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,6 +31,17 @@ def test_the_kernel_is_built_where_a_compiler_exists() -> None:
     if os.environ.get("HYBRIDKV_KERNELS") == "0":
         pytest.skip("HYBRIDKV_KERNELS=0 turns the kernels off")
     assert kernels_available()
+
+
+def test_loading_the_kernels_leaves_the_process_floats_alone() -> None:
+    # linked with -ffast-math, a shared object turns on flush-to-zero for the process that loads it: the
+    # smallest subnormal times 1 would read 0 in every later computation of the user's program
+    if not kernels_available():
+        pytest.skip("no kernels here")
+    code = ("import sys; from hybridkv.engine.kernels import kernels_available; assert kernels_available(); "
+            "tiny = sys.float_info.min / 2 ** 52; print(tiny * 1.0 > 0.0, tiny / 2 ** -1 > 0.0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"]
 
 
 def reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[int],

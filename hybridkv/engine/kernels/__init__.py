@@ -36,7 +36,12 @@ from hybridkv.native_build import kernels_enabled, shared_object
 
 _SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 _HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-Wl,-z,defs")
+#: -ffast-math's parts, not -ffast-math itself: linked with it (or -funsafe-math-optimizations) GCC adds a
+#: start-up routine that sets flush-to-zero for the whole process, so loading the kernels would change every
+#: float the user's program computes after (subnormals read as 0)
+_FAST_MATH = ("-fno-math-errno", "-fassociative-math", "-freciprocal-math", "-fno-signed-zeros", "-fno-trapping-math",
+              "-ffinite-math-only", "-fcx-limited-range")
+_FLAGS = ("-O3", "-march=native", *_FAST_MATH, "-fopenmp", "-shared", "-fPIC", "-Wl,-z,defs")
 _LIBS = ("-lm",)
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
