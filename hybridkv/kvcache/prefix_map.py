@@ -349,6 +349,13 @@ class GroupsView:
         out: list[int] = column[column != 0].tolist()
         return out
 
+    def keys_in(self, slots: Ids) -> list[BlockHash]:
+        """The distinct keys of `slots` (blocks' `slot_of`: 0, not cached, left out): `hash_of` over
+        a state's pages in one gather."""
+        used = np.unique(slots[slots != 0])
+        keys: list[BlockHash] = self._map.key[used].tolist()
+        return keys
+
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""
         out: list[list[int]] = self._map.blocks.take(slots, axis=1)[self._rows].tolist()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.options import AdmissionHeadroom
 
@@ -30,10 +32,12 @@ class AdmissionReserve:
     def blocks(self, hits: Sequence[Sequence[int]] | None, running: int) -> int:
         """Blocks to leave free when a request whose hit is `hits` joins `running` requests."""
         reserve = self.blocks_per_running * running
-        if self.waiting_hits and running:
+        if self.waiting_hits and running:  # (the waiting hits free and still cached, less the request's own)
+            pool = self._pool
+            ids = np.fromiter(self.waiting_hits, np.int64, len(self.waiting_hits))
+            kept = ids[(pool.ref_cnt[ids] == 0) & pool.has_hash[ids]].tolist()
             own = {b for group in hits or () for b in group if b}
-            ref, hash_of = self._pool.ref_cnt.item, self._pool.hash_of
-            reserve += sum(1 for b in self.waiting_hits if b not in own and not ref(b) and hash_of(b) is not None)
+            reserve += len(kept) - len(own.intersection(kept))
         return reserve
 
     def waiting(self, ids: Sequence[int]) -> None:

@@ -214,9 +214,8 @@ class MambaManager(SingleTypeManager):
         table = self._tables[request.request_id]
         num_full = end
         self._pool.cache(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
-        hash_of = self._pool.hash_of
-        self._cached_this_step.update(h for h in map(hash_of, table.ids[:, start:num_full].ravel().tolist())
-                                      if h is not None)
+        cached = self._pool.slot_of[table.ids[:, start:num_full]]  # (this map's slots: the hashes the blocks carry)
+        self._cached_this_step.update(self.view.keys_in(cached.ravel()))
 
     def state_entries(self, request_id: RequestId, row: int, start: int, end: int) -> StateEntries | None:
         """For a step computing tokens [start, end): (tokens, block) of the state it reads (None
