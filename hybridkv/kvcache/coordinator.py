@@ -460,8 +460,8 @@ class HybridCoordinator(KVCacheCoordinator):
             put_groups(first, cls.group_ids, [got] * cls.num_groups)
             length = min(length, got) // step * step
             found.append((cls, hits))
-        if not length:  # no group serves a block (no other class is asked)
-            return [[] for _ in first], 0, first
+        if not length:  # no group serves a block (no other class is asked; one empty list, read only)
+            return [[]] * len(first), 0, first
         others = self._others
         got_of = [0] * len(others)  # per class, its last answer in tokens and its hits
         hits_of: list[list[list[int]]] = [[]] * len(others)  # (every one is replaced)

@@ -36,18 +36,12 @@ from itertools import chain, repeat
 from operator import add
 from typing import cast
 
-from hybridkv.errors import (
-    AllocationError,
-    ConfigError,
-    IntegrityError,
-    StaleHitError,
-    UnknownRequestError,
-)
+import numpy as np
+
+from hybridkv.errors import AllocationError, ConfigError, IntegrityError, StaleHitError, UnknownRequestError
 from hybridkv.kvcache.assembly import make_coordinator, make_type_managers
 from hybridkv.kvcache.block_pool import BlockPool, KVEvent
-from hybridkv.kvcache.coordinator import (
-    GroupBlocks,
-)
+from hybridkv.kvcache.coordinator import GroupBlocks
 from hybridkv.kvcache.events import KVEvents
 from hybridkv.kvcache.hashing import BlockHasher
 from hybridkv.kvcache.hit_checks import check_no_hit_start, resolve_hit, verify_hit
@@ -240,7 +234,8 @@ class KVCacheManager:
         """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks
         last (queue-aware retention); no-op with LRU."""
         if hit.num_tokens and self.policies.marks is not None:
-            self.policies.marks.protect([b for blocks in hit.blocks for b in blocks if b])  # (state rows: mostly null)
+            ids = np.fromiter(chain.from_iterable(hit.blocks), np.int64)  # (state rows: mostly null)
+            self.policies.marks.protect(ids[ids != 0].tolist())
 
     def protect_waiting(self, request: KVRequest, hit_tokens: int) -> None:
         """`protect` the hit of `hit_tokens` (`peek`'s answer this step) of a request still waiting,

@@ -12,6 +12,7 @@ The coordinator asks `blocks(hits, running)` when it admits a request; nothing e
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 
@@ -36,8 +37,8 @@ class AdmissionReserve:
             pool = self._pool
             ids = np.fromiter(self.waiting_hits, np.int64, len(self.waiting_hits))
             kept = ids[(pool.ref_cnt[ids] == 0) & pool.has_hash[ids]].tolist()
-            own = {b for group in hits or () for b in group if b}
-            reserve += len(kept) - len(own.intersection(kept))
+            if kept:  # (a state hit's rows are mostly null: one set built in C, null never kept)
+                reserve += len(kept) - len(set(chain.from_iterable(hits or ())).intersection(kept))
         return reserve
 
     def waiting(self, ids: Sequence[int]) -> None:
