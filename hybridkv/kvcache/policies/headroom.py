@@ -27,15 +27,21 @@ class AdmissionReserve:
         self._pool = pool
         self.blocks_per_running = num_groups
         self.keeps_waiting_hits = mode is AdmissionHeadroom.WAITING_HITS
-        #: the blocks the waiting requests' hits take (named again every step)
-        self.waiting_hits: set[int] = set()
+        #: the blocks the waiting requests' hits take, as named this step (every request's list: the set is
+        #: built only when an admission reads it, not for each of hundreds of page groups' blocks named)
+        self._named: list[list[int]] = []
+
+    @property
+    def waiting_hits(self) -> set[int]:
+        """The blocks the waiting requests' hits take (named again every step)."""
+        return set(chain.from_iterable(self._named))
 
     def blocks(self, hits: Sequence[Sequence[int]] | None, running: int) -> int:
         """Blocks to leave free when a request whose hit is `hits` joins `running` requests."""
         reserve = self.blocks_per_running * running
-        if self.waiting_hits and running:  # (the waiting hits free and still cached, less the request's own)
+        if self._named and running:  # (the waiting hits free and still cached, less the request's own)
             pool = self._pool
-            ids = np.fromiter(self.waiting_hits, np.int64, len(self.waiting_hits))
+            ids = np.unique(np.fromiter(chain.from_iterable(self._named), np.int64))
             kept = ids[(pool.ref_cnt[ids] == 0) & pool.has_hash[ids]].tolist()
             if kept:  # (a state hit's rows are mostly null: one set built in C, null never kept)
                 reserve += len(kept) - len(set(chain.from_iterable(hits or ())).intersection(kept))
@@ -43,11 +49,11 @@ class AdmissionReserve:
 
     def waiting(self, ids: Sequence[int]) -> None:
         """A waiting request will hit `ids` (this step)."""
-        if self.keeps_waiting_hits:
-            self.waiting_hits.update(ids)
+        if self.keeps_waiting_hits and len(ids):
+            self._named.append(list(ids))
 
     def new_step(self) -> None:
-        self.waiting_hits.clear()
+        self._named.clear()
 
 
 def admission_reserve(pool: BlockPool, mode: AdmissionHeadroom, num_groups: int) -> AdmissionReserve | None:
