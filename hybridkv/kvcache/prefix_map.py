@@ -275,6 +275,7 @@ class GroupsView:
         # which rows of `blocks`, picked after gathering the columns (`take`: the cheapest gather)
         self._rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
                                    else np.array(self.cols, np.int64))
+        self.rows = self._rows
         self._first = first
 
     @property
@@ -380,6 +381,35 @@ class PrefixProbes:
 
     def __init__(self) -> None:
         self._last: dict[int, tuple[Sequence[BlockHash], Ids, Ids]] = {}  # id(chain) -> (chain, slots, generations)
+        self._positions: dict[int, tuple[Sequence[BlockHash], dict[BlockHash, int]]] = {}  # id(chain) -> its keys'
+
+    def last_held(self, view: GroupsView, keys: Sequence[BlockHash], limit: int) -> int:
+        """The last of `keys[:limit]` that every group of the view holds, -1 if none (`GroupsView.held`'s
+        rfind). A map holding fewer keys than that (state checkpoints: a few hundred) is read key by key
+        against the chain's positions (remembered per chain), not the chain against the map."""
+        index = view.map.index
+        positions = self._positions_of(keys) if len(index) < limit else None
+        if positions is None:  # (a chain repeating a key, or a map larger than the chain: the plain scan)
+            return view.held(keys[:limit])[0].rfind(1)
+        common = [(positions[key], key) for key in index.keys() & positions.keys()]
+        found = sorted((p, index[key]) for p, key in common if p < limit)
+        if not found:
+            return -1
+        slots = np.array([slot for _, slot in found], np.int64)
+        held = np.flatnonzero(view.map.blocks[view.rows][:, slots].all(axis=0))
+        return found[int(held[-1])][0] if len(held) else -1
+
+    def _positions_of(self, keys: Sequence[BlockHash]) -> dict[BlockHash, int] | None:
+        last = self._positions.get(id(keys))
+        if last is not None and last[0] is keys and len(last[1]) == len(keys):
+            return last[1]
+        positions = dict(zip(keys, range(len(keys)), strict=True))
+        if len(positions) != len(keys):
+            return None
+        if len(self._positions) >= self.MAX_CHAINS:
+            self._positions.clear()
+        self._positions[id(keys)] = (keys, positions)
+        return positions
 
     def held_prefix(self, view: GroupsView, keys: Sequence[BlockHash], limit: int) -> int:
         """How many of `keys[:limit]` lead the chain held by the view's one group (`GroupsView.prefix`'s length)."""

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from hybridkv.kvcache.manager import KVCacheManager
-from hybridkv.kvcache.options import CacheOptions
+from hybridkv.kvcache.options import CacheOptions, MambaCacheMode
 from hybridkv.kvcache.request import KVRequest
 from tests.factories import make_config, make_group, make_request
 
@@ -44,3 +44,35 @@ def test_resumed_probes_equal_the_full_scan(seed: int) -> None:
             assert got == scan(manager, request), (step, request.request_id)
             probed += got > 0
     assert probed > 100  # (the waiting requests did hit: the memo was used, then invalidated)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_state_probes_equal_the_full_scan(seed: int) -> None:
+    """A state group's probe (the map's few checkpoints against the chain's positions) against `held`'s rfind."""
+    rng = random.Random(seed)
+    groups = [make_group(kind="full", block_size=4), make_group(kind="mamba", block_size=4)]
+    manager = KVCacheManager(make_config(groups=groups, num_blocks=40), max_model_len=512,
+                             options=CacheOptions(mamba_cache_mode=MambaCacheMode.ALIGN))
+    state = manager.type_managers[1]
+    roots = [[rng.randrange(50) for _ in range(rng.randint(100, 250))] for _ in range(3)]
+    waiting = [make_request(request_id=f"w{i}", token_ids=[*rng.choice(roots), rng.randrange(50)]) for i in range(5)]
+    found = 0
+    for step in range(100):
+        root = rng.choice(roots)
+        running = make_request(request_id=f"r{step}", token_ids=[*root[: rng.randint(8, len(root))], step])
+        manager.begin_step()
+        hit = manager.lookup(running)
+        done = hit.num_tokens
+        while done < running.num_tokens and manager.allocate(
+                running, min(8, running.num_tokens - done), hit=hit if done == hit.num_tokens else None) is not None:
+            done = running.num_computed_tokens = done + min(8, running.num_tokens - done)
+            manager.begin_step()
+        manager.free(running)
+        for request in waiting:
+            manager.peek(request)  # (hashes its chain)
+            keys = request.block_hashes[4]
+            limit = rng.randint(0, len(keys))
+            expected = state.view.held(keys[:limit])[0].rfind(1)
+            assert state.hit_tokens(state.view, request.block_hashes, limit * 4) == (expected + 1) * 4
+            found += expected >= 0
+    assert found > 50
