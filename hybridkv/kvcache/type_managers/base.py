@@ -72,11 +72,13 @@ class Table:
 
     def grow(self, length: int) -> None:
         """Room for `length` entries (when it must grow, the array at least doubles, with room
-        for 32 more entries: a decode step rarely copies it)."""
+        for 32 more entries: a decode step rarely copies it). The leading null entries are not copied:
+        the new array's untouched zero pages take no memory (a running state's table in the multi-page
+        layout: hundreds of page groups x thousands of entries, all null but the last)."""
         capacity = self.ids.shape[1]
         if length > capacity:
             ids = np.zeros((len(self.ids), max(length + 32, 2 * capacity)), np.int64)
-            ids[:, : self.length] = self.ids[:, : self.length]
+            ids[:, self.num_skipped : self.length] = self.ids[:, self.num_skipped : self.length]
             self.ids = ids
 
 
