@@ -41,7 +41,7 @@ The null block's ref count is `NULL_REF_CNT` and never changes (touch and releas
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import chain
+from itertools import accumulate, chain, pairwise
 
 import numpy as np
 from numpy.typing import NDArray
@@ -163,7 +163,7 @@ class BlockPool:
         """`allocate`'s blocks as one array, group after group (hundreds of page groups: no list per group)."""
         total = sum(counts)
         if total <= FEW:
-            return np.array([b for blocks in self._allocate_few(counts, total) for b in blocks], np.int64)
+            return np.array(self._pop_few(counts, total), np.int64)
         ids = self.eviction.pop(total)
         if np.count_nonzero(self.has_hash[ids]):
             self._evict(ids)
@@ -173,20 +173,22 @@ class BlockPool:
 
     def _allocate_few(self, counts: Sequence[int], total: int) -> list[list[int]]:
         """`allocate` for a handful of blocks (`total` = sum of `counts`), as lists."""
+        listed = self._pop_few(counts, total)
+        return [listed[a:b] for a, b in pairwise(accumulate(counts, initial=0))]
+
+    def _pop_few(self, counts: Sequence[int], total: int) -> list[int]:
+        """Pop `total` blocks, group after group, by scalar writes (one pass over the blocks, none over
+        hundreds of page groups' counts): stale hashes dropped, ref count 1."""
         listed = self.eviction.pop_few(total)
         has_hash, ref_cnt, group_of = self.has_hash, self.ref_cnt, self.group_of
-        out: list[list[int]] = []
-        start = 0
-        for group_id, count in enumerate(counts):
-            blocks = listed[start : start + count]
-            start += count
-            for block in blocks:
-                if has_hash.item(block):
-                    self._evict_one(block)
-                ref_cnt[block] = 1
-                group_of[block] = group_id
-            out.append(blocks)
-        return out
+        owners = (np.repeat(self._group_ids, counts).tolist() if len(counts) > 8 * FEW  # (page groups: one call)
+                  else [g for g, count in enumerate(counts) for _ in range(count)])
+        for block, group_id in zip(listed, owners, strict=True):
+            if has_hash.item(block):
+                self._evict_one(block)
+            ref_cnt[block] = 1
+            group_of[block] = group_id
+        return listed
 
     def _evict(self, ids: Ids) -> None:
         """Drop the stale hashes of popped blocks (some carry one)."""

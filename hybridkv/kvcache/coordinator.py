@@ -48,7 +48,7 @@ from hybridkv.errors import ConfigError
 from hybridkv.kvcache.block_pool import NULL, BlockPool
 from hybridkv.kvcache.copy_on_write import CopyOnWrite
 from hybridkv.kvcache.eviction import Ids
-from hybridkv.kvcache.group_spans import new_block_rows, put_groups
+from hybridkv.kvcache.group_spans import new_block_rows, put_groups, row_tuples
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import ReleaseOrder
 from hybridkv.kvcache.request import KVRequest
@@ -116,6 +116,9 @@ class KVCacheCoordinator:
         self.copies_hits = any(m.copies_hits for m in managers)
         self._reclaiming = tuple(m for m in managers if m.copies_hits)  # (checkpoints held for the schedule)
         self._no_cows: list[tuple[int, list[int]] | None] = []
+        #: `allocate` answers the new entries (False: an empty entry per group, for a caller that reads
+        #: none: a ghost of the online choice, `shadow.py`)
+        self.reports_entries = True
 
     def find_longest_cache_hit(self, hashes: dict[int, list[BlockHash]],
                                max_length: int, blocks: bool = True) -> tuple[GroupBlocks, int, list[int]]:
@@ -229,11 +232,13 @@ class KVCacheCoordinator:
         for m in managers:  # (a table may grow by null entries alone: a Mamba table in align mode)
             blocks = new_block_rows(m.group_ids, flat, starts, fresh)
             rows = m.allocate_new_blocks(request, first_new, total_tokens, blocks)
+            if not self.reports_entries:
+                continue
             if extra:
                 put_groups(new, m.group_ids, [(*copied[g], *row) if len(copied[g]) else tuple(row)
                                               for g, row in zip(m.group_ids, rows.tolist(), strict=True)])
             elif rows.size:  # (one list per manager: hundreds of page groups share one)
-                put_groups(new, m.group_ids, list(map(tuple, rows.tolist())))
+                put_groups(new, m.group_ids, row_tuples(rows))
         self.allocated[rid] = max(total_tokens, self.allocated.get(rid, 0))
         return new
 
@@ -452,20 +457,18 @@ class HybridCoordinator(KVCacheCoordinator):
         found: list[tuple[SingleTypeManager, list[list[int]]]] = []
         for cls in self._closed:
             hits, got = _find(cls, hashes, length, blocks)
-            for g in cls.group_ids:
-                first[g] = got
+            put_groups(first, cls.group_ids, [got] * cls.num_groups)
             length = min(length, got) // step * step
             found.append((cls, hits))
-        if not length:  # no group serves a block (no other class is asked)
-            return [[] for _ in first], 0, first
+        if not length:  # no group serves a block (no other class is asked; one empty list, read only)
+            return [[]] * len(first), 0, first
         others = self._others
         got_of = [0] * len(others)  # per class, its last answer in tokens and its hits
         hits_of: list[list[list[int]]] = [[]] * len(others)  # (every one is replaced)
         for i, cls in enumerate(others):  # every class's first answer, each at the length left by the last
             hits_of[i], got = _find(cls, hashes, length, blocks)
             got_of[i] = got
-            for g in cls.group_ids:
-                first[g] = got
+            put_groups(first, cls.group_ids, [got] * cls.num_groups)
             assert got <= length, f"hit class answered {got} tokens when asked for {length}"
             length = got // step * step
         while got_of.count(length) < len(others):  # ask again each class that answered more than the length
@@ -480,9 +483,7 @@ class HybridCoordinator(KVCacheCoordinator):
             return out, length, first
         for cls, hits in found:
             cut = -(-length // cls.block_size)  # (a partial hit keeps the block it ends in)
-            for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                out[g] = group_hits if len(group_hits) <= cut else group_hits[:cut]
+            put_groups(out, cls.group_ids, [h if len(h) <= cut else h[:cut] for h in hits])
         for cls, hits in zip(others, hits_of, strict=True):
-            for g, group_hits in zip(cls.group_ids, hits, strict=True):
-                out[g] = group_hits
+            put_groups(out, cls.group_ids, hits)
         return out, length, first

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
+
 from hybridkv.kvcache.eviction import Ids
 
 
@@ -42,3 +44,12 @@ def new_block_rows(group_ids: tuple[int, ...], flat: Ids | None, starts: list[in
         if starts[at.stop] - starts[at.start] == count * len(group_ids):
             return flat[starts[at.start] : starts[at.stop]].reshape(len(group_ids), count)
     return [flat[starts[g] : starts[g + 1]] for g in group_ids]
+
+
+def row_tuples(rows: Ids) -> list[tuple[int, ...]]:
+    """Each row of `rows` (groups, n) as a tuple of ints; rows null but in their last entry (a running
+    state's table grown by a chunk: hundreds of page groups x a hundred entries) without converting the nulls."""
+    if rows.shape[1] > 1 and not np.count_nonzero(rows[:, :-1]):
+        nulls = (0,) * (rows.shape[1] - 1)
+        return [(*nulls, last) for last in rows[:, -1].tolist()]
+    return list(map(tuple, rows.tolist()))

@@ -36,18 +36,12 @@ from itertools import chain, repeat
 from operator import add
 from typing import cast
 
-from hybridkv.errors import (
-    AllocationError,
-    ConfigError,
-    IntegrityError,
-    StaleHitError,
-    UnknownRequestError,
-)
+import numpy as np
+
+from hybridkv.errors import AllocationError, ConfigError, IntegrityError, StaleHitError, UnknownRequestError
 from hybridkv.kvcache.assembly import make_coordinator, make_type_managers
 from hybridkv.kvcache.block_pool import BlockPool, KVEvent
-from hybridkv.kvcache.coordinator import (
-    GroupBlocks,
-)
+from hybridkv.kvcache.coordinator import GroupBlocks
 from hybridkv.kvcache.events import KVEvents
 from hybridkv.kvcache.hashing import BlockHasher
 from hybridkv.kvcache.hit_checks import check_no_hit_start, resolve_hit, verify_hit
@@ -93,10 +87,14 @@ __all__ = ["PRESETS", "AdmissionHeadroom", "AllocationError", "BlockCopy", "Cach
            "StateStep", "UnknownRequestError"]
 
 
-def _ghost(config: KVCacheConfig, max_model_len: int, options: CacheOptions) -> tuple[KVCacheManager, CachePolicies]:
-    """A shadow of a manager with `options` (the online choice and events off), and its policies."""
+def shadow_manager(config: KVCacheConfig, max_model_len: int,
+                   options: CacheOptions) -> tuple[KVCacheManager, CachePolicies]:
+    """A ghost of the online choice (`policies/ghosts.py`) and its policies: a manager with `options` (the
+    online choice and events off) whose allocations answer empty entries and whose copies are dropped
+    unbuilt (a multi-page checkpoint: one per page group); its blocks change as any manager's."""
     ghost = KVCacheManager(config, max_model_len=max_model_len,
                            options=options.replace(online_choice=OnlineChoice.OFF, events=KVEvents.OFF))
+    ghost._answers = ghost._coordinator.reports_entries = False
     return ghost, ghost.policies
 
 
@@ -143,8 +141,10 @@ class KVCacheManager:
         self._partial = self.match_unit.partial_hits
         if self._partial:
             self._coordinator.enable_partial_hits(self.match_unit.hash_unit_tokens)
+        #: the verbs answer entries and copies (False: a ghost's, `shadow_manager`)
+        self._answers = True
         if options.online_choice is OnlineChoice.GHOSTS and self._caching:  # (policies/ghosts.py)
-            self.policies.start_ghosts(functools.partial(_ghost, config, max_model_len, options))
+            self.policies.start_ghosts(functools.partial(shadow_manager, config, max_model_len, options))
         self._observer = self.policies.observer
         self._groups = self._coordinator.groups  # per group: (its manager, its row there)
         self._group_block_sizes = [m.block_size for m, _ in self._groups]
@@ -234,7 +234,8 @@ class KVCacheManager:
         """The request of `hit` waits for blocks: a value-aware eviction policy evicts its hit blocks
         last (queue-aware retention); no-op with LRU."""
         if hit.num_tokens and self.policies.marks is not None:
-            self.policies.marks.protect([b for blocks in hit.blocks for b in blocks if b])  # (state rows: mostly null)
+            ids = np.fromiter(chain.from_iterable(hit.blocks), np.int64)  # (state rows: mostly null)
+            self.policies.marks.protect(ids[ids != 0].tolist())
 
     def protect_waiting(self, request: KVRequest, hit_tokens: int) -> None:
         """`protect` the hit of `hit_tokens` (`peek`'s answer this step) of a request still waiting,
@@ -438,12 +439,16 @@ class KVCacheManager:
         copies read stay allocated until this call. Empty unless partial hits are on."""
         copies = self._coordinator.cow.take()
         self._copies += len(copies)
-        return tuple(map(BlockCopy._make, copies))  # ((group, src, dst) of ints: the ids' NewTypes)
+        return tuple(map(BlockCopy._make, copies)) if self._answers else ()  # (ints as the ids' NewTypes)
 
     def take_checkpoint_copies(self) -> tuple[BlockCopy, ...]:
         """The copies the engine must run AFTER the next forward (`RunningState.FIXED`): each copies
         a request's running state out into a checkpoint block, cached and free (running_state.py).
         Call once per step, after `take_pending_copies`. Empty unless running_state is FIXED."""
+        if not self._answers:
+            for manager in self._fixed:
+                manager.settle_checkpoints()
+            return ()
         copies = chain.from_iterable(m.take_checkpoints() for m in self._fixed)  # (group, src, dst) ints
         return tuple(map(tuple.__new__, repeat(BlockCopy), copies))  # (a named tuple each, built in C)
 

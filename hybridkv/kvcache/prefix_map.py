@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from enum import Enum
-from itertools import repeat, takewhile
+from itertools import islice, repeat, takewhile
 
 import numpy as np
 from numpy.typing import NDArray
@@ -68,6 +68,8 @@ class PrefixMap:
         self.count: Ids = np.zeros(cap, np.int64)
         self.waiting = np.zeros((len(self.group_ids), cap), np.bool_)
         self.key: NDArray[np.object_] = np.full(cap, None, object)
+        #: per slot, how often it was freed (a slot whose generation is unchanged still holds its key)
+        self.generation: Ids = np.zeros(cap, np.int64)
         self.dups: list[dict[BlockHash, list[int]]] = [{} for _ in self.group_ids]
         self._free: Ids = np.arange(cap - 1, 0, -1, dtype=np.int64)  # a stack: top = lowest slot
         self._top = cap - 1
@@ -94,6 +96,7 @@ class PrefixMap:
         self.blocks = np.concatenate([self.blocks, np.zeros((groups, cap - old), np.int64)], axis=1)
         self.waiting = np.concatenate([self.waiting, np.zeros((groups, cap - old), np.bool_)], axis=1)
         self.count = np.concatenate([self.count, np.zeros(cap - old, np.int64)])
+        self.generation = np.concatenate([self.generation, np.zeros(cap - old, np.int64)])
         self.key = np.concatenate([self.key, np.full(cap - old, None, object)])
         # the new slots go under the free ones (the stack's top stays the lowest free slot)
         free = np.concatenate([np.arange(cap - 1, old - 1, -1, dtype=np.int64), self._free[: self._top]])
@@ -166,6 +169,7 @@ class PrefixMap:
             return
         unique: list[int] = list(dict.fromkeys(empty.tolist()))
         keys = self.key[unique].tolist()
+        self.generation[unique] += 1
         deque(map(self.index.__delitem__, keys), maxlen=0)
         self._remember(keys)
         self.key[unique] = None
@@ -178,6 +182,7 @@ class PrefixMap:
         self.count[slot] = left
         if not left:
             key = self.key[slot]
+            self.generation[slot] += 1
             del self.index[key]
             self._remember((key,))
             self.key[slot] = None
@@ -195,6 +200,7 @@ class PrefixMap:
         self.index.clear()
         self.blocks[:] = 0
         self.count[:] = 0
+        self.generation += 1
         self.waiting[:] = False
         self.key[:] = None
         for dups in self.dups:
@@ -260,6 +266,8 @@ class GroupsView:
 
     def __init__(self, pmap: PrefixMap, cols: Sequence[int]) -> None:
         self._map = pmap
+        #: the map these groups read (a probe memo reads its arrays)
+        self.map = pmap
         self._index = pmap.index
         self.cols = tuple(cols)
         first = self.cols[0]
@@ -267,6 +275,7 @@ class GroupsView:
         # which rows of `blocks`, picked after gathering the columns (`take`: the cheapest gather)
         self._rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
                                    else np.array(self.cols, np.int64))
+        self.rows = self._rows
         self._first = first
 
     @property
@@ -349,10 +358,83 @@ class GroupsView:
         out: list[int] = column[column != 0].tolist()
         return out
 
+    def keys_in(self, slots: Ids) -> list[BlockHash]:
+        """The distinct keys of `slots` (blocks' `slot_of`: 0, not cached, left out): `hash_of` over
+        a state's pages in one gather."""
+        used = np.unique(slots[slots != 0])
+        keys: list[BlockHash] = self._map.key[used].tolist()
+        return keys
+
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""
         out: list[list[int]] = self._map.blocks.take(slots, axis=1)[self._rows].tolist()
         return out
+
+
+class PrefixProbes:
+    """Probes of one group's held prefix (a waiting request's each step) that resume where the last probe of
+    the same hash chain stopped: the positions it found are held still where their slots were not freed
+    since (`PrefixMap.generation`) and the group holds a block in each; only the rest is looked up again."""
+
+    #: chains remembered before the memo starts over (a chain is a request's: a finished one is not probed)
+    MAX_CHAINS = 256
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[Sequence[BlockHash], Ids, Ids]] = {}  # id(chain) -> (chain, slots, generations)
+        self._positions: dict[int, tuple[Sequence[BlockHash], dict[BlockHash, int]]] = {}  # id(chain) -> its keys'
+
+    def last_held(self, view: GroupsView, keys: Sequence[BlockHash], limit: int) -> int:
+        """The last of `keys[:limit]` that every group of the view holds, -1 if none (`GroupsView.held`'s
+        rfind). A map holding fewer keys than that (state checkpoints: a few hundred) is read key by key
+        against the chain's positions (remembered per chain), not the chain against the map."""
+        index = view.map.index
+        positions = self._positions_of(keys) if len(index) < limit else None
+        if positions is None:  # (a chain repeating a key, or a map larger than the chain: the plain scan)
+            return view.held(keys[:limit])[0].rfind(1)
+        common = [(positions[key], key) for key in index.keys() & positions.keys()]
+        found = sorted((p, index[key]) for p, key in common if p < limit)
+        if not found:
+            return -1
+        slots = np.array([slot for _, slot in found], np.int64)
+        held = np.flatnonzero(view.map.blocks[view.rows][:, slots].all(axis=0))
+        return found[int(held[-1])][0] if len(held) else -1
+
+    def _positions_of(self, keys: Sequence[BlockHash]) -> dict[BlockHash, int] | None:
+        last = self._positions.get(id(keys))
+        if last is not None and last[0] is keys and len(last[1]) == len(keys):
+            return last[1]
+        positions = dict(zip(keys, range(len(keys)), strict=True))
+        if len(positions) != len(keys):
+            return None
+        if len(self._positions) >= self.MAX_CHAINS:
+            self._positions.clear()
+        self._positions[id(keys)] = (keys, positions)
+        return positions
+
+    def held_prefix(self, view: GroupsView, keys: Sequence[BlockHash], limit: int) -> int:
+        """How many of `keys[:limit]` lead the chain held by the view's one group (`GroupsView.prefix`'s length)."""
+        pmap = view.map
+        lead = pmap.blocks[view.cols[0]]
+        last = self._last.get(id(keys))
+        known = _NO_SLOTS
+        if last is not None and last[0] is keys:
+            known = last[1][:limit]
+            lost = np.flatnonzero((pmap.generation[known] != last[2][: len(known)]) | (lead[known] == 0))
+            if len(lost):  # (from there on looked up again: a freed slot's key may be cached anew elsewhere)
+                known = known[: int(lost[0])]
+            elif len(known) == limit:
+                return limit
+        start = len(known)
+        found = np.fromiter(takewhile(bool, map(pmap.index.get, islice(keys, start, limit), repeat(0))), np.int64)
+        missing = np.flatnonzero(lead[found] == 0)
+        slots = np.concatenate([known, found[: int(missing[0])] if len(missing) else found])
+        if len(self._last) >= self.MAX_CHAINS:
+            self._last.clear()
+        self._last[id(keys)] = (keys, slots, pmap.generation[slots])
+        return len(slots)
+
+
+_NO_SLOTS: Ids = np.zeros(0, np.int64)
 
 
 def maps_for(groups: Sequence[KVCacheGroupSpec],

@@ -184,9 +184,16 @@ class FixedStateManager(MambaManager):
         """The copies (group, running block, checkpoint block) of this schedule's checkpoints, whose
         blocks are released (free and cached) now: the engine copies after the forward and allocates
         nothing before it."""
+        copies: list[tuple[int, int, int]] = []
+        for item in self.settle_checkpoints():
+            copies += zip(self.group_ids, item.running, item.blocks, strict=True)
+        return copies
+
+    def settle_checkpoints(self) -> list[_Pending]:
+        """`take_checkpoints` without its copies (a ghost of the online choice runs none, `shadow.py`):
+        this schedule's checkpoints, their blocks released now."""
         pending = list(self._pending.values())
         self._pending.clear()
-        copies: list[tuple[int, int, int]] = []
         for item in pending:
             rid = item.request.request_id
             self._taken[rid] = item.num_tokens, item.blocks, item.key
@@ -194,11 +201,10 @@ class FixedStateManager(MambaManager):
                                           key=item.key)
             if self._last_only:
                 self._replace_decode_checkpoint(item.request, item.key, item.blocks)
-            copies += zip(self.group_ids, item.running, item.blocks, strict=True)
-        self.checkpoints_copied += len(copies)
+        self.checkpoints_copied += self.num_groups * len(pending)  # (one copy per page group)
         if pending:  # (distinct blocks: released in array operations)
             self._pool.free(np.array([b for item in pending for b in item.blocks], np.int64))
-        return copies
+        return pending
 
     def apply_cow(self, request_id: RequestId, index: int, blocks: Sequence[int]) -> None:
         """As the base class; the hit (entry `index` until now) is the request's newest checkpoint."""

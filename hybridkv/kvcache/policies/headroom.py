@@ -12,6 +12,9 @@ The coordinator asks `blocks(hits, running)` when it admits a request; nothing e
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
 
 from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.options import AdmissionHeadroom
@@ -24,25 +27,33 @@ class AdmissionReserve:
         self._pool = pool
         self.blocks_per_running = num_groups
         self.keeps_waiting_hits = mode is AdmissionHeadroom.WAITING_HITS
-        #: the blocks the waiting requests' hits take (named again every step)
-        self.waiting_hits: set[int] = set()
+        #: the blocks the waiting requests' hits take, as named this step (every request's list: the set is
+        #: built only when an admission reads it, not for each of hundreds of page groups' blocks named)
+        self._named: list[list[int]] = []
+
+    @property
+    def waiting_hits(self) -> set[int]:
+        """The blocks the waiting requests' hits take (named again every step)."""
+        return set(chain.from_iterable(self._named))
 
     def blocks(self, hits: Sequence[Sequence[int]] | None, running: int) -> int:
         """Blocks to leave free when a request whose hit is `hits` joins `running` requests."""
         reserve = self.blocks_per_running * running
-        if self.waiting_hits and running:
-            own = {b for group in hits or () for b in group if b}
-            ref, hash_of = self._pool.ref_cnt.item, self._pool.hash_of
-            reserve += sum(1 for b in self.waiting_hits if b not in own and not ref(b) and hash_of(b) is not None)
+        if self._named and running:  # (the waiting hits free and still cached, less the request's own)
+            pool = self._pool
+            ids = np.unique(np.fromiter(chain.from_iterable(self._named), np.int64))
+            kept = ids[(pool.ref_cnt[ids] == 0) & pool.has_hash[ids]].tolist()
+            if kept:  # (a state hit's rows are mostly null: one set built in C, null never kept)
+                reserve += len(kept) - len(set(chain.from_iterable(hits or ())).intersection(kept))
         return reserve
 
     def waiting(self, ids: Sequence[int]) -> None:
         """A waiting request will hit `ids` (this step)."""
-        if self.keeps_waiting_hits:
-            self.waiting_hits.update(ids)
+        if self.keeps_waiting_hits and len(ids):
+            self._named.append(list(ids))
 
     def new_step(self) -> None:
-        self.waiting_hits.clear()
+        self._named.clear()
 
 
 def admission_reserve(pool: BlockPool, mode: AdmissionHeadroom, num_groups: int) -> AdmissionReserve | None:

@@ -28,7 +28,7 @@ from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.hit_limits import HitLimit
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import SlidingWindowCaching, SpecDecode
-from hybridkv.kvcache.prefix_map import GroupsView
+from hybridkv.kvcache.prefix_map import GroupsView, PrefixProbes
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import (
@@ -59,9 +59,21 @@ class FullAttentionManager(SingleTypeManager):
     downward_closed = True
     skips_blocks = False
 
+    def __init__(self, group: KVCacheGroupSpec | Sequence[KVCacheGroupSpec], pool: BlockPool) -> None:
+        super().__init__(group, pool)
+        self._probes = PrefixProbes()
+
     def find_hits(self, view: GroupsView, block_hashes: Sequence[BlockHash],
                   max_length: int) -> list[list[int]]:
         return view.prefix(islice(block_hashes, max_length // self.block_size))
+
+    def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
+        """A probe (a waiting request's, every step) of one group resumes where the last one of its chain
+        stopped (`PrefixProbes`)."""
+        if self.partial_unit or len(view.cols) != 1:
+            return super().hit_tokens(view, hashes, max_length)
+        size = self.block_size
+        return self._probes.held_prefix(view, hashes[size], max_length // size) * size
 
     def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
                         max_length: int) -> tuple[list[list[int]], int]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -71,11 +72,13 @@ class Table:
 
     def grow(self, length: int) -> None:
         """Room for `length` entries (when it must grow, the array at least doubles, with room
-        for 32 more entries: a decode step rarely copies it)."""
+        for 32 more entries: a decode step rarely copies it). The leading null entries are not copied:
+        the new array's untouched zero pages take no memory (a running state's table in the multi-page
+        layout: hundreds of page groups x thousands of entries, all null but the last)."""
         capacity = self.ids.shape[1]
         if length > capacity:
             ids = np.zeros((len(self.ids), max(length + 32, 2 * capacity)), np.int64)
-            ids[:, : self.length] = self.ids[:, : self.length]
+            ids[:, self.num_skipped : self.length] = self.ids[:, self.num_skipped : self.length]
             self.ids = ids
 
 
@@ -259,9 +262,9 @@ class SingleTypeManager(ABC):
         if table is None:
             old_len = len(hits[0]) if hits else 0
             need = self._num_real(old_len, new_len, keep_from, first_new) * self.num_groups
-            if hits and old_len > keep_from:  # the null block's ref count is never 0
-                ref_cnt = self._pool.ref_cnt
-                need += sum(int((ref_cnt[row[keep_from:]] == 0).sum()) for row in hits)
+            if hits and old_len > keep_from:  # the null block's ref count is never 0 (one gather for all rows)
+                tails = np.fromiter(chain.from_iterable(row[keep_from:] for row in hits), np.int64)
+                need += int(np.count_nonzero(self._pool.ref_cnt[tails] == 0))
             return need
         need = self._num_real(table.length, new_len, keep_from, first_new) * self.num_groups
         done = table.num_skipped

@@ -16,7 +16,7 @@ from hybridkv.kvcache.block_pool import BlockPool
 from hybridkv.kvcache.eviction import BlockValue, Ids
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.options import DecodeCheckpoints
-from hybridkv.kvcache.prefix_map import GroupsView
+from hybridkv.kvcache.prefix_map import GroupsView, PrefixProbes
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.retention import Retention
 from hybridkv.kvcache.type_managers.base import (
@@ -48,6 +48,7 @@ class MambaManager(SingleTypeManager):
         # step that has not run yet, so a hit on one is refused until the next step.
         self._cached_this_step: set[BlockHash] = set()
         self._last_only = retention is not None and retention.decode_checkpoints is DecodeCheckpoints.LAST
+        self._probes = PrefixProbes()  # (a waiting request's probe: its chain's key positions, kept)
         # DecodeCheckpoints.LAST: per request, its latest decode checkpoint (blocks, hash)
         self._decode_checkpoint: dict[RequestId, tuple[list[int], BlockHash]] = {}
 
@@ -124,7 +125,7 @@ class MambaManager(SingleTypeManager):
     def hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]], max_length: int) -> int:
         if self.partial_unit or self.mode is MambaCacheMode.NONE:
             return super().hit_tokens(view, hashes, max_length)
-        i, _ = self._last_checkpoint(view, hashes[self.block_size], max_length)
+        i = self._probes.last_held(view, hashes[self.block_size], max_length // self.block_size)
         return (i + 1) * self.block_size  # (no k-page block lists: a probe of a multi-page state is cheap)
 
     def find_hit_tokens(self, view: GroupsView, hashes: Mapping[int, Sequence[BlockHash]],
@@ -214,9 +215,8 @@ class MambaManager(SingleTypeManager):
         table = self._tables[request.request_id]
         num_full = end
         self._pool.cache(self.group_ids, table.ids, block_hashes, start, num_full, request.token_ids)
-        hash_of = self._pool.hash_of
-        self._cached_this_step.update(h for h in map(hash_of, table.ids[:, start:num_full].ravel().tolist())
-                                      if h is not None)
+        cached = self._pool.slot_of[table.ids[:, start:num_full]]  # (this map's slots: the hashes the blocks carry)
+        self._cached_this_step.update(self.view.keys_in(cached.ravel()))
 
     def state_entries(self, request_id: RequestId, row: int, start: int, end: int) -> StateEntries | None:
         """For a step computing tokens [start, end): (tokens, block) of the state it reads (None
