@@ -3,6 +3,7 @@ the `cached_tokens` the next completion reports equals the `longest_matched` ask
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -31,24 +32,33 @@ def call(url: str, body: dict[str, Any]) -> tuple[int, Any]:
         return e.code, json.loads(e.read())
 
 
-@pytest.fixture(scope="module")
-def setup() -> Iterator[tuple[ServeServer, AppServer]]:
-    llm = LLM(MODEL, kv_cache_memory_gib=0.05, num_threads=1, max_num_batched_tokens=256, kv_events_config=EVENTS)
+@contextlib.contextmanager
+def engine_and_index(llm: LLM) -> Iterator[tuple[ServeServer, AppServer, IndexService]]:
+    """`llm` served, an index beside it with the engine registered as instance e0; both stopped after."""
     serve = ServeServer(llm, port=0, model_name=MODEL)
     serve.start()
     service = IndexService()
     index = AppServer(make_app(service))
     index.start()
-    assert llm.kv_events is not None
-    pub = llm.kv_events.publisher
-    status, _ = call(index.url + "/register", {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
-                                               "type": "hybridkv", "modelname": MODEL, "instance_id": "e0",
-                                               "block_size": 16})
-    assert status == 200
-    yield serve, index
-    index.stop()
-    service.close()
-    serve.stop()
+    try:
+        assert llm.kv_events is not None
+        pub = llm.kv_events.publisher
+        status, _ = call(index.url + "/register", {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                                                   "type": "hybridkv", "modelname": MODEL, "instance_id": "e0",
+                                                   "block_size": 16})
+        assert status == 200
+        yield serve, index, service
+    finally:
+        index.stop()
+        service.close()
+        serve.stop()
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[tuple[ServeServer, AppServer]]:
+    llm = LLM(MODEL, kv_cache_memory_gib=0.05, num_threads=1, max_num_batched_tokens=256, kv_events_config=EVENTS)
+    with engine_and_index(llm) as (serve, index, _):
+        yield serve, index
 
 
 def test_tokenize_matches_what_the_engine_runs(setup: tuple[ServeServer, AppServer]) -> None:
@@ -108,17 +118,7 @@ def test_read_your_writes_covers_evictions() -> None:
     batch with the removals, so once the index's events_seq reaches it the answer for the earlier
     prompt is what the engine then finds (less than before the eviction)."""
     llm = LLM(MODEL, kv_cache_memory_gib=0.002, num_threads=1, max_num_batched_tokens=512, kv_events_config=EVENTS)
-    serve = ServeServer(llm, port=0, model_name=MODEL)
-    serve.start()
-    service = IndexService()
-    index = AppServer(make_app(service))
-    index.start()
-    try:
-        assert llm.kv_events is not None
-        pub = llm.kv_events.publisher
-        assert call(index.url + "/register", {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
-                                              "type": "hybridkv", "modelname": MODEL, "instance_id": "e0",
-                                              "block_size": 16})[0] == 200
+    with engine_and_index(llm) as (serve, index, service):
         first = [5 + i % 200 for i in range(300)]
 
         def complete(tokens: list[int]) -> tuple[int, int]:
@@ -148,7 +148,3 @@ def test_read_your_writes_covers_evictions() -> None:
         assert evicted, "the first prompt's blocks were never evicted: the cache is too large for this test"
         assert complete(first)[0] == predicted
         assert service.table.counts.removed_blocks > 0
-    finally:
-        index.stop()
-        service.close()
-        serve.stop()
