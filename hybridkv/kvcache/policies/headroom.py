@@ -30,6 +30,7 @@ class AdmissionReserve:
         #: the blocks the waiting requests' hits take, as named this step (every request's list: the set is
         #: built only when an admission reads it, not for each of hundreds of page groups' blocks named)
         self._named: list[list[int]] = []
+        self._distinct: np.ndarray | None = None  # `_named`'s ids, each once (until more are named)
 
     @property
     def waiting_hits(self) -> set[int]:
@@ -41,7 +42,9 @@ class AdmissionReserve:
         reserve = self.blocks_per_running * running
         if self._named and running:  # (the waiting hits free and still cached, less the request's own)
             pool = self._pool
-            ids = np.unique(np.fromiter(chain.from_iterable(self._named), np.int64))
+            if self._distinct is None:  # (several admissions in a step read the same names)
+                self._distinct = np.unique(np.fromiter(chain.from_iterable(self._named), np.int64))
+            ids = self._distinct
             kept = ids[(pool.ref_cnt[ids] == 0) & pool.has_hash[ids]].tolist()
             if kept:  # (a state hit's rows are mostly null: one set built in C, null never kept)
                 reserve += len(kept) - len(set(chain.from_iterable(hits or ())).intersection(kept))
@@ -51,9 +54,11 @@ class AdmissionReserve:
         """A waiting request will hit `ids` (this step)."""
         if self.keeps_waiting_hits and len(ids):
             self._named.append(list(ids))
+            self._distinct = None
 
     def new_step(self) -> None:
         self._named.clear()
+        self._distinct = None
 
 
 def admission_reserve(pool: BlockPool, mode: AdmissionHeadroom, num_groups: int) -> AdmissionReserve | None:
