@@ -78,8 +78,11 @@ def materialize(job: dict[str, Any]) -> tuple[KVCacheConfig, list[TraceRequest],
     planned = plan(model_spec_from_config(entry.config, name=entry.hf_id),
                    PlannerOptions(memory_bytes=int(job["memory_gib"] * GIB), max_model_len=job["max_model_len"],
                                   max_num_batched_tokens=job["max_num_batched_tokens"], mamba_cache_mode=mode,
-                                  state_layout=StateLayout(job.get("state_layout", "one_page"))))
-    if job["generator"] == "mooncake":
+                                  state_layout=StateLayout(job.get("state_layout", "one_page")),
+                                  block_size=job.get("block_size", 16)))
+    if job["generator"] == "file":  # a Mooncake trace on disk (bench_hits_scale.py)
+        trace = read_mooncake(Path(job["generator_options"]["path"]))
+    elif job["generator"] == "mooncake":
         with tempfile.TemporaryDirectory() as tmp:
             path = mooncake_trace.write(Path(tmp) / "mooncake.jsonl", **job["generator_options"])
             trace = read_mooncake(path)

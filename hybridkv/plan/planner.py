@@ -71,6 +71,11 @@ def group_layers(buckets: list[list[int]]) -> tuple[int, list[list[int]]]:
 
 
 MLA_STATE_ALIGNMENT = 128
+#: The multi-page layout doubles the attention block until a state spans at most this many pages. The KV cache
+#: manager keeps one page group per state page, so its work per request grows with the pages: 16-token blocks
+#: make a Nemotron-H state 82 pages (574 page groups). Bigger blocks cost hits where shared prefixes end inside
+#: a block, and pad a state more (Nemotron-H: 2% at 64 tokens, 7% at 128): docs/state_layout.md measures it.
+MAX_STATE_PAGES = 32
 
 
 def mamba_block_size(*, state_bytes: int, attn_bytes_per_token: int, alignment: int) -> int:
@@ -85,7 +90,8 @@ def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerO
     """Block size per distinct spec and the common page size.
 
     One-page state layout: the attention block grows until an attention page holds a whole state.
-    Multi-page: it stays at the base block size and a state spans several pages (`_state_pages`).
+    Multi-page: it doubles from the base block size until a state spans at most `MAX_STATE_PAGES` pages
+    (`_state_pages`).
     """
     attention = [s for s in specs if not isinstance(s, MambaSpec)]
     mamba = [s for s in specs if isinstance(s, MambaSpec)]
@@ -93,6 +99,9 @@ def _block_sizes(specs: list[LayerSpec], base_block_size: int, options: PlannerO
     if mamba and attention and options.state_layout is StateLayout.MULTI_PAGE:
         if any(isinstance(s, MLASpec) for s in attention):
             base = max(base, MLA_STATE_ALIGNMENT)
+        state = max(s.state_bytes for s in mamba)
+        while math.ceil(state / max(s.page_size_bytes(base) for s in attention)) > MAX_STATE_PAGES:
+            base *= 2
     elif mamba and attention:
         per_token = max(s.bytes_per_token for s in attention)
         state = max(s.state_bytes for s in mamba)

@@ -57,11 +57,11 @@ def test_engine_registration_of_a_multi_page_plan() -> None:
         if layout is StateLayout.ONE_PAGE:
             assert {(g.state_pages, g.page_bytes) for g in states} == {(1, 1_085_440)}
             continue
-        assert [g.state_page for g in states] == list(range(34)) * 3
-        assert {(g.state_pages, g.page_bytes) for g in states} == {(34, 32_768)}
+        assert [g.state_page for g in states] == list(range(17)) * 3  # 32-token blocks: 65,536-byte pages
+        assert {(g.state_pages, g.page_bytes) for g in states} == {(17, 65_536)}
         assert chunk == 256
         names = [og.name for og in object_groups(registered, chunk, separate=True)]
-        assert names == ["state:g0", "state:g34", "state:g68", "full"]
+        assert names == ["state:g0", "state:g17", "state:g34", "full"]
 
 
 

@@ -21,7 +21,8 @@ runner = CliRunner()
 #: `--preset hybridkv` spelled out by hand (docs/prefix_caching.md's table)
 HYBRIDKV_FLAGS = ["--eviction", "value", "--checkpoint-placement", "placed", "--release-order", "interleaved",
                   "--state-layout", "multi_page", "--running-state", "adopt", "--decode-checkpoints", "last",
-                  "--admission-headroom", "waiting_hits", "--queue-order", "cache_aware", "--turn-checkpoints"]
+                  "--admission-headroom", "waiting_hits", "--queue-order", "cache_aware", "--turn-checkpoints",
+                  "--online-choice", "ghosts"]
 SIM = ["simulate", "qwen3.5-0.8b", "--generate", "chat", "--num-requests", "24", "--memory-gib", "0.4", "--json"]
 
 

@@ -1,7 +1,7 @@
 """`running_state`: the planner's per-request need and max concurrency, by hand (Qwen3.5-0.8B, 1 GiB, 512).
 
 Pool (6 tensors; tests/plan/test_state_layout.py derives the pages): one_page 160 blocks of 544 tokens,
-multi_page 5,461 blocks of 16 tokens and 34 pages per state; 3 Gated DeltaNet groups, 1 full group.
+multi_page 2,730 blocks of 32 tokens and 17 pages per state; 3 Gated DeltaNet groups, 1 full group.
 MOVING (align mode) counts 2 states per state group, FIXED 1: its checkpoint blocks are taken from
 the free blocks after a step's allocations and released at once, so they never count against a request.
 """
@@ -32,8 +32,8 @@ def qwen35(layout: StateLayout, running: RunningState, max_model_len: int = 512)
 @pytest.mark.parametrize(("layout", "running", "need", "usable"), [
     (StateLayout.ONE_PAGE, RunningState.MOVING, 3 * 2 + 1, 159),  # 3 groups x 2 states + ceil(512 / 544)
     (StateLayout.ONE_PAGE, RunningState.FIXED, 3 * 1 + 1, 159),
-    (StateLayout.MULTI_PAGE, RunningState.MOVING, 3 * 2 * 34 + 32, 5460),  # + 512 / 16 attention blocks
-    (StateLayout.MULTI_PAGE, RunningState.FIXED, 3 * 1 * 34 + 32, 5460),
+    (StateLayout.MULTI_PAGE, RunningState.MOVING, 3 * 2 * 17 + 16, 2729),  # + 512 / 32 attention blocks
+    (StateLayout.MULTI_PAGE, RunningState.FIXED, 3 * 1 * 17 + 16, 2729),
 ])
 def test_need_and_concurrency(layout: StateLayout, running: RunningState, need: int, usable: int) -> None:
     result = qwen35(layout, running)
@@ -43,11 +43,11 @@ def test_need_and_concurrency(layout: StateLayout, running: RunningState, need: 
 
 
 def test_short_requests_fixed_multi_page_vs_vllm_one_page() -> None:
-    """At 192 tokens: one_page MOVING needs 6 + 1 blocks (159 / 7 = 22.7); multi_page FIXED 102 + 12 pages
-    (5,460 / 114 = 47.9): 2.1x."""
+    """At 192 tokens: one_page MOVING needs 6 + 1 blocks (159 / 7 = 22.7); multi_page FIXED 51 + 6 pages
+    (2,729 / 57 = 47.9): 2.1x."""
     vllm = qwen35(StateLayout.ONE_PAGE, RunningState.MOVING, 192).max_concurrency
     ours = qwen35(StateLayout.MULTI_PAGE, RunningState.FIXED, 192).max_concurrency
-    assert (vllm, ours) == (pytest.approx(159 / 7), pytest.approx(5460 / 114))
+    assert (vllm, ours) == (pytest.approx(159 / 7), pytest.approx(2729 / 57))
 
 
 def test_fixed_with_all_mode_is_refused() -> None:

@@ -35,23 +35,24 @@ def qwen35_plan(layout: StateLayout, *, max_model_len: int = 512, memory_gib: fl
 def test_multi_page_state_spans_k_pages_of_the_attention_page() -> None:
     result = qwen35_plan(StateLayout.MULTI_PAGE)
     cfg = result.config
-    page = 16 * ATTN_PER_TOKEN  # 32,768: attention keeps 16-token blocks
-    k = math.ceil(STATE_BYTES / page)  # 34
-    assert (cfg.page_size_bytes, cfg.pages_per_state, cfg.attention_block_size) == (page, k, 16)
+    # the block doubles from 16 until a state spans at most 32 pages: 16 -> 34 pages, 32 -> 17
+    page = 32 * ATTN_PER_TOKEN  # 65,536
+    k = math.ceil(STATE_BYTES / page)  # 17
+    assert (cfg.page_size_bytes, cfg.pages_per_state, cfg.attention_block_size) == (page, k, 32)
     states = [g for g in cfg.groups if g.kind is SpecKind.MAMBA]
     assert len(states) == 3 * k
     assert [g.state_page for g in states] == list(range(k)) * 3
     assert [g.group_id for g in cfg.groups] == list(range(len(cfg.groups)))
-    assert all(g.block_size == 16 and g.state_pages == k for g in states)
+    assert all(g.block_size == 32 and g.state_pages == k for g in states)
     # the k page groups of one state share its layers; tensors list each layer once
     assert len({g.layer_indices for g in states}) == 3
     assert sorted(x for t in cfg.tensors for x in t.shared_by) == list(range(24))
     num_blocks = GIB // page // GROUP_SIZE
     assert cfg.num_blocks == num_blocks
-    need = 3 * k * 2 + 512 // 16  # align mode: 2 states per group (each k pages) + 32 attention blocks
+    need = 3 * k * 2 + 512 // 32  # align mode: 2 states per group (each k pages) + 16 attention blocks
     assert sum(result.blocks_per_request) == need
     assert result.max_concurrency == pytest.approx((num_blocks - 1) / need)
-    assert cfg.shortest_cacheable_prefix == 16
+    assert cfg.shortest_cacheable_prefix == 32
 
 
 def test_one_page_layout_is_unchanged_and_both_are_reported() -> None:
@@ -63,7 +64,7 @@ def test_one_page_layout_is_unchanged_and_both_are_reported() -> None:
     assert (one.state_layout, multi.state_layout) == (StateLayout.ONE_PAGE, StateLayout.MULTI_PAGE)
     one_blocks = GIB // (block * ATTN_PER_TOKEN) // GROUP_SIZE
     assert one.max_concurrency == pytest.approx((one_blocks - 1) / (3 * 2 + 1))
-    assert (one.shortest_cacheable_prefix, multi.shortest_cacheable_prefix) == (544, 16)
+    assert (one.shortest_cacheable_prefix, multi.shortest_cacheable_prefix) == (544, 32)
     assert multi == qwen35_plan(StateLayout.MULTI_PAGE).state_layouts[0]
 
 
@@ -90,12 +91,12 @@ def test_plan_cli_reports_both_layouts() -> None:
                                    "--state-layout", "multi_page", "--json"])
     assert out.exit_code == 0, out.output
     report = json.loads(out.output)
-    assert report["state_layout"] == "multi_page" and report["pages_per_state"] == 34
-    assert [s["shortest_cacheable_prefix"] for s in report["state_layouts"]] == [16, 544]
-    last = report["groups"][33]  # the last page of the first state: the state's remaining bytes
-    assert (last["state_page"], last["page_bytes_used"]) == (33, STATE_BYTES - 33 * 32768)
+    assert report["state_layout"] == "multi_page" and report["pages_per_state"] == 17
+    assert [s["shortest_cacheable_prefix"] for s in report["state_layouts"]] == [32, 544]
+    last = report["groups"][16]  # the last page of the first state: the state's remaining bytes
+    assert (last["state_page"], last["page_bytes_used"]) == (16, STATE_BYTES - 16 * 65536)
     text = CliRunner().invoke(app, ["plan", "Qwen/Qwen3.5-0.8B", "--memory-gib", "1", "--max-model-len", "512"])
-    assert "State layouts" in text.output and "34 x 32,768 B" in text.output
+    assert "State layouts" in text.output and "17 x 65,536 B" in text.output
 
 
 def test_plan_vllm_flags_refuse_the_multi_page_layout() -> None:

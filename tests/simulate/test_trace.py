@@ -95,7 +95,8 @@ def test_cli_budget_that_cannot_be_simulated_is_one_line(tmp_path: Path, monkeyp
 
 
 def test_cli_budget_no_machine_holds_is_one_line(tmp_path: Path) -> None:
-    """Not mocked: 10^9 GiB is 4 * 10^12 blocks of the Mamba hybrid's multi-page layout; the pool's arrays
+    """Not mocked: 10^9 GiB is 1.024 * 10^12 blocks of the Mamba hybrid's multi-page layout (4 tensors x
+    256 KiB pages of 64 tokens: 1 MiB a block; 7 states x 21 pages + 1 attention group); the pool's arrays
     cannot be allocated, and the CLI says so in one line."""
     from typer.testing import CliRunner
 
@@ -106,7 +107,7 @@ def test_cli_budget_no_machine_holds_is_one_line(tmp_path: Path) -> None:
                                       "16", "--memory-gib", "1e9", "--preset", "hybridkv"])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "4096000000000 blocks x 575 KV cache groups cannot be simulated" in lines[0], lines
+    assert len(lines) == 1 and "1024000000000 blocks x 148 KV cache groups cannot be simulated" in lines[0], lines
     assert "Traceback" not in result.output
 
 
