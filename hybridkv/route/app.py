@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hybridkv.route.picker import Engine, Policy, rank
-from hybridkv.route.upstream import UpstreamError, call, call_with_headers, open_stream
+from hybridkv.route.upstream import ConnectionPool, UpstreamError
 
 __all__ = ["RouteConfig", "index_behind", "make_app"]
 
@@ -56,6 +56,7 @@ class RouteConfig:
     index_errors: int = 0
     stale_answers: int = 0  # queries answered from an index still behind after sync_wait_s
     no_engine: int = 0
+    pool: ConnectionPool = field(default_factory=ConnectionPool)  # kept-alive connections to engines and index
     _polling: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -91,7 +92,7 @@ def _prompt_tokens(cfg: RouteConfig, body: dict[str, Any], chat: bool) -> list[i
     now = time.monotonic()
     for engine in sorted((e for e in cfg.engines if e.up(now)), key=lambda e: e.load):
         try:
-            status, raw = call(engine.url, "/tokenize", ask, timeout_s=10.0)
+            status, raw, _ = cfg.pool.call(engine.url, "/tokenize", ask, timeout_s=10.0)
         except UpstreamError:
             continue
         if status == 200:
@@ -112,7 +113,7 @@ def _hits(cfg: RouteConfig, body: dict[str, Any], tokens: list[int] | None) -> d
     deadline = time.monotonic() + cfg.sync_wait_s
     while True:
         try:
-            status, raw = call(cfg.index_url, "/query", query, timeout_s=2.0, headers=headers)
+            status, raw, _ = cfg.pool.call(cfg.index_url, "/query", query, timeout_s=2.0, headers=headers)
             answer = json.loads(raw) if status == 200 else {}
         except (UpstreamError, ValueError):
             answer = {}
@@ -165,10 +166,10 @@ async def _forward(cfg: RouteConfig, path: str, raw: bytes, body: dict[str, Any]
         engine.in_flight += 1
         try:
             if stream:
-                status, kind, chunks = await asyncio.to_thread(open_stream, engine.url, path, raw,
+                status, kind, chunks = await asyncio.to_thread(cfg.pool.open_stream, engine.url, path, raw,
                                                                timeout_s=cfg.timeout_s)
             else:
-                status, answer, answer_headers = await asyncio.to_thread(call_with_headers, engine.url, path, raw,
+                status, answer, answer_headers = await asyncio.to_thread(cfg.pool.call, engine.url, path, raw,
                                                                          timeout_s=cfg.timeout_s)
                 _note_events_seq(engine, answer_headers)
         except UpstreamError as e:
@@ -218,7 +219,7 @@ async def _poll(cfg: RouteConfig) -> None:
     while True:
         for engine in cfg.engines:
             try:
-                status, raw = await asyncio.to_thread(call, engine.url, "/metrics", None, timeout_s=2.0)
+                status, raw, _ = await asyncio.to_thread(cfg.pool.call, engine.url, "/metrics", None, timeout_s=2.0)
             except UpstreamError:
                 engine.down_until = time.monotonic() + cfg.down_for_s
                 continue
@@ -246,6 +247,7 @@ def make_app(cfg: RouteConfig) -> Starlette:
             yield
         finally:
             cfg._polling.cancel()
+            cfg.pool.close()
 
     def openai_route(path: str, chat: bool) -> Any:
         async def handler(request: Request) -> Response:
@@ -266,7 +268,8 @@ def make_app(cfg: RouteConfig) -> Starlette:
     async def models(_: Request) -> Response:
         for engine in cfg.engines:
             try:
-                status, raw = await asyncio.to_thread(call, engine.url, "/v1/models", None, timeout_s=5.0)
+                status, raw, _headers = await asyncio.to_thread(cfg.pool.call, engine.url, "/v1/models", None,
+                                                                timeout_s=5.0)
             except UpstreamError:
                 continue
             return Response(raw, status_code=status, media_type="application/json")
