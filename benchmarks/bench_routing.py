@@ -61,11 +61,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from hybridkv.index.events import BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
 from hybridkv.index.http import AppServer, make_app  # noqa: E402
 from hybridkv.index.seq_hash import seq_hashes  # noqa: E402
 from hybridkv.index.service import IndexService, Query  # noqa: E402
 from hybridkv.index.table import Registration  # noqa: E402
+from hybridkv.kv_events.wire import BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
 from hybridkv.route.app import RouteConfig  # noqa: E402
 from hybridkv.route.app import make_app as make_route_app  # noqa: E402
 from hybridkv.route.local import LocalCluster  # noqa: E402

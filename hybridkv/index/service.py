@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import HybridKVError
-from hybridkv.index.events import EventBatch
 from hybridkv.index.probe import PromptBlocks, instance_hit
 from hybridkv.index.seq_hash import seq_hash_chunks, token_bytes
 from hybridkv.index.subscriber import Subscriber
 from hybridkv.index.table import Namespaces, PrefixTable, Registration, RegKey
+from hybridkv.kv_events.wire import EventBatch
 
 __all__ = ["IndexFullError", "IndexService", "Query"]
 

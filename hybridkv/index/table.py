@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from hybridkv.index.rules import GroupRule, RuleKind, rule_kind
 from hybridkv.index.seq_hash import iter_seq_hashes, token_bytes
+from hybridkv.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 __all__ = ["IngestCounts", "Namespaces", "PrefixTable", "RegKey", "Registration", "group_rule"]
 

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import zmq
 
-from hybridkv.index.events import END_SEQ, BlockRemoved, BlockStored, EventBatch, KVEventsConfig, encode_batch
 from hybridkv.index.http import AppServer, make_app
-from hybridkv.index.publisher import ZmqPublisher
 from hybridkv.index.seq_hash import seq_hashes
 from hybridkv.index.service import IndexService
+from hybridkv.kv_events.publisher import ZmqPublisher
+from hybridkv.kv_events.wire import END_SEQ, BlockRemoved, BlockStored, EventBatch, KVEventsConfig, encode_batch
 
 TOKEN = "t" * 32
 BS = 4
