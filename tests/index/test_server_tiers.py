@@ -1,18 +1,21 @@
-"""A live KV cache server (auth on) publishes its L1 tier's chunks; the index, asked with a prompt's
-token ids, answers the server's own lookup (`CPU` and `longest_matched`), per tenant: a prompt stored
-under one cache salt is found only with that salt, never with another or none. The chunk ids the
-index computes are the connector's chunk hashes (the server's keys), computed independently."""
+"""A live KV cache server (auth on) publishes its tiers' chunks (L1: `CPU`, a sized disk tier:
+`DISK`); the index, asked with a prompt's token ids, answers the server's own lookup
+(`longest_matched`: from either tier), per tenant: a prompt stored under one cache salt is found only
+with that salt, never with another or none. The chunk ids the index computes are the connector's
+chunk hashes (the server's keys), computed independently."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hybridkv.cache_server.store import StoreConfig
 from hybridkv.cache_server.tier_events import SERVER_TYPE, TierEvents
+from hybridkv.cache_server.tiers.disk import DiskTier
 from hybridkv.connector.client import chunk_hashes
 from hybridkv.index.http import AppServer, make_app
 from hybridkv.index.seq_hash import token_bytes
@@ -29,16 +32,19 @@ GROUPS = [make_group(block=4, page=64), make_group(kind="sliding", block=4, wind
           make_group(kind="state", block=8, page=64)]
 
 
-@pytest.fixture
-def stack() -> Iterator[tuple[str, RunningServer, Any]]:
-    """(the index's URL, a server publishing L1 events registered there, a registered fake engine)."""
+@pytest.fixture(params=["memory", "disk"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, RunningServer, Any]]:
+    """(the index's URL, a server publishing its tier events registered there, a registered fake engine);
+    "disk": with a small sized disk tier behind L1 (objects L1 lets go stay on disk until it is full)."""
     service = IndexService(probe_every_s=0.2, dead_after_s=5.0)
     index = AppServer(make_app(service, token=TOKEN))
     index.start()
     events = TierEvents(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*",
                                        replay_endpoint="tcp://127.0.0.1:*"), CHUNK)
-    config = StoreConfig(chunk_tokens=CHUNK, l1_bytes=6 << 10)  # (~18 chunks of 3 objects: evictions)
-    with running_server(config, auth_token=SECRET, events=events) as server, fake_engine(GROUPS) as engine:
+    config = StoreConfig(chunk_tokens=CHUNK, l1_bytes=4 << 10)  # (~12 chunks of 3 objects: evictions)
+    tiers = [DiskTier(tmp_path, 12 << 10)] if request.param == "disk" else []  # (~20 chunks: deletions too)
+    with running_server(config, tiers, auth_token=SECRET, events=events) as server, \
+            fake_engine(GROUPS) as engine:
         status, body = post(index.url + "/register", {
             "endpoint": events.publisher.endpoint, "replay_endpoint": events.publisher.replay_endpoint,
             "type": SERVER_TYPE, "modelname": "toy", "instance_id": "kv-server", "block_size": CHUNK})
@@ -49,7 +55,7 @@ def stack() -> Iterator[tuple[str, RunningServer, Any]]:
     service.close()
 
 
-def index_hit(url: str, tokens: list[int], salt: str, medium: str = "CPU") -> int:
+def index_hit(url: str, tokens: list[int], salt: str, medium: str = "longest_matched") -> int:
     status, body = post(url + "/query", {"model": "toy", "token_ids": tokens, **({"cache_salt": salt} if salt else {})})
     assert status == 200, body
     return int(body["default"].get("kv-server", {}).get(medium, 0))
@@ -82,11 +88,12 @@ def test_a_tenants_chunks_are_found_with_its_salt_only(stack: tuple[str, Running
         c.register(engine.layout)
         store(c, prompt, "tenant-a", 1)
         store(c, other, "", 40)
-        wait_for(lambda: index_hit(url, prompt, "tenant-a") == 24)
+        wait_for(lambda: index_hit(url, prompt, "tenant-a", "CPU") == 24)
         wait_for(lambda: index_hit(url, other, "") == 24)
     status, body = post(url + "/query", {"model": "toy", "token_ids": prompt, "cache_salt": "tenant-a"})
     entry = body["default"]["kv-server"]
-    assert status == 200 and entry["longest_matched"] == 24 and entry["GPU"] == 0 and entry["DISK"] == 0
+    assert status == 200 and entry["longest_matched"] == entry["CPU"] == 24 and entry["GPU"] == 0
+    assert entry["DISK"] == (24 if server.store.tiers.sized else 0)  # (written behind to the disk tier too)
     assert index_hit(url, prompt, "tenant-b") == 0 and index_hit(url, prompt, "") == 0
     assert index_hit(url, other, "tenant-a") == 0
     assert post(url + "/query", {"model": "toy", "token_ids": prompt}, token=None)[0] == 401
@@ -100,7 +107,7 @@ def test_the_index_answers_the_servers_lookup(stack: tuple[str, RunningServer, A
     rng = random.Random(0)
     bases = [[rng.randrange(1, 5000) for _ in range(rng.randrange(1, 5) * CHUNK)] for _ in range(4)]
     prompts = [b + [rng.randrange(1, 5000) for _ in range(rng.randrange(0, 3 * CHUNK) + 1)] for b in bases * 3]
-    seen_evictions = False
+    seen_evictions = seen_disk_only = False
     with server.client() as c:
         c.register(engine.layout)
         for step in range(30):
@@ -112,5 +119,8 @@ def test_the_index_answers_the_servers_lookup(stack: tuple[str, RunningServer, A
                     wait_for(lambda p=probe, w=want, s=salt: index_hit(url, p, s) == w, timeout_s=5.0)
                 except AssertionError:
                     raise AssertionError(f"step {step}: index {index_hit(url, probe, salt)}, server {want}") from None
+                seen_disk_only = seen_disk_only or index_hit(url, probe, salt, "CPU") < want
             seen_evictions = seen_evictions or server.metric("hybridkv_server_l1_evictions_total") > 0
     assert seen_evictions  # (the removals were exercised too)
+    # with a disk tier some hits came from it alone (and the sized tier deleted objects to fit)
+    assert seen_disk_only == bool(server.store.tiers.sized)
