@@ -36,7 +36,7 @@ class ServerConfig:
     allow_remote: bool = False  # binding a non-loopback address must be asked for explicitly
     auth_token_file: Path | None = None  # the shared secret (else $HYBRIDKV_AUTH_TOKEN); none: no authentication
     max_registrations: int = 256
-    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON: L1's chunks published (tier_events.py)
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON: the tiers' chunks published (tier_events.py)
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -330,7 +330,7 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None =
     line = startup_line(config, control.port, http.port, store.tiers.names)
     if events is not None:
         replay = events.publisher.replay_endpoint
-        line += f"; KV events (L1, medium CPU) on {events.publisher.endpoint}" + (f", replay {replay}" * bool(replay))
+        line += f"; KV events (CPU, DISK) on {events.publisher.endpoint}" + (f", replay {replay}" * bool(replay))
     print(line, flush=True)
     if secret_file is not None:
         print(f"hybridkv server: secret for clients of uid {os.geteuid()} in {secret_file} (read there by KVClient, "

@@ -62,8 +62,9 @@ def server_command(
                                                    "once")] = _D.max_registrations,
     kv_events_config: Annotated[str | None, typer.Option(
         "--kv-events-config", help="vLLM's KV events JSON ('{\"enable_kv_cache_events\": true, \"publisher\": "
-        "\"zmq\", \"endpoint\": \"tcp://127.0.0.1:5560\"}'): publish L1's chunks (medium CPU) for "
-        "`hybridkv index` (register the stream as type hybridkv-server; docs/routing.md)")] = _D.kv_events_config,
+        "\"zmq\", \"endpoint\": \"tcp://127.0.0.1:5560\"}'): publish the chunks of L1 (medium CPU) and a "
+        "sized disk tier (DISK) for `hybridkv index` (register the stream as type hybridkv-server; "
+        "docs/routing.md)")] = _D.kv_events_config,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = _D.log_level,
 ) -> None:
     """Run the KV cache server: every group's pages, memory / disk / Valkey tiers, metrics."""
