@@ -11,6 +11,10 @@ attention-only index reports for the same instance (its full-attention blocks al
 `events_seq` (with a subscriber) is the next sequence number the index expects from the instance's
 publisher (the least over its DP ranks): everything the engine published before it is in the
 answer, so a router that saw a larger number from the engine knows the answer is behind.
+
+A KV cache server registered as type "hybridkv-server" (its tiers' events: cache_server/tier_events.py)
+gets `CPU` / `DISK` (the hit its lookup would find in that tier) and `longest_matched` over both,
+from the prompt's chunk ids (kv_events/chunk_ids.py).
 """
 
 from __future__ import annotations
