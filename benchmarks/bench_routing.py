@@ -213,7 +213,8 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
             "accuracy": sum(e.exact for e in cfg.engines) / checked if checked else float("nan"),
             "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines),
             "missed_concurrent": concurrent, "stale": cfg.stale_answers, "isolated": len(isolated),
-            "accuracy_isolated": sum(c[3] == c[4] for c in isolated) / len(isolated) if isolated else float("nan")}
+            "accuracy_isolated": sum(c[3] == c[4] for c in isolated) / len(isolated)
+            if isolated and policy is not Policy.ROUND_ROBIN else float("nan")}  # (round robin predicts nothing)
 
 
 def build_gdn(target: Path) -> None:
