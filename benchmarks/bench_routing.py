@@ -19,6 +19,8 @@ its hit. `--workload documents`: questions about long documents cut at different
     hit        realized prefix-hit tokens (sum of `cached_tokens`) per policy
     balance    max / min requests per engine
     missed_concurrent  mispredicted requests that overlapped another request on the same engine
+    accuracy_isolated  the accuracy over the requests that overlapped no other request on their engine
+                       (the index's own error, without the same-engine races it cannot see)
     ideal      the hit tokens of one engine with an unbounded cache and a usable point at every step
                of the engines' hit granularity (`ideal_hits`): a ceiling for any router
 
@@ -29,7 +31,7 @@ one kept-alive connection, with the server's CPU time per request (what the late
 idle core), and `/query_by_hash` in process (the router hashed the prompt); the 1-minute load average
 beside them.
 
-Last line: accuracy=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... ideal_vs_rr_gdn=...
+Last line: accuracy=... accuracy_isolated=... joint_vs_attention_gdn=... joint_vs_rr_gdn=... ideal_vs_rr_gdn=...
 joint_vs_attention_swa=... joint_vs_rr_swa=... ideal_vs_rr_swa=... balance_max=... query_p99_ms=...
 query_by_hash_p99_ms=... http_query_cpu_ms=... http_query_p50_ms=... http_query_p99_ms=...
 ingest_blocks_per_s=... bytes_per_block=...
@@ -61,11 +63,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from hybridkv.index.events import BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
 from hybridkv.index.http import AppServer, make_app  # noqa: E402
 from hybridkv.index.seq_hash import seq_hashes  # noqa: E402
 from hybridkv.index.service import IndexService, Query  # noqa: E402
 from hybridkv.index.table import Registration  # noqa: E402
+from hybridkv.kv_events.wire import BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
 from hybridkv.route.app import RouteConfig  # noqa: E402
 from hybridkv.route.app import make_app as make_route_app  # noqa: E402
 from hybridkv.route.local import LocalCluster  # noqa: E402
@@ -197,7 +199,12 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
     router.stop()
     routed = [e.routed for e in cfg.engines]
     missed = [c for c in calls if c[3] != c[4]]
-    concurrent = sum(any(o is not c and o[2] == c[2] and o[0] < c[1] and c[0] < o[1] for o in calls) for c in missed)
+
+    def overlapped(c: tuple[float, float, str, int, int]) -> bool:  # (another request on its engine meanwhile)
+        return any(o is not c and o[2] == c[2] and o[0] < c[1] and c[0] < o[1] for o in calls)
+
+    concurrent = sum(map(overlapped, missed))
+    isolated = [c for c in calls if not overlapped(c)]
     checked = sum(e.checked for e in cfg.engines)
     return {"policy": policy.value, "hit_tokens": sum(r[0] for r in results),
             "prompt_tokens": sum(r[1] for r in results), "routed": routed,
@@ -205,7 +212,9 @@ def run_policy(cluster: LocalCluster, policy: Policy, sessions: list[list[list[i
             "step": math.gcd(*(c[4] for c in calls)),
             "accuracy": sum(e.exact for e in cfg.engines) / checked if checked else float("nan"),
             "over": sum(e.over for e in cfg.engines), "under": sum(e.under for e in cfg.engines),
-            "missed_concurrent": concurrent, "stale": cfg.stale_answers}
+            "missed_concurrent": concurrent, "stale": cfg.stale_answers, "isolated": len(isolated),
+            "accuracy_isolated": sum(c[3] == c[4] for c in isolated) / len(isolated)
+            if isolated and policy is not Policy.ROUND_ROBIN else float("nan")}  # (round robin predicts nothing)
 
 
 def build_gdn(target: Path) -> None:
@@ -242,7 +251,8 @@ def routing(quick: bool, drive: Clients, extra_args: str = "",
                     print(f"model={name} policy={policy.value} hit_tokens={r['hit_tokens']} "
                           f"prompt_tokens={r['prompt_tokens']} routed={r['routed']} balance={r['balance']:.2f} "
                           f"accuracy={r['accuracy']:.4f} over={r['over']} under={r['under']} "
-                          f"missed_concurrent={r['missed_concurrent']} stale={r['stale']} wall_s={r['wall_s']:.1f}",
+                          f"missed_concurrent={r['missed_concurrent']} accuracy_isolated={r['accuracy_isolated']:.4f} "
+                          f"(of {r['isolated']}) stale={r['stale']} wall_s={r['wall_s']:.1f}",
                           flush=True)
                 step = out[name]["joint"]["step"] or 1
                 ideal = ideal_hits(sessions, step)
@@ -437,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("routing", "all"):
         r = routing(args.quick, drive, args.engine_args, args.workload)
         accuracy = min(r[m]["joint"]["accuracy"] for m in r)
+        isolated = min(r[m]["joint"]["accuracy_isolated"] for m in r)
         ratios = []
         for m in ("gdn", "swa"):
             joint = r[m]["joint"]["hit_tokens"]
@@ -444,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios += [f"joint_vs_attention_{m}={joint / max(1, r[m]['attention']['hit_tokens']):.3f}",
                        f"joint_vs_rr_{m}={joint / rr:.3f}", f"ideal_vs_rr_{m}={r[m]['ideal']['hit_tokens'] / rr:.3f}"]
         balance = max(r[m][p]["balance"] for m in r for p in r[m] if p != "ideal")
-        parts = [f"accuracy={accuracy:.4f}", *ratios, f"balance_max={balance:.2f}", *parts]
+        parts = [f"accuracy={accuracy:.4f}", f"accuracy_isolated={isolated:.4f}", *ratios, f"balance_max={balance:.2f}",
+                 *parts]
     print(" ".join(parts))
     return 0
 

@@ -11,6 +11,7 @@ from hybridkv.cache_server.l1_eviction import L1EvictionPolicyName
 from hybridkv.cache_server.l2_sizing import L2Sizing
 from hybridkv.cache_server.store_config import ObjectGroupMode, StoreConfig
 from hybridkv.errors import ConfigError
+from hybridkv.kv_events.wire import KVEventsConfig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -35,6 +36,7 @@ class ServerConfig:
     allow_remote: bool = False  # binding a non-loopback address must be asked for explicitly
     auth_token_file: Path | None = None  # the shared secret (else $HYBRIDKV_AUTH_TOKEN); none: no authentication
     max_registrations: int = 256
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON: the tiers' chunks published (tier_events.py)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -56,8 +58,17 @@ class ServerConfig:
         ns = self.l2_valkey_namespace
         if ns is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", ns):
             raise ConfigError(f"--l2-valkey-namespace must be 1-64 of A-Z a-z 0-9 _ . -, got {ns!r:.80}")
+        if self.kv_events_config is not None:
+            self.kv_events()  # (a ConfigError now, not after binding)
         if self.max_registrations <= 0:
             raise ConfigError(f"--max-registrations must be positive, got {self.max_registrations}")
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV events to publish (None: off)."""
+        if self.kv_events_config is None:
+            return None
+        events = KVEventsConfig.from_json(self.kv_events_config)
+        return events if events.enabled else None
 
     @property
     def is_loopback(self) -> bool:

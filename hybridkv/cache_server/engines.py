@@ -59,7 +59,7 @@ class Engine:
         if rules is None:
             if len(self.trees) >= MAX_NAMESPACES:
                 self.trees.clear()
-            rules = self.trees[salt] = TreeRules(namespace(self.layout, "", salt), self.rules, self.groups)
+            rules = self.trees[salt] = TreeRules(namespace(self.layout, "", salt), self.rules, self.groups, salt)
         return rules
 
     def describe(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from hybridkv.cache_server.l2_sizing import L2Sizing, SizerStats, TierSizer
 from hybridkv.cache_server.metrics import ServerMetrics
@@ -22,6 +23,17 @@ from hybridkv.cache_server.tiers.write_behind import WriteBehind
 log = logging.getLogger(__name__)
 
 WRITE_BEHIND_MAX_PENDING = 4096
+
+
+class L2Listener(Protocol):
+    """Told of what the server puts into and takes out of its sized tiers (their content as the server
+    knows it: tier_events.py publishes it)."""
+
+    def l2_stored(self, tier: str, key: bytes, place: ObjectPlace | None) -> None: ...
+
+    def l2_removed(self, tier: str, key: bytes) -> None: ...
+
+    def l2_cleared(self, tier: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -35,8 +47,9 @@ class TierSet:
     """Not thread-safe beyond the tiers' own locks: the store calls it under its lock."""
 
     def __init__(self, tiers: Sequence[L2Tier], metrics: ServerMetrics,
-                 sizing: L2Sizing = L2Sizing.OBJECTS) -> None:
+                 sizing: L2Sizing = L2Sizing.OBJECTS, listener: L2Listener | None = None) -> None:
         self.sizing = sizing
+        self._listener = listener  # (told of the sized tiers only: the others delete on their own too)
         self._slots = [_Slot(t, WriteBehind(t, WRITE_BEHIND_MAX_PENDING), self._sizer(t, sizing)) for t in tiers]
         self._metrics = metrics
         self._warnings = RateLimitedWarnings(log)
@@ -69,10 +82,17 @@ class TierSet:
                 for victim in victims:
                     if not slot.writer.delete(victim):  # the tier's own bound stays the backstop
                         self._metrics.l2_write_dropped.labels(slot.tier.name).inc()
+                    self._tell_removed(slot, victim)
             if not slot.writer.submit(key, value):
                 self._metrics.l2_write_dropped.labels(slot.tier.name).inc()
                 if slot.sizer is not None:
                     slot.sizer.forget(key)
+            elif slot.sizer is not None and self._listener is not None:
+                self._listener.l2_stored(slot.tier.name, key, place)
+
+    def _tell_removed(self, slot: _Slot, key: bytes) -> None:
+        if slot.sizer is not None and self._listener is not None:
+            self._listener.l2_removed(slot.tier.name, key)
 
     @property
     def sized(self) -> bool:
@@ -137,6 +157,7 @@ class TierSet:
         if slot.sizer is not None:
             if value is None:  # gone (a failed write, the tier's own eviction, corruption)
                 slot.sizer.forget(key)
+                self._tell_removed(slot, key)
             else:
                 slot.sizer.touch(key)
         if value is not None and len(value) != expected_bytes:
@@ -152,6 +173,7 @@ class TierSet:
     def _delete(self, slot: _Slot, key: bytes) -> None:
         if slot.sizer is not None:
             slot.sizer.forget(key)
+            self._tell_removed(slot, key)
         try:
             slot.tier.delete(key)
         except TierError as e:
@@ -164,6 +186,8 @@ class TierSet:
             slot.writer.flush(timeout_s=10.0)
             if slot.sizer is not None:
                 slot.sizer.clear()
+                if self._listener is not None:
+                    self._listener.l2_cleared(slot.tier.name)
             try:
                 remaining = slot.tier.clear() or 0
             except TierError as e:

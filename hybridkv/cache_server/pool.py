@@ -34,6 +34,31 @@ class PoolListener(Protocol):
     def dropped(self, key: bytes) -> None: ...
 
 
+class _Listeners:
+    """Several pool listeners told in turn."""
+
+    def __init__(self, listeners: list[PoolListener]) -> None:
+        self._listeners = listeners
+
+    def placed(self, key: bytes, nbytes: int, place: ObjectPlace | None) -> None:
+        for listener in self._listeners:
+            listener.placed(key, nbytes, place)
+
+    def used(self, key: bytes) -> None:
+        for listener in self._listeners:
+            listener.used(key)
+
+    def dropped(self, key: bytes) -> None:
+        for listener in self._listeners:
+            listener.dropped(key)
+
+
+def listeners(*maybe: PoolListener | None) -> PoolListener | None:
+    """One listener telling each given one (the sized L2 tiers, the KV events); None for none."""
+    given = [listener for listener in maybe if listener is not None]
+    return None if not given else given[0] if len(given) == 1 else _Listeners(given)
+
+
 @dataclass(slots=True)
 class _Entry:
     offset: int

@@ -287,8 +287,9 @@ class ChunkRules:
 class TreeRules:
     """The hit rules of one registered layout and cache salt, per object group (prefix_index.PrefixRules)."""
 
-    def __init__(self, tree_id: bytes, rules: ChunkRules, groups: list[ObjectGroup]) -> None:
+    def __init__(self, tree_id: bytes, rules: ChunkRules, groups: list[ObjectGroup], salt: str = "") -> None:
         self.tree_id = tree_id
+        self.salt = salt  # (the KV events fold it into the chunk ids they publish: tier_events.py)
         self.num_object_groups = len(groups)
         kinds = [{rules.layout.groups[gid].kind for gid in og.groups} for og in groups]
         self.state_object_groups = frozenset(og.index for og, k in zip(groups, kinds, strict=True)
@@ -303,3 +304,16 @@ class TreeRules:
 
     def empty(self, object_group: int, chunk: int) -> bool:
         return self._rules.object_bytes(self._groups[object_group], chunk) == 0
+
+    def event_kind(self, object_group: int) -> tuple[str, int | None] | None:
+        """The object group's hit rule as vLLM's `kv_cache_spec_kind` and window (the most demanding of
+        its members': full, then chunked, then sliding, then state); None: it gates no hit (cross)."""
+        members = [self._rules.layout.groups[gid] for gid in self._groups[object_group].groups]
+        kinds = {g.kind for g in members}
+        if GroupKind.FULL in kinds:
+            return "full_attention", None
+        if GroupKind.CHUNKED in kinds:
+            return "chunked_local_attention", None
+        if GroupKind.SLIDING in kinds:
+            return "sliding_window", max(g.window_tokens for g in members if g.kind is GroupKind.SLIDING)
+        return ("mamba", None) if GroupKind.STATE in kinds else None

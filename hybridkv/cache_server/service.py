@@ -45,6 +45,7 @@ from hybridkv.cache_server.registered_layout import RequestError
 from hybridkv.cache_server.registration import RegistrationSocket
 from hybridkv.cache_server.scheduler import FairScheduler, Steps, Task
 from hybridkv.cache_server.store import KVStore, run_steps
+from hybridkv.cache_server.tier_events import TierEvents
 from hybridkv.cache_server.tiers.base import L2Tier
 from hybridkv.cache_server.tiers.disk import DiskTier
 from hybridkv.cache_server.tiers.valkey import ValkeyTier
@@ -318,13 +319,18 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None =
     secret = configured or secrets.token_hex(32)  # secure by default: a secret of this start, in a 0600 file
     auth = Authenticator(secret)
     check_fits(kv_cache_gib=config.l1_size_gib, weights_bytes=0, name="--l1-size-gib")
-    store = KVStore(config.store_config(), build_tiers(config, configured))
+    kv_events = config.kv_events()
+    events = None if kv_events is None else TierEvents(kv_events, config.chunk_tokens)
+    store = KVStore(config.store_config(), build_tiers(config, configured), events=events)
     control = ControlServer(store, config.host, config.port, config.max_message_bytes, auth=auth)
     secret_file = None if configured else write_secret(control.port, secret)
     http = HTTPServer(store, config.host, config.http_port, auth=auth, allow_remote=not config.is_loopback)
     http.start()
     _install_signals(control)
     line = startup_line(config, control.port, http.port, store.tiers.names)
+    if events is not None:
+        replay = events.publisher.replay_endpoint
+        line += f"; KV events (CPU, DISK) on {events.publisher.endpoint}" + (f", replay {replay}" * bool(replay))
     print(line, flush=True)
     if secret_file is not None:
         print(f"hybridkv server: secret for clients of uid {os.geteuid()} in {secret_file} (read there by KVClient, "
@@ -336,6 +342,8 @@ def run_server(config: ServerConfig, *, on_ready: Callable[[str], None] | None =
     finally:
         http.stop()
         store.close()
+        if events is not None:
+            events.close()
         if secret_file is not None:
             remove_secret(secret_file)
         log.info("hybridkv server stopped")

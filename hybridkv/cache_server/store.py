@@ -31,7 +31,7 @@ from hybridkv.cache_server.l2 import TierSet
 from hybridkv.cache_server.l2_sizing import SizerStats
 from hybridkv.cache_server.leases import Lease, Leases
 from hybridkv.cache_server.metrics import ServerMetrics
-from hybridkv.cache_server.pool import L1Pool
+from hybridkv.cache_server.pool import L1Pool, listeners
 from hybridkv.cache_server.prefix_index import ObjectPlace, PrefixIndex
 from hybridkv.cache_server.registered_layout import (
     ChunkRules,
@@ -43,15 +43,9 @@ from hybridkv.cache_server.registered_layout import (
 from hybridkv.cache_server.results import ClearResult, LookupResult, RetrieveResult, StoreResult
 from hybridkv.cache_server.shm import Bytes
 from hybridkv.cache_server.store_config import ObjectGroupMode, StoreConfig
+from hybridkv.cache_server.tier_events import TierEvents
 from hybridkv.cache_server.tiers.base import L2Tier
-from hybridkv.wire import (
-    Layout,
-    LookupRequest,
-    Refusal,
-    RegistrationAccess,
-    RetrieveRequest,
-    StoreRequest,
-)
+from hybridkv.wire import Layout, LookupRequest, Refusal, RegistrationAccess, RetrieveRequest, StoreRequest
 
 __all__ = ["KVStore", "ObjectGroupMode", "StoreConfig"]  # the last two live in store_config.py
 
@@ -72,16 +66,17 @@ def run_steps(steps: Steps[T]) -> T:
 
 
 class KVStore:
-    def __init__(self, config: StoreConfig, tiers: Sequence[L2Tier] = (), metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, config: StoreConfig, tiers: Sequence[L2Tier] = (), metrics: ServerMetrics | None = None,
+                 *, events: TierEvents | None = None) -> None:
         self.config = config
         self.metrics = metrics or ServerMetrics()
         self.metrics.l1_capacity.set(config.l1_bytes)
-        self.tiers = TierSet(tiers, self.metrics, config.l2_sizing)
+        self.tiers = TierSet(tiers, self.metrics, config.l2_sizing, events)
         index = PrefixIndex()
         self._pool = L1Pool(config.l1_bytes, make_policy(config.eviction_policy, index), index=index,
                             on_evict=lambda _k, _n: self.metrics.evictions.inc(),
                             can_reuse=self._l2_has_everything if len(self.tiers) else None,
-                            listener=self.tiers if self.tiers.sized else None)
+                            listener=listeners(self.tiers if self.tiers.sized else None, events))
         self.metrics.watch_tiers(self.tiers.stats, self._sized_tiers)
         self._engines = EngineRegistry(config.max_registrations)
         self._leases = Leases(self._pool.unlock, self.metrics.lock_expired.inc)

@@ -60,6 +60,11 @@ def server_command(
         "$HYBRIDKV_AUTH_TOKEN, else none)")] = _D.auth_token_file,
     max_registrations: Annotated[int, typer.Option("--max-registrations", help="most engines registered at "
                                                    "once")] = _D.max_registrations,
+    kv_events_config: Annotated[str | None, typer.Option(
+        "--kv-events-config", help="vLLM's KV events JSON ('{\"enable_kv_cache_events\": true, \"publisher\": "
+        "\"zmq\", \"endpoint\": \"tcp://127.0.0.1:5560\"}'): publish the chunks of L1 (medium CPU) and a "
+        "sized disk tier (DISK) for `hybridkv index` (register the stream as type hybridkv-server; "
+        "docs/routing.md)")] = _D.kv_events_config,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning, error")] = _D.log_level,
 ) -> None:
     """Run the KV cache server: every group's pages, memory / disk / Valkey tiers, metrics."""
@@ -76,7 +81,7 @@ def server_command(
             l2_valkey_namespace=l2_valkey_namespace,
             max_message_mib=max_message_mib,
             lock_ttl_s=lock_ttl_s, allow_remote=allow_remote, auth_token_file=auth_token_file,
-            max_registrations=max_registrations, log_level=log_level.lower(),
+            max_registrations=max_registrations, log_level=log_level.lower(), kv_events_config=kv_events_config,
         )
         run_server(config)
     except (HybridKVError, OSError) as e:

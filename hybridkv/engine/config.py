@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import ConfigError
-from hybridkv.index.events import KVEventsConfig
+from hybridkv.kv_events.wire import KVEventsConfig
 from hybridkv.kvcache.options import DEFAULT_PRESET, FIELDS, PRESETS, CacheOptions, options_from
 from hybridkv.plan.planner import DEFAULT_MAX_NUM_BATCHED_TOKENS, memory_gib_to_bytes
 

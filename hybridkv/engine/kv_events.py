@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hybridkv.index.events import KVEventsConfig
-from hybridkv.index.publisher import ZmqPublisher, external_hash, layout_events, wire_events
+from hybridkv.index.publisher import external_hash, layout_events, wire_events
+from hybridkv.kv_events.publisher import ZmqPublisher
+from hybridkv.kv_events.wire import KVEventsConfig
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.request import KVRequest
 

@@ -46,7 +46,7 @@ from hybridkv.engine.state_layers import StateIO
 from hybridkv.engine.tokenizer import Tokenizer, load_tokenizer
 from hybridkv.errors import ConfigError
 from hybridkv.host_memory import check_fits
-from hybridkv.index.events import KVEventsConfig
+from hybridkv.kv_events.wire import KVEventsConfig
 from hybridkv.kvcache.events import KVEvents
 from hybridkv.kvcache.ids import NULL_BLOCK_ID, BlockId, RequestId
 from hybridkv.kvcache.manager import KVCacheManager, MambaCacheMode, ManagerStats, PrefixCaching

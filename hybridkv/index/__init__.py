@@ -3,13 +3,12 @@
 Pure Python (no torch). Routers ask it over the Mooncake Conductor Indexer HTTP API; engines feed
 it vLLM's ZMQ KV event batches (vLLM itself, `hybridkv serve` / `run` with `--kv-events-config`).
 
-    events.py       vLLM 0.32's KV event wire format (msgpack batches) and its `--kv-events-config`
     seq_hash.py     the Conductor's rolling XXH3-64 sequence hashes of token blocks
     native.py       the hash loop and the parse of a query's token ids in C (seq_chain.c)
     rules.py        the joint hit of one instance from the blocks each of its groups holds (the reference)
     probe.py        the same hit from a few table probes (a query's path)
     table.py        the index: contexts (model, cache-salt namespace) -> per block, which groups hold it
-    publisher.py    a ZMQ publisher byte-compatible with vLLM's (PUB + replay ROUTER)
+    publisher.py    the manager's events as vLLM's (the wire format and the ZMQ publisher: kv_events/)
     subscriber.py   one ZMQ subscription per registered publisher: sequence numbers, replay, gaps
     service.py      registrations, ageing, the query answer
     http.py         `hybridkv index`: the HTTP routes (register, unregister, query, query_by_hash)

@@ -38,40 +38,130 @@ void hkv_seq_hashes(xxh3_fn xxh3, const uint32_t *tokens, int64_t num_blocks, in
  * the fault. */
 static int is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
 
-/* The array at s[i] (i at '['): its numbers into out, *count set; the index after its ']', or -1. */
+/* SWAR ("SIMD within a register") over 8 bytes of text loaded little-endian (first byte lowest; this
+ * file runs on little-endian hosts only): b ^ '0' is 0..9 for a digit; + 0x76 sets a byte's top bit
+ * from 10 up (no carry out of a byte: ASCII is below 0x80, and a byte from 0x80 up has its top bit
+ * already). The number of leading digits, 0..8. */
+static int64_t leading_digits(uint64_t x) {
+    uint64_t v = x ^ 0x3030303030303030ull;
+    uint64_t non_digit = ((v + 0x7676767676767676ull) | v) & 0x8080808080808080ull;
+    return non_digit ? __builtin_ctzll(non_digit) >> 3 : 8;
+}
+
+/* The value of the first `digits` (1..7) decimal digits of x: the digits shifted to the top of the
+ * word (the lower bytes zero, i.e. leading zeros), then pairs, quads and the eight combined in place:
+ *   byte k = d_k  ->  byte 2j = 10 d_2j + d_2j+1  ->  16-bit lane 2j = 100 p_2j + p_2j+1  ->  the value */
+static uint64_t digits_value(uint64_t x, int64_t digits) {
+    uint64_t v = ((x ^ 0x3030303030303030ull) << (8 * (8 - digits)));
+    v = (v * 10 + (v >> 8)) & 0x00FF00FF00FF00FFull;
+    v = (v * 100 + (v >> 16)) & 0x0000FFFF0000FFFFull;
+    return (v * 10000 + (v >> 32)) & 0xFFFFFFFFull;
+}
+
+/* A cursor over an array's numbers: text s[i..len), numbers into out[n..cap). */
+typedef struct {
+    const char *s;
+    int64_t i, len;
+    uint32_t *out;
+    int64_t n, cap;
+} cursor;
+
+static int64_t skip_spaces(const char *s, int64_t i, int64_t len) {
+    while (i < len && (unsigned char)s[i] <= ' ' && is_space(s[i])) i++;
+    return i;
+}
+
+/* What follows a number ending at i: past a comma (and the spaces after it): 1; past the closing
+ * ']': 0; anything else: -1. */
+static int after_number(cursor *c, int64_t i) {
+    const char *s = c->s;
+    int64_t len = c->len;
+    i = skip_spaces(s, i, len);
+    if (i < len && s[i] == ',') {
+        c->i = skip_spaces(s, i + 1, len);
+        return 1;
+    }
+    if (i < len && s[i] == ']') {
+        c->i = i + 1;
+        return 0;
+    }
+    return -1;
+}
+
+/* The number at c->i (into out) and what follows it (`after_number`). The common case, 1 to 7
+ * digits then a comma, all from one 8-byte load. */
+__attribute__((always_inline)) static inline int take_number(cursor *c) {
+    const char *s = c->s;
+    int64_t i = c->i, len = c->len;
+    if (c->n >= c->cap) return -1;
+    if (i + 8 <= len) {
+        uint64_t x;
+        memcpy(&x, s + i, 8);
+        int64_t digits = leading_digits(x);
+        if (digits == 0 || (digits > 1 && (x & 0xFF) == '0')) return -1;  /* (no number; a leading zero) */
+        if (digits < 8) {
+            c->out[c->n++] = (uint32_t)digits_value(x, digits);
+            if (((x >> (8 * digits)) & 0xFF) == ',') {
+                c->i = skip_spaces(s, i + digits + 1, len);
+                return 1;
+            }
+            return after_number(c, i + digits);
+        }
+    }
+    if (i >= len || s[i] < '0' || s[i] > '9') return -1;
+    if (s[i] == '0' && i + 1 < len && s[i + 1] >= '0' && s[i + 1] <= '9') return -1;
+    uint64_t v = 0;
+    int64_t start = i;
+    while (i < len && s[i] >= '0' && s[i] <= '9' && i - start < 11) v = v * 10 + (uint64_t)(s[i++] - '0');
+    if (v > 0xFFFFFFFFu || (i < len && s[i] >= '0' && s[i] <= '9')) return -1;
+    c->out[c->n++] = (uint32_t)v;
+    return after_number(c, i);
+}
+
+/* The array at s[i] (i at '['): its numbers into out, *count set; the index after its ']', or -1.
+ *
+ * Each number's end is found from its bytes, and the next number starts there: one dependent chain
+ * of ~15 cycles a number. A long array is read as two chains at once (the CPU overlaps them):
+ *
+ *   [ 12, 345, 6, ... 78, | 9, 1011, ... 12 ]
+ *     a: from the start    ^ b: from after the first comma at or past the middle (`mid`)
+ *
+ * a's result stands on its own; b's counts only when a, read in order, lands exactly on `mid` (the
+ * comma was a separator of this array), so the answer is always that of the one chain in order. b
+ * writes its numbers past the most a can write before `mid` (a number and a comma: 2 bytes at least)
+ * and they are moved down after a's. */
 static int64_t parse_u32s(const char *s, int64_t i, int64_t len, uint32_t *out, int64_t cap, int64_t *count) {
-    int64_t n = 0;
     if (i >= len || s[i++] != '[') return -1;
-    while (i < len && is_space(s[i])) i++;
+    i = skip_spaces(s, i, len);
     if (i < len && s[i] == ']') {
         *count = 0;
         return i + 1;
     }
-    for (;;) {
-        if (i >= len || s[i] < '0' || s[i] > '9' || n >= cap) return -1;
-        if (s[i] == '0' && i + 1 < len && s[i + 1] >= '0' && s[i + 1] <= '9') return -1;
-        uint64_t v = 0;
-        int64_t start = i;
-        while (i < len && s[i] >= '0' && s[i] <= '9' && i - start < 11) v = v * 10 + (uint64_t)(s[i++] - '0');
-        if (v > 0xFFFFFFFFu || (i < len && s[i] >= '0' && s[i] <= '9')) return -1;
-        out[n++] = (uint32_t)v;
-        if (i < len && s[i] == ',') {  /* (the common case first: no space after a number) */
-            i++;
-            while (i < len && is_space(s[i])) i++;
-            continue;
+    cursor a = {s, i, len, out, 0, cap};
+    int ra = 1, rb = -1;
+    const char *comma = len - i > 4096 ? memchr(s + (i + len) / 2, ',', (size_t)(len - (i + len) / 2)) : NULL;
+    int64_t mid = comma ? skip_spaces(s, comma - s + 1, len) : len;
+    int64_t room = (mid - i) / 2 + 1;
+    cursor b = {s, mid, len, out + room, 0, cap - room};
+    if (comma && room < cap) {
+        rb = 1;
+        while (ra == 1 && rb == 1 && a.i < mid) {
+            ra = take_number(&a);
+            rb = take_number(&b);
         }
-        while (i < len && is_space(s[i])) i++;
-        if (i < len && s[i] == ',') {
-            i++;
-            while (i < len && is_space(s[i])) i++;
-            continue;
-        }
-        if (i < len && s[i] == ']') {
-            *count = n;
-            return i + 1;
-        }
-        return -1;
     }
+    while (ra == 1 && a.i < mid) ra = take_number(&a);
+    if (ra == 1 && a.i == mid && rb >= 0) {  /* (b's numbers follow a's) */
+        while (rb == 1) rb = take_number(&b);
+        if (rb < 0) return -1;
+        memmove(out + a.n, out + room, (size_t)b.n * sizeof *out);
+        *count = a.n + b.n;
+        return b.i;
+    }
+    while (ra == 1) ra = take_number(&a);  /* (b, if any, read something else: its numbers are dropped) */
+    if (ra < 0) return -1;
+    *count = a.n;
+    return a.i;
 }
 
 int64_t hkv_parse_u32_range(const char *s, int64_t start, int64_t end, uint32_t *out, int64_t cap) {

@@ -11,6 +11,10 @@ attention-only index reports for the same instance (its full-attention blocks al
 `events_seq` (with a subscriber) is the next sequence number the index expects from the instance's
 publisher (the least over its DP ranks): everything the engine published before it is in the
 answer, so a router that saw a larger number from the engine knows the answer is behind.
+
+A KV cache server registered as type "hybridkv-server" (its tiers' events: cache_server/tier_events.py)
+gets `CPU` / `DISK` (the hit its lookup would find in that tier) and `longest_matched` over both,
+from the prompt's chunk ids (kv_events/chunk_ids.py).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import HybridKVError
-from hybridkv.index.events import EventBatch
 from hybridkv.index.probe import PromptBlocks, instance_hit
 from hybridkv.index.seq_hash import seq_hash_chunks, token_bytes
 from hybridkv.index.subscriber import Subscriber
-from hybridkv.index.table import Namespaces, PrefixTable, Registration, RegKey
+from hybridkv.index.table import SERVER_MEDIA, SERVER_TYPE, Namespaces, PrefixTable, Registration, RegKey, server_group
+from hybridkv.kv_events.chunk_ids import chunk_hash_chain, chunk_id, chunk_key
+from hybridkv.kv_events.wire import EventBatch
 
 __all__ = ["IndexFullError", "IndexService", "Query"]
 
@@ -120,11 +125,15 @@ class IndexService:
             if self.subscriber is not None:
                 seq = self.subscriber.next_seq(reg.key)
                 entry["events_seq"] = min(entry.get("events_seq", seq), seq)
+        servers = [r for r in regs if r.kind == SERVER_TYPE]
+        regs = [r for r in regs if r.kind != SERVER_TYPE]
+        max_tokens = self._max_tokens(q)
+        if servers:
+            self._answer_servers(answer, q, servers, max_tokens)
         cid = table.context_id(q.model, q.lora_name, table.namespaces.of(q.cache_salt))
         if cid is None or not regs:
             return answer
         blocks = self._blocks(cid, q, regs)
-        max_tokens = self._max_tokens(q)
         for reg in regs:
             groups = [(rule, 1 << reg.slots[g] if g in reg.slots else 0) for g, rule in sorted(reg.groups.items())]
             joint, attention = instance_hit(groups, blocks, max_tokens)
@@ -135,6 +144,37 @@ class IndexService:
             entry["longest_matched"] = max(entry["longest_matched"], joint)
             entry["attention_matched"] = max(entry["attention_matched"], attention)
         return answer
+
+    def _answer_servers(self, answer: dict[str, dict[str, Any]], q: Query, servers: Sequence[Registration],
+                        max_tokens: int) -> None:
+        """KV cache servers: the hit of each tier (`CPU`, `DISK`) and `longest_matched` over all of them
+        (the server's lookup takes a chunk from whichever tier holds it), from the prompt's chunk ids
+        (kv_events/chunk_ids.py, the query's salt folded in). `/query_by_hash` gets none: the ids need
+        the token ids."""
+        cid = self.table.context_id(q.model, q.lora_name, b"")
+        data = q.token_data if q.token_data is not None else (
+            token_bytes(q.token_ids) if q.token_ids is not None else None)
+        if cid is None or data is None:
+            return
+        get = self.table.masks_get(cid)
+        memo: dict[int, PromptBlocks] = {}
+        for reg in servers:
+            for size in {rule.block_size for rule in reg.groups.values()} - memo.keys():
+                memo[size] = PromptBlocks([chunk_key(chunk_id(h, q.cache_salt)) for h in chunk_hash_chain(data, size)],
+                                          get)
+            entry = answer[reg.key[1]]
+            rules = {g & 0xFFFF: rule for g, rule in sorted(reg.groups.items())}
+            bits = {g: 1 << slot for g, slot in reg.slots.items()}
+            for medium in SERVER_MEDIA:
+                groups = [(rule, bits.get(server_group(medium, og), 0)) for og, rule in rules.items()]
+                if any(bit for _, bit in groups):
+                    entry[medium] = max(entry.get(medium, 0), instance_hit(groups, memo, max_tokens)[0])
+            union = [(rule, sum(bits.get(server_group(medium, og), 0) for medium in SERVER_MEDIA))
+                     for og, rule in rules.items()]
+            joint, attention = instance_hit(union, memo, max_tokens)
+            entry["DP"][str(reg.key[2])] = max(joint, entry["DP"].get(str(reg.key[2]), 0))
+            entry["longest_matched"] = max(entry["longest_matched"], joint)
+            entry["attention_matched"] = max(entry["attention_matched"], attention)
 
     def _blocks(self, cid: int, q: Query, regs: Sequence[Registration]) -> dict[int, PromptBlocks]:
         """Per block size the registrations' groups use: the prompt's blocks, probed on demand."""

@@ -33,8 +33,8 @@ from typing import Any
 import xxhash
 import zmq
 
-from hybridkv.index.events import END_SEQ, EventBatch, WireError, decode_batch
 from hybridkv.index.table import RegKey
+from hybridkv.kv_events.wire import END_SEQ, EventBatch, WireError, decode_batch
 
 __all__ = ["StreamCounts", "Subscriber"]
 

@@ -23,15 +23,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from hybridkv.index.rules import GroupRule, RuleKind, rule_kind
 from hybridkv.index.seq_hash import iter_seq_hashes, token_bytes
+from hybridkv.kv_events.chunk_ids import chunk_key
+from hybridkv.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["IngestCounts", "Namespaces", "PrefixTable", "RegKey", "Registration", "group_rule"]
+__all__ = ["SERVER_MEDIA", "SERVER_TYPE", "IngestCounts", "Namespaces", "PrefixTable", "RegKey", "Registration",
+           "group_rule", "server_group"]
 
 _SEQ_BITS = 64
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 RegKey = tuple[str, str, int]  # (tenant, instance id, dp rank)
+SERVER_TYPE = "hybridkv-server"  # a KV cache server's tiers (cache_server/tier_events.py): chunk ids, no tokens
+SERVER_MEDIA = ("CPU", "DISK")  # a server registration's group key: medium index << 16 | object group
 
 
 def group_rule(spec_kind: str | None, block_size: int, window_tokens: int | None) -> GroupRule:
@@ -40,6 +44,12 @@ def group_rule(spec_kind: str | None, block_size: int, window_tokens: int | None
     if kind is RuleKind.SLIDING and not window_tokens:
         kind = RuleKind.NEVER
     return GroupRule(kind=kind, block_size=max(1, block_size), window_tokens=window_tokens or 0)
+
+
+def server_group(medium: str | None, object_group: int) -> int:
+    """A server registration's group key for an object group of one medium (tier)."""
+    medium = (medium or "CPU").upper()
+    return (SERVER_MEDIA.index(medium) if medium in SERVER_MEDIA else 0) << 16 | object_group
 
 
 class Namespaces:
@@ -209,6 +219,8 @@ class PrefixTable:
         hashes a position alike in every group), so a sparse event waits for the rest of its batch;
         what is still unknown then is taken as the range's last blocks (where a window's tail and
         the checkpoint at a computed chunk's end are)."""
+        if reg.kind == SERVER_TYPE:
+            return self._store_chunks(reg, event)
         num = len(event.block_hashes)
         group_idx = event.group_idx or 0
         if group_idx not in reg.groups:
@@ -243,6 +255,20 @@ class PrefixTable:
         seqs = list(iter_seq_hashes(token_bytes(event.token_ids), event.block_size, seq))[span - num:]
         return self._mark(reg, group_idx, [(h, high | s) for h, s in zip(event.block_hashes, seqs, strict=True)])
 
+    def _store_chunks(self, reg: Registration, event: BlockStored) -> bool:
+        """A KV cache server's objects: each hash a chunk id (kv_events/chunk_ids.py), placed by itself
+        (the salt is folded into the id: one namespace), in the group of its object group and medium."""
+        group = server_group(event.medium, event.group_idx or 0)
+        if group not in reg.groups:
+            reg.groups[group] = group_rule(event.kv_cache_spec_kind, event.block_size,
+                                           event.kv_cache_spec_sliding_window)
+        ids = [h for h in event.block_hashes if isinstance(h, bytes) and len(h) >= 8]
+        self.counts.unplaced_blocks += len(event.block_hashes) - len(ids)
+        if not ids:
+            return True
+        high = self._context(reg.model, event.lora_name or reg.lora_name, b"") << _SEQ_BITS
+        return self._mark(reg, group, [(h, high | chunk_key(h)) for h in ids])
+
     def _mark(self, reg: Registration, group_idx: int, placed: list[tuple[Any, int]]) -> bool:
         """Set the group's bit on each (engine hash, packed context and block key)."""
         num = len(placed)
@@ -270,7 +296,8 @@ class PrefixTable:
         return True
 
     def _remove(self, reg: Registration, event: BlockRemoved) -> None:
-        slot = reg.slots.get(event.group_idx or 0)
+        group = server_group(event.medium, event.group_idx or 0) if reg.kind == SERVER_TYPE else event.group_idx or 0
+        slot = reg.slots.get(group)
         if slot is None:
             self.counts.unknown_removals += len(event.block_hashes)
             return
@@ -289,12 +316,12 @@ class PrefixTable:
             if not mask & bit:
                 self.counts.unknown_removals += 1
                 continue
-            copies = reg.copies.get((event.group_idx or 0, engine_hash))
+            copies = reg.copies.get((group, engine_hash))
             if copies:  # (another copy of the block stays cached)
                 if copies == 1:
-                    del reg.copies[(event.group_idx or 0, engine_hash)]
+                    del reg.copies[(group, engine_hash)]
                 else:
-                    reg.copies[(event.group_idx or 0, engine_hash)] = copies - 1
+                    reg.copies[(group, engine_hash)] = copies - 1
                 continue
             mask &= ~bit
             if mask:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridkv.index.publisher import ZmqPublisher
+from hybridkv.kv_events.publisher import ZmqPublisher
 
 __all__ = ["EVENTS_SEQ_HEADER", "EventsSeqHeader"]
 

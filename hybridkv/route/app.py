@@ -16,20 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hybridkv.route.picker import Engine, Policy, rank
-from hybridkv.route.upstream import UpstreamError, call, call_with_headers, open_stream
+from hybridkv.route.upstream import ConnectionPool, UpstreamError
 
 __all__ = ["RouteConfig", "index_behind", "make_app"]
 
@@ -56,7 +56,14 @@ class RouteConfig:
     index_errors: int = 0
     stale_answers: int = 0  # queries answered from an index still behind after sync_wait_s
     no_engine: int = 0
+    pool: ConnectionPool = field(default_factory=ConnectionPool)  # kept-alive connections to engines and index
     _polling: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+def _decode(raw: bytes) -> Any:
+    """JSON text as Python values (msgspec: a 32k-token prompt in ~0.3 ms, json.loads takes ~2 ms);
+    ValueError (msgspec.DecodeError) when it is not JSON."""
+    return msgspec.json.decode(raw)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -91,11 +98,11 @@ def _prompt_tokens(cfg: RouteConfig, body: dict[str, Any], chat: bool) -> list[i
     now = time.monotonic()
     for engine in sorted((e for e in cfg.engines if e.up(now)), key=lambda e: e.load):
         try:
-            status, raw = call(engine.url, "/tokenize", ask, timeout_s=10.0)
+            status, raw, _ = cfg.pool.call(engine.url, "/tokenize", ask, timeout_s=10.0)
         except UpstreamError:
             continue
         if status == 200:
-            tokens = json.loads(raw).get("tokens")
+            tokens = _decode(raw).get("tokens")
             return tokens if isinstance(tokens, list) else None
         return None
     return None
@@ -112,8 +119,8 @@ def _hits(cfg: RouteConfig, body: dict[str, Any], tokens: list[int] | None) -> d
     deadline = time.monotonic() + cfg.sync_wait_s
     while True:
         try:
-            status, raw = call(cfg.index_url, "/query", query, timeout_s=2.0, headers=headers)
-            answer = json.loads(raw) if status == 200 else {}
+            status, raw, _ = cfg.pool.call(cfg.index_url, "/query", query, timeout_s=2.0, headers=headers)
+            answer = _decode(raw) if status == 200 else {}
         except (UpstreamError, ValueError):
             answer = {}
         if not answer:
@@ -142,7 +149,7 @@ def index_behind(cfg: RouteConfig, entries: dict[str, Any]) -> bool:
 def _record_usage(engine: Engine, raw: bytes, predicted: int | None) -> None:
     """Tally the response's prompt and cached tokens (and whether the index predicted them)."""
     with contextlib.suppress(ValueError, AttributeError, TypeError):
-        usage = json.loads(raw).get("usage") or {}
+        usage = _decode(raw).get("usage") or {}
         engine.prompt_tokens += int(usage.get("prompt_tokens", 0))
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         engine.cached_tokens += cached
@@ -165,10 +172,10 @@ async def _forward(cfg: RouteConfig, path: str, raw: bytes, body: dict[str, Any]
         engine.in_flight += 1
         try:
             if stream:
-                status, kind, chunks = await asyncio.to_thread(open_stream, engine.url, path, raw,
+                status, kind, chunks = await asyncio.to_thread(cfg.pool.open_stream, engine.url, path, raw,
                                                                timeout_s=cfg.timeout_s)
             else:
-                status, answer, answer_headers = await asyncio.to_thread(call_with_headers, engine.url, path, raw,
+                status, answer, answer_headers = await asyncio.to_thread(cfg.pool.call, engine.url, path, raw,
                                                                          timeout_s=cfg.timeout_s)
                 _note_events_seq(engine, answer_headers)
         except UpstreamError as e:
@@ -218,7 +225,7 @@ async def _poll(cfg: RouteConfig) -> None:
     while True:
         for engine in cfg.engines:
             try:
-                status, raw = await asyncio.to_thread(call, engine.url, "/metrics", None, timeout_s=2.0)
+                status, raw, _ = await asyncio.to_thread(cfg.pool.call, engine.url, "/metrics", None, timeout_s=2.0)
             except UpstreamError:
                 engine.down_until = time.monotonic() + cfg.down_for_s
                 continue
@@ -246,16 +253,19 @@ def make_app(cfg: RouteConfig) -> Starlette:
             yield
         finally:
             cfg._polling.cancel()
+            cfg.pool.close()
 
     def openai_route(path: str, chat: bool) -> Any:
         async def handler(request: Request) -> Response:
-            raw = b""
+            chunks, size = [], 0
             async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > MAX_BODY_BYTES:
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
                     return _error(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes")
+            raw = b"".join(chunks)
             try:
-                body = json.loads(raw)
+                body = _decode(raw)
             except ValueError as e:
                 return _error(400, f"the body is not JSON: {e}")
             if not isinstance(body, dict):
@@ -266,7 +276,8 @@ def make_app(cfg: RouteConfig) -> Starlette:
     async def models(_: Request) -> Response:
         for engine in cfg.engines:
             try:
-                status, raw = await asyncio.to_thread(call, engine.url, "/v1/models", None, timeout_s=5.0)
+                status, raw, _headers = await asyncio.to_thread(cfg.pool.call, engine.url, "/v1/models", None,
+                                                                timeout_s=5.0)
             except UpstreamError:
                 continue
             return Response(raw, status_code=status, media_type="application/json")

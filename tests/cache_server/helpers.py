@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from hybridkv.cache_server.auth import Authenticator
 from hybridkv.cache_server.http import HTTPServer
+from hybridkv.cache_server.pool import PoolListener
 from hybridkv.cache_server.registered_layout import buffer_strides, layer_pages
 from hybridkv.cache_server.service import ControlServer
 from hybridkv.cache_server.store import KVStore, StoreConfig
@@ -99,10 +100,11 @@ class RunningServer(ServerEndpoints):
 
 @contextlib.contextmanager
 def running_server(config: StoreConfig | None = None, tiers: Sequence[L2Tier] = (), *,
-                   max_message_bytes: int = 1 << 20, auth_token: str = "") -> Iterator[RunningServer]:
+                   max_message_bytes: int = 1 << 20, auth_token: str = "",
+                   events: PoolListener | None = None) -> Iterator[RunningServer]:
     """The control loop and HTTP thread of a real server, on free 127.0.0.1 ports, stopped after
-    (`auth_token`: its shared secret; its `client()` and `http()` send it)."""
-    store = KVStore(config or StoreConfig(chunk_tokens=8, l1_bytes=1 << 24), tiers)
+    (`auth_token`: its shared secret; its `client()` and `http()` send it; `events`: its KV events)."""
+    store = KVStore(config or StoreConfig(chunk_tokens=8, l1_bytes=1 << 24), tiers, events=events)
     auth = Authenticator(auth_token)
     control = ControlServer(store, "127.0.0.1", 0, max_message_bytes, auth=auth)
     http = HTTPServer(store, "127.0.0.1", 0, auth=auth)

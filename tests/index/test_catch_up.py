@@ -10,9 +10,9 @@ from typing import Any
 
 import zmq
 
-from hybridkv.index.events import END_SEQ, EventBatch, encode_batch
 from hybridkv.index.subscriber import Subscriber
 from hybridkv.index.table import RegKey
+from hybridkv.kv_events.wire import END_SEQ, EventBatch, encode_batch
 from tests.index.test_index_service import stored, wait_for
 
 KEY: RegKey = ("default", "e0", 0)

@@ -9,7 +9,8 @@ import pytest
 
 from hybridkv.engine.config import EngineConfig
 from hybridkv.errors import ConfigError
-from hybridkv.index.events import (
+from hybridkv.index.seq_hash import SEED, seq_hashes
+from hybridkv.kv_events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -19,7 +20,6 @@ from hybridkv.index.events import (
     decode_batch,
     encode_batch,
 )
-from hybridkv.index.seq_hash import SEED, seq_hashes
 
 
 def test_a_batch_encodes_as_vllms_tagged_maps() -> None:

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import zmq
 
-from hybridkv.index.events import END_SEQ, BlockRemoved, BlockStored, EventBatch, KVEventsConfig, encode_batch
 from hybridkv.index.http import AppServer, make_app
-from hybridkv.index.publisher import ZmqPublisher
 from hybridkv.index.seq_hash import seq_hashes
-from hybridkv.index.service import IndexService
+from hybridkv.index.service import IndexService, Query
+from hybridkv.kv_events.publisher import ZmqPublisher
+from hybridkv.kv_events.wire import END_SEQ, BlockRemoved, BlockStored, EventBatch, KVEventsConfig, encode_batch
 
 TOKEN = "t" * 32
 BS = 4
@@ -299,6 +299,37 @@ def test_bodies_over_the_limit_are_refused() -> None:
     try:
         status, reply = post(server.url + "/query", {"model": "m", "token_ids": list(range(1000))}, token=None)
         assert status == 413 and "limit" in reply["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_a_chunked_body_over_the_limit_a_get_and_a_bug_get_one_line_errors(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The POST routes' own ASGI path (http.py `_PostRoutes`): a body without Content-Length stopped
+    at the limit, a GET of a POST route, an exception in the service: each one JSON line."""
+    import http.client
+
+    class Broken(IndexService):
+        def query(self, q: Query) -> dict[str, dict[str, dict[str, Any]]]:
+            raise RuntimeError("a bug")
+
+    service = Broken(subscribe=False)
+    server = AppServer(make_app(service, max_body_bytes=1000))
+    server.start()
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
+        conn.request("POST", "/query", body=iter([b'{"model": "m", "token_ids": [' + b"1, " * 400, b"1]}"]),
+                     encode_chunked=True, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 413 and b"over the limit of 1000 bytes" in resp.read()
+        conn.request("GET", "/query")
+        resp = conn.getresponse()
+        assert resp.status == 404 and b"expected POST /register" in resp.read()
+        conn.close()
+        with caplog.at_level("ERROR"):
+            status, reply = post(server.url + "/query", {"model": "m", "token_ids": [1, 2]}, token=None)
+        assert status == 500 and reply["error"]["message"] == "internal error: RuntimeError"
+        assert "a bug" in caplog.text  # (the traceback goes to the log, not to the client)
     finally:
         server.stop()
 

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from hybridkv.index.events import EventBatch, decode_batch, encode_batch
 from hybridkv.index.publisher import layout_events, wire_events
 from hybridkv.index.service import IndexService, Query
 from hybridkv.index.table import Registration
+from hybridkv.kv_events.wire import EventBatch, decode_batch, encode_batch
 from hybridkv.kvcache.block_pool import KVEvents
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import CacheOptions

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.index.native import native_split_array, native_u32_array
 from hybridkv.index.probe import PromptBlocks, instance_hit
@@ -85,6 +87,45 @@ def test_native_parse_equals_json() -> None:
         if data is None:
             pytest.skip("no C compiler: the index decodes token ids with msgspec")
         assert np.frombuffer(data, dtype="<u4").tolist() == json.loads(text)
+
+
+_SEPARATORS = [",", ", ", " ,", ",\n  ", " , ", ",\t"]
+
+
+@st.composite
+def _arrays(draw: st.DrawFn) -> tuple[str, list[int] | None]:
+    """A JSON array of u32s as clients write it (any separators, numbers of 1 to 10 digits, often long
+    enough for the two-chain read), perhaps with one character replaced, inserted or dropped; and
+    the ids it holds when it still is such an array (json's reading), else None."""
+    digits = draw(st.integers(1, 10))
+    size = draw(st.sampled_from([0, 1, 2, 9, 1500, 3000]))  # (over ~4 KB of text: two chains)
+    ids = draw(st.lists(st.integers(0, min(10**digits - 1, 0xFFFFFFFF)), min_size=size, max_size=size))
+    sep = draw(st.sampled_from(_SEPARATORS))
+    text = "[" + sep.join(map(str, ids)) + "]"
+    edit = draw(st.sampled_from(["none", "replace", "insert", "drop"]))
+    if edit != "none" and len(text) > 2:
+        at = draw(st.integers(1, len(text) - 2))
+        char = draw(st.sampled_from(list("0123456789, ]-.e[x")))
+        text = {"replace": text[:at] + char + text[at + 1:], "insert": text[:at] + char + text[at:],
+                "drop": text[:at] + text[at + 1:]}[edit]
+    try:
+        want = json.loads(text)
+    except json.JSONDecodeError:
+        return text, None
+    ok = isinstance(want, list) and all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in want)
+    return text, want if ok else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(_arrays())
+def test_native_parse_equals_json_on_any_array(case: tuple[str, list[int] | None]) -> None:
+    text, want = case
+    data = native_u32_array(text.encode())
+    if data is None:  # (refused, then read by the decoder: only what json rejects or reads as other than u32s,
+        # and -0, which json reads as 0)
+        assert want is None or "-0" in text, text
+        return
+    assert want is not None and np.frombuffer(data, dtype="<u4").tolist() == want
 
 
 @pytest.mark.parametrize("text", ["[-1]", "[1.0]", "[1e3]", "[01]", "[4294967296]", "[1,]", "[1 2]", "[1", "[1]x",

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridkv.cli import app
-from hybridkv.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from hybridkv.index.service import IndexService, Query
 from hybridkv.index.table import Registration
+from hybridkv.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from tests.index.test_index_service import LossyPublisher, wait_for
 
 KEY = ("default", "e0", 0)

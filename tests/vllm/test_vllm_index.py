@@ -81,7 +81,7 @@ def test_vllms_own_batches_decode() -> None:
     from vllm.distributed.kv_events import BlockStored as VBlockStored
     from vllm.distributed.kv_events import KVEventBatch
 
-    from hybridkv.index.events import BlockRemoved, BlockStored, decode_batch
+    from hybridkv.kv_events.wire import BlockRemoved, BlockStored, decode_batch
 
     batch = KVEventBatch(ts=2.5, events=[
         VBlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
