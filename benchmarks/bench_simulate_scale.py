@@ -11,7 +11,7 @@ Gemma-3-27B), both presets and each budget:
 
     8GiB / 64GiB   KV memory (64 GiB: one GPU's)
     10Mblocks      the memory that holds 10,000,000 blocks at the preset's layout (the multi-page
-                   layout's 16-token pages: 2.4 TB on Nemotron-H; vLLM's one-page blocks: far more)
+                   layout's 64-token pages: 10 TB on Nemotron-H; vLLM's one-page blocks: far more)
 
 Prints one line per run (hit tokens, blocks, wall seconds, the process's peak RSS from `wait4`,
 and `error=<its one-line message>` where it failed or `timeout`), then last:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import transformers
 
 from hybridkv.cache_server.store import StoreConfig
 from hybridkv.engine.llm import LLM
@@ -21,7 +23,7 @@ from hybridkv.engine.sampler import EosMode, SamplingParams
 from hybridkv.kvcache.manager import PrefixCaching
 from hybridkv.plan.planner import StateLayout
 from tests.cache_server.helpers import running_server
-from tests.engine.conftest import hf_greedy, prompts
+from tests.engine.conftest import COMMON, GATED_DELTANET, hf_greedy, prompts
 from tests.engine.mamba_fixtures import mamba_dir, mamba_hf  # noqa: F401 (fixtures)
 from tests.engine.test_kv_connector import retrieved
 
@@ -92,3 +94,23 @@ def test_kv_server_restores_multi_page_states(kind: str, running: str, model_dir
     assert sorted(got) == sorted(names) and all(v > 0 for v in got.values()), got
     assert all(o.metrics.external_hit_tokens > 0 and o.metrics.prefix_hit_tokens == 0 for o in second)
     assert [o.token_ids for o in second] == [o.token_ids for o in first] == [o.token_ids for o in one]
+
+
+@pytest.mark.slow
+def test_a_state_over_32_pages_doubles_the_block(tmp_path: Path, hf_model: Callable[[Path], Any]) -> None:
+    """Gated DeltaNet heads big enough that a state spans more than `MAX_STATE_PAGES` = 32 pages of 4 tokens.
+    By hand (float32): conv 3 x (2 x 2 x 32 + 8 x 32) x 4 = 4,608 B, recurrent 8 x 32 x 32 x 4 = 32,768 B;
+    attention 2 x 2 x 16 x 4 = 256 B a token: 4-token pages make 37 pages, 8-token pages 19. The engine
+    gathers the 19 pages and gives transformers' tokens; the shared prefix hits at 40 (a chunk end, 8 | 40)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(**{**COMMON, **GATED_DELTANET, "linear_num_value_heads": 8,
+                                               "linear_key_head_dim": 32, "linear_value_head_dim": 32},
+                                            architectures=["Qwen3_5ForCausalLM"])
+    transformers.Qwen3_5ForCausalLM(config).float().eval().save_pretrained(tmp_path)
+    first, tail = prompts([70, 13], seed=7)
+    second = first[:44] + tail
+    llm, (a, b) = _run(tmp_path, StateLayout.MULTI_PAGE, [first, second], kv_cache_memory_gib=0.05)
+    assert (llm.plan.config.attention_block_size, llm.plan.config.pages_per_state) == (8, 19)
+    assert b.metrics.prefix_hit_tokens == 40
+    hf = hf_model(tmp_path)
+    assert [a.token_ids, b.token_ids] == [hf_greedy(hf, p, 8)[0] for p in (first, second)]
