@@ -18,6 +18,7 @@ import typer
 from hybridkv.cli.cache_flags import with_cache_options
 from hybridkv.cli.errors import flags_of, usage_error
 from hybridkv.cli.plan_report import PlanRequest
+from hybridkv.cli.sim_progress import RunBars, Update, run_bars
 from hybridkv.cli.tables import stdout_console
 from hybridkv.errors import CapacityError, ConfigError, HybridKVError
 from hybridkv.kvcache.options import PRESETS, CacheOptions
@@ -56,6 +57,9 @@ def simulate_command(
     json_output: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     plot: Annotated[Path | None, typer.Option(
         "--plot", help="write hit rate vs memory per preset, and this run's setting (PNG, SVG, PDF)")] = None,
+    progress: Annotated[bool | None, typer.Option(
+        "--progress/--no-progress", help="requests finished, on stderr [default: where stderr is a terminal]",
+        show_default=False)] = None,
     *,
     cache: CacheOptions,
 ) -> None:
@@ -78,13 +82,15 @@ def simulate_command(
         spec, plan = make_plan(request)
         options = SimOptions(max_model_len=plan.options.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                              max_num_seqs=max_num_seqs, step_ms=step_ms, ms_per_token=ms_per_token, cache=cache)
-        report = _simulate_or_explain(requests, plan.config, options)
+        with run_bars(progress) as bars:
+            report = _simulate_or_explain(requests, plan.config, options, bars.bar(f"{memory_gib:g} GiB"))
+            scales = PLOT_SCALES if plot else ()
+            curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options, bars)) for s in scales]
+            curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s,
+                                                          dataclasses.replace(options, cache=setting), bars, label))
+                              for s in scales]
+                      for label, setting in _plot_settings(cache).items()} if plot else {}
         cuts = length_cuts(requests, options.max_model_len)
-        scales = PLOT_SCALES if plot else ()
-        curve = [(memory_gib * s, _at_budget(requests, request, memory_gib * s, options)) for s in scales]
-        curves = {label: [(memory_gib * s, _at_budget(requests, request, memory_gib * s,
-                                                      dataclasses.replace(options, cache=setting))) for s in scales]
-                  for label, setting in _plot_settings(cache).items()} if plot else {}
     except HybridKVError as exc:
         raise usage_error(str(exc), SIM_FLAGS) from None
     if cuts.message() is not None:  # never silently: a cut prompt or output changes every number below
@@ -104,10 +110,11 @@ def simulate_command(
         write_memory_plot(curves, plot, model=spec.name)
 
 
-def _simulate_or_explain(requests: list[TraceRequest], config: KVCacheConfig, options: SimOptions) -> SimReport:
+def _simulate_or_explain(requests: list[TraceRequest], config: KVCacheConfig, options: SimOptions,
+                         progress: Update | None = None) -> SimReport:
     """`simulate`, or a one-line CapacityError when this machine's memory cannot hold the pool's state."""
     try:
-        return simulate(requests, config, options)
+        return simulate(requests, config, options, progress=progress)
     except MemoryError:
         raise CapacityError(
             f"a pool of {config.num_blocks} blocks x {len(config.groups)} KV cache groups cannot be simulated in "
@@ -116,7 +123,7 @@ def _simulate_or_explain(requests: list[TraceRequest], config: KVCacheConfig, op
 
 
 def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: float,
-               options: SimOptions) -> SimReport | None:
+               options: SimOptions, bars: RunBars, label: str = "this run") -> SimReport | None:
     """The simulation at another memory budget; None where one request alone does not fit."""
     from hybridkv.cli.plan_report import make_plan
 
@@ -124,7 +131,8 @@ def _at_budget(requests: list[TraceRequest], request: PlanRequest, memory_gib: f
     planned = dataclasses.replace(request, memory_gib=memory_gib, mamba_cache_mode=cache.mamba_cache_mode,
                                   state_layout=cache.state_layout, running_state=cache.running_state)
     try:
-        return _simulate_or_explain(requests, make_plan(planned)[1].config, options)
+        return _simulate_or_explain(requests, make_plan(planned)[1].config, options,
+                                    bars.bar(f"{label} at {memory_gib:g} GiB"))
     except (CapacityError, ConfigError):
         return None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.errors import CapacityError, ConfigError
@@ -36,6 +36,7 @@ from hybridkv.simulate.ideal import IdealCache
 from hybridkv.simulate.trace import TraceRequest
 
 OUTPUT_TOKEN_BASE = 1 << 40  # synthetic generated tokens: above any prompt token id
+PROGRESS_EVERY = 64  # steps between two calls of `simulate`'s progress callback
 
 
 @dataclass(slots=True, kw_only=True)
@@ -241,9 +242,11 @@ class _Run:
 
 
 def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimOptions, *,
-             concurrency_every: int = 1, manager: KVCacheManager | None = None) -> SimReport:
+             concurrency_every: int = 1, manager: KVCacheManager | None = None,
+             progress: Callable[[int, int], None] | None = None) -> SimReport:
     """Run `trace` through the scheduler and a fresh manager over `config` (or `manager`, built for
-    `config`: e.g. another engine's manager behind the same verbs); see the module docstring."""
+    `config`: e.g. another engine's manager behind the same verbs); see the module docstring.
+    `progress(finished, total)` is called every `PROGRESS_EVERY` steps and at the end."""
     if not trace:
         raise ConfigError("the trace holds no requests")
     for index, item in enumerate(trace):
@@ -282,7 +285,11 @@ def simulate(trace: Sequence[TraceRequest], config: KVCacheConfig, options: SimO
         max_running = max(max_running, running)
         if steps % concurrency_every == 0:
             samples.append((run.clock_ms, running, len(run.scheduler.waiting)))
+        if progress is not None and steps % PROGRESS_EVERY == 0:
+            progress(len(run.done), len(trace))
         run.clock_ms += options.step_ms + options.ms_per_token * run.step_tokens
+    if progress is not None:
+        progress(len(run.done), len(trace))
     stats = manager.stats()
     policies = getattr(manager, "policies", None)  # (a stand-in manager, e.g. vLLM's own, has no policies)
     online = policies.stats().online if policies is not None else None

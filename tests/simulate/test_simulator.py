@@ -260,3 +260,30 @@ def test_a_preempted_request_waits_again_until_it_runs_again() -> None:
     report = simulate(trace, make_config(num_blocks=5), options)
     assert report.preemptions == 1
     assert (report.mean_wait_ms, report.p95_wait_ms) == (570 / 2, 570)
+
+
+def test_progress_counts_finished_requests_up_to_the_trace() -> None:
+    """The callback sees (finished, 60) never decreasing, and (60, 60) last; the report is the same without it."""
+    config, options = make_config(num_blocks=2048), SimOptions(max_model_len=8192)
+    trace = generate(Generator.CHAT, GeneratorOptions(num_requests=60, seed=3))
+    calls: list[tuple[int, int]] = []
+    with_progress = simulate(trace, config, options, progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1] == (60, 60) and len(calls) > 2
+    assert all(total == 60 for _, total in calls)
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    without = simulate(trace, config, options)
+    assert (with_progress.request_hits, with_progress.steps) == (without.request_hits, without.steps)
+
+
+def test_cli_progress_goes_to_stderr_and_json_stays_whole() -> None:
+    """`--progress` where stderr is no terminal: a line per tenth of the trace on stderr, stdout one JSON document."""
+    args = [sys.executable, "-m", "hybridkv", "simulate", "qwen3.5-0.8b", "--generate", "chat", "--num-requests", "40",
+            "--memory-gib", "0.4", "--json"]
+    shown = subprocess.run([*args, "--progress"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["requests"] == 40
+    lines = [line for line in shown.stderr.splitlines() if "requests finished" in line]
+    assert lines[-1].startswith("simulate 0.4 GiB: 40/40 requests finished") and len(lines) >= 5, shown.stderr
+    quiet = subprocess.run(args, capture_output=True, text=True, timeout=120)  # (not a terminal: off by default)
+    assert "requests finished" not in quiet.stderr and json.loads(quiet.stdout) == json.loads(shown.stdout) | {
+        "wall_s": json.loads(quiet.stdout)["wall_s"]}
