@@ -45,6 +45,7 @@ from bench_hits import (  # noqa: E402
 )
 from bench_simulate_scale import SCALE_SHAPE, write_trace  # noqa: E402
 
+from hybridkv.plan.kv_cache_config import KVCacheConfig  # noqa: E402
 from hybridkv.simulate.simulator import simulate  # noqa: E402
 
 BUDGETS = ("25%", "100%", "64GiB")
@@ -66,13 +67,13 @@ def run(job: dict[str, Any]) -> tuple[Any, int, float]:
     return report, config.num_blocks, time.process_time() - started
 
 
-def cell(layout: str, budget: str, trace: Path, distinct: int) -> tuple[int, int]:
-    """Prints the runs of one layout x budget; returns (our hits, vLLM's best hits)."""
+def cell(layout: str, budget: str, trace: Path, config: KVCacheConfig, distinct: int) -> tuple[int, int]:
+    """Prints the runs of one layout x budget (`config`: the layout at vLLM's defaults, `distinct` the trace's
+    distinct tokens); returns (our hits, vLLM's best hits)."""
     base = base_job(layout, trace)
     if budget.endswith("GiB"):
         pool: dict[str, Any] = {"memory_gib": float(budget[: -len("GiB")])}
     else:
-        config, _, _ = materialize(base)
         pool = {"pool_bytes": budget_blocks(config, distinct, float(budget[:-1]) / 100) * bytes_per_block(config)}
     hits: list[int] = []
     for name, setting in [("ours", OURS), *((setting_name(s), s) for s in VLLM_SETTINGS[layout])]:
@@ -99,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             write_trace(trace, num_requests=args.num_requests, seed=args.seed, shape=SCALE_SHAPE)
         cells: list[tuple[float, str, str]] = []
         for layout in args.layouts.split(","):
-            distinct = simulate(*_plain(layout, trace)).distinct_tokens
+            config, requests, options = materialize(base_job(layout, trace))
+            distinct = simulate(requests, config, options).distinct_tokens
             for budget in args.budgets.split(","):
-                ours, best = cell(layout, budget, trace, distinct)
+                ours, best = cell(layout, budget, trace, config, distinct)
                 ratio = (ours + 1) / (best + 1)  # (+1: a cell where neither side hits is even)
                 cells.append((ratio, layout, budget))
                 print(f"CELL layout={layout} budget={budget} seed={args.seed} ours={ours} vllm_best={best} "
@@ -109,12 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     worst = min(cells)
     print(f"min_cell_vs_vllm={worst[0]:.3f} layout={worst[1]} budget={worst[2]} cells={len(cells)} seed={args.seed}")
     return 0
-
-
-def _plain(layout: str, trace: Path) -> tuple[Any, Any, Any]:
-    """(trace, config, options) of the layout at vLLM's defaults: the trace's distinct tokens."""
-    config, requests, options = materialize(base_job(layout, trace))
-    return requests, config, options
 
 
 if __name__ == "__main__":

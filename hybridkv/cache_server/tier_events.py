@@ -26,15 +26,11 @@ import threading
 
 from hybridkv.cache_server.prefix_index import ObjectPlace
 from hybridkv.cache_server.registered_layout import TreeRules
-from hybridkv.kv_events.chunk_ids import chunk_id
+from hybridkv.kv_events.chunk_ids import MEDIUM_CPU, MEDIUM_DISK, SERVER_TYPE, chunk_id
 from hybridkv.kv_events.publisher import ZmqPublisher
 from hybridkv.kv_events.wire import BlockRemoved, BlockStored, KVEventsConfig
 
 __all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "SERVER_TYPE", "TierEvents"]
-
-MEDIUM_CPU = "CPU"
-MEDIUM_DISK = "DISK"
-SERVER_TYPE = "hybridkv-server"  # (the `type` to register the server's stream under at an index)
 
 
 class TierEvents:

@@ -25,7 +25,7 @@ from typing import Any
 
 from hybridkv.index.rules import GroupRule, RuleKind, rule_kind
 from hybridkv.index.seq_hash import iter_seq_hashes, token_bytes
-from hybridkv.kv_events.chunk_ids import chunk_key
+from hybridkv.kv_events.chunk_ids import MEDIUM_CPU, MEDIUM_DISK, SERVER_TYPE, chunk_key
 from hybridkv.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 __all__ = ["SERVER_MEDIA", "SERVER_TYPE", "IngestCounts", "Namespaces", "PrefixTable", "RegKey", "Registration",
@@ -34,8 +34,7 @@ __all__ = ["SERVER_MEDIA", "SERVER_TYPE", "IngestCounts", "Namespaces", "PrefixT
 _SEQ_BITS = 64
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 RegKey = tuple[str, str, int]  # (tenant, instance id, dp rank)
-SERVER_TYPE = "hybridkv-server"  # a KV cache server's tiers (cache_server/tier_events.py): chunk ids, no tokens
-SERVER_MEDIA = ("CPU", "DISK")  # a server registration's group key: medium index << 16 | object group
+SERVER_MEDIA = (MEDIUM_CPU, MEDIUM_DISK)  # a server registration's group key: medium index << 16 | object group
 
 
 def group_rule(spec_kind: str | None, block_size: int, window_tokens: int | None) -> GroupRule:
@@ -48,7 +47,7 @@ def group_rule(spec_kind: str | None, block_size: int, window_tokens: int | None
 
 def server_group(medium: str | None, object_group: int) -> int:
     """A server registration's group key for an object group of one medium (tier)."""
-    medium = (medium or "CPU").upper()
+    medium = (medium or MEDIUM_CPU).upper()
     return (SERVER_MEDIA.index(medium) if medium in SERVER_MEDIA else 0) << 16 | object_group
 
 

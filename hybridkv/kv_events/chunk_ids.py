@@ -18,7 +18,12 @@ import struct
 import numpy as np
 import xxhash
 
-__all__ = ["chunk_hash_chain", "chunk_id", "chunk_key"]
+__all__ = ["MEDIUM_CPU", "MEDIUM_DISK", "SERVER_TYPE", "chunk_hash_chain", "chunk_id", "chunk_key"]
+
+#: the `type` a KV cache server's stream is registered under at an index, and the media of its tiers
+SERVER_TYPE = "hybridkv-server"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
 
 
 def chunk_hash_chain(tokens_u32: memoryview | bytes, chunk_tokens: int) -> list[bytes]:

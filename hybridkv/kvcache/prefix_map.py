@@ -265,7 +265,6 @@ class GroupsView:
     reads. A key is held when every one of these groups holds a block for it."""
 
     def __init__(self, pmap: PrefixMap, cols: Sequence[int]) -> None:
-        self._map = pmap
         #: the map these groups read (a probe memo reads its arrays)
         self.map = pmap
         self._index = pmap.index
@@ -273,20 +272,19 @@ class GroupsView:
         first = self.cols[0]
         consecutive = self.cols == tuple(range(first, first + len(self.cols)))
         # which rows of `blocks`, picked after gathering the columns (`take`: the cheapest gather)
-        self._rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
-                                   else np.array(self.cols, np.int64))
-        self.rows = self._rows
+        self.rows: slice | Ids = (slice(first, first + len(self.cols)) if consecutive
+                                  else np.array(self.cols, np.int64))
         self._first = first
 
     @property
     def _lead(self) -> Ids:
         """The first group's block per slot (a view, read anew: the map's arrays grow)."""
-        lead: Ids = self._map.blocks[self._first]
+        lead: Ids = self.map.blocks[self._first]
         return lead
 
     def lead(self) -> GroupsView:
         """The first group alone."""
-        return GroupsView(self._map, self.cols[:1])
+        return GroupsView(self.map, self.cols[:1])
 
     def slots(self, keys: Sequence[BlockHash]) -> Ids:
         """The slot of each key, 0 where no group holds it."""
@@ -299,7 +297,7 @@ class GroupsView:
         if len(self.cols) > 1:  # the other groups at the slots the first holds (a state's pages: at checkpoints)
             found = np.flatnonzero(held)
             if len(found):
-                held[found] = self._map.blocks[self._rows][:, slots[found]].all(axis=0)
+                held[found] = self.map.blocks[self.rows][:, slots[found]].all(axis=0)
         return held.view(np.uint8).tobytes(), slots
 
     def blocks_if_held(self, keys: Sequence[BlockHash]) -> list[list[int]] | None:
@@ -307,7 +305,7 @@ class GroupsView:
         gather, no reduction: the lists are searched for a 0)."""
         slots = self.slots(keys)
         out: list[list[int]] = ([self._lead[slots].tolist()] if len(self.cols) == 1
-                                else self._map.blocks.take(slots, axis=1)[self._rows].tolist())
+                                else self.map.blocks.take(slots, axis=1)[self.rows].tolist())
         for row in out:
             if 0 in row:
                 return None
@@ -322,7 +320,7 @@ class GroupsView:
         found = list(slots)
         if not found:
             return [[] for _ in self.cols]
-        out: list[list[int]] = self._map.blocks.take(found, axis=1)[self._rows].tolist()
+        out: list[list[int]] = self.map.blocks.take(found, axis=1)[self.rows].tolist()
         cut = len(found)
         for row in out:
             if 0 in row:
@@ -334,27 +332,27 @@ class GroupsView:
         slot = self._index.get(key, 0)
         if not slot:
             return False
-        return all(map(self._map.blocks.item, self.cols, repeat(slot)))
+        return all(map(self.map.blocks.item, self.cols, repeat(slot)))
 
     def lacks(self, key: BlockHash) -> Fate | None:
         """None when every one of these groups holds `key`, else its `fate` (one dict read)."""
         slot = self._index.get(key, 0)
         if slot:
-            return None if all(map(self._map.blocks.item, self.cols, repeat(slot))) else Fate.ELSEWHERE
+            return None if all(map(self.map.blocks.item, self.cols, repeat(slot))) else Fate.ELSEWHERE
         return self.fate(key)
 
     def fate(self, key: BlockHash) -> Fate:
         """Why these groups do not all hold `key`: another group of this block size holds it
         (ELSEWHERE), its last block was evicted (EVICTED), or it was never cached (or was evicted
         so long ago that it was forgotten: NEVER)."""
-        peers = self._map.peers
+        peers = self.map.peers
         if any(key in m.index for m in peers):
             return Fate.ELSEWHERE
         return Fate.EVICTED if any(key in m.evicted for m in peers) else Fate.NEVER
 
     def real_blocks_at(self, slot: int) -> list[int]:
         """Every group's block in `slot`, the groups that hold none left out (one array read)."""
-        column = self._map.blocks[self._rows, slot]
+        column = self.map.blocks[self.rows, slot]
         out: list[int] = column[column != 0].tolist()
         return out
 
@@ -362,12 +360,12 @@ class GroupsView:
         """The distinct keys of `slots` (blocks' `slot_of`: 0, not cached, left out): `hash_of` over
         a state's pages in one gather."""
         used = np.unique(slots[slots != 0])
-        keys: list[BlockHash] = self._map.key[used].tolist()
+        keys: list[BlockHash] = self.map.key[used].tolist()
         return keys
 
     def blocks_at(self, slots: Ids) -> list[list[int]]:
         """Per group, its blocks in `slots` (every group holds each)."""
-        out: list[list[int]] = self._map.blocks.take(slots, axis=1)[self._rows].tolist()
+        out: list[list[int]] = self.map.blocks.take(slots, axis=1)[self.rows].tolist()
         return out
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ConnectionPool", "UpstreamError", "call", "call_with_headers", "open_stream"]
+__all__ = ["ConnectionPool", "UpstreamError", "call", "call_with_headers"]
 
 MAX_RESPONSE_BYTES = 64 << 20
 # (a reused connection that the server had closed fails at once, before any response byte: the
@@ -194,9 +194,3 @@ def call_with_headers(url: str, path: str, body: Any = None, *, timeout_s: float
     connection of its own."""
     pool = ConnectionPool(max_idle_per_host=0)
     return pool.call(url, path, body, timeout_s=timeout_s, headers=headers)
-
-
-def open_stream(url: str, path: str, body: bytes, *, timeout_s: float = 300.0,
-                headers: dict[str, str] | None = None) -> tuple[int, str, Iterator[bytes]]:
-    """POST and return (status, content type, the body's chunks as they arrive), on a connection of its own."""
-    return ConnectionPool(max_idle_per_host=0).open_stream(url, path, body, timeout_s=timeout_s, headers=headers)
