@@ -85,7 +85,7 @@ class BlockPool:
         self.eviction.bind(self.group_of, [g.kind for g in self._groups])
         self.slot_of = np.zeros(num_blocks, np.int64)
         #: the prefix maps (`prefix_map.maps_for`), and per group: (its map, its column there)
-        self._pmaps, self._place = maps_for(self._groups, num_blocks)
+        self.pmaps, self._place = maps_for(self._groups, num_blocks)
         self._col_of = np.array([col for _, col in self._place], np.int64)
         self._events_on = events is KVEvents.ON
         self._log = EventLog(self._groups)
@@ -119,7 +119,7 @@ class BlockPool:
         """Every block's cached hash or None, as a new object array (for checks and tests; the hot
         path keeps no per-block hash: a block's hash is its slot's key)."""
         out: NDArray[np.object_] = np.full(self.num_blocks, None, object)
-        for pmap in self._pmaps:
+        for pmap in self.pmaps:
             ids = np.flatnonzero(np.isin(self.group_of, pmap.group_ids) & (self.slot_of != 0))
             out[ids] = pmap.key[self.slot_of[ids]]
         return out
@@ -200,14 +200,14 @@ class BlockPool:
         if self._partial:
             self._partial.forget(evicted.tolist(), self.group_of)
         groups = self.group_of[evicted]
-        for pmap in self._pmaps:
+        for pmap in self.pmaps:
             ids = evicted
-            if len(self._pmaps) > 1:
+            if len(self.pmaps) > 1:
                 ids = evicted[np.isin(groups, pmap.group_ids)]
                 if not len(ids):
                     continue
             slots = self.slot_of[ids]
-            cols = self._col_of[groups] if len(self._pmaps) == 1 else self._col_of[self.group_of[ids]]
+            cols = self._col_of[groups] if len(self.pmaps) == 1 else self._col_of[self.group_of[ids]]
             if pmap.dups[0] or (len(pmap.dups) > 1 and any(pmap.dups)):
                 # a hash with copies (to promote or drop), or a waiting copy itself: block by block
                 copied = pmap.waiting[cols, slots] | (pmap.blocks[cols, slots] != ids)
@@ -489,7 +489,7 @@ class BlockPool:
         """Forget every cached hash; only possible when no block but null is in use."""
         if self.eviction.num_free != self.usable_blocks:
             return False
-        for pmap in self._pmaps:
+        for pmap in self.pmaps:
             pmap.clear()
         self._partial.clear()
         self.slot_of[:] = 0

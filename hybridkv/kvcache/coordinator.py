@@ -127,6 +127,12 @@ class KVCacheCoordinator:
         del hashes, max_length, blocks
         return [[] for _ in self.groups], 0, [0] * self.num_groups
 
+    def probe_reach(self, first: Sequence[int], max_length: int) -> int:
+        """How far into a chain a lookup whose groups first answered `first` read it, in tokens: to the
+        shortest downward-closed group's answer (no group is asked past it), else to `max_length`."""
+        closed = [first[g] for m in self.managers if m.downward_closed for g in m.group_ids]
+        return min(closed) if closed else max_length
+
     def eagle_hit(self, hashes: dict[int, list[BlockHash]], num_tokens: int,
                   max_length: int) -> tuple[GroupBlocks, int, list[int]]:
         """EAGLE's hit: every group matches one block past the candidate (a sliding window one more

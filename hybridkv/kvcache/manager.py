@@ -63,6 +63,7 @@ from hybridkv.kvcache.options import (
     SpecDecode,
 )
 from hybridkv.kvcache.policies import CachePolicies, build_policies, eviction_factory
+from hybridkv.kvcache.probe_memo import WaitingProbes
 from hybridkv.kvcache.request import KVRequest
 from hybridkv.kvcache.results import (
     BlockCopy,
@@ -156,6 +157,8 @@ class KVCacheManager:
         # (the decode path releases position by position: vLLM's group-by-group order takes the general path)
         self._decodes = (self._caching and self._coordinator.decodes
                          and options.release_order is ReleaseOrder.INTERLEAVED and not self._partial)
+        self._probes = WaitingProbes(self._coordinator, self.policies, self._hashes, self._pool.pmaps,
+                                     memo=not self._partial)
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -221,7 +224,7 @@ class KVCacheManager:
             return 0
         if self._eagle:
             return self._find_hit(request, max_length)[1][1]
-        return self._coordinator.find_longest_cache_hit(self._hashes(request), max_length, blocks=False)[1]
+        return self._probes.peek(request, max_length)
 
     def _find_hit(self, request: KVRequest, max_length: int) -> tuple[dict[int, list[BlockHash]],
                                                                       tuple[GroupBlocks, int, list[int]]]:
@@ -250,7 +253,7 @@ class KVCacheManager:
             blocks = self._find_hit(request, min(request.num_tokens - 1, self.max_model_len))[1][0]
             policies.waiting([b for group in blocks for b in group if b])
         else:
-            policies.waiting_prefix(self._coordinator.managers, self._hashes(request), hit_tokens)
+            self._probes.protect(request, hit_tokens)
 
     @property
     def protects(self) -> bool:
@@ -364,6 +367,7 @@ class KVCacheManager:
         """
         if self._observer is not None:
             self._observer.finished(request)
+        self._probes.forget(request.request_id)
         self._coordinator.free(request)
 
     def block_ids(self, request_id: RequestId) -> tuple[list[BlockId], ...]:

@@ -22,7 +22,7 @@ class PoolView(Protocol):
     """What `check_pool` reads of a `BlockPool` (its own fields, private ones included: the check is the pool's)."""
 
     eviction: EvictionPolicy
-    _pmaps: list[PrefixMap]
+    pmaps: list[PrefixMap]
     _partial: PartialEntries
     _groups: tuple[KVCacheGroupSpec, ...]
     ref_cnt: NDArray[np.int64]
@@ -65,7 +65,7 @@ def check_pool(pool: PoolView, expected_refs: Mapping[int, int]) -> None:
 def _check_maps(pool: PoolView) -> None:
     groups = pool.group_of.tolist()
     hashes = pool.block_hash
-    entries = sum(pmap.check(hashes, groups, pool.slot_of) for pmap in pool._pmaps)
+    entries = sum(pmap.check(hashes, groups, pool.slot_of) for pmap in pool.pmaps)
     pool._partial.check(pool.has_hash.tolist(), groups)
     hashed = sum(1 for h in hashes if h is not None)
     if hashed != entries:

@@ -79,6 +79,8 @@ class PrefixMap:
         self._evicted_cap = num_blocks
         #: every map of this block size, this one included (state groups have their own: `fate` asks all)
         self.peers: tuple[PrefixMap, ...] = (self,)
+        #: where each key whose blocks change is written down (a probe memo's log, `probe_memo.py`), if anywhere
+        self.changes: list[BlockHash] | None = None
 
     @property
     def capacity(self) -> int:
@@ -109,6 +111,8 @@ class PrefixMap:
     def slots_for(self, keys: Sequence[BlockHash]) -> Ids:
         """The slot of each key, new slots for keys not in the map (one dict operation each)."""
         n = len(keys)
+        if self.changes is not None:
+            self.changes.extend(keys)
         self._reserve(n)
         top = self._top
         candidates = self._free[top - n : top]
@@ -127,6 +131,8 @@ class PrefixMap:
         return got
 
     def slot_for(self, key: BlockHash) -> int:
+        if self.changes is not None:
+            self.changes.append(key)
         slot = self.index.get(key)
         if slot is None:
             self._reserve(1)
@@ -150,6 +156,8 @@ class PrefixMap:
 
     def take_dup(self, col: int, slot: int, key: BlockHash, block: int | None) -> int:
         """Remove `block` (None: the first) from the copies waiting for `key`; return it."""
+        if self.changes is not None:  # (a promoted copy changes the key's block)
+            self.changes.append(key)
         waiting = self.dups[col][key]
         if block is None:
             block = waiting.pop(0)
@@ -163,6 +171,8 @@ class PrefixMap:
     def release(self, slots: Ids) -> None:
         """One group let go of each of `slots` (repeats allowed); free those no group holds."""
         count = self.count
+        if self.changes is not None:  # (a group letting go changes what every group holds, freed or not)
+            self.changes.extend(self.key[slots].tolist())
         np.subtract.at(count, slots, 1)
         empty = slots[count[slots] == 0]
         if not len(empty):
@@ -178,6 +188,8 @@ class PrefixMap:
         self._top = top + len(unique)
 
     def release_one(self, slot: int) -> None:
+        if self.changes is not None:
+            self.changes.append(self.key[slot])
         left = self.count.item(slot) - 1
         self.count[slot] = left
         if not left:
@@ -196,6 +208,8 @@ class PrefixMap:
             self.evicted = dict.fromkeys(list(evicted)[-self._evicted_cap :])
 
     def clear(self) -> None:
+        if self.changes is not None:
+            self.changes.extend(self.index)
         self.evicted.clear()
         self.index.clear()
         self.blocks[:] = 0

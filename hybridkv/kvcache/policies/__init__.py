@@ -189,16 +189,24 @@ class CachePolicies:
         if self.reserve is not None:
             self.reserve.waiting(ids)
 
-    def waiting_prefix(self, managers: Sequence[SingleTypeManager], hashes: dict[int, list[BlockHash]],
-                       hit_tokens: int) -> None:
-        """`waiting` for the cached blocks of a waiting request's hit of `hit_tokens`; a state hit there
-        is one adoption must leave alone (another waiting request hits it too)."""
+    def hit_ids(self, hashes: dict[int, list[BlockHash]], hit_tokens: int) -> tuple[list[int], list[int]]:
+        """The cached blocks of a hit of `hit_tokens` on the chain `hashes`, and the first block of each state
+        hit a group copies (`copies_hits`), for `waiting_prefix`."""
         ids: list[int] = []
-        for m in managers:
+        states: list[int] = []
+        for m in self._managers:
             found = m.hit_block_ids(m.view, hashes, hit_tokens)
-            if m.copies_hits and found and self.adoption is not None:
-                self.adoption.waiting(found[0])
+            if m.copies_hits and found:
+                states.append(found[0])
             ids += found
+        return ids, states
+
+    def waiting_prefix(self, ids: list[int], states: list[int]) -> None:
+        """`waiting` for the blocks of a waiting request's hit (`hit_ids`); its state hits are ones adoption
+        must leave alone (another waiting request hits them too)."""
+        if self.adoption is not None:
+            for block in states:
+                self.adoption.waiting(block)
         self.waiting(ids)
 
     def value_of(self, block: int) -> BlockValue | None:
