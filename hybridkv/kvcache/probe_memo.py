@@ -22,10 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hybridkv.kvcache.coordinator import KVCacheCoordinator
 from hybridkv.kvcache.ids import BlockHash, RequestId
 from hybridkv.kvcache.policies import CachePolicies
-from hybridkv.kvcache.prefix_map import PrefixMap
+from hybridkv.kvcache.prefix_map import Ids, PrefixMap
 from hybridkv.kvcache.request import KVRequest
 
 #: keys changed since the last read after which every answer is dropped instead (a long pause in
@@ -39,7 +41,7 @@ class _Answer:
     hit_tokens: int
     keys: list[BlockHash]  # the keys the probe read (its watch entries)
     #: protect_waiting's blocks of the hit and the state hit's first row, once computed
-    protected: tuple[list[int], list[int]] | None = None
+    protected: tuple[Ids, list[int]] | None = None
 
 
 class ProbeMemo:
@@ -152,7 +154,9 @@ class WaitingProbes:
             self._policies.waiting_prefix(*self._policies.hit_ids(self._hashes(request), hit_tokens))
             return
         if answer.protected is None:
-            answer.protected = self._policies.hit_ids(self._hashes(request), hit_tokens)
+            ids, states = self._policies.hit_ids(self._hashes(request), hit_tokens)
+            blocks = np.array(ids, np.int64)  # (the policies take an array as is: built once, read each step)
+            answer.protected = blocks[blocks != 0], states
         self._policies.waiting_prefix(*answer.protected)
 
     def forget(self, request_id: RequestId) -> None:

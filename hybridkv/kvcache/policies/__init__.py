@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 from hybridkv.kvcache.block_pool import BlockPool
-from hybridkv.kvcache.eviction import BlockMarks, BlockValue, LRUPolicy, PolicyFactory
+from hybridkv.kvcache.eviction import BlockMarks, BlockValue, Ids, LRUPolicy, PolicyFactory
 from hybridkv.kvcache.ids import BlockHash
 from hybridkv.kvcache.options import (
     CacheOptions,
@@ -182,7 +182,7 @@ class CachePolicies:
             self.placement.observe(longest_tokens)
         request.checkpoint_stops = self.placement.stops(request)
 
-    def waiting(self, ids: Sequence[int]) -> None:
+    def waiting(self, ids: Sequence[int] | Ids) -> None:
         """A waiting request will hit `ids` (free cached blocks kept, and kept free at admission)."""
         if self.marks is not None:
             self.marks.protect(ids)
@@ -201,7 +201,7 @@ class CachePolicies:
             ids += found
         return ids, states
 
-    def waiting_prefix(self, ids: list[int], states: list[int]) -> None:
+    def waiting_prefix(self, ids: Sequence[int] | Ids, states: list[int]) -> None:
         """`waiting` for the blocks of a waiting request's hit (`hit_ids`); its state hits are ones adoption
         must leave alone (another waiting request hits them too)."""
         if self.adoption is not None:

@@ -27,15 +27,15 @@ class AdmissionReserve:
         self._pool = pool
         self.blocks_per_running = num_groups
         self.keeps_waiting_hits = mode is AdmissionHeadroom.WAITING_HITS
-        #: the blocks the waiting requests' hits take, as named this step (every request's list: the set is
-        #: built only when an admission reads it, not for each of hundreds of page groups' blocks named)
-        self._named: list[list[int]] = []
+        #: the blocks the waiting requests' hits take, as named this step (every request's array, kept as given:
+        #: the set is built only when an admission reads it, not for each of hundreds of page groups' blocks)
+        self._named: list[np.ndarray] = []
         self._distinct: np.ndarray | None = None  # `_named`'s ids, each once (until more are named)
 
     @property
     def waiting_hits(self) -> set[int]:
         """The blocks the waiting requests' hits take (named again every step)."""
-        return set(chain.from_iterable(self._named))
+        return set(np.concatenate(self._named).tolist()) if self._named else set()
 
     def blocks(self, hits: Sequence[Sequence[int]] | None, running: int) -> int:
         """Blocks to leave free when a request whose hit is `hits` joins `running` requests."""
@@ -43,17 +43,17 @@ class AdmissionReserve:
         if self._named and running:  # (the waiting hits free and still cached, less the request's own)
             pool = self._pool
             if self._distinct is None:  # (several admissions in a step read the same names)
-                self._distinct = np.unique(np.fromiter(chain.from_iterable(self._named), np.int64))
+                self._distinct = np.unique(np.concatenate(self._named))
             ids = self._distinct
             kept = ids[(pool.ref_cnt[ids] == 0) & pool.has_hash[ids]].tolist()
             if kept:  # (a state hit's rows are mostly null: one set built in C, null never kept)
                 reserve += len(kept) - len(set(chain.from_iterable(hits or ())).intersection(kept))
         return reserve
 
-    def waiting(self, ids: Sequence[int]) -> None:
-        """A waiting request will hit `ids` (this step)."""
+    def waiting(self, ids: Sequence[int] | np.ndarray) -> None:
+        """A waiting request will hit `ids` (this step; an array is kept, not copied: the caller leaves it as is)."""
         if self.keeps_waiting_hits and len(ids):
-            self._named.append(list(ids))
+            self._named.append(np.asarray(ids, np.int64))
             self._distinct = None
 
     def new_step(self) -> None:

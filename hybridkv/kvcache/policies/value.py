@@ -149,7 +149,7 @@ class ValuePolicy:
             self._share[blocks] = np.where(self._weighed[blocks], np.maximum(self._share[blocks], share), share)
             self._weighed[blocks] = True
 
-    def protect(self, ids: Sequence[int]) -> None:
+    def protect(self, ids: Sequence[int] | Ids) -> None:
         """Move free cached blocks `ids` into PROTECTED (a waiting request's hit), as if released now;
         held ones are left alone (a hit that takes a block back ends its protection)."""
         blocks = _real(ids)
