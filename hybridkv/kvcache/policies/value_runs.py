@@ -22,6 +22,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,6 +33,32 @@ from hybridkv.kvcache.eviction import BlockValue, Ids
 FIFO_CLASSES = (int(BlockValue.LOW), int(BlockValue.FULL), int(BlockValue.HOT), int(BlockValue.PROTECTED))
 ANCHOR = int(BlockValue.ANCHOR)
 Key = tuple[float, int, int]  # (score, class, clock): the eviction order, least first
+
+
+class _Candidates(NamedTuple):
+    """Queue entries as arrays: key (score, value, clock), block, and the index of the source it came from."""
+
+    scores: NDArray[np.float64]
+    values: Ids
+    clocks: Ids
+    blocks: Ids
+    source: Ids
+
+    def joined(self, other: _Candidates) -> _Candidates:
+        return _Candidates(np.concatenate([self.scores, other.scores]), np.concatenate([self.values, other.values]),
+                           np.concatenate([self.clocks, other.clocks]), np.concatenate([self.blocks, other.blocks]),
+                           np.concatenate([self.source, other.source]))
+
+    @property
+    def last(self) -> Key:
+        return float(self.scores[-1]), int(self.values[-1]), int(self.clocks[-1])
+
+
+def _least(candidates: _Candidates, count: int) -> _Candidates:
+    """The `count` least of `candidates` by key, in order (every live key is distinct: clocks are)."""
+    order = np.lexsort((candidates.clocks, candidates.values, candidates.scores))[:count]
+    return _Candidates(candidates.scores[order], candidates.values[order], candidates.clocks[order],
+                       candidates.blocks[order], candidates.source[order])
 
 
 @dataclass(slots=True)
@@ -109,32 +136,34 @@ class RunQueues:
     def take(self, count: int) -> Ids:
         """Remove and return the `count` least live entries (module docstring), in order; the caller
         checked that at least `count` are queued. Candidates: each FIFO class's first `count` live
-        entries, and those of the anchor runs whose head comes before the `count`-th candidate so far;
-        one sort of the candidates picks the `count` least, each source gives up a prefix of its own."""
+        entries, then those of each anchor run whose head comes before the `count`-th least so far; the
+        `count` least are kept sorted as sources join (a sort of at most 2 x `count` per anchor run), and
+        each source gives up a prefix of its own."""
         gathered: list[list[tuple[Run, Ids]]] = []
+        classes: list[int] = []
         for value in FIFO_CLASSES:
             if self._fifo_head(value) is not None:
                 gathered.append(self._gather(self._fifo[value], count))
-        classes = [value for value in FIFO_CLASSES if self._fifo[value]]
+                classes.append(value)
+        best = _least(self._candidates(gathered, classes), count)
         popped: list[Run] = []
         while (run := self._anchor_head()) is not None:
-            limit = self._kth_key(gathered, classes, count)
-            if limit is not None and (run.scores.item(run.head), ANCHOR, run.clocks.item(run.head)) > limit:
+            if len(best.blocks) == count and (run.scores.item(run.head), ANCHOR, run.clocks.item(run.head)) > best.last:
                 break
             heapq.heappop(self._anchors)
             popped.append(run)
             gathered.append(self._gather([run], count))
             classes.append(ANCHOR)
-        scores, values, clocks, blocks, source = self._candidates(gathered, classes)
-        if len(blocks) < count:
-            raise IntegrityError(f"the value policy's queues hold {len(blocks)} live entries; {count} asked for")
-        order = np.lexsort((clocks, values, scores))[:count]
-        for parts, taken in zip(gathered, np.bincount(source[order], minlength=len(gathered)).tolist(), strict=True):
+            joined = self._candidates(gathered[-1:], classes[-1:], first_source=len(gathered) - 1)
+            best = _least(best.joined(joined), count)
+        if len(best.blocks) < count:
+            raise IntegrityError(f"the value policy's queues hold {len(best.blocks)} live entries; {count} asked for")
+        for parts, taken in zip(gathered, np.bincount(best.source, minlength=len(gathered)).tolist(), strict=True):
             self._consume(parts, taken)
         for run in popped:
             if run.head < len(run.blocks):
                 self._push_anchor(run)
-        return blocks[order]
+        return best.blocks
 
     def _gather(self, runs: Iterable[Run], count: int) -> list[tuple[Run, Ids]]:
         """Up to `count` live entries of `runs`, in order: per run, the positions taken."""
@@ -154,27 +183,19 @@ class RunQueues:
         return out
 
     @staticmethod
-    def _candidates(gathered: list[list[tuple[Run, Ids]]],
-                    classes: list[int]) -> tuple[NDArray[np.float64], Ids, Ids, Ids, Ids]:
-        """Every candidate as arrays (score, class, clock, block, index of its source)."""
-        parts = [(run, positions, value, i) for i, (source, value) in enumerate(zip(gathered, classes, strict=True))
+    def _candidates(gathered: list[list[tuple[Run, Ids]]], classes: list[int], first_source: int = 0) -> _Candidates:
+        """Every candidate of `gathered` as arrays (its sources numbered from `first_source`)."""
+        parts = [(run, positions, value, i) for i, (source, value) in enumerate(zip(gathered, classes, strict=True),
+                                                                                start=first_source)
                  for run, positions in source]
         if not parts:
             empty = np.zeros(0, np.int64)
-            return np.zeros(0), empty, empty, empty, empty
-        return (np.concatenate([run.scores[p] for run, p, _, _ in parts]),
-                np.concatenate([np.full(len(p), value, np.int64) for _, p, value, _ in parts]),
-                np.concatenate([run.clocks[p] for run, p, _, _ in parts]),
-                np.concatenate([run.blocks[p] for run, p, _, _ in parts]),
-                np.concatenate([np.full(len(p), i, np.int64) for _, p, _, i in parts]))
-
-    def _kth_key(self, gathered: list[list[tuple[Run, Ids]]], classes: list[int], count: int) -> Key | None:
-        """The `count`-th least key among the candidates gathered so far; None with fewer."""
-        if sum(len(p) for source in gathered for _, p in source) < count:
-            return None
-        scores, values, clocks, _, _ = self._candidates(gathered, classes)
-        k = np.lexsort((clocks, values, scores))[count - 1]
-        return float(scores[k]), int(values[k]), int(clocks[k])
+            return _Candidates(np.zeros(0), empty, empty, empty, empty)
+        return _Candidates(np.concatenate([run.scores[p] for run, p, _, _ in parts]),
+                           np.concatenate([np.full(len(p), value, np.int64) for _, p, value, _ in parts]),
+                           np.concatenate([run.clocks[p] for run, p, _, _ in parts]),
+                           np.concatenate([run.blocks[p] for run, p, _, _ in parts]),
+                           np.concatenate([np.full(len(p), i, np.int64) for _, p, _, i in parts]))
 
     def _consume(self, parts: list[tuple[Run, Ids]], taken: int) -> None:
         """Advance each run past the first `taken` of its gathered positions (and the stale ones before)."""
