@@ -31,8 +31,8 @@ One public verb per operation (the fast variants for a handful of blocks are pri
   makes a block reachable under the hash of a prefix that ends inside it. A block without a
   hash takes that key as its hash (in its group's map, like a full block); a block that already
   carries one keeps it and holds the key as an *extra* entry (`partial.blocks` finds both).
-  `partial.move` re-points a partial entry to a private copy. Partial entries record no events.
-  These verbs live beside the entries' record, in `partial_hits.py` (`PartialIndex`, the pool's `partial`).
+  `partial.move` re-points a partial entry to a private copy. Partial entries record no events. These
+  verbs live beside the entries' record, in `partial_hits.py` (`PartialIndex`, the pool's `partial`).
 - `check_integrity` (tests, debugging) runs `pool_checks.check_pool`.
 
 The null block's ref count is `NULL_REF_CNT` and never changes (touch and release skip id 0).
@@ -87,6 +87,7 @@ class BlockPool:
         #: the prefix maps (`prefix_map.maps_for`), and per group: (its map, its column there)
         self.pmaps, self._place = maps_for(self._groups, num_blocks)
         self._col_of = np.array([col for _, col in self._place], np.int64)
+        self._map_of = np.array([self.pmaps.index(pmap) for pmap, _ in self._place], np.int64)  # (group -> map)
         self._events_on = events is KVEvents.ON
         self._log = EventLog(self._groups)
         # Bumped whenever a cached hash disappears; a CacheHit taken at an equal count is valid.
@@ -200,14 +201,12 @@ class BlockPool:
         if self._partial:
             self._partial.forget(evicted.tolist(), self.group_of)
         groups = self.group_of[evicted]
-        for pmap in self.pmaps:
-            ids = evicted
-            if len(self.pmaps) > 1:
-                ids = evicted[np.isin(groups, pmap.group_ids)]
-                if not len(ids):
-                    continue
+        for k, pmap in enumerate(self.pmaps):
+            ids = evicted if len(self.pmaps) == 1 else evicted[self._map_of[groups] == k]
+            if not len(ids):
+                continue
             slots = self.slot_of[ids]
-            cols = self._col_of[groups] if len(self.pmaps) == 1 else self._col_of[self.group_of[ids]]
+            cols = self._col_of[self.group_of[ids]]
             if pmap.dups[0] or (len(pmap.dups) > 1 and any(pmap.dups)):
                 # a hash with copies (to promote or drop), or a waiting copy itself: block by block
                 copied = pmap.waiting[cols, slots] | (pmap.blocks[cols, slots] != ids)
