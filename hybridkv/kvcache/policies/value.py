@@ -50,6 +50,8 @@ from hybridkv.plan.specs import SpecKind
 
 #: queue entries per block above which the stale ones are dropped (`ValuePolicy._drop_stale`)
 STALE_ENTRIES_PER_BLOCK = 4
+#: classes as plain ints for array comparisons (an IntEnum operand takes numpy's slow path: 3x per call)
+_EMPTY, _PROTECTED = int(BlockValue.EMPTY), int(BlockValue.PROTECTED)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,14 +156,14 @@ class ValuePolicy:
         held ones are left alone (a hit that takes a block back ends its protection)."""
         blocks = _real(ids)
         where = self._where[blocks]
-        blocks = blocks[(where > BlockValue.EMPTY) & (where != BlockValue.PROTECTED)]
+        blocks = blocks[(where > _EMPTY) & (where != _PROTECTED)]
         if len(blocks) > 1:  # each block once, at its first place
             _, first = np.unique(blocks, return_index=True)
             if len(first) < len(blocks):
                 blocks = blocks[np.sort(first)]
         if len(blocks):
             self._stamp[blocks] += 1
-            self._where[blocks] = BlockValue.PROTECTED
+            self._where[blocks] = _PROTECTED
             self._queue(int(BlockValue.PROTECTED), blocks)
         self._drop_stale()
 
@@ -251,7 +253,7 @@ class ValuePolicy:
     def remove(self, ids: Ids) -> None:
         where = self._where[ids]
         assert np.count_nonzero(where < 0) == 0, f"blocks {ids[where < 0].tolist()} are not free"
-        for block in ids[where == BlockValue.EMPTY].tolist():
+        for block in ids[where == _EMPTY].tolist():
             if block >= self._fresh:
                 self._taken_fresh.add(block)
             else:
@@ -266,7 +268,7 @@ class ValuePolicy:
     def release(self, ids: Ids) -> None:
         values = self._values(ids)
         self._where[ids] = values
-        queued = values != BlockValue.EMPTY
+        queued = values != _EMPTY
         count = int(np.count_nonzero(queued))
         if count < len(ids):
             self._empty += ids[~queued].tolist()
