@@ -27,6 +27,7 @@ def index_command(
                                                 "for this long loses its entries")] = 10.0,
 ) -> None:
     """Serve the KV cache index: the Mooncake Conductor API, answering the joint hybrid hit."""
+    from hybridkv.http_serving import freeze_heap
     from hybridkv.index.auth import check_bind, index_token
     from hybridkv.index.http import AppServer, make_app
     from hybridkv.index.service import IndexService
@@ -42,6 +43,7 @@ def index_command(
     except (HybridKVError, OSError) as e:
         raise usage_error(str(e)) from None
     typer.echo(f"hybridkv index on {server.url} (auth {'on' if token else 'off'})")
+    freeze_heap()
     try:
         server.run()
     finally:

@@ -27,7 +27,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hybridkv.http_serving import BoundServer, bearer_ok, bind_socket
+from hybridkv.http_serving import BoundServer, bearer_ok, bind_socket, event_loop
 from hybridkv.index.native import native_split_array, native_u32_array
 from hybridkv.index.seq_hash import token_bytes
 from hybridkv.index.service import IndexFullError, IndexService, Query
@@ -96,13 +96,27 @@ class HttpError(Exception):
         self.message = message
 
 
-def _error(status: int, message: str) -> Response:
-    return Response(msgspec.json.encode({"error": {"message": message, "code": status}}), status_code=status,
-                    media_type="application/json")
+Reply = tuple[int, bytes]  # (HTTP status, JSON body)
 
 
-def _json(body: Any) -> Response:
-    return Response(msgspec.json.encode(body), media_type="application/json")
+def _error(status: int, message: str) -> Reply:
+    return status, msgspec.json.encode({"error": {"message": message, "code": status}})
+
+
+def _json(body: Any) -> Reply:
+    return 200, msgspec.json.encode(body)
+
+
+async def _send_json(send: Send, reply: Reply) -> None:
+    """A JSON reply as two ASGI messages, no Response object between."""
+    status, body = reply
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _response(reply: Reply) -> Response:
+    return Response(reply[1], status_code=reply[0], media_type="application/json")
 
 
 def _decode(raw: bytes, kind: type[_T], path: str) -> _T:
@@ -199,7 +213,7 @@ def _metrics(service: IndexService) -> str:
     return "\n".join(lines) + "\n"
 
 
-PostHandler = Callable[[bytes], Response]
+PostHandler = Callable[[bytes], Reply]
 
 
 class _PostRoutes:
@@ -233,7 +247,7 @@ class _PostRoutes:
         except Exception as e:  # (a bug: logged with its traceback; the client gets one line, as from Starlette)
             _log.exception("%s failed", path)
             response = _error(500, f"internal error: {type(e).__name__}")
-        await response(scope, receive, send)
+        await _send_json(send, response)
 
 
 def _latin1(value: bytes | None) -> str | None:
@@ -262,12 +276,12 @@ async def _read_body(receive: Receive, declared: bytes | None, max_bytes: int) -
 def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MAX_BODY_BYTES) -> ASGIApp:
     """The HTTP routes over `service` (`token` empty: no authentication)."""
 
-    def register(raw: bytes) -> Response:
+    def register(raw: bytes) -> Reply:
         body = _decode(raw, RegisterBody, "/register")
         service.register(_registration(body), body.endpoint, body.replay_endpoint)
         return _json({"status": "registered successfully", "instance_id": body.instance_id})
 
-    def unregister(raw: bytes) -> Response:
+    def unregister(raw: bytes) -> Reply:
         body = _decode(raw, UnregisterBody, "/unregister")
         removed = service.unregister(body.tenant_id, body.instance_id, body.dp_rank)
         if not removed:
@@ -275,11 +289,11 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
                                  f"{body.tenant_id[:80]!r}")
         return _json({"status": "unregistered successfully", "removed_instances": removed})
 
-    def query(raw: bytes) -> Response:
+    def query(raw: bytes) -> Reply:
         body, data = _query_body(raw)
         return _json(service.query(_query(body, by_hash=False, token_data=data)))
 
-    def query_by_hash(raw: bytes) -> Response:
+    def query_by_hash(raw: bytes) -> Reply:
         return _json(service.query(_query(_decode(raw, QueryBody, "/query_by_hash"), by_hash=True)))
 
     async def health(_: Request) -> Response:
@@ -291,10 +305,10 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def not_found(_: Request, exc: Exception) -> Response:
-        return _error(404, "no such route; expected POST /register, /unregister, /query, /query_by_hash")
+        return _response(_error(404, "no such route; expected POST /register, /unregister, /query, /query_by_hash"))
 
     async def server_error(_: Request, exc: Exception) -> Response:
-        return _error(500, f"internal error: {type(exc).__name__}")
+        return _response(_error(500, f"internal error: {type(exc).__name__}"))
 
     posts: dict[str, PostHandler] = {"/register": register, "/unregister": unregister, "/query": query,
                                      "/query_by_hash": query_by_hash}
@@ -312,6 +326,6 @@ class AppServer(BoundServer):
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "hybridkv-http",
                  lifespan: Literal["on", "off"] = "off") -> None:
         sock = bind_socket(host, port)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan, loop="asyncio",
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan, loop=event_loop(),
                                 http="httptools", timeout_keep_alive=30, limit_concurrency=1024)
         super().__init__(uvicorn.Server(config), sock, name=name)

@@ -185,7 +185,7 @@ class IndexService:
             token_bytes(q.token_ids) if q.token_ids is not None else None)
         for size in sorted(sizes):
             if data is not None:
-                chunks = list(seq_hash_chunks(data, size))  # (one list from the native loop)
+                chunks = list(seq_hash_chunks(data, size))  # (one chunk from the native loop)
                 out[size] = PromptBlocks(chunks[0] if len(chunks) == 1 else [h for c in chunks for h in c], get)
             elif size == q.block_size and q.seq_hashes is not None:
                 out[size] = PromptBlocks(q.seq_hashes, get)
