@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from hybridkv.engine.llm import LLM
+from hybridkv.engine.sampler import SamplingParams
 from hybridkv.index.http import AppServer, make_app
 from hybridkv.index.service import IndexService
 from hybridkv.openai_api.http_server import ServeServer
@@ -148,3 +149,32 @@ def test_read_your_writes_covers_evictions() -> None:
         assert evicted, "the first prompt's blocks were never evicted: the cache is too large for this test"
         assert complete(first)[0] == predicted
         assert service.table.counts.removed_blocks > 0
+
+
+def test_a_steps_cache_changes_are_published_before_its_forward_pass() -> None:
+    """The blocks a step caches (allocated, as vLLM caches them) and evicts are published before the
+    forward pass runs, not after it: a router asking during a slow CPU forward must see the cache as
+    the next step's admissions will find it. Here: when the forward pass of a 64-token prompt's prefill
+    starts, its 4 full blocks' BlockStored events have been published."""
+    llm = LLM(MODEL, kv_cache_memory_gib=0.05, num_threads=1, max_num_batched_tokens=256, kv_events_config=EVENTS)
+    try:
+        assert llm.kv_events is not None
+        publisher, runner = llm.kv_events.publisher, llm.runner
+        published: list[Any] = []
+        seen_at_forward: list[int] = []
+        publish, execute = publisher.publish, runner.execute
+
+        def record(events: Any) -> None:
+            published.extend(events)
+            publish(events)
+
+        def forward(items: Any) -> Any:
+            seen_at_forward.append(sum(len(e.block_hashes) for e in published if type(e).__name__ == "BlockStored"))
+            return execute(items)
+
+        publisher.publish = record  # type: ignore[method-assign]
+        runner.execute = forward  # type: ignore[method-assign]
+        llm.generate([list(range(10, 75))], SamplingParams(max_tokens=1))
+    finally:
+        llm.close()
+    assert seen_at_forward and seen_at_forward[0] >= 64 // 16, seen_at_forward
