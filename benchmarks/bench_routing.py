@@ -64,7 +64,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from hybridkv.http_serving import freeze_heap  # noqa: E402
-from hybridkv.index.http import AppServer, make_app  # noqa: E402
+from hybridkv.index.http import AppServer, IndexServer, make_routes  # noqa: E402
 from hybridkv.index.seq_hash import seq_hashes  # noqa: E402
 from hybridkv.index.service import IndexService, Query  # noqa: E402
 from hybridkv.index.table import Registration  # noqa: E402
@@ -358,7 +358,7 @@ def scale(quick: bool) -> dict[str, float]:
         answer = service.query(by_hash)
         hash_times.append(time.perf_counter() - t)
     assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
-    server = AppServer(make_app(service))
+    server = IndexServer(make_routes(service))
     freeze_heap()  # (as `hybridkv index` does before it serves)
     server.start()
     n_http = 30 if quick else 1000

@@ -12,6 +12,7 @@ it vLLM's ZMQ KV event batches (vLLM itself, `hybridkv serve` / `run` with `--kv
     subscriber.py   one ZMQ subscription per registered publisher: sequence numbers, replay, gaps
     service.py      registrations, ageing, the query answer
     http.py         `hybridkv index`: the HTTP routes (register, unregister, query, query_by_hash)
+    http_server.py  the HTTP/1.1 server the routes run on (llhttp on an asyncio protocol)
     auth.py         the bearer token and the bind rules (loopback unless --allow-remote with a token)
 
 docs/routing.md explains the rules and how routers (llm-d, Dynamo, `hybridkv route`) ask.

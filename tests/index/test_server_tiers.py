@@ -23,7 +23,7 @@ from hybridkv.cache_server.tier_events import SERVER_TYPE, TierEvents
 from hybridkv.cache_server.tiers import L2Tier, ValkeyTier
 from hybridkv.cache_server.tiers.disk import DiskTier
 from hybridkv.connector.client import chunk_hashes
-from hybridkv.index.http import AppServer, make_app
+from hybridkv.index.http import IndexServer, make_routes
 from hybridkv.index.seq_hash import token_bytes
 from hybridkv.index.service import IndexService
 from hybridkv.kv_events.chunk_ids import chunk_hash_chain
@@ -60,7 +60,7 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str,
     """(the index's URL, a server publishing its tier events registered there, a registered fake engine)
     over each of `l2_tiers`."""
     service = IndexService(probe_every_s=0.2, dead_after_s=5.0)
-    index = AppServer(make_app(service, token=TOKEN))
+    index = IndexServer(make_routes(service, token=TOKEN))
     index.start()
     events = TierEvents(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*",
                                        replay_endpoint="tcp://127.0.0.1:*"), CHUNK)
