@@ -8,9 +8,10 @@ The C loop calls the XXH3 of the `xxhash` package the index already loads (its e
 
 A `/query` body's 32k token ids are ~200 KB of JSON: msgspec decodes them into a list of Python
 ints in ~0.8 ms (32k int objects), which the hash loop then packs back into u32s; the C parse
-writes the u32s directly: ~0.15 ms number after number (seq_chain.c, any JSON spacing), ~0.12 ms
-for the spellings JSON encoders write (json_u32.c: 64 bytes classified at once with AVX2, the
-numbers of a block read independently; measured on the project's 2-core VM beside other work).
+writes the u32s directly: ~0.15 ms number after number (seq_chain.c, any JSON spacing), ~0.11 ms
+for the spellings JSON encoders write (json_u32.c: the number starts found 64 bytes at a time with
+AVX2, then the numbers read four at a time; measured in C on the project's 2-core VM beside other
+work).
 
 The shared object is built on first use (`native_build.py`: `$CC`, cached by a hash). `HYBRIDKV_KERNELS=0`,
 no compiler, a big-endian host, or an `xxhash` build that does not export the function: the
@@ -35,6 +36,7 @@ __all__ = ["native_seq_hashes", "native_split_array", "native_u32_array"]
 _SOURCES = [Path(__file__).with_name(name) for name in ("seq_chain.c", "json_u32.c")]
 _HEADER = Path(__file__).with_name("swar_digits.h")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-Wl,-z,defs")
+_SLACK = 32  # (json_u32.c writes the offsets of 16 numbers at a time: room past the count)
 _XXH3 = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64)
 
 
@@ -90,7 +92,7 @@ def native_u32_array(raw: bytes, start: int = 0, end: int | None = None) -> memo
     if loaded is None:
         return None
     end = len(raw) if end is None else end
-    out = np.empty((end - start) // 2 + 1, dtype=np.uint32)  # (each id takes a digit and a comma at least)
+    out = np.empty((end - start) // 2 + _SLACK, dtype=np.uint32)  # (each id takes a digit and a comma at least)
     count = loaded[0].hkv_parse_u32_range(raw, start, end, out.ctypes.data, out.size)
     if count < 0:
         return None
@@ -106,7 +108,7 @@ def native_split_array(raw: bytes, key: bytes) -> tuple[bytes, memoryview] | Non
     if loaded is None:
         return None
     count, start, end = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
-    out = np.empty(len(raw) // 2 + 1, dtype=np.uint32)
+    out = np.empty(len(raw) // 2 + _SLACK, dtype=np.uint32)
     if loaded[0].hkv_take_u32_array(raw, len(raw), key, len(key), out.ctypes.data, out.size, ctypes.byref(count),
                                     ctypes.byref(start), ctypes.byref(end)) != 1:
         return None
