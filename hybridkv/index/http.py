@@ -242,8 +242,8 @@ def make_routes(service: IndexService, *, token: str = "", max_body_bytes: int =
 
 
 class AppServer(BoundServer):
-    """uvicorn serving an ASGI app on a socket bound at construction (port 0 works; an address in use:
-    ConfigError)."""
+    """uvicorn serving an ASGI app (`hybridkv route`'s) on a socket bound at construction (port 0 works;
+    an address in use: ConfigError)."""
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "hybridkv-http",
                  lifespan: Literal["on", "off"] = "off") -> None:
