@@ -150,12 +150,11 @@ def test_the_index_answers_the_servers_lookup(stack: tuple[str, RunningServer, A
     assert seen_disk_only == bool(server.store.tiers.sized or server.store.tiers.watched)
 
 
+@pytest.mark.parametrize("stack", ["valkey"], indirect=True)
 def test_valkeys_own_deletions_reach_the_index(stack: tuple[str, RunningServer, Any],
                                                request: pytest.FixtureRequest) -> None:
     """Valkey drops objects on its own (another client's DEL, an expiry, maxmemory eviction): the
     index learns each from the keyspace notifications, so its hit falls with the server's lookup."""
-    if request.node.callspec.params["stack"] != "valkey":
-        pytest.skip("Valkey only")
     url, server, engine = stack
     port = request.getfixturevalue("redis_server").port
     other = valkey.Valkey(port=port, password=VALKEY_PASSWORD)
