@@ -16,16 +16,19 @@ Users: `hybridkv serve` (openai_api.http_server), `hybridkv server`'s HTTP face 
 
 from __future__ import annotations
 
+import gc
 import hmac
+import importlib.util
 import socket
 import threading
 import time
+from typing import Literal
 
 import uvicorn
 
 from hybridkv.errors import ConfigError
 
-__all__ = ["BoundServer", "bearer_ok", "bind_socket"]
+__all__ = ["BoundServer", "bearer_ok", "bind_socket", "event_loop", "freeze_heap"]
 
 
 def bind_socket(host: str, port: int, *, what: str = "--port", backlog: int = 256) -> socket.socket:
@@ -53,6 +56,21 @@ def bearer_ok(secret: bytes, header: str | None) -> bool:
         return True
     scheme, _, value = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), secret)
+
+
+def event_loop() -> Literal["uvloop", "asyncio"]:
+    """uvicorn's `loop` for `hybridkv route`: uvloop when it is installed (libuv's loop: ~0.06 ms less
+    server CPU than asyncio's per request with a 200 KB body, measured on uvicorn serving the index's
+    `/query` before the index got its own server), else asyncio's own."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive now out of the collector's generations (gc.freeze):
+    a service's full collections then walk what its requests allocated, not all it built at startup
+    (what a request's p99 pays when one lands on it)."""
+    gc.collect()
+    gc.freeze()
 
 
 class BoundServer:

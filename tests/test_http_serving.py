@@ -40,10 +40,10 @@ def test_kept_alive_responses_do_not_wait_for_a_delayed_ack() -> None:
     import statistics
     import time
 
-    from hybridkv.index.http import AppServer, make_app
+    from hybridkv.index.http import IndexServer, make_routes
     from hybridkv.index.service import IndexService
 
-    server = AppServer(make_app(IndexService(subscribe=False)))
+    server = IndexServer(make_routes(IndexService(subscribe=False)))
     server.start()
     try:
         conn = http.client.HTTPConnection(server.host, server.port, timeout=10)

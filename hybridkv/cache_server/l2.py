@@ -26,14 +26,39 @@ WRITE_BEHIND_MAX_PENDING = 4096
 
 
 class L2Listener(Protocol):
-    """Told of what the server puts into and takes out of its sized tiers (their content as the server
-    knows it: tier_events.py publishes it)."""
+    """Told what the tiers hold (tier_events.py publishes it): a sized tier's content as the server
+    decides it (`l2_stored` when queued, `l2_removed`, `l2_cleared`); a watched tier's as the tier
+    reports it (`l2_queued` gives an object's place before its write, `l2_written` when the write is
+    done, `l2_removed` whoever removed it, `l2_keys` what the listener holds of the tier)."""
 
     def l2_stored(self, tier: str, key: bytes, place: ObjectPlace | None) -> None: ...
+
+    def l2_queued(self, tier: str, key: bytes, place: ObjectPlace | None) -> None: ...
+
+    def l2_written(self, tier: str, key: bytes) -> None: ...
 
     def l2_removed(self, tier: str, key: bytes) -> None: ...
 
     def l2_cleared(self, tier: str) -> None: ...
+
+    def l2_keys(self, tier: str) -> list[bytes]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Watcher:
+    """A `TierWatcher` for one tier, forwarding to the listener."""
+
+    listener: L2Listener
+    tier: str
+
+    def written(self, key: bytes) -> None:
+        self.listener.l2_written(self.tier, key)
+
+    def removed(self, key: bytes) -> None:
+        self.listener.l2_removed(self.tier, key)
+
+    def keys(self) -> list[bytes]:
+        return self.listener.l2_keys(self.tier)
 
 
 @dataclass(slots=True)
@@ -41,6 +66,7 @@ class _Slot:
     tier: L2Tier
     writer: WriteBehind
     sizer: TierSizer | None  # None: the tier bounds itself (or is unbounded)
+    watched: bool = False  # an unsized tier that reports its own writes and removals to the listener
 
 
 class TierSet:
@@ -53,6 +79,20 @@ class TierSet:
         self._slots = [_Slot(t, WriteBehind(t, WRITE_BEHIND_MAX_PENDING), self._sizer(t, sizing)) for t in tiers]
         self._metrics = metrics
         self._warnings = RateLimitedWarnings(log)
+        for slot in self._slots:
+            slot.watched = self._watch(slot)
+
+    def _watch(self, slot: _Slot) -> bool:
+        """Have an unsized tier report what enters and leaves it (its own evictions included), when
+        there is a listener; else say why its objects go unpublished."""
+        if self._listener is None or slot.sizer is not None:
+            return False
+        reason = slot.tier.watch(_Watcher(self._listener, slot.tier.name))
+        if reason is not None:
+            log.warning("%s; the %s tier's objects are not published as KV events (an index's DISK then falls "
+                        "short of this server's lookup)", reason, slot.tier.name)
+            return False
+        return True
 
     @staticmethod
     def _sizer(tier: L2Tier, sizing: L2Sizing) -> TierSizer | None:
@@ -83,6 +123,8 @@ class TierSet:
                     if not slot.writer.delete(victim):  # the tier's own bound stays the backstop
                         self._metrics.l2_write_dropped.labels(slot.tier.name).inc()
                     self._tell_removed(slot, victim)
+            elif slot.watched and self._listener is not None:  # (published once the tier says it is written)
+                self._listener.l2_queued(slot.tier.name, key, place)
             if not slot.writer.submit(key, value):
                 self._metrics.l2_write_dropped.labels(slot.tier.name).inc()
                 if slot.sizer is not None:
@@ -97,6 +139,11 @@ class TierSet:
     @property
     def sized(self) -> bool:
         return any(slot.sizer is not None for slot in self._slots)
+
+    @property
+    def watched(self) -> bool:
+        """Whether a tier reports its own writes and removals to the listener (tier_events.py)."""
+        return any(slot.watched for slot in self._slots)
 
     def begin_store(self) -> None:
         """A store request starts (its objects do not make room for each other in a sized tier)."""

@@ -27,8 +27,9 @@ def index_command(
                                                 "for this long loses its entries")] = 10.0,
 ) -> None:
     """Serve the KV cache index: the Mooncake Conductor API, answering the joint hybrid hit."""
+    from hybridkv.http_serving import freeze_heap
     from hybridkv.index.auth import check_bind, index_token
-    from hybridkv.index.http import AppServer, make_app
+    from hybridkv.index.http import IndexServer, make_routes
     from hybridkv.index.service import IndexService
 
     if max_blocks <= 0 or max_registrations <= 0 or dead_after_s <= 0:
@@ -38,10 +39,11 @@ def index_command(
         token = index_token(auth_token_file)
         check_bind(host, allow_remote=allow_remote, token=token)
         service = IndexService(max_blocks=max_blocks, max_registrations=max_registrations, dead_after_s=dead_after_s)
-        server = AppServer(make_app(service, token=token), host=host, port=port, name="hybridkv-index")
+        server = IndexServer(make_routes(service, token=token), host=host, port=port, name="hybridkv-index")
     except (HybridKVError, OSError) as e:
         raise usage_error(str(e)) from None
     typer.echo(f"hybridkv index on {server.url} (auth {'on' if token else 'off'})")
+    freeze_heap()
     try:
         server.run()
     finally:

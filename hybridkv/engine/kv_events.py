@@ -1,5 +1,11 @@
-"""The engine's KV event stream: after each step, the manager's events go out as vLLM's
-(`--kv-events-config`, hybridkv/index/publisher.py), so KV indexers and routers see this engine.
+"""The engine's KV event stream: the manager's events go out as vLLM's (`--kv-events-config`,
+hybridkv/index/publisher.py), so KV indexers and routers see this engine.
+
+A step publishes twice: once right after scheduling, before the forward pass, and once after it.
+Scheduling is where the cache changes (allocation evicts; blocks are cached as they are allocated,
+as vLLM caches them: a request admitted in a later step hits them); the forward pass of a CPU step
+takes 50-500 ms, and a router asking during it would otherwise see the cache as it was before the
+step, while the request it routes is admitted after it (a stale prediction, over or under).
 
 Salts: the manager's events carry no cache salt; a chain's first block hash is matched to the
 salted requests of the step (their first block hash per block size) to put the salt where vLLM

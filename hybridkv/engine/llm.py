@@ -358,6 +358,8 @@ class LLM:
 
     def _step(self) -> list[Request]:
         out = self.scheduler.schedule()
+        if self.kv_events is not None:  # (the cache as the next step's admissions will find it: see kv_events.py)
+            self.kv_events.publish([r.kv for r in self.scheduler.running])
         self._track_memory(out)
         if out.copies:  # partial hits' copy on write: before anything reads or writes those blocks
             self.runner.copy_blocks([(int(c.src_block_id), int(c.dst_block_id)) for c in out.copies])

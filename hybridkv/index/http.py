@@ -9,31 +9,28 @@
 
 With a token (`--auth-token-file` or $HYBRIDKV_INDEX_TOKEN) every POST needs
 `Authorization: Bearer <token>`. Bodies are capped (`max_body_bytes`); every error is one JSON line
-`{"error": {"message": ...}}` with status 400 / 401 / 404 / 413 / 503, never a traceback.
+`{"error": {"message": ...}}` with status 400 / 401 / 404 / 413 / 503, never a traceback. Served by
+`IndexServer` (http_server.py: llhttp on an asyncio protocol, no ASGI layer); `AppServer` is uvicorn
+for an ASGI app (`hybridkv route`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import msgspec
 import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hybridkv.http_serving import BoundServer, bearer_ok, bind_socket
+from hybridkv.http_serving import BoundServer, bind_socket, event_loop
+from hybridkv.index.http_server import IndexServer, Reply, Routes, json_error
 from hybridkv.index.native import native_split_array, native_u32_array
 from hybridkv.index.seq_hash import token_bytes
 from hybridkv.index.service import IndexFullError, IndexService, Query
 from hybridkv.index.table import Registration, group_rule
 
-__all__ = ["AppServer", "make_app"]
+__all__ = ["AppServer", "IndexServer", "make_routes"]
 
 _T = TypeVar("_T")
 _log = logging.getLogger(__name__)
@@ -96,13 +93,12 @@ class HttpError(Exception):
         self.message = message
 
 
-def _error(status: int, message: str) -> Response:
-    return Response(msgspec.json.encode({"error": {"message": message, "code": status}}), status_code=status,
-                    media_type="application/json")
+def _error(status: int, message: str) -> Reply:
+    return json_error(status, message)
 
 
-def _json(body: Any) -> Response:
-    return Response(msgspec.json.encode(body), media_type="application/json")
+def _json(body: Any) -> Reply:
+    return 200, msgspec.json.encode(body)
 
 
 def _decode(raw: bytes, kind: type[_T], path: str) -> _T:
@@ -199,75 +195,15 @@ def _metrics(service: IndexService) -> str:
     return "\n".join(lines) + "\n"
 
 
-PostHandler = Callable[[bytes], Response]
+def make_routes(service: IndexService, *, token: str = "", max_body_bytes: int = MAX_BODY_BYTES) -> Routes:
+    """The index's routes over `service` (`token` empty: no authentication), for `IndexServer`."""
 
-
-class _PostRoutes:
-    """The POST routes as a bare ASGI app: the body read straight from `receive`, the handler's
-    Response sent, no Request object or middleware stack between (on a 200 KB `/query` body that is
-    a sixth of the server's time); any other request goes to `fallback` (Starlette: the GET routes,
-    404, 405)."""
-
-    def __init__(self, routes: dict[str, PostHandler], fallback: Starlette, *, secret: bytes,
-                 max_body_bytes: int) -> None:
-        self._routes = routes
-        self._fallback = fallback
-        self._secret = secret
-        self._max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        handler = self._routes.get(path) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if handler is None:
-            await self._fallback(scope, receive, send)
-            return
-        try:
-            headers = dict(scope["headers"])
-            if not bearer_ok(self._secret, _latin1(headers.get(b"authorization"))):
-                raise HttpError(401, f"{path} needs Authorization: Bearer <the index's token>")
-            response = handler(await _read_body(receive, headers.get(b"content-length"), self._max_body_bytes))
-        except HttpError as e:
-            response = _error(e.status, e.message)
-        except IndexFullError as e:
-            response = _error(503, str(e))
-        except Exception as e:  # (a bug: logged with its traceback; the client gets one line, as from Starlette)
-            _log.exception("%s failed", path)
-            response = _error(500, f"internal error: {type(e).__name__}")
-        await response(scope, receive, send)
-
-
-def _latin1(value: bytes | None) -> str | None:
-    return None if value is None else value.decode("latin-1")
-
-
-async def _read_body(receive: Receive, declared: bytes | None, max_bytes: int) -> bytes:
-    """The request body, in one piece when the server has it all (the common case), capped."""
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise HttpError(413, f"request body of {declared.decode()} bytes is over the limit of {max_bytes}")
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise HttpError(400, "the client disconnected before the body was complete")
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > max_bytes:
-            raise HttpError(413, f"request body is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MAX_BODY_BYTES) -> ASGIApp:
-    """The HTTP routes over `service` (`token` empty: no authentication)."""
-
-    def register(raw: bytes) -> Response:
+    def register(raw: bytes) -> Reply:
         body = _decode(raw, RegisterBody, "/register")
         service.register(_registration(body), body.endpoint, body.replay_endpoint)
         return _json({"status": "registered successfully", "instance_id": body.instance_id})
 
-    def unregister(raw: bytes) -> Response:
+    def unregister(raw: bytes) -> Reply:
         body = _decode(raw, UnregisterBody, "/unregister")
         removed = service.unregister(body.tenant_id, body.instance_id, body.dp_rank)
         if not removed:
@@ -275,43 +211,43 @@ def make_app(service: IndexService, *, token: str = "", max_body_bytes: int = MA
                                  f"{body.tenant_id[:80]!r}")
         return _json({"status": "unregistered successfully", "removed_instances": removed})
 
-    def query(raw: bytes) -> Response:
+    def query(raw: bytes) -> Reply:
         body, data = _query_body(raw)
         return _json(service.query(_query(body, by_hash=False, token_data=data)))
 
-    def query_by_hash(raw: bytes) -> Response:
+    def query_by_hash(raw: bytes) -> Reply:
         return _json(service.query(_query(_decode(raw, QueryBody, "/query_by_hash"), by_hash=True)))
 
-    async def health(_: Request) -> Response:
-        return PlainTextResponse("ok")
+    def health() -> tuple[int, bytes, bytes]:
+        return 200, b"ok", b"text/plain; charset=utf-8"
 
-    async def metrics(_: Request) -> Response:
+    def metrics() -> tuple[int, bytes, bytes]:
         with service.lock:
             text = _metrics(service)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return 200, text.encode(), b"text/plain; version=0.0.4"
 
-    async def not_found(_: Request, exc: Exception) -> Response:
-        return _error(404, "no such route; expected POST /register, /unregister, /query, /query_by_hash")
+    def on_error(path: str, e: Exception) -> Reply:
+        if isinstance(e, HttpError):
+            return _error(e.status, e.message)
+        if isinstance(e, IndexFullError):
+            return _error(503, str(e))
+        _log.exception("%s failed", path)  # (a bug: the traceback to the log, one line to the client)
+        return _error(500, f"internal error: {type(e).__name__}")
 
-    async def server_error(_: Request, exc: Exception) -> Response:
-        return _error(500, f"internal error: {type(exc).__name__}")
-
-    posts: dict[str, PostHandler] = {"/register": register, "/unregister": unregister, "/query": query,
-                                     "/query_by_hash": query_by_hash}
-    rest = Starlette(routes=[
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ], exception_handlers={404: not_found, 405: not_found, 500: server_error})
-    return _PostRoutes(posts, rest, secret=token.encode(), max_body_bytes=max_body_bytes)
+    return Routes(posts={"/register": register, "/unregister": unregister, "/query": query,
+                         "/query_by_hash": query_by_hash},
+                  gets={"/health": health, "/metrics": metrics}, secret=token.encode(), max_body_bytes=max_body_bytes,
+                  not_found="no such route; expected POST /register, /unregister, /query, /query_by_hash",
+                  on_error=on_error)
 
 
 class AppServer(BoundServer):
-    """uvicorn serving an ASGI app on a socket bound at construction (port 0 works; an address in use:
-    ConfigError)."""
+    """uvicorn serving an ASGI app (`hybridkv route`'s) on a socket bound at construction (port 0 works;
+    an address in use: ConfigError)."""
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "hybridkv-http",
                  lifespan: Literal["on", "off"] = "off") -> None:
         sock = bind_socket(host, port)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan, loop="asyncio",
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan=lifespan, loop=event_loop(),
                                 http="httptools", timeout_keep_alive=30, limit_concurrency=1024)
         super().__init__(uvicorn.Server(config), sock, name=name)

@@ -1,5 +1,5 @@
-"""The index's two native loops (`seq_chain.c`), built on first use with the system's C compiler:
-the sequence-hash loop and the parse of a JSON array of token ids.
+"""The index's two native loops (`seq_chain.c`, `json_u32.c`), built on first use with the system's C
+compiler: the sequence-hash loop and the parse of a JSON array of token ids.
 
 A 32k-token prompt is 2048 blocks of 16 tokens: two XXH3 calls per block, ~4,000 calls that cost
 ~0.25 us each from Python (the call, the 16-byte pack, the list append) and ~20 ns each from C.
@@ -8,7 +8,10 @@ The C loop calls the XXH3 of the `xxhash` package the index already loads (its e
 
 A `/query` body's 32k token ids are ~200 KB of JSON: msgspec decodes them into a list of Python
 ints in ~0.8 ms (32k int objects), which the hash loop then packs back into u32s; the C parse
-writes the u32s directly in ~0.1 ms (`native_u32_array`).
+writes the u32s directly: ~0.15 ms number after number (seq_chain.c, any JSON spacing), ~0.11 ms
+for the spellings JSON encoders write (json_u32.c: the number starts found 64 bytes at a time with
+AVX2, then the numbers read four at a time; measured in C on the project's 2-core VM beside other
+work).
 
 The shared object is built on first use (`native_build.py`: `$CC`, cached by a hash). `HYBRIDKV_KERNELS=0`,
 no compiler, a big-endian host, or an `xxhash` build that does not export the function: the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +33,10 @@ from hybridkv.native_build import kernels_enabled, shared_object
 
 __all__ = ["native_seq_hashes", "native_split_array", "native_u32_array"]
 
-_SOURCE = Path(__file__).with_name("seq_chain.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("seq_chain.c", "json_u32.c")]
+_HEADER = Path(__file__).with_name("swar_digits.h")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-Wl,-z,defs")
+_SLACK = 32  # (json_u32.c writes the offsets of 16 numbers at a time: room past the count)
 _XXH3 = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64)
 
 
@@ -40,7 +46,7 @@ def _loaded() -> tuple[ctypes.CDLL, int] | None:
     if not kernels_enabled() or sys.byteorder != "little":
         return None
     try:
-        lib = ctypes.CDLL(str(shared_object("hybridkv_index", [_SOURCE], flags=_FLAGS)))
+        lib = ctypes.CDLL(str(shared_object("hybridkv_index", _SOURCES, flags=_FLAGS, key_files=[_HEADER])))
         xxh3 = ctypes.cast(ctypes.CDLL(xxhash._xxhash.__file__).XXH3_64bits_withSeed, ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
@@ -60,22 +66,22 @@ def _loaded() -> tuple[ctypes.CDLL, int] | None:
     return lib, xxh3
 
 
-def native_seq_hashes(data: memoryview, block_size: int, parent: int | None, seed: int) -> list[int] | None:
+def native_seq_hashes(data: memoryview, block_size: int, parent: int | None, seed: int) -> Sequence[int] | None:
     """The sequence hashes of the full blocks of `data` (little-endian u32 tokens), or None when the
-    kernel is unavailable."""
+    kernel is unavailable: a memoryview of u64s (indexing it gives ints; a query reads a few dozen of
+    2048, so no list of them is made)."""
     loaded = _loaded()
     if loaded is None:
         return None
     lib, xxh3 = loaded
     num_blocks = len(data) // (4 * block_size)
     if num_blocks == 0:
-        return []
+        return ()
     tokens = np.frombuffer(data, dtype=np.uint32, count=num_blocks * block_size)
     out = np.empty(num_blocks, dtype=np.uint64)
     lib.hkv_seq_hashes(xxh3, tokens.ctypes.data, num_blocks, block_size, parent is not None, parent or 0, seed,
                        out.ctypes.data)
-    hashes: list[int] = out.tolist()
-    return hashes
+    return out.data
 
 
 def native_u32_array(raw: bytes, start: int = 0, end: int | None = None) -> memoryview | None:
@@ -86,7 +92,7 @@ def native_u32_array(raw: bytes, start: int = 0, end: int | None = None) -> memo
     if loaded is None:
         return None
     end = len(raw) if end is None else end
-    out = np.empty((end - start) // 2 + 1, dtype=np.uint32)  # (each id takes a digit and a comma at least)
+    out = np.empty((end - start) // 2 + _SLACK, dtype=np.uint32)  # (each id takes a digit and a comma at least)
     count = loaded[0].hkv_parse_u32_range(raw, start, end, out.ctypes.data, out.size)
     if count < 0:
         return None
@@ -102,7 +108,7 @@ def native_split_array(raw: bytes, key: bytes) -> tuple[bytes, memoryview] | Non
     if loaded is None:
         return None
     count, start, end = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
-    out = np.empty(len(raw) // 2 + 1, dtype=np.uint32)
+    out = np.empty(len(raw) // 2 + _SLACK, dtype=np.uint32)
     if loaded[0].hkv_take_u32_array(raw, len(raw), key, len(key), out.ctypes.data, out.size, ctypes.byref(count),
                                     ctypes.byref(start), ctypes.byref(end)) != 1:
         return None

@@ -26,10 +26,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from enum import Enum
 
 from hybridkv.index.rules import GroupRule, RuleKind
 
-__all__ = ["PromptBlocks", "instance_hit"]
+__all__ = ["HeldOrder", "PromptBlocks", "instance_hit"]
+
+
+class HeldOrder(Enum):
+    """What an instance's full-attention blocks of a chain look like."""
+
+    PREFIX = "prefix"  # a held block's predecessors are held (engines: the module docstring): binary search
+    ANY = "any"  # holes anywhere (a KV cache server's tiers: an LRU tier drops a chain's head first): a walk
 
 
 class PromptBlocks:
@@ -91,7 +99,8 @@ def _next_point(group: Group, blocks: PromptBlocks, p: int, step: int) -> int:
     return p
 
 
-def instance_hit(groups: Sequence[Group], blocks: dict[int, PromptBlocks], max_tokens: int) -> tuple[int, int]:
+def instance_hit(groups: Sequence[Group], blocks: dict[int, PromptBlocks], max_tokens: int,
+                 order: HeldOrder = HeldOrder.PREFIX) -> tuple[int, int]:
     """(the joint hit, the attention-only hit) in tokens of one instance (rules.py's two answers).
 
     `blocks` holds the prompt's blocks per block size; a group of a size it lacks makes both 0 (no
@@ -100,7 +109,8 @@ def instance_hit(groups: Sequence[Group], blocks: dict[int, PromptBlocks], max_t
         return 0, 0
     step = math.lcm(*(rule.block_size for rule, _ in groups))
     limit = max(0, max_tokens) // step * step
-    full = [rule.block_size * blocks[rule.block_size].prefix_end(bit) for rule, bit in groups
+    full = [rule.block_size * (blocks[rule.block_size].prefix_end(bit) if order is HeldOrder.PREFIX
+                               else blocks[rule.block_size].run_end(bit)) for rule, bit in groups
             if rule.kind is RuleKind.FULL]
     if full:
         attention = min(full)

@@ -12,6 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "swar_digits.h"
+
+int64_t hkv_read_u32s_fast(const char *s, int64_t i, int64_t len, uint32_t *out, int64_t cap, int64_t *count);
+
 typedef uint64_t (*xxh3_fn)(const void *data, size_t len, uint64_t seed);
 
 void hkv_seq_hashes(xxh3_fn xxh3, const uint32_t *tokens, int64_t num_blocks, int64_t block_tokens,
@@ -37,26 +41,6 @@ void hkv_seq_hashes(xxh3_fn xxh3, const uint32_t *tokens, int64_t num_blocks, in
  * than `cap` numbers, text after the array): the caller then decodes it the slow way, which names
  * the fault. */
 static int is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
-
-/* SWAR ("SIMD within a register") over 8 bytes of text loaded little-endian (first byte lowest; this
- * file runs on little-endian hosts only): b ^ '0' is 0..9 for a digit; + 0x76 sets a byte's top bit
- * from 10 up (no carry out of a byte: ASCII is below 0x80, and a byte from 0x80 up has its top bit
- * already). The number of leading digits, 0..8. */
-static int64_t leading_digits(uint64_t x) {
-    uint64_t v = x ^ 0x3030303030303030ull;
-    uint64_t non_digit = ((v + 0x7676767676767676ull) | v) & 0x8080808080808080ull;
-    return non_digit ? __builtin_ctzll(non_digit) >> 3 : 8;
-}
-
-/* The value of the first `digits` (1..7) decimal digits of x: the digits shifted to the top of the
- * word (the lower bytes zero, i.e. leading zeros), then pairs, quads and the eight combined in place:
- *   byte k = d_k  ->  byte 2j = 10 d_2j + d_2j+1  ->  16-bit lane 2j = 100 p_2j + p_2j+1  ->  the value */
-static uint64_t digits_value(uint64_t x, int64_t digits) {
-    uint64_t v = ((x ^ 0x3030303030303030ull) << (8 * (8 - digits)));
-    v = (v * 10 + (v >> 8)) & 0x00FF00FF00FF00FFull;
-    v = (v * 100 + (v >> 16)) & 0x0000FFFF0000FFFFull;
-    return (v * 10000 + (v >> 32)) & 0xFFFFFFFFull;
-}
 
 /* A cursor over an array's numbers: text s[i..len), numbers into out[n..cap). */
 typedef struct {
@@ -137,6 +121,8 @@ static int64_t parse_u32s(const char *s, int64_t i, int64_t len, uint32_t *out, 
         *count = 0;
         return i + 1;
     }
+    int64_t fast = hkv_read_u32s_fast(s, i, len, out, cap, count);  /* (json_u32.c: the common spellings) */
+    if (fast >= 0) return fast;
     cursor a = {s, i, len, out, 0, cap};
     int ra = 1, rb = -1;
     const char *comma = len - i > 4096 ? memchr(s + (i + len) / 2, ',', (size_t)(len - (i + len) / 2)) : NULL;

@@ -43,7 +43,7 @@ def token_bytes(token_ids: Sequence[int]) -> memoryview:
 
 
 def seq_hash_chunks(data: memoryview, block_size: int, parent: int | None = None,
-                    seed: int = SEED, chunk_blocks: int = 64) -> Iterator[list[int]]:
+                    seed: int = SEED, chunk_blocks: int = 64) -> Iterator[Sequence[int]]:
     """The sequence hashes of the full blocks of `data` (u32 tokens), chained onto `parent`: all in
     one list from the native loop (native.py), else in lists of `chunk_blocks` (local hashes in one
     C-level map per list), so a caller that stops early saves the rest."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.errors import HybridKVError
-from hybridkv.index.probe import PromptBlocks, instance_hit
+from hybridkv.index.probe import HeldOrder, PromptBlocks, instance_hit
 from hybridkv.index.seq_hash import seq_hash_chunks, token_bytes
 from hybridkv.index.subscriber import Subscriber
 from hybridkv.index.table import SERVER_MEDIA, SERVER_TYPE, Namespaces, PrefixTable, Registration, RegKey, server_group
@@ -149,8 +149,9 @@ class IndexService:
                         max_tokens: int) -> None:
         """KV cache servers: the hit of each tier (`CPU`, `DISK`) and `longest_matched` over all of them
         (the server's lookup takes a chunk from whichever tier holds it), from the prompt's chunk ids
-        (kv_events/chunk_ids.py, the query's salt folded in). `/query_by_hash` gets none: the ids need
-        the token ids."""
+        (kv_events/chunk_ids.py, the query's salt folded in), walked chunk by chunk (a tier that bounds
+        itself drops a chain's head first: its held chunks need not be a prefix). `/query_by_hash` gets
+        none: the ids need the token ids."""
         cid = self.table.context_id(q.model, q.lora_name, b"")
         data = q.token_data if q.token_data is not None else (
             token_bytes(q.token_ids) if q.token_ids is not None else None)
@@ -168,10 +169,11 @@ class IndexService:
             for medium in SERVER_MEDIA:
                 groups = [(rule, bits.get(server_group(medium, og), 0)) for og, rule in rules.items()]
                 if any(bit for _, bit in groups):
-                    entry[medium] = max(entry.get(medium, 0), instance_hit(groups, memo, max_tokens)[0])
+                    hit = instance_hit(groups, memo, max_tokens, HeldOrder.ANY)[0]
+                    entry[medium] = max(entry.get(medium, 0), hit)
             union = [(rule, sum(bits.get(server_group(medium, og), 0) for medium in SERVER_MEDIA))
                      for og, rule in rules.items()]
-            joint, attention = instance_hit(union, memo, max_tokens)
+            joint, attention = instance_hit(union, memo, max_tokens, HeldOrder.ANY)
             entry["DP"][str(reg.key[2])] = max(joint, entry["DP"].get(str(reg.key[2]), 0))
             entry["longest_matched"] = max(entry["longest_matched"], joint)
             entry["attention_matched"] = max(entry["attention_matched"], attention)
@@ -185,7 +187,7 @@ class IndexService:
             token_bytes(q.token_ids) if q.token_ids is not None else None)
         for size in sorted(sizes):
             if data is not None:
-                chunks = list(seq_hash_chunks(data, size))  # (one list from the native loop)
+                chunks = list(seq_hash_chunks(data, size))  # (one chunk from the native loop)
                 out[size] = PromptBlocks(chunks[0] if len(chunks) == 1 else [h for c in chunks for h in c], get)
             elif size == q.block_size and q.seq_hashes is not None:
                 out[size] = PromptBlocks(q.seq_hashes, get)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
-from hybridkv.index.http import AppServer, make_app
+from hybridkv.index.http import IndexServer, make_routes
 from hybridkv.index.seq_hash import seq_hashes
 from hybridkv.index.service import IndexService, Query
 from hybridkv.kv_events.publisher import ZmqPublisher
@@ -59,7 +59,7 @@ def wait_for(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
 @pytest.fixture
 def index() -> Iterator[tuple[str, IndexService]]:
     service = IndexService(probe_every_s=0.2, dead_after_s=1.0)
-    server = AppServer(make_app(service, token=TOKEN))
+    server = IndexServer(make_routes(service, token=TOKEN))
     server.start()
     yield server.url, service
     server.stop()
@@ -294,7 +294,7 @@ def test_bad_requests_get_one_line_errors(index: tuple[str, IndexService], path:
 
 def test_bodies_over_the_limit_are_refused() -> None:
     service = IndexService(subscribe=False)
-    server = AppServer(make_app(service, max_body_bytes=1000))
+    server = IndexServer(make_routes(service, max_body_bytes=1000))
     server.start()
     try:
         status, reply = post(server.url + "/query", {"model": "m", "token_ids": list(range(1000))}, token=None)
@@ -314,7 +314,7 @@ def test_a_chunked_body_over_the_limit_a_get_and_a_bug_get_one_line_errors(
             raise RuntimeError("a bug")
 
     service = Broken(subscribe=False)
-    server = AppServer(make_app(service, max_body_bytes=1000))
+    server = IndexServer(make_routes(service, max_body_bytes=1000))
     server.start()
     try:
         conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
@@ -336,7 +336,7 @@ def test_a_chunked_body_over_the_limit_a_get_and_a_bug_get_one_line_errors(
 
 def test_the_registry_is_bounded() -> None:
     service = IndexService(subscribe=False, max_registrations=1)
-    server = AppServer(make_app(service))
+    server = IndexServer(make_routes(service))
     server.start()
     try:
         reg = {"endpoint": "tcp://127.0.0.1:1", "type": "vLLM", "modelname": "m", "block_size": 4}

@@ -89,6 +89,27 @@ def test_native_parse_equals_json() -> None:
         assert np.frombuffer(data, dtype="<u4").tolist() == json.loads(text)
 
 
+@pytest.mark.parametrize("sep", [",", ", "])
+def test_native_parse_equals_json_across_block_edges(sep: str) -> None:
+    """The common spellings (json.dumps' and the compact one) are read 64 bytes at a time
+    (json_u32.c): every count of 0 to 120 numbers of 1 to 8 digits (numbers cross block edges at
+    every offset, the array ends in a block and in the padded tail), a leading zero or a number over u32
+    anywhere, all as json reads them."""
+    rng = random.Random(1)
+    for count in range(121):
+        ids = [rng.randrange(10 ** rng.randrange(1, 9)) for _ in range(count)]
+        text = "[" + sep.join(map(str, ids)) + "]"
+        data = native_u32_array(text.encode())
+        if data is None:
+            pytest.skip("no C compiler: the index decodes token ids with msgspec")
+        assert np.frombuffer(data, dtype="<u4").tolist() == ids, text
+        if ids:
+            at = rng.randrange(len(ids))
+            for bad in (f"0{ids[at]}", f"{ids[at]}9999999999"):  # (refused: json reads neither as a u32)
+                words = [*map(str, ids[:at]), bad, *map(str, ids[at + 1:])]
+                assert native_u32_array(("[" + sep.join(words) + "]").encode()) is None
+
+
 _SEPARATORS = [",", ", ", " ,", ",\n  ", " , ", ",\t"]
 
 

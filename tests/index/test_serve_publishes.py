@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 
 from hybridkv.engine.llm import LLM
-from hybridkv.index.http import AppServer, make_app
+from hybridkv.engine.sampler import SamplingParams
+from hybridkv.index.http import IndexServer, make_routes
 from hybridkv.index.service import IndexService
 from hybridkv.openai_api.http_server import ServeServer
 from tests.index.test_index_service import wait_for
 
 MODEL = "default-gemma3"
+Setup = tuple[ServeServer, IndexServer]
 EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                      "replay_endpoint": "tcp://127.0.0.1:*"})
 
@@ -33,12 +35,12 @@ def call(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 
 @contextlib.contextmanager
-def engine_and_index(llm: LLM) -> Iterator[tuple[ServeServer, AppServer, IndexService]]:
+def engine_and_index(llm: LLM) -> Iterator[tuple[ServeServer, IndexServer, IndexService]]:
     """`llm` served, an index beside it with the engine registered as instance e0; both stopped after."""
     serve = ServeServer(llm, port=0, model_name=MODEL)
     serve.start()
     service = IndexService()
-    index = AppServer(make_app(service))
+    index = IndexServer(make_routes(service))
     index.start()
     try:
         assert llm.kv_events is not None
@@ -55,13 +57,13 @@ def engine_and_index(llm: LLM) -> Iterator[tuple[ServeServer, AppServer, IndexSe
 
 
 @pytest.fixture(scope="module")
-def setup() -> Iterator[tuple[ServeServer, AppServer]]:
+def setup() -> Iterator[Setup]:
     llm = LLM(MODEL, kv_cache_memory_gib=0.05, num_threads=1, max_num_batched_tokens=256, kv_events_config=EVENTS)
     with engine_and_index(llm) as (serve, index, _):
         yield serve, index
 
 
-def test_tokenize_matches_what_the_engine_runs(setup: tuple[ServeServer, AppServer]) -> None:
+def test_tokenize_matches_what_the_engine_runs(setup: Setup) -> None:
     serve, _ = setup
     status, body = call(serve.url + "/tokenize", {"model": MODEL, "prompt": "hello"})
     assert status == 200 and body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
@@ -71,7 +73,7 @@ def test_tokenize_matches_what_the_engine_runs(setup: tuple[ServeServer, AppServ
     assert call(serve.url + "/tokenize", {"model": "other", "prompt": "x"})[0] == 404
 
 
-def test_the_index_predicts_cached_tokens(setup: tuple[ServeServer, AppServer]) -> None:
+def test_the_index_predicts_cached_tokens(setup: Setup) -> None:
     serve, index = setup
     base = "The quick brown fox jumps over the lazy dog. " * 6
     checks = 0
@@ -92,7 +94,7 @@ def test_the_index_predicts_cached_tokens(setup: tuple[ServeServer, AppServer]) 
     assert checks >= 3
 
 
-def test_a_response_counts_its_own_events_and_the_index_catches_up_to_it(setup: tuple[ServeServer, AppServer]) -> None:
+def test_a_response_counts_its_own_events_and_the_index_catches_up_to_it(setup: Setup) -> None:
     """x-hybridkv-kv-events-seq counts the batch of the request's own last step: once the index's
     events_seq reaches it, the answer already holds the request's blocks (read-your-writes)."""
     serve, index = setup
@@ -148,3 +150,32 @@ def test_read_your_writes_covers_evictions() -> None:
         assert evicted, "the first prompt's blocks were never evicted: the cache is too large for this test"
         assert complete(first)[0] == predicted
         assert service.table.counts.removed_blocks > 0
+
+
+def test_a_steps_cache_changes_are_published_before_its_forward_pass() -> None:
+    """The blocks a step caches (allocated, as vLLM caches them) and evicts are published before the
+    forward pass runs, not after it: a router asking during a slow CPU forward must see the cache as
+    the next step's admissions will find it. Here: when the forward pass of a 64-token prompt's prefill
+    starts, its 4 full blocks' BlockStored events have been published."""
+    llm = LLM(MODEL, kv_cache_memory_gib=0.05, num_threads=1, max_num_batched_tokens=256, kv_events_config=EVENTS)
+    try:
+        assert llm.kv_events is not None
+        publisher, runner = llm.kv_events.publisher, llm.runner
+        published: list[Any] = []
+        seen_at_forward: list[int] = []
+        publish, execute = publisher.publish, runner.execute
+
+        def record(events: Any) -> None:
+            published.extend(events)
+            publish(events)
+
+        def forward(items: Any) -> Any:
+            seen_at_forward.append(sum(len(e.block_hashes) for e in published if type(e).__name__ == "BlockStored"))
+            return execute(items)
+
+        publisher.publish = record  # type: ignore[method-assign]
+        runner.execute = forward  # type: ignore[method-assign]
+        llm.generate([list(range(10, 75))], SamplingParams(max_tokens=1))
+    finally:
+        llm.close()
+    assert seen_at_forward and seen_at_forward[0] >= 64 // 16, seen_at_forward

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hybridkv.engine.llm import LLM
-from hybridkv.index.http import AppServer, make_app
+from hybridkv.index.http import AppServer, IndexServer, make_routes
 from hybridkv.index.service import IndexService
 from hybridkv.openai_api.http_server import ServeServer
 from hybridkv.route.app import RouteConfig, index_behind
@@ -23,6 +23,7 @@ from hybridkv.route.picker import Engine, Policy, rank
 from tests.index.test_index_service import wait_for
 
 MODEL = "default-gemma3"
+Cluster = tuple[list[ServeServer], IndexServer, IndexService]
 
 
 def call(url: str, body: Any, *, raw: bool = False) -> tuple[int, dict[str, str], Any]:
@@ -37,9 +38,9 @@ def call(url: str, body: Any, *, raw: bool = False) -> tuple[int, dict[str, str]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[list[ServeServer], AppServer, IndexService]]:
+def cluster() -> Iterator[Cluster]:
     service = IndexService()
-    index = AppServer(make_app(service))
+    index = IndexServer(make_routes(service))
     index.start()
     engines = []
     for i in range(2):
@@ -70,7 +71,7 @@ def router(engines: list[str], index_url: str | None, policy: Policy = Policy.JO
     return server
 
 
-def test_a_repeated_prefix_goes_back_to_its_engine(cluster: tuple[list[ServeServer], AppServer, IndexService]) -> None:
+def test_a_repeated_prefix_goes_back_to_its_engine(cluster: Cluster) -> None:
     engines, index, _ = cluster
     route = router([e.url for e in engines], index.url)
     try:
@@ -91,7 +92,7 @@ def test_a_repeated_prefix_goes_back_to_its_engine(cluster: tuple[list[ServeServ
         route.stop()
 
 
-def test_streams_pass_through(cluster: tuple[list[ServeServer], AppServer, IndexService]) -> None:
+def test_streams_pass_through(cluster: Cluster) -> None:
     engines, index, _ = cluster
     route = router([e.url for e in engines], index.url)
     try:
@@ -104,7 +105,7 @@ def test_streams_pass_through(cluster: tuple[list[ServeServer], AppServer, Index
         route.stop()
 
 
-def test_a_dead_engine_fails_over(cluster: tuple[list[ServeServer], AppServer, IndexService]) -> None:
+def test_a_dead_engine_fails_over(cluster: Cluster) -> None:
     engines, index, _ = cluster
     dead = f"http://127.0.0.1:{free_port()}"
     route = router([dead, engines[0].url], index.url, Policy.ROUND_ROBIN)
@@ -118,7 +119,7 @@ def test_a_dead_engine_fails_over(cluster: tuple[list[ServeServer], AppServer, I
         route.stop()
 
 
-def test_no_engine_up_is_a_503(cluster: tuple[list[ServeServer], AppServer, IndexService]) -> None:
+def test_no_engine_up_is_a_503(cluster: Cluster) -> None:
     route = router([f"http://127.0.0.1:{free_port()}"], None)
     try:
         status, _, body = call(route.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
@@ -128,7 +129,7 @@ def test_no_engine_up_is_a_503(cluster: tuple[list[ServeServer], AppServer, Inde
 
 
 @pytest.mark.parametrize(("body", "needle"), [(b"{", "not JSON"), (b"[1]", "JSON object")])
-def test_bad_bodies(cluster: tuple[list[ServeServer], AppServer, IndexService], body: bytes, needle: str) -> None:
+def test_bad_bodies(cluster: Cluster, body: bytes, needle: str) -> None:
     engines, index, _ = cluster
     route = router([engines[0].url], index.url)
     try:

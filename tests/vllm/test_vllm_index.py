@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybridkv.index.http import AppServer, make_app
+from hybridkv.index.http import IndexServer, make_routes
 from hybridkv.index.service import IndexService
 from tests.vllm.conftest import HERE, REPO, STUBS, VOCAB
 
@@ -54,7 +54,7 @@ def start_job(model: Path, tmp: Path, index_url: str, instance: int) -> tuple[su
 
 def test_the_index_predicts_vllms_cached_tokens(gemma3_dir: Path, tmp_path: Path) -> None:
     service = IndexService()
-    server = AppServer(make_app(service))
+    server = IndexServer(make_routes(service))
     server.start()
     try:
         jobs = [start_job(gemma3_dir, tmp_path, server.url, i) for i in range(2)]

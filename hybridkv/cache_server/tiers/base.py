@@ -66,6 +66,24 @@ class TierStats:
                 raise ValueError(f"TierStats.{field} must be >= 0, got {getattr(self, field)}")
 
 
+class TierWatcher(Protocol):
+    """Told what a watched tier holds (`L2Tier.watch`): called from the tier's threads (the writer's,
+    a notification thread), never under a lock of the caller's."""
+
+    def written(self, key: bytes) -> None:
+        """An object is in the tier now (a put completed)."""
+        ...
+
+    def removed(self, key: bytes) -> None:
+        """An object left the tier (deleted, evicted, expired, dropped as corrupt, cleared)."""
+        ...
+
+    def keys(self) -> list[bytes]:
+        """The keys the watcher believes the tier holds (a tier that may have missed removals checks
+        them and reports the ones gone)."""
+        ...
+
+
 class L2Tier(Protocol):
     """What the server needs from an L2 tier. Implementations: `DiskTier`, `ValkeyTier`."""
 
@@ -99,6 +117,11 @@ class L2Tier(Protocol):
     def stats(self) -> TierStats:
         """Usage and counters; never raises (a tier that cannot ask its medium reports what it
         last knew and counts the error)."""
+        ...
+
+    def watch(self, watcher: TierWatcher) -> str | None:
+        """From now on tell `watcher` of every object that enters or leaves the tier, whoever removes it;
+        None once it does, else why it cannot (then it tells nothing)."""
         ...
 
     def close(self) -> None:

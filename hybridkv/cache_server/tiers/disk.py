@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from hybridkv.cache_server.tiers import framing
-from hybridkv.cache_server.tiers.base import TierError, TierStats
+from hybridkv.cache_server.tiers.base import TierError, TierStats, TierWatcher
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class DiskTier:
         self._closed = False
         self._last_used_ns = 0
         self._stray = 0  # entries found at start-up that are not objects of ours (skipped)
+        self._watcher: TierWatcher | None = None
         try:
             for d in (self.directory, self._objects_dir, self._tmp_dir):
                 _private_dir(d)
@@ -145,6 +146,8 @@ class DiskTier:
                 self._index[key] = _Entry(path=path, size_bytes=size)
                 self._bytes_used += size
                 self._touch(path)
+                if self._watcher is not None:
+                    self._watcher.written(key)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise self._error(f"disk tier put into {path} failed: {e}") from e
@@ -186,6 +189,7 @@ class DiskTier:
             entry = self._forget(key)
             if entry is not None:
                 self._unlink(entry.path)
+                self._tell_removed(key)
 
     def clear(self) -> int:
         """Remove every object; how many files could not be deleted (they stay on disk, out of the
@@ -193,6 +197,8 @@ class DiskTier:
         self._check_open()
         with self._lock:
             remaining = sum(0 if self._unlink(entry.path) else 1 for entry in self._index.values())
+            for key in self._index:
+                self._tell_removed(key)
             self._index.clear()
             self._bytes_used = 0
             return remaining
@@ -303,6 +309,18 @@ class DiskTier:
             self._bytes_used -= entry.size_bytes
             self._unlink(entry.path)
             self._evictions += 1
+            self._tell_removed(victim)
+
+    def watch(self, watcher: TierWatcher) -> str | None:
+        """Every object this process puts, evicts, deletes or drops is told to `watcher` (the objects
+        found on disk at start-up are not: they were never written by this run)."""
+        with self._lock:
+            self._watcher = watcher
+        return None
+
+    def _tell_removed(self, key: bytes) -> None:
+        if self._watcher is not None:
+            self._watcher.removed(key)
 
     def _forget(self, key: bytes) -> _Entry | None:
         entry = self._index.pop(key, None)
@@ -320,6 +338,7 @@ class DiskTier:
             self._forget(key)
             self._unlink(entry.path)
             self._corrupt_dropped += 1
+            self._tell_removed(key)
 
     def _unlink(self, path: Path) -> bool:
         """Remove `path`; whether it is gone."""

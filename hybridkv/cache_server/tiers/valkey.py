@@ -14,7 +14,8 @@ per request.
 
 `stats()` counts the namespace with SCAN (cached for `stats_refresh_s`, since that is O(keys));
 Valkey evicts on its own (maxmemory-policy), so `evictions` stays 0 and `capacity_bytes` is the
-server's `maxmemory` (None when unset).
+server's `maxmemory` (None when unset). `watch` (the server's KV events) sees those deletions through
+keyspace notifications (valkey_watch.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from valkey.exceptions import TimeoutError as ValkeyTimeoutError
 from valkey.exceptions import ValkeyError
 
 from hybridkv.cache_server.tiers import framing
-from hybridkv.cache_server.tiers.base import RateLimitedWarnings, TierError, TierStats
+from hybridkv.cache_server.tiers.base import RateLimitedWarnings, TierError, TierStats, TierWatcher
+from hybridkv.cache_server.tiers.valkey_watch import KeyspaceWatch, ensure_notifications
 from hybridkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -89,12 +91,16 @@ class ValkeyTier:
         self._objects = 0
         self._bytes_used = 0
         self._capacity_bytes: int | None = None
+        self._watcher: TierWatcher | None = None
+        self._watch: KeyspaceWatch | None = None
 
     # --- the L2Tier protocol -------------------------------------------------------------------
 
     def put(self, key: bytes, value: bytes | memoryview) -> None:
         frame = framing.encode(key, value)
         self._call("SET", lambda: self._client.set(self._prefix + key, frame))
+        if self._watcher is not None:
+            self._watcher.written(key)
 
     def get(self, key: bytes) -> bytes | None:
         frame = self._call("GET", lambda: self._client.get(self._prefix + key))
@@ -157,7 +163,22 @@ class ValkeyTier:
                              capacity_bytes=self._capacity_bytes, errors=self._errors,
                              corrupt_dropped=self._corrupt_dropped, evictions=0)
 
+    def watch(self, watcher: TierWatcher) -> str | None:
+        """Tell `watcher` of this server's completed writes, and of every deletion in the namespace (Valkey's
+        eviction and expiry, anyone's DEL) through keyspace notifications (valkey_watch.py); why not
+        when the notifications cannot be turned on."""
+        reason = ensure_notifications(self._client)
+        if reason is not None:
+            return f"valkey tier at {self.where}: {reason}"
+        db = int(self._client.connection_pool.connection_kwargs.get("db", 0) or 0)
+        self._watcher = watcher
+        self._watch = KeyspaceWatch(self._client, prefix=self._prefix, db=db, watcher=watcher, contains=self.contains,
+                                    where=self.where, retry_after_s=max(0.1, self._retry_after_s))
+        return None
+
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         self._client.close()  # type: ignore[no-untyped-call]
 
     def ping(self) -> bool:

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Sequence
 
 from hybridkv.cache_server.tiers import TierError, TierStats
+from hybridkv.cache_server.tiers.base import TierWatcher
 
 
 class DictTier:
@@ -55,6 +56,9 @@ class DictTier:
             return TierStats(name=self.name, objects=len(self.objects),
                              bytes_used=sum(map(len, self.objects.values())), capacity_bytes=None,
                              errors=self.errors, corrupt_dropped=0, evictions=0)
+
+    def watch(self, watcher: TierWatcher) -> str | None:
+        return "the dict tier reports nothing"
 
     def close(self) -> None:
         pass
