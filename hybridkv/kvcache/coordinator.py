@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -228,7 +229,7 @@ class KVCacheCoordinator:
                 if cow is not None:
                     put_groups(counts, m.group_ids, [counts[g] + 1 for g in m.group_ids])
         flat = pool.allocate_flat(counts) if any(counts) else None
-        starts = np.cumsum([0, *counts]).tolist() if flat is not None else []
+        starts = list(accumulate(counts, initial=0)) if flat is not None else []
         fresh: list[Sequence[int] | Ids] | None = None
         copied: list[Sequence[int]] = [()] * self.num_groups
         if extra and flat is not None:

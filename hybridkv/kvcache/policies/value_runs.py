@@ -191,11 +191,12 @@ class RunQueues:
         if not parts:
             empty = np.zeros(0, np.int64)
             return _Candidates(np.zeros(0), empty, empty, empty, empty)
+        lengths = [len(p) for _, p, _, _ in parts]
         return _Candidates(np.concatenate([run.scores[p] for run, p, _, _ in parts]),
-                           np.concatenate([np.full(len(p), value, np.int64) for _, p, value, _ in parts]),
+                           np.repeat(np.array([value for _, _, value, _ in parts], np.int64), lengths),
                            np.concatenate([run.clocks[p] for run, p, _, _ in parts]),
                            np.concatenate([run.blocks[p] for run, p, _, _ in parts]),
-                           np.concatenate([np.full(len(p), i, np.int64) for _, p, _, i in parts]))
+                           np.repeat(np.array([i for _, _, _, i in parts], np.int64), lengths))
 
     def _consume(self, parts: list[tuple[Run, Ids]], taken: int) -> None:
         """Advance each run past the first `taken` of its gathered positions (and the stale ones before)."""
