@@ -49,6 +49,11 @@ def bind_socket(host: str, port: int, *, what: str = "--port", backlog: int = 25
     return sock
 
 
+def http_url(host: str, port: int) -> str:
+    """The base URL of a server bound to `host` (an IPv6 address in brackets) and `port`."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def bearer_ok(secret: bytes, header: str | None) -> bool:
     """Whether an `Authorization` header carries `secret` as a bearer token (always, when `secret` is
     empty: authentication off). The scheme is matched in any case; the comparison is constant-time."""
@@ -87,8 +92,7 @@ class BoundServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def started(self) -> bool:

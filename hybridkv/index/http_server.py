@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import httptools
 import msgspec
 
-from hybridkv.http_serving import bearer_ok, bind_socket
+from hybridkv.http_serving import bearer_ok, bind_socket, http_url
 
 __all__ = ["GetHandler", "IndexServer", "PostHandler", "Reply", "Routes", "json_error"]
 
@@ -213,8 +213,7 @@ class IndexServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     @property
     def started(self) -> bool:

@@ -157,8 +157,7 @@ class KVCacheManager:
         # (the decode path releases position by position: vLLM's group-by-group order takes the general path)
         self._decodes = (self._caching and self._coordinator.decodes
                          and options.release_order is ReleaseOrder.INTERLEAVED and not self._partial)
-        self._probes = WaitingProbes(self._coordinator, self.policies, self._hashes, self._pool.pmaps,
-                                     memo=not self._partial)
+        self._probes = WaitingProbes(self._coordinator, self.policies, self._hashes, self._pool.pmaps)
         self._lookups = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -176,6 +175,7 @@ class KVCacheManager:
         """
         self._coordinator.new_step()
         self.policies.new_step()
+        self._probes.new_step()
 
     def lookup(self, request: KVRequest) -> CacheHit:
         """The longest prefix every group can serve, at most `num_tokens - 1` tokens (the last

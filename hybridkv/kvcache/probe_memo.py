@@ -14,7 +14,8 @@ keys drop the answers that read them:
 The keys a probe reads: with a downward-closed group (full attention), only the chain up to one
 block past that group's answer (no group is asked beyond it, `HybridCoordinator`); without one,
 the chain up to the probe's limit. Answers are exact: a run with the memo takes every decision
-it takes without it (tested against the unmemoized manager).
+it takes without it (tested against the unmemoized manager). The log is bounded: past `MAX_CHANGES`
+keys (no probe for a long time, e.g. an empty queue) every answer is dropped and the log emptied.
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ class ProbeMemo:
                 if not watchers:
                     del watch[key]
 
+    def bound(self) -> None:
+        """Drop every answer if more than `MAX_CHANGES` keys changed since the last read."""
+        if len(self._changes) > MAX_CHANGES:
+            self.clear()
+
     def clear(self) -> None:
         """Drop every answer (the prefix cache was reset)."""
         self._answers.clear()
@@ -122,13 +128,11 @@ class WaitingProbes:
     probe: a manager that never probes never logs its maps' changes). Without `memo`, every probe is computed."""
 
     def __init__(self, coordinator: KVCacheCoordinator, policies: CachePolicies,
-                 hashes: Callable[[KVRequest], dict[int, list[BlockHash]]], maps: Sequence[PrefixMap], *,
-                 memo: bool) -> None:
+                 hashes: Callable[[KVRequest], dict[int, list[BlockHash]]], maps: Sequence[PrefixMap]) -> None:
         self._coordinator = coordinator
         self._policies = policies
         self._hashes = hashes
         self._maps = maps
-        self._on = memo
         self.memo: ProbeMemo | None = None
 
     def peek(self, request: KVRequest, max_length: int) -> int:
@@ -163,7 +167,13 @@ class WaitingProbes:
         if self.memo is not None:
             self.memo.forget(request_id)
 
+    def new_step(self) -> None:
+        """Bound the change log where nothing probes for long (an empty queue): past `MAX_CHANGES`, drop all."""
+        if self.memo is not None:
+            self.memo.bound()
+
     def _memo(self) -> ProbeMemo | None:
-        if self.memo is None and self._on:
+        """The memo, made at the first probe; none with partial hits (entries inside blocks: not logged by key)."""
+        if self.memo is None and not self._coordinator.partial_hits:
             self.memo = ProbeMemo(self._maps)
         return self.memo

@@ -49,9 +49,15 @@ def test_an_evicted_key_drops_the_answer_and_a_flood_of_changes_drops_all() -> N
     memo.store(RequestId("x"), 30, hit_tokens=0, hashes=chain(3, start=100), reach_tokens=0)
     pmap.release_one(int(slots[1]))  # the hit's second block evicted
     assert memo.hit(R, 30) is None and memo.hit(RequestId("x"), 30) is not None
+    memo.store(R, 30, hit_tokens=4, hashes=keys, reach_tokens=4)
     for i in range(MAX_CHANGES + 1):
         pmap.changes.append(bytes(8) + i.to_bytes(4, "big"))  # type: ignore[union-attr]
-    assert memo.hit(RequestId("x"), 30) is None
+    memo.bound()  # (a step without a probe: the log does not grow past the bound)
+    assert pmap.changes == [] and memo.hit(R, 30) is None
+    memo.store(R, 30, hit_tokens=4, hashes=keys, reach_tokens=4)
+    for i in range(MAX_CHANGES + 1):
+        pmap.changes.append(bytes(8) + i.to_bytes(4, "big"))  # type: ignore[union-attr]
+    assert memo.hit(R, 30) is None  # (read past the bound: every answer dropped too)
 
 
 def hybrid_groups(kind: str) -> list[KVCacheGroupSpec]:
