@@ -4,7 +4,7 @@ Registered in `hybridkv/cli/__init__.py` as `app.command("serve")(serve.serve_co
 engine options are `hybridkv run`'s (EngineConfig's defaults); torch loads only when the command
 runs. Every flag is checked before the model loads, and the address is bound before the server
 says it is ready, so a bad option, a missing model or a port in use is one `error:` line, exit
-code 2. A clean stop on SIGTERM exits 0 (Ctrl-C: 130, as uvicorn re-raises SIGINT).
+code 2. A clean stop on SIGTERM exits 0, on Ctrl-C 130.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def serve_command(
     typer.echo(f"hybridkv serve: {served_model_name or model} on {server.url} (max_model_len {llm.max_model_len}"
                f"; cache {describe(llm.config.cache)}{_kv_server_words(llm)}); Ctrl-C to stop", err=True)
     server.run()
+    if server.interrupted:
+        raise typer.Exit(130)
 
 
 def _kv_server_words(llm: LLM) -> str:

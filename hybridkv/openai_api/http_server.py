@@ -4,8 +4,8 @@
 engine thread starts). `run()` serves in the calling thread until SIGINT / SIGTERM: the first
 signal stops accepting connections and lets the requests in flight finish (at most
 `graceful_s`, then they are cancelled and aborted), the second forces the exit; then the engine
-thread stops. After SIGINT the process ends as uvicorn leaves it (the signal re-raised: 130);
-after SIGTERM, `run` returns and the process exits 0, as `hybridkv server` does. `start()` /
+thread stops. `run` then returns: after SIGINT `interrupted` is set and the command exits 130; after
+SIGTERM it exits 0, as `hybridkv server` does. `start()` /
 `stop()` do the same on a background thread (tests, benchmarks).
 Loopback only unless `allow_remote`; `ServeLimits` (limits.py) sets the API key, the body limit,
 the header and idle timeouts and the connection cap.
@@ -41,12 +41,16 @@ def check_host(host: str, *, allow_remote: bool) -> bool:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM it shut down for is not raised again afterwards."""
+    """uvicorn's server, except that a signal it shut down for is not raised again afterwards: `run`
+    returns, and `interrupted` says whether a SIGINT came (re-raised inside asyncio's runner, it was lost
+    when the serving task ended before the runner's cancel reached it: exit 0 instead of 130)."""
+
+    interrupted = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM:
-            self._captured_signals.remove(sig)
+        self._captured_signals.remove(sig)
+        self.interrupted = self.interrupted or sig == signal.SIGINT
 
 
 class ServeServer(BoundServer):
@@ -65,4 +69,10 @@ class ServeServer(BoundServer):
                                 http=with_header_timeout(limits.header_timeout_s),
                                 timeout_keep_alive=limits.idle_timeout_s, limit_concurrency=limits.max_connections,
                                 timeout_graceful_shutdown=int(graceful_s))
-        super().__init__(_Server(config), sock, name="hybridkv-serve")
+        self._uvicorn = _Server(config)
+        super().__init__(self._uvicorn, sock, name="hybridkv-serve")
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a SIGINT stopped `run` (the command then exits 130)."""
+        return self._uvicorn.interrupted
