@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from hybridkv.http_serving import freeze_heap  # noqa: E402
+from hybridkv.http_serving import tune_for_latency  # noqa: E402
 from hybridkv.index.http import AppServer, IndexServer, make_routes  # noqa: E402
 from hybridkv.index.seq_hash import seq_hashes  # noqa: E402
 from hybridkv.index.service import IndexService, Query  # noqa: E402
@@ -359,7 +359,7 @@ def scale(quick: bool) -> dict[str, float]:
         hash_times.append(time.perf_counter() - t)
     assert answer["default"]["e0"]["longest_matched"] == 32768, answer["default"]["e0"]
     server = IndexServer(make_routes(service))
-    freeze_heap()  # (as `hybridkv index` does before it serves)
+    tune_for_latency()  # (as `hybridkv index` does before it serves)
     server.start()
     n_http = 30 if quick else 1000
     cpu = time.process_time()  # (this process's CPU: the server thread's alone while the client process runs)

@@ -27,7 +27,7 @@ def index_command(
                                                 "for this long loses its entries")] = 10.0,
 ) -> None:
     """Serve the KV cache index: the Mooncake Conductor API, answering the joint hybrid hit."""
-    from hybridkv.http_serving import freeze_heap
+    from hybridkv.http_serving import tune_for_latency
     from hybridkv.index.auth import check_bind, index_token
     from hybridkv.index.http import IndexServer, make_routes
     from hybridkv.index.service import IndexService
@@ -43,7 +43,7 @@ def index_command(
     except (HybridKVError, OSError) as e:
         raise usage_error(str(e)) from None
     typer.echo(f"hybridkv index on {server.url} (auth {'on' if token else 'off'})")
-    freeze_heap()
+    tune_for_latency()
     try:
         server.run()
     finally:

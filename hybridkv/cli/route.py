@@ -35,7 +35,7 @@ def route_command(
                                                "has not applied events an engine already reported")] = 0.05,
 ) -> None:
     """Route OpenAI requests over engines by the index's joint hybrid hit, balanced by load."""
-    from hybridkv.http_serving import freeze_heap
+    from hybridkv.http_serving import tune_for_latency
     from hybridkv.index.auth import check_bind, index_token
     from hybridkv.index.http import AppServer
     from hybridkv.route.app import RouteConfig, make_app
@@ -66,7 +66,7 @@ def route_command(
         server = AppServer(make_app(cfg), host=host, port=port, name="hybridkv-route", lifespan="on")
         typer.echo(f"hybridkv route on {server.url} over {len(pool)} engines (index {index_url or 'none'}, "
                    f"policy {chosen.value}); Ctrl-C to stop", err=True)
-        freeze_heap()
+        tune_for_latency()
         server.run()
     except (HybridKVError, OSError, RuntimeError, ValueError) as e:
         raise usage_error(str(e)) from None
