@@ -3,6 +3,7 @@
     make_group(kind="sliding", block_size=2, window_tokens=4)
     make_config(groups=[make_group(kind="full"), make_group(kind="mamba")], num_blocks=32)
     make_request(request_id="a", token_ids=[1, 2, 3])
+    run_and_free(manager, request, chunk=8)   # look up, prefill in steps until full or refused, free
 
 `kind` accepts a `SpecKind` or its value; "sliding" and "chunked" are short for
 "sliding_window" and "chunked_local". Group ids are renumbered by position in `make_config`.
@@ -14,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from hybridkv.kvcache.ids import RequestId
+from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.request import KVRequest, MultiModalFeature
 from hybridkv.plan.planner import KVCacheConfig, KVCacheGroupSpec
 from hybridkv.plan.specs import AttentionSpec, LayerSpec, MambaSpec, MambaType, SpecKind
@@ -62,3 +64,16 @@ def make_request(*, request_id: str = "r", token_ids: Sequence[int] = (), num_co
     return KVRequest(request_id=RequestId(request_id), token_ids=list(token_ids),
                      num_computed_tokens=num_computed_tokens, cache_salt=cache_salt, lora_name=lora_name,
                      mm_features=tuple(mm_features), num_encoder_tokens=num_encoder_tokens)
+
+
+def run_and_free(manager: KVCacheManager, request: KVRequest, *, chunk: int) -> None:
+    """Look `request` up, compute it `chunk` tokens a step (a step each, `begin_step` between) until it is
+    done or the pool refuses a step, then free it: what it computed stays cached."""
+    manager.begin_step()
+    hit = manager.lookup(request)
+    done = hit.num_tokens
+    while done < request.num_tokens and manager.allocate(
+            request, min(chunk, request.num_tokens - done), hit=hit if done == hit.num_tokens else None) is not None:
+        done = request.num_computed_tokens = done + min(chunk, request.num_tokens - done)
+        manager.begin_step()
+    manager.free(request)

@@ -201,12 +201,13 @@ class BlockPool:
         if self._partial:
             self._partial.forget(evicted.tolist(), self.group_of)
         groups = self.group_of[evicted]
+        maps = self._map_of[groups] if len(self.pmaps) > 1 else None  # (each block's map, read once)
         for k, pmap in enumerate(self.pmaps):
-            ids = evicted if len(self.pmaps) == 1 else evicted[self._map_of[groups] == k]
+            chosen = slice(None) if maps is None else maps == k
+            ids, cols = evicted[chosen], self._col_of[groups[chosen]]
             if not len(ids):
                 continue
             slots = self.slot_of[ids]
-            cols = self._col_of[self.group_of[ids]]
             if pmap.dups[0] or (len(pmap.dups) > 1 and any(pmap.dups)):
                 # a hash with copies (to promote or drop), or a waiting copy itself: block by block
                 copied = pmap.waiting[cols, slots] | (pmap.blocks[cols, slots] != ids)

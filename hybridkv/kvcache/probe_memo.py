@@ -54,7 +54,6 @@ class ProbeMemo:
             pmap.changes = self._changes
         self._answers: dict[RequestId, _Answer] = {}
         self._watch: dict[BlockHash, set[RequestId]] = {}
-        self.reused = 0  # answers read again (a test's and a profile's view)
 
     def hit(self, request_id: RequestId, num_tokens: int) -> _Answer | None:
         """The remembered answer of `request_id` at `num_tokens` tokens, None where there is none
@@ -63,7 +62,6 @@ class ProbeMemo:
         answer = self._answers.get(request_id)
         if answer is None or answer.num_tokens != num_tokens:
             return None
-        self.reused += 1
         return answer
 
     def store(self, request_id: RequestId, num_tokens: int, hit_tokens: int,
@@ -125,7 +123,7 @@ class ProbeMemo:
 
 class WaitingProbes:
     """`KVCacheManager.peek` and `protect_waiting`'s blocks, remembered in a `ProbeMemo` (made at the first
-    probe: a manager that never probes never logs its maps' changes). Without `memo`, every probe is computed."""
+    probe: a manager that never probes never logs its maps' changes; none with partial hits, `_memo`)."""
 
     def __init__(self, coordinator: KVCacheCoordinator, policies: CachePolicies,
                  hashes: Callable[[KVRequest], dict[int, list[BlockHash]]], maps: Sequence[PrefixMap]) -> None:

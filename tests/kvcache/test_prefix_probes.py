@@ -10,7 +10,7 @@ import pytest
 from hybridkv.kvcache.manager import KVCacheManager
 from hybridkv.kvcache.options import CacheOptions, MambaCacheMode
 from hybridkv.kvcache.request import KVRequest
-from tests.factories import make_config, make_group, make_request
+from tests.factories import make_config, make_group, make_request, run_and_free
 
 
 def scan(manager: KVCacheManager, request: KVRequest) -> int:
@@ -60,14 +60,7 @@ def test_state_probes_equal_the_full_scan(seed: int) -> None:
     for step in range(100):
         root = rng.choice(roots)
         running = make_request(request_id=f"r{step}", token_ids=[*root[: rng.randint(8, len(root))], step])
-        manager.begin_step()
-        hit = manager.lookup(running)
-        done = hit.num_tokens
-        while done < running.num_tokens and manager.allocate(
-                running, min(8, running.num_tokens - done), hit=hit if done == hit.num_tokens else None) is not None:
-            done = running.num_computed_tokens = done + min(8, running.num_tokens - done)
-            manager.begin_step()
-        manager.free(running)
+        run_and_free(manager, running, chunk=8)
         for request in waiting:
             manager.peek(request)  # (hashes its chain)
             keys = request.block_hashes[4]

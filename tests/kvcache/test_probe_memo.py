@@ -17,7 +17,7 @@ from hybridkv.kvcache.probe_memo import MAX_CHANGES, ProbeMemo, WaitingProbes
 from hybridkv.plan.planner import KVCacheGroupSpec
 from hybridkv.simulate.generators import Generator, GeneratorOptions, generate
 from hybridkv.simulate.simulator import SimOptions, simulate
-from tests.factories import make_config, make_group, make_request
+from tests.factories import make_config, make_group, make_request, run_and_free
 
 R = RequestId("w")
 
@@ -94,14 +94,7 @@ def test_remembered_peeks_equal_fresh_lookups(kind: str, seed: int, memo_reads: 
     for step in range(150):
         root = rng.choice(roots)
         running = make_request(request_id=f"r{step}", token_ids=[*root[: rng.randint(4, len(root))], step])
-        manager.begin_step()
-        hit = manager.lookup(running)
-        done = hit.num_tokens
-        while done < running.num_tokens and manager.allocate(
-                running, min(8, running.num_tokens - done), hit=hit if done == hit.num_tokens else None) is not None:
-            done = running.num_computed_tokens = done + min(8, running.num_tokens - done)
-            manager.begin_step()
-        manager.free(running)
+        run_and_free(manager, running, chunk=8)
         if rng.random() < 0.1:  # a waiting request grows (a preempted one, resumed longer)
             rng.choice(waiting).token_ids.extend([rng.randrange(50)] * 4)
         for request in waiting:
